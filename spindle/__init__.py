@@ -1,0 +1,18 @@
+"""spindle: a readable, fast LLM inference engine for Hugging Face checkpoints."""
+
+__version__ = "0.1.0"
+
+from spindle.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from spindle.sampling_params import SamplingParams  # noqa: E402
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch model code; import it lazily so `import spindle` stays cheap.
+    if name == "LLM":
+        from spindle.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'spindle' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

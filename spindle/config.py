@@ -1,0 +1,249 @@
+"""Typed engine configuration, built and validated once.
+
+EngineArgs is the flat, user-facing list of knobs (the LLM constructor and the CLI
+are both generated from its fields, so they cannot drift). create_engine_config()
+turns it into frozen per-concern configs and raises ValueError naming the field and
+the allowed values for anything out of range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _arg(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class EngineArgs:
+    model: str = _arg(None, "Path to a Hugging Face checkpoint directory.")
+    tokenizer: str | None = _arg(None, "Tokenizer directory (default: the model's).")
+    dtype: str = _arg("auto", "Weight and activation dtype: auto (the checkpoint's; "
+                      "float32 on CPU for half checkpoints), float32, float16, bfloat16.")
+    max_model_len: int | None = _arg(None, "Longest prompt + output in tokens "
+                                     "(default: the model's max_position_embeddings).")
+    seed: int = _arg(0, "Seed for weights-independent randomness (sampling without a request seed).")
+    block_size: int = _arg(16, "Tokens per KV cache block.")
+    enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes.")
+    kv_cache_memory_bytes: int | None = _arg(None, "Pin the KV cache size in bytes "
+                                             "(default: measured from free memory).")
+    gpu_memory_utilization: float = _arg(0.9, "Fraction of GPU memory the engine may use.")
+    cpu_kv_cache_fraction: float = _arg(0.25, "On CPU: fraction of available RAM for the "
+                                        "KV cache when kv_cache_memory_bytes is not set.")
+    max_num_seqs: int = _arg(256, "Most sequences in one step.")
+    max_num_batched_tokens: int | None = _arg(None, "Token budget of one step "
+                                              "(default: max(2048, max_model_len) capped at 8192).")
+    enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps.")
+    tensor_parallel_size: int = _arg(1, "Number of tensor-parallel ranks.")
+    pipeline_parallel_size: int = _arg(1, "Number of pipeline stages.")
+    distributed_executor_backend: str | None = _arg(None, "uni, mp or ray (default: uni "
+                                                    "for one worker, mp for more).")
+    device: str = _arg("auto", "cpu, cuda or auto.")
+    device_ids: list[int] | None = _arg(None, "Physical device ids for the workers.")
+    enforce_eager: bool = _arg(False, "Disable CUDA graphs.")
+
+    def create_engine_config(self) -> "EngineConfig":
+        from spindle.platforms import resolve_platform
+
+        platform = resolve_platform(self.device)
+        model = ModelConfig.create(self, platform.device_type)
+        sched = SchedulerConfig.create(self, model)
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig.create(self),
+            parallel=ParallelConfig.create(self),
+            scheduler=sched,
+            device=DeviceConfig(device_type=platform.device_type,
+                                enforce_eager=self.enforce_eager or platform.device_type == "cpu"),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int
+    hf_config: Any = field(compare=False, repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config.architectures[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @staticmethod
+    def create(args: EngineArgs, device_type: str) -> "ModelConfig":
+        path = _check_model_dir(args.model)
+        hf_config = _load_hf_config(path)
+        dtype = _resolve_dtype(args.dtype, hf_config, device_type)
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = args.max_model_len or limit
+        _require(isinstance(max_model_len, int) and max_model_len >= 1, "max_model_len",
+                 max_model_len, "a positive integer")
+        _require(max_model_len <= limit, "max_model_len", max_model_len,
+                 f"<= the model's max_position_embeddings ({limit})")
+        return ModelConfig(model=str(path), tokenizer=str(args.tokenizer or path), dtype=dtype,
+                           max_model_len=max_model_len, seed=args.seed, hf_config=hf_config)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    cpu_kv_cache_fraction: float
+
+    @staticmethod
+    def create(args: EngineArgs) -> "CacheConfig":
+        _require(args.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", args.block_size,
+                 "a power of two from 1 to 128")
+        _require(args.kv_cache_memory_bytes is None or args.kv_cache_memory_bytes > 0,
+                 "kv_cache_memory_bytes", args.kv_cache_memory_bytes, "None or > 0")
+        _require(0.0 < args.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 args.gpu_memory_utilization, "in (0, 1]")
+        _require(0.0 < args.cpu_kv_cache_fraction <= 0.9, "cpu_kv_cache_fraction",
+                 args.cpu_kv_cache_fraction, "in (0, 0.9]")
+        return CacheConfig(block_size=args.block_size,
+                           enable_prefix_caching=bool(args.enable_prefix_caching),
+                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           cpu_kv_cache_fraction=args.cpu_kv_cache_fraction)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    distributed_executor_backend: str
+    device_ids: tuple[int, ...] | None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @staticmethod
+    def create(args: EngineArgs) -> "ParallelConfig":
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        _require(isinstance(tp, int) and tp >= 1, "tensor_parallel_size", tp, "an integer >= 1")
+        _require(isinstance(pp, int) and pp >= 1, "pipeline_parallel_size", pp, "an integer >= 1")
+        backend = args.distributed_executor_backend or ("uni" if tp * pp == 1 else "mp")
+        _require(backend in EXECUTOR_BACKENDS, "distributed_executor_backend", backend,
+                 f"one of {EXECUTOR_BACKENDS}")
+        _require(backend != "uni" or tp * pp == 1, "distributed_executor_backend", backend,
+                 "'mp' or 'ray' when tensor_parallel_size * pipeline_parallel_size > 1")
+        ids = tuple(args.device_ids) if args.device_ids is not None else None
+        if ids is not None:
+            _require(len(ids) == tp * pp and len(set(ids)) == len(ids), "device_ids", list(ids),
+                     f"{tp * pp} distinct device ids (one per worker)")
+            _require(all(isinstance(i, int) and i >= 0 for i in ids), "device_ids", list(ids),
+                     "non-negative integers")
+        return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                              distributed_executor_backend=backend, device_ids=ids)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+
+    @staticmethod
+    def create(args: EngineArgs, model: ModelConfig) -> "SchedulerConfig":
+        _require(isinstance(args.max_num_seqs, int) and args.max_num_seqs >= 1, "max_num_seqs",
+                 args.max_num_seqs, "an integer >= 1")
+        budget = args.max_num_batched_tokens or min(max(2048, model.max_model_len), 8192)
+        _require(isinstance(budget, int) and budget >= 1, "max_num_batched_tokens", budget,
+                 "an integer >= 1")
+        if not args.enable_chunked_prefill:
+            _require(budget >= model.max_model_len, "max_num_batched_tokens", budget,
+                     f">= max_model_len ({model.max_model_len}) when chunked prefill is off")
+        return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                               max_model_len=model.max_model_len,
+                               enable_chunked_prefill=bool(args.enable_chunked_prefill))
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device_type: str  # "cpu" | "cuda"
+    enforce_eager: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    parallel: ParallelConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _require(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_model_dir(model: str | os.PathLike | None) -> Path:
+    if model is None:
+        raise ValueError("model must be a path to a Hugging Face checkpoint directory, got None")
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model path {str(path)!r} does not exist or is not a directory "
+                         "(spindle loads local Hugging Face checkpoint directories only)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model path {str(path)!r} has no config.json: not a Hugging Face checkpoint")
+    return path
+
+
+def _load_hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+    if not raw.get("architectures"):
+        raise ValueError(f"{path / 'config.json'} names no 'architectures'")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types for an unknown model_type
+        raise ValueError(f"transformers cannot read {path / 'config.json'}: {e}") from e
+
+
+def _resolve_dtype(name: str, hf_config: Any, device_type: str) -> torch.dtype:
+    if name == "auto":
+        declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(declared, str):
+            declared = _DTYPES.get(declared, torch.float32)
+        dtype = declared if isinstance(declared, torch.dtype) else torch.float32
+        # Half precision on CPU is slow and inexact; follow vLLM and compute in float32.
+        if device_type == "cpu" and dtype == torch.float16:
+            dtype = torch.float32
+        return dtype
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(sorted(set(_DTYPES)))}, got {name!r}")
+    return _DTYPES[name]

@@ -1,0 +1,86 @@
+"""The messages between the engine core and the model runner.
+
+SchedulerOutput goes down once per step (through the executor, possibly to other
+processes: keep it small and picklable, plain Python types only). It carries a
+request's full state only the first time the runner sees it (or when it comes back
+after preemption); afterwards only what changed. ModelRunnerOutput comes back up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spindle.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: first schedule, or resumed after preemption."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs generated so far (non-empty after preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only its new blocks and progress."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step's tokens
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # Tokens to compute this step, per request; a request samples when these reach
+    # the end of its known tokens (a partial prefill chunk does not sample).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests the runner must forget before this step: finished/aborted ones, and
+    # preempted ones (they return later as NewRequestData).
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    step_id: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class SampledLogprobs:
+    """Logprobs for one sampled token: the sampled token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # rank of the sampled token among the vocabulary (1 = best)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str] = field(default_factory=list)
+    # Per request in req_ids: the new token ids ([] for a partial prefill chunk).
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Per request in req_ids, when its sampling params asked for logprobs.
+    logprobs: list[SampledLogprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request, handed to the output processor."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # stop token id (None for EOS) or stop string
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,47 @@
+"""The scoped forward context: what one forward pass needs besides its tensors.
+
+Attention layers read the step's attention metadata from here instead of taking it
+as an argument through every model class. The context is set with
+``with forward_context(metadata):`` around exactly one forward pass and is cleared
+on exit, so nothing leaks between steps, engines or tests (reset_forward_context()
+exists for tests that want to be certain).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: Any  # spindle.attention.AttentionMetadata, or None for a cache-less run
+
+
+class _ContextHolder(threading.local):
+    current: ForwardContext | None = None
+
+
+_holder = _ContextHolder()
+
+
+@contextlib.contextmanager
+def forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
+    previous = _holder.current
+    _holder.current = ForwardContext(attn_metadata=attn_metadata)
+    try:
+        yield _holder.current
+    finally:
+        _holder.current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _holder.current is None:
+        raise RuntimeError("no forward context: run the model inside `with forward_context(...)`")
+    return _holder.current
+
+
+def reset_forward_context() -> None:
+    _holder.current = None

@@ -1,0 +1,103 @@
+"""Per-request sampling parameters, validated once when a request is made.
+
+The field names and defaults follow vLLM's SamplingParams so users can switch
+engines without relearning; every bad value raises ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token; k: plus the top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled by the engine, not the user: every id that ends generation.
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
+               "0 or -1 (disabled) or a positive integer")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty",
+               self.repetition_penalty, "> 0")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               self.frequency_penalty, "in [-2, 2]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               self.presence_penalty, "in [-2, 2]")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "None or an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+               self.min_tokens, "an integer >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+               "logprobs", self.logprobs, "None or an integer >= 0")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "a list of non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed,
+               "None or an integer")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return self._all_stop_token_ids
+
+    def with_eos(self, eos_token_ids: set[int]) -> "SamplingParams":
+        """A copy whose stop set also holds the model's EOS ids (unless ignore_eos)."""
+        params = copy.copy(self)
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids |= set(eos_token_ids)
+        params._all_stop_token_ids = ids
+        return params
+
+    def for_child(self, index: int) -> "SamplingParams":
+        """Parameters of the index-th of n samples: n=1, and a distinct seed if one was set."""
+        params = copy.copy(self)
+        params.n = 1
+        if self.seed is not None:
+            params.seed = self.seed + index
+        return params
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
