@@ -1,0 +1,49 @@
+"""Attention backend registry.
+
+A backend is a class constructed as ``cls(num_heads, head_dim, scale, num_kv_heads)``
+whose instances provide
+
+* ``forward(q, k, v, kv_cache, attn_metadata) -> out`` with q [T, num_heads, head_dim],
+  k and v [T, num_kv_heads, head_dim], kv_cache a tensor
+  [2, num_blocks, block_size, num_kv_heads, head_dim] or None (then attention runs among
+  the step's new tokens only and nothing is stored), attn_metadata an AttentionMetadata
+  or None (None: all tokens form one causal sequence), and out [T, num_heads, head_dim].
+
+Adding a backend is one new module plus one ``register_backend`` line below (imports are
+lazy, so a backend may depend on packages that only exist on some machines).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+DEFAULT_BACKEND = "torch_sdpa"
+
+# name -> class, or "module:Class" for lazy import.
+_BACKENDS: dict[str, Any] = {}
+
+
+def register_backend(name: str, cls: Any) -> None:
+    """Register cls (a class, or a "module:Class" string imported on first use) as name."""
+    _BACKENDS[name] = cls
+
+
+def registered_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str | None = None) -> type:
+    name = name or DEFAULT_BACKEND
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; registered: "
+                         f"{', '.join(registered_backends())}")
+    cls = _BACKENDS[name]
+    if isinstance(cls, str):
+        module_name, _, class_name = cls.partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        _BACKENDS[name] = cls
+    return cls
+
+
+register_backend("torch_sdpa", "spindle.attention.backends.torch_sdpa:TorchSDPABackend")

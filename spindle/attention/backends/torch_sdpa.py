@@ -1,0 +1,173 @@
+"""Plain-torch attention over the paged KV cache (the default backend, and the CPU one).
+
+Storing: this step's k/v rows are written into their slots of the flattened cache view
+([num_blocks * block_size, num_kv_heads, head_dim]) with index_copy_.
+
+Attending, for the requests of one step:
+
+* decode requests (one new token each) are batched: their contexts are gathered through
+  the block tables into [B, max_seq_len, ...] and one masked SDPA call attends them all.
+  Requests are grouped by context length so padding stays small and the gathered
+  tensors stay within a token budget.
+* prefill requests (several new tokens, possibly after a cached prefix or an earlier
+  chunk) run one SDPA call each, causal with the offset context_len - query_len.
+
+Padding positions of the batched gather read slot 0 of the request's own context (a
+slot that holds real data) instead of uninitialised cache memory, because masked-out
+scores still multiply their values: NaN garbage there would leak into the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from spindle.attention.metadata import AttentionMetadata
+
+# Most context tokens gathered at once by the batched decode path (per K and per V).
+DECODE_GATHER_TOKEN_BUDGET = 1 << 15
+
+
+class TorchSDPABackend:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.gqa = num_heads != num_kv_heads
+
+    # ---------------------------------------------------------------- entry point
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor | None,
+                attn_metadata: AttentionMetadata | None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, H_kv, D] -> [T, H, D]."""
+        if kv_cache is None:
+            return self._forward_without_cache(q, k, v, attn_metadata)
+        if attn_metadata is None:
+            raise ValueError("attention with a KV cache needs attention metadata")
+        key_cache, value_cache = self._flat_caches(kv_cache)
+        self.store_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+
+        query_start, seq_lens = _host_lists(attn_metadata)
+        block_size = kv_cache.shape[2]
+        out = torch.zeros_like(q)  # rows of padding tokens (if any) stay finite
+        decode_reqs, prefill_reqs = [], []
+        for i in range(attn_metadata.num_reqs):
+            query_len = query_start[i + 1] - query_start[i]
+            if query_len == 1:
+                decode_reqs.append(i)
+            elif query_len > 1:
+                prefill_reqs.append(i)
+        if decode_reqs:
+            self._decode(q, key_cache, value_cache, block_size, attn_metadata, decode_reqs,
+                         query_start, seq_lens, out)
+        for i in prefill_reqs:
+            self._prefill(q, key_cache, value_cache, block_size, attn_metadata, i,
+                          query_start, seq_lens, out)
+        return out
+
+    # ---------------------------------------------------------------- KV storage
+    def _flat_caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [num_blocks * block_size, H_kv, D] of the key and value caches.
+
+        view() (never reshape) so that writes land in the real cache; a non-contiguous
+        cache raises here instead of silently storing into a copy.
+        """
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, "
+                             f"head_dim], got {tuple(kv_cache.shape)}")
+        flat_shape = (-1, self.num_kv_heads, self.head_dim)
+        return kv_cache[0].view(flat_shape), kv_cache[1].view(flat_shape)
+
+    @staticmethod
+    def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        slots = slot_mapping.to(torch.int64)
+        key_cache.index_copy_(0, slots, k.to(key_cache.dtype))
+        value_cache.index_copy_(0, slots, v.to(value_cache.dtype))
+
+    # ---------------------------------------------------------------- paths
+    def _forward_without_cache(self, q, k, v, md: AttentionMetadata | None) -> torch.Tensor:
+        """Attention among the step's new tokens only (memory profiling, no cache yet)."""
+        if md is None:
+            bounds, causal = [0, q.shape[0]], True
+        else:
+            bounds, _ = _host_lists(md)
+            causal = md.causal
+        out = torch.zeros_like(q)  # rows of padding tokens (if any) stay finite
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end > start:
+                out[start:end] = self._sdpa(q[start:end], k[start:end], v[start:end],
+                                            is_causal=causal)
+        return out
+
+    def _prefill(self, q, key_cache, value_cache, block_size, md, i, query_start, seq_lens, out):
+        start, end = query_start[i], query_start[i + 1]
+        query_len, seq_len = end - start, seq_lens[i]
+        positions = torch.arange(seq_len, device=q.device)
+        slots = md.block_tables[i].to(torch.int64)[positions // block_size] * block_size \
+            + positions % block_size
+        keys, values = key_cache[slots].to(q.dtype), value_cache[slots].to(q.dtype)
+        mask = None
+        causal = md.causal
+        if causal and query_len != seq_len:
+            # Query j sits at context position seq_len - query_len + j.
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+            mask = positions[None, :] <= query_pos[:, None]
+            causal = False
+        out[start:end] = self._sdpa(q[start:end], keys, values, is_causal=causal, mask=mask)
+
+    def _decode(self, q, key_cache, value_cache, block_size, md, reqs, query_start, seq_lens, out):
+        for group in _group_by_length(reqs, seq_lens, DECODE_GATHER_TOKEN_BUDGET):
+            max_len = max(seq_lens[i] for i in group)
+            req_idx = torch.tensor(group, dtype=torch.int64, device=q.device)
+            tok_idx = torch.tensor([query_start[i] for i in group], dtype=torch.int64,
+                                   device=q.device)
+            lens = md.seq_lens[req_idx].to(torch.int64)
+            positions = torch.arange(max_len, device=q.device)[None, :]
+            valid = positions < lens[:, None]  # [B, S]
+            positions = torch.where(valid, positions, 0)  # padding reads position 0
+            blocks = md.block_tables[req_idx].to(torch.int64).gather(1, positions // block_size)
+            slots = blocks * block_size + positions % block_size
+            # [B, S, H_kv, D] -> [B, H_kv, S, D]
+            keys = key_cache[slots].transpose(1, 2).to(q.dtype)
+            values = value_cache[slots].transpose(1, 2).to(q.dtype)
+            queries = q[tok_idx].unsqueeze(2)  # [B, H, 1, D]
+            attn = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=valid[:, None, None, :], scale=self.scale,
+                enable_gqa=self.gqa)
+            out[tok_idx] = attn.squeeze(2)
+
+    def _sdpa(self, q, k, v, is_causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One sequence: q [L, H, D], k/v [S, H_kv, D], mask [L, S] bool or None -> [L, H, D]."""
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=is_causal,
+            scale=self.scale, enable_gqa=self.gqa)
+        return attn.squeeze(0).transpose(0, 1)
+
+
+def _host_lists(md: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """query_start_loc and seq_lens as Python lists (from the host copies when present)."""
+    query_start = md.query_start_loc_cpu if md.query_start_loc_cpu is not None else md.query_start_loc
+    seq_lens = md.seq_lens_cpu if md.seq_lens_cpu is not None else md.seq_lens
+    return query_start.tolist(), seq_lens.tolist()
+
+
+def _group_by_length(reqs: list[int], seq_lens: list[int], token_budget: int) -> list[list[int]]:
+    """Split reqs into groups, sorted by context length, whose padded size
+    (len(group) * longest context) stays within token_budget (a group holds at least one)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(reqs, key=lambda r: seq_lens[r]):
+        # Sorted ascending, so seq_lens[i] is the group's longest context if i joins.
+        if current and (len(current) + 1) * seq_lens[i] > token_budget:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups

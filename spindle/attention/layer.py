@@ -1,0 +1,49 @@
+"""The attention layer the models use: KV-cache bookkeeping lives here, the math in a
+backend chosen from the registry."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spindle.attention.backends.registry import get_backend
+from spindle.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Multi-head (grouped-query) attention over the paged KV cache.
+
+    forward(q [T, H*D], k [T, H_kv*D], v [T, H_kv*D]) -> [T, H*D], for the flat batch
+    of tokens described by the forward context's AttentionMetadata.
+
+    ``self.kv_cache`` is this layer's cache [2, num_blocks, block_size, H_kv, D],
+    assigned by the model runner once the cache is allocated. While it is None (the
+    memory-profiling forward) attention runs among each request's new tokens only and
+    nothing is stored.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 backend: str | None = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.backend_name = backend
+        self.impl = get_backend(backend)(num_heads, head_dim, scale, num_kv_heads)
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        attn_metadata = get_forward_context().attn_metadata
+        num_tokens = q.shape[0]
+        out = self.impl.forward(
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            self.kv_cache, attn_metadata)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, scale={self.scale:.4g}, "
+                f"backend={type(self.impl).__name__}")

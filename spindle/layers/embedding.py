@@ -1,0 +1,90 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+The vocabulary is padded up to a multiple of the tensor parallel size and split into
+equal contiguous ranges, one per rank. Padding rows are zero and their logits are cut
+off in ParallelLMHead.compute_logits, so callers always see exactly vocab_size columns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.linear import set_weight_loader
+
+
+def pad_vocab_size(vocab_size: int, multiple: int) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, tp_group.size)
+        self.num_embeddings_per_rank = self.num_embeddings_padded // tp_group.size
+        self.vocab_start = tp_group.rank * self.num_embeddings_per_rank
+        self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim),
+                                   requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        expected = (self.num_embeddings, self.embedding_dim)
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"shape mismatch: expected a full embedding of shape {expected}, "
+                             f"checkpoint tensor gives {tuple(loaded_weight.shape)}")
+        # Rows of this rank that exist in the real vocabulary; the rest is padding.
+        real_rows = max(0, min(self.vocab_end, self.num_embeddings) - self.vocab_start)
+        with torch.no_grad():
+            param.data[:real_rows].copy_(loaded_weight[self.vocab_start:self.vocab_start + real_rows])
+            param.data[real_rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_group.size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Each rank embeds the ids in its range, zeros elsewhere; the sum over ranks
+        # is the full embedding.
+        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight)
+        out = out * in_range.unsqueeze(-1).to(out.dtype)
+        return self.tp_group.all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings} (padded {self.num_embeddings_padded}), "
+                f"embedding_dim={self.embedding_dim}, tp_size={self.tp_group.size}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection onto the vocabulary, sharded like the embedding.
+
+    compute_logits returns the full [N, vocab_size] logits on every rank. Tie it to an
+    embedding with tie_to(embedding): both then share one parameter.
+    """
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        if embedding.weight.shape != self.weight.shape:
+            raise ValueError(f"cannot tie an LM head of shape {tuple(self.weight.shape)} to an "
+                             f"embedding of shape {tuple(embedding.weight.shape)}")
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        logits = self.tp_group.all_gather(logits, dim=-1)
+        if logits.shape[-1] != self.num_embeddings:
+            logits = logits[..., :self.num_embeddings]
+        return logits
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not an embedding: call compute_logits(hidden_states)")

@@ -1,0 +1,225 @@
+"""Tensor-parallel linear layers.
+
+Every layer holds only its rank's shard of the weight, and every parameter carries a
+``weight_loader(param, loaded_weight, shard_id=None)`` attribute that copies that
+shard out of the *full* checkpoint tensor, so tensor parallelism is decided at load
+time and checkpoints are never pre-sharded. With a one-rank group every layer is a
+plain ``nn.Linear`` (same math, no communication).
+
+Layouts follow Megatron:
+
+* column parallel: the output features are split; each rank computes a slice of the
+  output and no communication is needed (the next row-parallel layer consumes the slice);
+* row parallel: the input features are split; each rank computes a partial sum and the
+  partial sums are all-reduced.
+
+Merged layers (gate/up, q/k/v) are column parallel layers whose rank-local weight is
+the concatenation of each sub-projection's rank-local slice; ``shard_id`` says which
+sub-projection a checkpoint tensor is. ``param.shard_ids`` lists the shard ids that
+must all be loaded before the parameter is complete (the model's ``load_weights``
+uses it to report partially loaded parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor parallel size "
+                         f"({denominator})")
+    return numerator // denominator
+
+
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy loaded into param (casting dtype/device), refusing shape mismatches."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter shard has shape {tuple(param.shape)}, "
+                         f"checkpoint tensor gives {tuple(loaded.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
+                          shard_id: Any = None) -> None:
+    """Loader of replicated (unsharded) parameters such as norm weights."""
+    if shard_id is not None:
+        raise ValueError(f"replicated parameter got a shard id {shard_id!r}")
+    copy_checked(param.data, loaded_weight)
+
+
+def set_weight_loader(param: nn.Parameter, loader: Any, shard_ids: Sequence[Any] = (None,)) -> None:
+    param.weight_loader = loader
+    param.shard_ids = tuple(shard_ids)
+
+
+class _ParallelLinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.input_size = input_size  # rank-local sizes
+        self.output_size = output_size
+        # torch.empty: the values come from the checkpoint; no point initialising them.
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.input_size}, out_features={self.output_size} (per rank), "
+                f"bias={self.bias is not None}, tp_size={self.tp_group.size}")
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
+    """y = x W^T + b with W's rows (output features) split across ranks.
+
+    Returns the rank-local slice of the output unless gather_output is set.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
+                 tp_group: TensorParallelGroup, gather_output: bool = False) -> None:
+        local = divide(output_size, tp_group.size, "output_size")
+        super().__init__(input_size, local, bias, tp_group)
+        self.full_output_size = output_size
+        self.gather_output = gather_output
+        set_weight_loader(self.weight, self.weight_loader)
+        if self.bias is not None:
+            set_weight_loader(self.bias, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        size = param.shape[0]
+        copy_checked(param.data, loaded_weight.narrow(0, self.tp_group.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = self.tp_group.all_gather(y, dim=-1)
+        return y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul
+    (gate_proj and up_proj -> gate_up_proj). shard_id is the index into output_sizes.
+
+    Each sub-projection is split across ranks on its own, so the rank-local output is
+    [gate slice | up slice] and activation functions can split it in half locally.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], *, bias: bool = False,
+                 tp_group: TensorParallelGroup) -> None:
+        for i, size in enumerate(output_sizes):
+            divide(size, tp_group.size, f"output_sizes[{i}]")
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias=bias, tp_group=tp_group)
+        shard_ids = list(range(len(output_sizes)))
+        set_weight_loader(self.weight, self.weight_loader, shard_ids)
+        if self.bias is not None:
+            set_weight_loader(self.bias, self.weight_loader, shard_ids)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"MergedColumnParallelLinear needs a shard id in "
+                             f"0..{len(self.output_sizes) - 1}, got {shard_id!r}")
+        tp = self.tp_group.size
+        local = self.output_sizes[shard_id] // tp
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        src = loaded_weight.narrow(0, self.tp_group.rank * local, local)
+        copy_checked(param.data.narrow(0, offset, local), src)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections merged; shard_id is "q", "k" or "v".
+
+    Query heads are split across ranks. KV heads are split too when there are at least
+    as many as ranks; otherwise each KV head is replicated on tp_size / num_kv_heads
+    consecutive ranks, so every rank holds exactly one KV head, the one its query heads
+    attend with.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
+                 bias: bool = False, tp_group: TensorParallelGroup) -> None:
+        tp = tp_group.size
+        self.head_dim = head_dim
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
+        self.num_heads = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            if tp % num_kv_heads != 0:
+                raise ValueError(f"tensor parallel size ({tp}) must be a multiple of "
+                                 f"num_key_value_heads ({num_kv_heads}) when it is larger")
+            self.num_kv_heads = 1
+            self.kv_replicas = tp // num_kv_heads
+        self.q_size = self.num_heads * head_dim  # rank-local
+        self.kv_size = self.num_kv_heads * head_dim
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, output_size, bias=bias, tp_group=tp_group)
+        set_weight_loader(self.weight, self.weight_loader, ("q", "k", "v"))
+        if self.bias is not None:
+            set_weight_loader(self.bias, self.weight_loader, ("q", "k", "v"))
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        rank = self.tp_group.rank
+        if shard_id == "q":
+            offset, size, src_index = 0, self.q_size, rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, src_index = self.kv_size, rank // self.kv_replicas
+        else:
+            raise ValueError(f"QKVParallelLinear needs shard id 'q', 'k' or 'v', got {shard_id!r}")
+        src = loaded_weight.narrow(0, src_index * size, size)
+        copy_checked(param.data.narrow(0, offset, size), src)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(_ParallelLinearBase):
+    """y = x W^T + b with W's columns (input features) split across ranks.
+
+    x is the rank-local slice of the input (what a column-parallel layer produced);
+    the partial products are all-reduced, then the (replicated) bias is added once.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
+                 tp_group: TensorParallelGroup, reduce_results: bool = True) -> None:
+        local = divide(input_size, tp_group.size, "input_size")
+        super().__init__(local, output_size, bias, tp_group)
+        self.full_input_size = input_size
+        self.reduce_results = reduce_results
+        set_weight_loader(self.weight, self.weight_loader)
+        if self.bias is not None:
+            set_weight_loader(self.bias, default_weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"RowParallelLinear takes no shard id, got {shard_id!r}")
+        size = param.shape[1]
+        copy_checked(param.data, loaded_weight.narrow(1, self.tp_group.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = self.tp_group.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,41 @@
+"""RMSNorm with Hugging Face numerics, optionally fused with the residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spindle.layers.linear import set_weight_loader, default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """y = weight * normalize(x), computed like HF's LlamaRMSNorm: the statistics and the
+    scaling in float32, then a cast back to the input dtype *before* multiplying by the
+    weight (so half-precision models round where HF rounds).
+
+    forward(x) -> y, or forward(x, residual) -> (y, x + residual): the decoder layers
+    keep the residual stream separate so the add and the norm sit in one call.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * h.to(input_dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = residual + x  # HF adds in the activation dtype, as here
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}"

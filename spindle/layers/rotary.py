@@ -1,0 +1,130 @@
+"""Rotary position embedding, numerically identical to HF Llama/Qwen.
+
+Neox style: the head dim is split in two halves that rotate together
+(``x * cos + rotate_half(x) * sin``). The cos/sin table is computed once in float32
+exactly as HF computes it on the fly (inv_freq * position, then duplicated), and cast
+to the activation dtype at use, like HF does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_DEFAULT_THETA = 10000.0
+
+
+def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
+    """The rope settings of an HF config as one flat dict with at least rope_type and
+    rope_theta.
+
+    transformers >= 5 keeps them in ``config.rope_parameters``; older versions in
+    ``config.rope_theta`` plus an optional ``config.rope_scaling`` dict whose type key
+    is ``rope_type`` (or ``type`` in older still).
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        if params and all(isinstance(v, dict) for v in params.values()):
+            raise ValueError(f"per-layer-type rope parameters ({sorted(params)}) are not supported")
+    else:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    if "rope_type" not in params:
+        params["rope_type"] = params.pop("type", "default")
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or _DEFAULT_THETA
+    if params["rope_type"] == "llama3" and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = hf_config.max_position_embeddings
+    return params
+
+
+def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, as HF's rope init functions."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {params['partial_rotary_factor']} is not supported")
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths are slowed down by `factor`, short
+    ones kept, and the band in between interpolated smoothly."""
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, num_heads, head_dim]; cos, sin: [T, head_dim] (already in x's dtype)."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the float32 cos/sin table for positions [0, max_position).
+
+    Call it once per forward pass with the step's positions to get (cos, sin) in the
+    activation dtype, then rotate each layer's q and k with apply_rotary.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict[str, Any]) -> None:
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.rope_parameters = dict(rope_parameters)
+        inv_freq = compute_inv_freq(head_dim, rope_parameters)
+        cos, sin = self._cos_sin(inv_freq, max_position)
+        # Not persistent: derived from the config, never part of a checkpoint.
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    @classmethod
+    def from_config(cls, hf_config: Any, head_dim: int) -> "RotaryEmbedding":
+        return cls(head_dim, hf_config.max_position_embeddings, rope_parameters_from_config(hf_config))
+
+    @staticmethod
+    def _cos_sin(inv_freq: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = inv_freq.to(torch.float32)
+        positions = torch.arange(max_position, dtype=torch.int64, device=inv_freq.device)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, sin), each [T, head_dim] in dtype."""
+        return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, max_position={self.max_position}, "
+                f"rope_type={self.rope_parameters.get('rope_type')}, "
+                f"rope_theta={self.rope_parameters.get('rope_theta')}")

@@ -1,0 +1,248 @@
+"""Llama-family decoder models: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+
+The three share one implementation; they differ only in attention details, captured
+by AttentionOptions:
+
+* Llama: q/k/v/o bias = config.attention_bias (False in practice);
+* Qwen2: q/k/v bias always, o_proj without;
+* Qwen3: bias = config.attention_bias, plus a per-head RMSNorm on q and k (q_norm,
+  k_norm) applied before the rotary embedding; head_dim is explicit in the config.
+
+Tokens of all requests of a step arrive flattened ([T] ids, [T] positions); attention
+finds how they split into requests in the forward context (see spindle.attention).
+Parameters use merged tensor-parallel layers (qkv_proj, gate_up_proj); load_weights
+maps HF checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from spindle.attention import Attention
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.activation import SiluAndMul
+from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                   RowParallelLinear, default_weight_loader)
+from spindle.layers.norm import RMSNorm
+from spindle.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+
+def head_dim_of(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def check_supported_config(hf_config: Any) -> None:
+    """Reject config features this implementation would silently get wrong."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if "sliding_attention" in layer_types or getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention layers are not supported")
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=bias, tp_group=tp_group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
+                                           tp_group=tp_group)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, options: AttentionOptions,
+                 tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        hidden_size = hf_config.hidden_size
+        self.head_dim = head_dim_of(hf_config)
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, self.head_dim, hf_config.num_attention_heads,
+            hf_config.num_key_value_heads, bias=options.qkv_bias, tp_group=tp_group)
+        self.num_heads = self.qkv_proj.num_heads  # rank-local
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim,
+                                        hidden_size, bias=options.o_bias, tp_group=tp_group)
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, options: AttentionOptions,
+                 tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.self_attn = LlamaAttention(hf_config, options, tp_group)
+        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
+                            getattr(hf_config, "mlp_bias", False), tp_group)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block with the residual stream carried separately: returns the MLP
+        output and the residual it must be added to (the next norm does the add)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, options: AttentionOptions,
+                 tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                   tp_group=tp_group)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, options, tp_group)
+                                    for _ in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)  # shared by all layers
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, cos, sin)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+# HF checkpoint projection name -> (merged parameter name, shard id).
+_STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _to_param_name(hf_name: str) -> tuple[str, Any]:
+    """model.layers.0.self_attn.q_proj.weight -> (model.layers.0.self_attn.qkv_proj.weight, "q")."""
+    parts = hf_name.split(".")
+    if len(parts) >= 2 and parts[-2] in _STACKED_PARAMS:
+        merged, shard_id = _STACKED_PARAMS[parts[-2]]
+        return ".".join(parts[:-2] + [merged, parts[-1]]), shard_id
+    return hf_name, None
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        check_supported_config(hf_config)
+        self.config = hf_config
+        self.tp_group = tp_group
+        self.model = LlamaModel(hf_config, self.attention_options(hf_config), tp_group)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                      tp_group=tp_group)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> AttentionOptions:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    # ------------------------------------------------------------------ inference
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """-> final-normed hidden states [T, hidden]."""
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab_size], the full vocabulary on every rank."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    # ------------------------------------------------------------------ loading
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into this rank's parameters.
+
+        Returns the names of the parameters that are completely loaded (merged
+        parameters only once every shard arrived). Raises ValueError on a checkpoint
+        tensor that matches no parameter, or whose shape does not fit.
+        """
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set[Any]] = {}
+        for hf_name, tensor in weights:
+            if self._skip_checkpoint_tensor(hf_name):
+                continue
+            name, shard_id = _to_param_name(hf_name)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "
+                                 f"{type(self).__name__}")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"cannot load checkpoint tensor {hf_name!r} into {name!r}: {e}") from e
+            shards_seen.setdefault(name, set()).add(shard_id)
+        return {name for name, seen in shards_seen.items()
+                if seen >= set(getattr(params[name], "shard_ids", (None,)))}
+
+    def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
+        # Rotary tables are recomputed from the config (old checkpoints saved inv_freq).
+        if "rotary_emb." in hf_name:
+            return True
+        # A tied head shares the embedding's parameter; some checkpoints still store it.
+        return self.tie_word_embeddings and hf_name == "lm_head.weight"
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=True, o_bias=False, qk_norm=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> AttentionOptions:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)

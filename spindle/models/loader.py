@@ -1,0 +1,91 @@
+"""Build a model from its config and stream its safetensors checkpoint into it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from spindle.config import ModelConfig
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.models.registry import resolve_model_class
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+def load_model(model_config: ModelConfig, device: torch.device,
+               tp_group: TensorParallelGroup) -> nn.Module:
+    """The model of model_config on device, in model_config.dtype, holding this rank's
+    shard of every weight, in eval mode.
+
+    Raises ValueError for an unsupported architecture, a checkpoint that is not
+    safetensors, an unreadable shard (naming the file), or parameters the checkpoint
+    does not provide (listing them).
+    """
+    hf_config = model_config.hf_config
+    model_class = resolve_model_class(getattr(hf_config, "architectures", None))
+    files = checkpoint_files(Path(model_config.model))
+    with _default_dtype(model_config.dtype), torch.device(device):
+        model = model_class(hf_config, tp_group)
+    loaded = model.load_weights(iter_checkpoint(files, model_config.dtype))
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_config.model} does not provide {len(missing)} "
+                         f"parameter(s) of {type(model).__name__}: {', '.join(missing)}")
+    return model.eval()
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, else model.safetensors,
+    else every *.safetensors file of the directory."""
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"{index} names shard {f.name}, which does not exist")
+        return files
+    if (model_dir / SAFETENSORS_SINGLE).is_file():
+        return [model_dir / SAFETENSORS_SINGLE]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}: only safetensors checkpoints "
+                         "are supported (convert .bin/.pt weights with transformers' "
+                         "save_pretrained(safe_serialization=True))")
+    return files
+
+
+def iter_checkpoint(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time (memory-mapped reads, so at most about
+    one tensor is materialised beyond the model itself), cast to dtype."""
+    from safetensors import safe_open
+
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    if tensor.is_floating_point() and tensor.dtype != dtype:
+                        tensor = tensor.to(dtype)
+                    yield name, tensor
+        except Exception as e:  # safetensors raises its own error types for bad files
+            raise ValueError(f"cannot read checkpoint shard {path}: {e}") from e
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,31 @@
+"""Which model class serves which HF architecture name (config.json "architectures").
+
+Entries are "module:Class" strings imported on first use, so listing a model costs
+nothing until it is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+MODEL_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "spindle.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def resolve_model_class(architectures: list[str] | None) -> type:
+    """The class of the first supported name in architectures."""
+    for arch in architectures or []:
+        target = MODEL_REGISTRY.get(arch)
+        if target is not None:
+            module_name, _, class_name = target.partition(":")
+            return getattr(importlib.import_module(module_name), class_name)
+    names = ", ".join(architectures) if architectures else "(none given)"
+    raise ValueError(f"unsupported model architecture {names}; supported architectures: "
+                     f"{', '.join(supported_architectures())}")

@@ -1,0 +1,290 @@
+"""Make tiny, real Hugging Face checkpoints (Llama, Qwen2, Qwen3) for tests and demos.
+
+The checkpoint is what transformers itself builds and loads: config.json,
+generation_config.json, safetensors weights (optionally sharded with an index),
+a byte-level BPE tokenizer.json trained on the fly, and a tokenizer_config.json with
+a ChatML-style chat template. Everything is deterministic for a given seed and runs
+offline (the tokenizer corpus is the source of a few standard-library modules).
+
+Weights: transformers' own random init, then rescaled. With the default init
+(std 0.02) a tiny model's logits are almost flat (std ~0.15), so the top-1/top-2 gap
+is often below float32 noise between two correct implementations and greedy outputs
+flip. Here every linear/embedding weight is scaled to std ``WEIGHT_STD`` (attention
+gets sharp and the residual stream depends on the context, not only on the last
+token) and the LM head is scaled so logits have a std of about ``logit_std``
+(default ``TARGET_LOGIT_STD``).
+Norm weights and biases are randomised too, so that a loader mixing them up fails
+tests instead of passing on all-ones / all-zeros tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
+BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Standard-library modules whose source is the tokenizer's training corpus.
+CORPUS_MODULES = ("textwrap", "string", "heapq", "bisect", "functools", "json.decoder",
+                  "json.encoder", "fractions")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# GPT-4-style pre-tokenization split (the one Qwen2 uses).
+PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                     r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_STD = 0.2
+TARGET_LOGIT_STD = 4.0
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
+                    vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
+                    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                    max_position_embeddings: int = 2048, tie_word_embeddings: bool | None = None,
+                    num_shards: int = 1, dtype: str = "float32",
+                    head_dim: int | None = None, logit_std: float = TARGET_LOGIT_STD) -> Path:
+    """Write a tiny random HF checkpoint to out_dir and return its path.
+
+    tie_word_embeddings defaults to False for llama/qwen2 and True for qwen3 (like the
+    small Qwen3 models). head_dim defaults to hidden_size // num_heads. logit_std sets
+    the spread of the logits: larger means fewer near-ties but flatter sampling
+    distributions (at 4: median top-1/top-2 gap ~0.9, ~0.1% of positions below 1e-3,
+    top-1 probability ~0.47 on average).
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if tie_word_embeddings is None:
+        tie_word_embeddings = arch == "qwen3"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    config = _hf_config(arch, vocab_size=vocab_size, hidden_size=hidden_size,
+                        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        intermediate_size=intermediate_size,
+                        max_position_embeddings=max_position_embeddings,
+                        tie_word_embeddings=tie_word_embeddings, head_dim=head_dim)
+    model = build_model(config, seed, logit_std)
+    config.dtype = dtype  # from_config rewrote it to the build dtype
+    config.save_pretrained(out)
+    _write_generation_config(out)
+    _write_weights(model, out, num_shards, DTYPES[dtype], tie_word_embeddings)
+    _write_tokenizer(out, vocab_size, max_position_embeddings)
+    return out
+
+
+# ---------------------------------------------------------------------- config / weights
+def _hf_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+               num_kv_heads: int, intermediate_size: int, max_position_embeddings: int,
+               tie_word_embeddings: bool, head_dim: int | None) -> Any:
+    import transformers
+
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "qwen3": transformers.Qwen3Config}[arch]
+    config = config_class(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+        head_dim=head_dim or hidden_size // num_heads, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID, hidden_act="silu",
+    )
+    config.architectures = [ARCHITECTURES[arch]]
+    return config
+
+
+def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD) -> torch.nn.Module:
+    """transformers' model for config, seeded, with the rescaled init (see module doc)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG alone
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    head_std = logit_std / math.sqrt(config.hidden_size)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * _randn_like(param, generator))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * _randn_like(param, generator))
+            else:  # linear / embedding weights, transformers' N(0, initializer_range)
+                param.mul_(WEIGHT_STD / param.std())
+        # The final norm outputs ~unit rms, so logit std ~ head std * sqrt(hidden).
+        # Tied: scaling the head scales the embedding too, which only strengthens the
+        # token signal in the residual stream.
+        head = model.get_output_embeddings().weight
+        head.mul_(head_std / head.std())
+    return model
+
+
+def _randn_like(param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(param.shape, generator=generator, dtype=param.dtype)
+
+
+def _write_generation_config(out: Path) -> None:
+    # Like Qwen chat models: stop at end-of-text or at the end of an assistant turn.
+    generation = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID],
+                  "pad_token_id": PAD_ID, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _write_weights(model: torch.nn.Module, out: Path, num_shards: int, dtype: torch.dtype,
+                   tied: bool) -> None:
+    """model.safetensors, or num_shards shards (balanced by bytes, names in order) plus
+    model.safetensors.index.json, exactly as transformers names them."""
+    from safetensors.torch import save_file
+
+    state = {name: t.detach().to(dtype).contiguous().clone()
+             for name, t in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight", None)  # transformers does not store tied copies
+    for stale in list(out.glob("*.safetensors")) + [out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    if num_shards == 1:
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(state)
+    if num_shards > len(names):
+        raise ValueError(f"num_shards ({num_shards}) exceeds the number of tensors ({len(names)})")
+    shards = _split_balanced(names, [state[n].numel() * state[n].element_size() for n in names],
+                             num_shards)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        filename = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({n: state[n] for n in shard}, str(out / filename), metadata={"format": "pt"})
+        weight_map.update({n: filename for n in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _split_balanced(names: list[str], sizes: list[int], parts: int) -> list[list[str]]:
+    """Exactly `parts` consecutive, non-empty groups of names (len(names) >= parts),
+    each closed once the running size reaches its share of the total."""
+    target = sum(sizes) / parts
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        names_left = len(names) - i
+        must_open = parts - len(groups) >= names_left  # one name per remaining group
+        want_open = len(groups) < parts and filled >= target * len(groups)
+        if groups[-1] and (must_open or want_open):
+            groups.append([])
+        groups[-1].append(name)
+        filled += size
+    return groups
+
+
+# ---------------------------------------------------------------------- tokenizer
+@functools.lru_cache(maxsize=8)
+def _train_tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    minimum = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be >= {minimum} (256 bytes + special tokens), "
+                         f"got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    # The pipeline transformers' Qwen2Tokenizer rebuilds around the vocab and merges
+    # (transformers 5 forces that class on model_type qwen2): with the same pipeline
+    # here, the raw tokenizer.json and every transformers tokenizer class agree.
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(_corpus(), trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise ValueError(f"the tokenizer corpus only supports {tokenizer.get_vocab_size()} "
+                         f"tokens, fewer than vocab_size={vocab_size}")
+    return tokenizer.to_str()
+
+
+def _corpus() -> list[str]:
+    return [inspect.getsource(importlib.import_module(name)) for name in CORPUS_MODULES]
+
+
+def _write_tokenizer(out: Path, vocab_size: int, max_length: int) -> None:
+    (out / "tokenizer.json").write_text(_train_tokenizer_json(vocab_size))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "pad_token": SPECIAL_TOKENS[PAD_ID],
+        "unk_token": None,  # byte-level: nothing is unknown (and no class default sneaks in)
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------- CLI
+def add_cli_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate-size", type=int, default=128)
+    parser.add_argument("--max-position-embeddings", type=int, default=2048)
+    parser.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction,
+                        default=None, help="default: tied for qwen3, untied otherwise")
+    parser.add_argument("--num-shards", type=int, default=1)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--logit-std", type=float, default=TARGET_LOGIT_STD,
+                        help="spread of the logits (larger: fewer near-ties, flatter sampling)")
+    return parser
+
+
+def run_cli(args: argparse.Namespace) -> Path:
+    path = make_tiny_model(
+        args.out, arch=args.arch, seed=args.seed, vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=args.tie_word_embeddings, num_shards=args.num_shards,
+        dtype=args.dtype, logit_std=args.logit_std)
+    print(f"wrote tiny {args.arch} checkpoint to {path}")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spindle make-tiny-model",
+                                     description="Write a tiny random HF checkpoint.")
+    run_cli(add_cli_arguments(parser).parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
