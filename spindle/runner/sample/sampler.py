@@ -1,0 +1,128 @@
+"""Turns one row of logits per request into one token per request.
+
+The order of operations follows vLLM v1:
+  1. logprobs, if wanted, from the RAW logits (they describe the model);
+  2. min_tokens: forbid the blocked ids (stop/EOS ids) of rows still too short;
+  3. repetition / frequency / presence penalties;
+  4. greedy rows: argmax of the penalised logits;
+  5. random rows: temperature, min-p, top-k, top-p, then an exponential race;
+  6. the sampled token's logprob and rank, read from the logprobs of step 1.
+
+Device-agnostic and batched: the only Python loops are over the rows that have
+their own generator (to draw their noise) and over host-side lists (min_tokens ids,
+output ids for the penalties) to pack them into tensors; nothing reads device
+values back to the host (checked on CUDA by the gpu test in tests/test_sampler.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spindle.runner.sample.logprobs import compute_logprobs, gather_logprobs
+from spindle.runner.sample.metadata import SamplingMetadata
+from spindle.runner.sample.penalties import apply_penalties
+from spindle.runner.sample.topk_topp import apply_min_p, apply_top_k_top_p
+
+# Rows with a temperature below this are greedy (the same bound as SamplingParams.is_greedy).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # Present when metadata.max_num_logprobs is not None (k = that value, capped at V):
+    logprob_token_ids: torch.Tensor | None = None  # [B, k+1] int64: sampled, then top-k
+    logprobs: torch.Tensor | None = None  # [B, k+1] float32, matching logprob_token_ids
+    sampled_ranks: torch.Tensor | None = None  # [B] int64, 1 = most likely
+
+
+class Sampler(torch.nn.Module):
+    """Samples one token per row; does not modify the logits it is given."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        logits = logits.float()
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = compute_logprobs(logits)
+
+        logits = block_min_tokens(logits, metadata.min_tokens_blocked)
+        logits = apply_penalties(logits, metadata)
+        sampled = sample(logits, metadata)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        token_ids, logprobs, ranks = gather_logprobs(
+            raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=token_ids,
+                             logprobs=logprobs, sampled_ranks=ranks)
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """[B] int64 tokens from penalised logits: argmax for greedy rows, a draw for the rest."""
+    if metadata.all_greedy:
+        return greedy_sample(logits)
+    random_tokens = random_sample(logits, metadata)
+    if metadata.all_random:
+        return random_tokens
+    is_greedy = metadata.temperature < GREEDY_TEMPERATURE_EPS
+    return torch.where(is_greedy, greedy_sample(logits), random_tokens)
+
+
+def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def random_sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Draw one token per row after temperature and the min-p / top-k / top-p filters.
+
+    Greedy rows of a mixed batch go through too (with temperature 1, to avoid
+    dividing by 0); the caller discards their result.
+    """
+    logits = apply_temperature(logits, metadata.temperature, metadata.all_random)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    probs = logits.softmax(dim=-1)
+    return exponential_race(probs, metadata.generators)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor,
+                      all_random: bool) -> torch.Tensor:
+    if not all_random:
+        temperature = torch.where(temperature < GREEDY_TEMPERATURE_EPS, 1.0, temperature)
+    return logits / temperature.to(logits.dtype).unsqueeze(1)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample token i of each row with probability probs[i]: argmax of probs / E, E ~ Exp(1).
+
+    (E_i / p_i is exponential with rate p_i, and the smallest of independent
+    exponentials is the i-th with probability p_i / sum(p).) Unlike torch.multinomial
+    this needs no host sync, and it lets each seeded row draw its noise from its own
+    generator: exactly V exponentials per step, whatever its batch position or mates.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    # An exponential draw can underflow to 0; 0 / 0 would be NaN, which argmax picks.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def block_min_tokens(logits: torch.Tensor, blocked: dict[int, set[int]]) -> torch.Tensor:
+    """Set the blocked ids of each listed row to -inf (ids outside the vocabulary are ignored)."""
+    vocab = logits.shape[-1]
+    flat = [row * vocab + token_id for row, token_ids in blocked.items()
+            for token_id in token_ids if 0 <= token_id < vocab]
+    if not flat:
+        return logits
+    flat_index = torch.tensor(flat, dtype=torch.int64).to(logits.device, non_blocking=True)
+    # index_fill_ takes the value as a kernel argument; indexed assignment would first
+    # copy it to the device, a host sync.
+    return logits.clone().view(-1).index_fill_(0, flat_index, float("-inf")).view_as(logits)
