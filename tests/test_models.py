@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -396,17 +395,13 @@ def test_tensor_parallel_weight_shards():
         torch.testing.assert_close(head.weight.data, padded[3 * rank:3 * rank + 3])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_worker(rank: int, world_size: int, port: int, path: str, prompt: list[int],
+def _tp_worker(rank: int, world_size: int, store_file: str, path: str, prompt: list[int],
                out_file: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # A file store has no server thread on rank 0 that could vanish while a peer
+    # is still tearing down (seen as SIGABRT at exit with a TCP store).
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
                             world_size=world_size)
     try:
         torch.set_num_threads(1)
@@ -422,6 +417,7 @@ def _tp_worker(rank: int, world_size: int, port: int, path: str, prompt: list[in
             logits = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
         if rank == 0:
             torch.save(logits, out_file)
+        dist.barrier()  # no rank tears gloo down while a peer is still inside it
     finally:
         dist.destroy_process_group()
 
@@ -434,7 +430,8 @@ def test_tensor_parallel_matches_transformers(tiny_model, tmp_path):
     path = tiny_model("qwen2", num_kv_heads=1, vocab_size=509, tie_word_embeddings=True)
     prompt = random_prompt(33, seed=5, vocab_size=509)
     out_file = tmp_path / "logits.pt"
-    mp.spawn(_tp_worker, args=(2, _free_port(), str(path), prompt, str(out_file)), nprocs=2)
+    mp.spawn(_tp_worker, args=(2, str(tmp_path / "store"), str(path), prompt, str(out_file)),
+             nprocs=2)
     logits = torch.load(out_file)
     assert logits.shape == (33, 509)
     torch.testing.assert_close(logits, hf_logits(path, prompt), atol=LOGIT_ATOL, rtol=0)

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up spindle and generate with the built-in default model (no download).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+spindle generate "def fibonacci(n):" "${@}"

@@ -1,0 +1,148 @@
+"""LLMEngine: text in, RequestOutputs out, one step at a time.
+
+It tokenizes and validates requests, fans n > 1 out into n core requests, steps
+the EngineCore and hands its token outputs to the OutputProcessor. Validation
+happens here, before anything reaches the scheduler, so a bad request fails alone
+with a ValueError and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from pathlib import Path
+from typing import Any, Union
+
+from spindle.config import EngineArgs, EngineConfig
+from spindle.engine.engine_core import EngineCore
+from spindle.engine.output_processor import OutputProcessor
+from spindle.engine.request import Request
+from spindle.outputs import RequestOutput
+from spindle.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.eos_token_ids = eos_token_ids(config, self.tokenizer)
+        self.core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    # ---- requests ---------------------------------------------------------------
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = request_id or str(next(self._counter))
+        if self.output_processor.core_request_ids(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._resolve_max_tokens(token_ids, params)
+        params = params.with_eos(self.eos_token_ids)
+        children = {_child_id(request_id, i, params.n): params.for_child(i) for i in range(params.n)}
+        self.output_processor.add_request(request_id, text, token_ids, children)
+        for core_id, child_params in children.items():
+            self.core.add_request(Request(core_id, token_ids, child_params, max_tokens))
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        core_ids = self.output_processor.core_request_ids(request_id)
+        if core_ids:
+            self.core.abort_requests(core_ids)
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        results, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            # A stop string ended these samples: the core frees their blocks now.
+            self.core.finish_requests(stopped)
+        return results
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+    # ---- validation ---------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self._check_token_ids(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_token_ids(list(prompt))
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, "
+                         f"got {type(prompt).__name__}")
+
+    def _check_token_ids(self, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            raise ValueError("prompt is empty (no tokens)")
+        vocab = self.config.model.vocab_size
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        return list(token_ids)
+
+    def _resolve_max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        max_len = self.config.model.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens long, but max_model_len is "
+                             f"{max_len}: it must be at most {max_len - 1} tokens to leave room "
+                             "for one generated token")
+        room = max_len - len(token_ids)
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
+def _child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+
+
+def eos_token_ids(config: EngineConfig, tokenizer: Any) -> set[int]:
+    """EOS ids from the tokenizer, config.json and generation_config.json, united."""
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, getattr(config.model.hf_config, "eos_token_id", None),
+                  _generation_config(config.model.model).get("eos_token_id")):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def _generation_config(model_dir: str) -> dict:
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        logger.warning("ignoring unreadable %s", path)
+        return {}

@@ -1,0 +1,146 @@
+"""Turns the core's per-step token outputs into user-facing RequestOutputs.
+
+It owns detokenization (incremental), stop strings (which the core cannot see,
+since it never handles text), logprob formatting and the folding of n > 1
+samples back into one RequestOutput per user request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from spindle.engine.detokenizer import IncrementalDetokenizer
+from spindle.engine.scheduler_output import EngineCoreOutput, SampledLogprobs
+from spindle.outputs import CompletionOutput, Logprob, RequestOutput
+from spindle.sampling_params import SamplingParams
+
+
+@dataclass
+class _SampleState:
+    """One of the n samples of a user request (one core request)."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(index=self.index, text=self.detokenizer.output_text,
+                                token_ids=list(self.token_ids),
+                                cumulative_logprob=self.cumulative_logprob,
+                                logprobs=self.logprobs, finish_reason=self.finish_reason,
+                                stop_reason=self.stop_reason)
+
+
+@dataclass
+class _UserRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: dict[str, _SampleState]  # core request id -> sample
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+    def output(self) -> RequestOutput:
+        ordered = sorted(self.samples.values(), key=lambda s: s.index)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=self.prompt_token_ids,
+                             outputs=[s.completion() for s in ordered], finished=self.finished)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._users: dict[str, _UserRequest] = {}
+        self._core_to_user: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    core_params: dict[str, SamplingParams]) -> None:
+        """Track a user request whose n samples run as core requests core_params.keys()."""
+        samples = {}
+        for index, (core_id, params) in enumerate(core_params.items()):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            samples[core_id] = _SampleState(
+                index=index, params=params, detokenizer=detok,
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None)
+            self._core_to_user[core_id] = request_id
+        self._users[request_id] = _UserRequest(request_id, prompt, list(prompt_token_ids), samples)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._users)
+
+    def core_request_ids(self, request_id: str) -> list[str]:
+        user = self._users.get(request_id)
+        return list(user.samples) if user else []
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs. Returns the updated user requests' outputs and
+        the core request ids that hit a stop string (the core must finish them)."""
+        touched: dict[str, _UserRequest] = {}
+        stopped_by_string: list[str] = []
+        for out in outputs:
+            user_id = self._core_to_user.get(out.req_id)
+            if user_id is None:
+                continue  # aborted by the user meanwhile
+            user = self._users[user_id]
+            sample = user.samples[out.req_id]
+            if sample.finish_reason is not None:
+                continue
+            if self._apply(sample, out):
+                stopped_by_string.append(out.req_id)
+            touched[user_id] = user
+        results = []
+        for user in touched.values():
+            results.append(user.output())
+            if user.finished:
+                self._forget(user)
+        return results, stopped_by_string
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a user request with reason 'abort'; returns its final output."""
+        user = self._users.get(request_id)
+        if user is None:
+            return None
+        for sample in user.samples.values():
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+        result = user.output()
+        self._forget(user)
+        return result
+
+    def _apply(self, sample: _SampleState, out: EngineCoreOutput) -> bool:
+        for i, token in enumerate(out.new_token_ids):
+            sample.token_ids.append(token)
+            if i < len(out.new_logprobs) and sample.logprobs is not None:
+                self._add_logprobs(sample, out.new_logprobs[i])
+            stop = sample.detokenizer.add_token(token)
+            if stop is not None:
+                sample.finish_reason, sample.stop_reason = "stop", stop
+                return True
+        if out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            sample.detokenizer.finish()
+        return False
+
+    def _add_logprobs(self, sample: _SampleState, lp: SampledLogprobs) -> None:
+        entry: dict[int, Logprob] = {}
+        for j, (tok, value) in enumerate(zip(lp.token_ids, lp.logprobs)):
+            rank = lp.sampled_rank if j == 0 else j
+            if tok not in entry:
+                entry[tok] = Logprob(logprob=value, rank=rank,
+                                     decoded_token=self.tokenizer.decode([tok]))
+        sample.logprobs.append(entry)
+        sample.cumulative_logprob += lp.logprobs[0]
+
+    def _forget(self, user: _UserRequest) -> None:
+        self._users.pop(user.request_id, None)
+        for core_id in user.samples:
+            self._core_to_user.pop(core_id, None)

@@ -1,0 +1,337 @@
+"""The continuous-batching scheduler: which requests run this step, and how many
+of their tokens, under a token budget and the KV cache's free blocks.
+
+Token-budget scheduling (as in vLLM v1): there is no "prefill step" or "decode
+step"; each step a request is given num_tokens - num_computed_tokens tokens to
+compute (1 for a decode, a prompt or a prompt chunk for a prefill), and prefills
+and decodes share the step.
+
+Call protocol: schedule() -> the runner executes the SchedulerOutput ->
+update_from_output(that output, the runner's output). update_from_output must
+follow every schedule(), also when nothing was scheduled (pass an empty
+ModelRunnerOutput): it is also where requests the scheduler finished on its own
+are reported.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from spindle.config import CacheConfig, SchedulerConfig
+from spindle.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from spindle.engine.request import Request, RequestStatus
+from spindle.engine.scheduler_output import (CachedRequestData, EngineCoreOutput,
+                                             ModelRunnerOutput, NewRequestData,
+                                             SchedulerOutput)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the KV cache manager.
+
+    Invariants:
+      * Every unfinished request is in exactly one of waiting (FCFS deque; preempted
+        requests go back to its front) or running (in admission order), and in
+        self.requests; finished requests are in none of them and hold no blocks.
+      * Waiting requests hold no blocks and have num_computed_tokens == 0.
+      * len(running) <= max_num_seqs; one step schedules at most
+        max_num_batched_tokens tokens.
+      * After schedule(), num_computed_tokens of each scheduled request already
+        counts the tokens scheduled in that step.
+      * Only running requests are preempted, most recently admitted first, and never
+        one already scheduled in the current step; a step with a preemption admits
+        no waiting request.
+      * Progress: a request whose known tokens need more blocks than the whole
+        cache has (or, without chunked prefill, more tokens than a step's budget)
+        could never run; schedule() finishes it (FINISHED_LENGTH if it has output
+        tokens, else FINISHED_ABORTED) and reports it from the next
+        update_from_output(), rather than looping forever. Any other request can
+        always run once it is the oldest running one, since it then preempts all
+        the others if need be.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_kv_blocks: int) -> None:
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the runner must forget them.
+        self._finished_req_ids: set[str] = set()
+        # Requests the scheduler itself finished, reported by update_from_output().
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._step_id = 0
+        self.num_preemptions = 0  # since start, for stats and tests
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is unfinished or a finish is still to be reported."""
+        return self.get_num_unfinished_requests() > 0 or bool(self._pending_outputs)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.kv_cache_manager.prefix_cache_stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache; False (nothing done) while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # -------------------------------------------------------- request lifecycle
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens != 0:
+            raise ValueError(f"request {request.request_id!r} must be new (WAITING, "
+                             "nothing computed)")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, req_ids: str | Iterable[str]) -> None:
+        """Finish requests as FINISHED_ABORTED; unknown or finished ids are ignored."""
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus,
+                        stop_reason: int | str | None = None) -> None:
+        """Finish requests from outside (abort, or a stop string the output processor
+        found): free their blocks, drop them from the queues, and report them to the
+        runner in the next SchedulerOutput.finished_req_ids. Unknown or already
+        finished ids are ignored."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"finish status must be a FINISHED_* status, got {status!r}")
+        ids = {req_ids} if isinstance(req_ids, str) else set(req_ids)
+        finished = []
+        for rid in ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            request.stop_reason = stop_reason
+            self._finish(request, status)
+            finished.append(request)
+        if not finished:
+            return
+        gone = {r.request_id for r in finished}
+        self.running = [r for r in self.running if r.request_id not in gone]
+        if any(r.request_id in gone for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
+
+    # ---------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts (see the class docstring)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+
+        for rid, n in out.num_scheduled_tokens.items():
+            self.requests[rid].num_computed_tokens += n
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.finished_req_ids = self._finished_req_ids
+        self._finished_req_ids = set()
+        self._step_id += 1
+        out.step_id = self._step_id
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedule running requests in admission order, preempting from the back
+        when blocks run out. Returns the budget left."""
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new <= 0:
+                # Its last step's token is not back yet (only with outputs in flight).
+                index += 1
+                continue
+            if self._can_never_fit(request, num_new):
+                self.running.pop(index)
+                self._finish_unfittable(request)
+                continue
+            if self.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            elif num_new > budget:
+                index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, out)
+            if new_blocks is None:
+                break  # request preempted itself: nothing after it is left
+            out.cached_requests.append(CachedRequestData(
+                req_id=request.request_id,
+                new_block_ids=[b.block_id for b in new_blocks],
+                num_computed_tokens=request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput):
+        """Allocate for a running request, preempting the most recently admitted
+        running requests until it fits. None if request itself had to go."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_req_ids.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests FCFS while seats, budget and blocks last; never
+        preempts."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            if self._can_never_fit(request, num_new):
+                self.waiting.popleft()
+                self._finish_unfittable(request)
+                continue
+            if self.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            elif num_new > budget:
+                break
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self._admit(request, num_hit_tokens)
+            out.new_requests.append(NewRequestData(
+                req_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens += num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        self.running.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and put it at the front of the waiting
+        queue; it recomputes (with prefix hits) when readmitted. Caller removed it
+        from self.running."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _can_never_fit(self, request: Request, num_new: int) -> bool:
+        needed_blocks = -(-request.num_tokens // self.block_size)
+        if needed_blocks > self.kv_cache_manager.num_blocks:
+            return True
+        return not self.enable_chunked_prefill and num_new > self.max_num_batched_tokens
+
+    def _finish_unfittable(self, request: Request) -> None:
+        """Finish a request that could never be scheduled (caller removed it from its
+        queue); the client learns of it from the next update_from_output()."""
+        status = (RequestStatus.FINISHED_LENGTH if request.num_output_tokens > 0
+                  else RequestStatus.FINISHED_ABORTED)
+        self._finish(request, status)
+        self._pending_outputs.append(EngineCoreOutput(
+            req_id=request.request_id, new_token_ids=[],
+            finish_reason=request.get_finish_reason()))
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished, free its blocks, forget it; the caller removes it from
+        waiting/running."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, apply stop conditions, free finished requests.
+
+        Per token, in order: a stop token (sampling_params.all_stop_token_ids) once
+        num_output_tokens >= min_tokens -> FINISHED_STOPPED (stop_reason: the token if
+        the user listed it in stop_token_ids, None for EOS); else num_output_tokens >=
+        max_tokens -> FINISHED_LENGTH. Tokens after a finishing token are dropped.
+        Returns one EngineCoreOutput per request that got tokens or finished.
+        Requests not scheduled in scheduler_output, or finished/aborted since, are
+        ignored.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        scheduled = scheduler_output.num_scheduled_tokens
+        logprobs = runner_output.logprobs
+        any_finished = False
+        for i, rid in enumerate(runner_output.req_ids):
+            token_ids = runner_output.sampled_token_ids[i]
+            request = self.requests.get(rid)
+            if (not token_ids or request is None or rid not in scheduled
+                    or request.status != RequestStatus.RUNNING):
+                continue
+            new_tokens = self._append_until_stop(request, token_ids)
+            lp = logprobs[i] if i < len(logprobs) else None
+            outputs.append(EngineCoreOutput(
+                req_id=rid, new_token_ids=new_tokens,
+                new_logprobs=[lp] if lp is not None else [],
+                finish_reason=request.get_finish_reason(),
+                stop_reason=request.stop_reason))
+            if request.is_finished():
+                self._finish(request, request.status)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return outputs
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append token_ids one by one until one finishes the request (its status is
+        then set); returns the tokens appended."""
+        params = request.sampling_params
+        appended = []
+        for token in token_ids:
+            request.append_output_token_ids([token])
+            appended.append(token)
+            if (token in params.all_stop_token_ids
+                    and request.num_output_tokens >= params.min_tokens):
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token if token in params.stop_token_ids else None
+                break
+            if request.num_output_tokens >= request.max_tokens:
+                request.status = RequestStatus.FINISHED_LENGTH
+                break
+        return appended

@@ -1,0 +1,101 @@
+"""The `spindle` command: generate, make-tiny-model (serve and bench come later)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from spindle.entrypoints.cli_args import (add_engine_args, add_sampling_args, engine_args_from,
+                                          sampling_params_from)
+
+
+def default_model_dir() -> Path:
+    """The built-in default model: a tiny random Llama made on first use (no download)."""
+    root = Path(os.environ.get("SPINDLE_CACHE_DIR", Path.home() / ".cache" / "spindle"))
+    path = root / "tiny-llama"
+    if not (path / "config.json").is_file():
+        from spindle.tools.tiny_model import make_tiny_model
+
+        print(f"spindle: no --model given; creating the built-in tiny model at {path}",
+              file=sys.stderr)
+        make_tiny_model(path, arch="llama")
+    return path
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from spindle.engine.llm_engine import LLMEngine
+    from spindle.logger import configure_logging
+
+    configure_logging()
+    model = ns.model or str(default_model_dir())
+    engine = LLMEngine.from_engine_args(engine_args_from(ns, model=model))
+    try:
+        params = sampling_params_from(ns)
+        prompts = ns.prompt or ["Hello"]
+        for prompt in prompts:
+            _stream_one(engine, prompt, params)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _stream_one(engine, prompt: str, params) -> None:
+    request_id = engine.add_request(prompt, params)
+    printed = {}
+    out = sys.stdout
+    out.write(prompt)
+    out.flush()
+    while engine.has_unfinished_requests():
+        for result in engine.step():
+            if result.request_id != request_id:
+                continue
+            for completion in result.outputs:
+                seen = printed.get(completion.index, 0)
+                if len(result.outputs) > 1 and seen == 0 and completion.text:
+                    out.write(f"\n--- sample {completion.index} ---\n")
+                out.write(completion.text[seen:])
+                printed[completion.index] = len(completion.text)
+            out.flush()
+    out.write("\n")
+
+
+def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
+    from spindle.tools.tiny_model import run_cli
+
+    run_cli(ns)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spindle", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="Generate text for prompts, streaming to the terminal.")
+    gen.add_argument("prompt", nargs="*", help="Prompt text (several prompts run one after another).")
+    add_engine_args(gen)
+    add_sampling_args(gen, temperature=0.0, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
+
+    tiny = sub.add_parser("make-tiny-model",
+                          help="Write a small random Hugging Face checkpoint with a real tokenizer.")
+    from spindle.tools.tiny_model import add_cli_arguments
+
+    add_cli_arguments(tiny)
+    tiny.set_defaults(func=cmd_make_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"spindle: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The offline API: `LLM(model=...)`, `llm.generate(...)`, `llm.chat(...)`.
+
+Shaped like vLLM's LLM class so that code written for it runs here unchanged for
+the features spindle has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from spindle.config import EngineArgs
+from spindle.engine.llm_engine import LLMEngine, PromptType
+from spindle.logger import configure_logging
+from spindle.outputs import RequestOutput
+from spindle.sampling_params import SamplingParams
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - _ENGINE_FIELDS)
+        if unknown:
+            raise TypeError(f"LLM() got unknown arguments {unknown}; "
+                            f"known: {sorted(_ENGINE_FIELDS - {'model'})}")
+        configure_logging()
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for request_id in ids:  # all or nothing: do not leave half a batch queued
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations:
+            raise ValueError("chat() needs at least one conversation")
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> dict:
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+        for message in conversation:
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"each chat message needs 'role' and 'content', got {message!r}")
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template)
+        # The template already holds any BOS it wants: do not add special tokens twice.
+        return {"prompt": text,
+                "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: Any) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("generate() needs a non-empty prompt or list of prompts")
+    return list(prompts)
+
+
+def _params_per_prompt(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

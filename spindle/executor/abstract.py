@@ -1,0 +1,90 @@
+"""Executor: how many worker processes, where, and how calls reach them.
+
+The engine talks to workers only through an Executor. Its one control primitive
+is collective_rpc(method, ...): run a Worker method (by name) or a function
+(called as fn(worker, *args, **kwargs)) on every worker and return their replies.
+Everything else is built on it. An executor never knows what a step computes: it
+forwards a SchedulerOutput and returns a ModelRunnerOutput.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import logging
+from typing import Any, Callable
+
+from spindle.config import EngineConfig
+from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_BACKENDS = {
+    "uni": "spindle.executor.uniproc:UniProcExecutor",
+}
+
+
+class Executor(abc.ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._failure_callbacks: list[Callable[[], None]] = []
+        self.is_failed = False
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type["Executor"]:
+        backend = config.parallel.distributed_executor_backend
+        if backend not in _BACKENDS:
+            raise ValueError(f"distributed_executor_backend {backend!r} is not available in this "
+                             f"build; available: {sorted(_BACKENDS)}")
+        module, name = _BACKENDS[backend].split(":")
+        return getattr(importlib.import_module(module), name)
+
+    @abc.abstractmethod
+    def _init_executor(self) -> None:
+        """Create the workers and run init_device and load_model on each."""
+
+    @abc.abstractmethod
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None,
+                       args: tuple = (), kwargs: dict | None = None,
+                       unique_reply_rank: int | None = None) -> Any:
+        """Run method on every worker. Returns the list of replies in rank order, or
+        only the reply of unique_reply_rank when it is given (others stay silent)."""
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose ModelRunnerOutput the engine reads (the last pipeline stage)."""
+        return self.config.parallel.world_size - self.config.parallel.tensor_parallel_size
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", args=(sched,),
+                                   unique_reply_rank=self.output_rank)
+
+    def determine_available_memory(self) -> list[int]:
+        return self.collective_rpc("determine_available_memory")
+
+    def kv_cache_block_bytes(self) -> list[int]:
+        return self.collective_rpc("kv_cache_block_bytes")
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """allocate_kv_cache, warmup and freeze_gc_heap on every worker, in that order."""
+        self.collective_rpc("allocate_kv_cache", args=(num_blocks,))
+        self.collective_rpc("warmup")
+        self.collective_rpc("freeze_gc_heap")
+
+    def lifecycle_reports(self) -> list[list[dict]]:
+        return self.collective_rpc("lifecycle_report")
+
+    def heartbeats(self) -> list[Any]:
+        return self.collective_rpc("heartbeat")
+
+    def check_health(self) -> None:
+        """Raise if any worker is dead or does not answer."""
+        self.collective_rpc("check_health", timeout=10.0)
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        self._failure_callbacks.append(callback)
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and release what the executor holds. Idempotent."""

@@ -1,0 +1,70 @@
+"""The Platform interface: what the engine needs to know about a kind of device.
+
+Everything device-specific that is not model math goes through here, so the
+executor, worker and runner never test `device.type == "cuda"` themselves.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+
+class Platform(abc.ABC):
+    device_type: str  # torch device type: "cpu" | "cuda"
+    dist_backend: str  # torch.distributed backend for this device type
+    default_attention_backend: str
+
+    @abc.abstractmethod
+    def is_available(self) -> bool:
+        """Whether this platform can run on this machine at all."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """Devices visible to this process (after CUDA_VISIBLE_DEVICES)."""
+
+    @abc.abstractmethod
+    def device_for_rank(self, local_rank: int) -> torch.device:
+        """The torch device a worker with this local rank drives."""
+
+    @abc.abstractmethod
+    def set_device(self, device: torch.device) -> None:
+        """Make device the current one of this process."""
+
+    @abc.abstractmethod
+    def mem_get_info(self, device: torch.device) -> tuple[int, int]:
+        """(free bytes, total bytes) of the memory that holds this device's tensors."""
+
+    @abc.abstractmethod
+    def memory_in_use(self, device: torch.device) -> int:
+        """Bytes this process holds on the device now (for the startup table)."""
+
+    def peak_memory(self, device: torch.device) -> int | None:
+        """Peak bytes allocated since the last reset_peak_memory, if tracked."""
+        return None
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        return None
+
+    def synchronize(self, device: torch.device) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def is_cumem_allocator_available(self) -> bool:
+        return False
+
+    def is_sleep_mode_available(self) -> bool:
+        return self.is_cumem_allocator_available()
+
+    def supports_cuda_graphs(self) -> bool:
+        return False
+
+    def worker_class(self) -> str:
+        """Import path of the Worker class for this platform."""
+        return "spindle.worker.worker:Worker"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,220 @@
+"""The runner's persistent view of its requests, and the per-step batch built from it.
+
+Each request the runner holds owns one row of a few host arrays (token ids, block
+table, sampling values) for as long as it lives, so preparing a step is a handful
+of vectorised numpy gathers rather than a Python loop per token. Nothing here knows
+the model architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from spindle.engine.scheduler_output import NewRequestData, SchedulerOutput
+from spindle.runner.sample.metadata import SamplingMetadata
+from spindle.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner remembers about one request between steps."""
+
+    req_id: str
+    row: int
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_tokens: int  # known tokens: prompt + outputs so far
+    output_token_ids: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # owned by the model state
+
+
+@dataclass
+class StepBatch:
+    """One step's flattened inputs. Host (numpy) arrays plus their device copies."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # [B] persistent row of each scheduled request
+    num_scheduled: np.ndarray  # [B]
+    num_computed: np.ndarray  # [B] before this step
+    query_start_loc: np.ndarray  # [B + 1]
+    seq_lens: np.ndarray  # [B] context length after this step
+    positions: np.ndarray  # [T]
+    input_ids: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    block_tables: np.ndarray  # [B, max_blocks]
+    token_req_index: np.ndarray  # [T] which request each token belongs to
+    sampling_mask: np.ndarray  # [B] bool: request reaches its last known token and samples
+    logits_indices: np.ndarray  # [S] token index whose hidden state is sampled (S = mask.sum())
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def sampling_req_ids(self) -> list[str]:
+        return [r for r, s in zip(self.req_ids, self.sampling_mask) if s]
+
+
+class InputBatch:
+    """Rows of per-request host state, and step preparation over them."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+                 vocab_size: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    # ---- request bookkeeping -------------------------------------------------
+    def add_request(self, new: NewRequestData) -> CachedRequestState:
+        if new.req_id in self.requests:
+            raise RuntimeError(f"request {new.req_id!r} is already in the runner's batch")
+        if not self._free_rows:
+            raise RuntimeError(f"the runner holds {self.max_num_reqs} requests already (max_num_seqs)")
+        if len(new.token_ids) > self.max_model_len:
+            raise ValueError(f"request {new.req_id!r} has {len(new.token_ids)} tokens, "
+                             f"more than max_model_len ({self.max_model_len})")
+        row = self._free_rows.pop()
+        params = new.sampling_params
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        state = CachedRequestState(
+            req_id=new.req_id, row=row, num_prompt_tokens=new.num_prompt_tokens,
+            sampling_params=params, generator=generator, block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens, num_tokens=len(new.token_ids),
+            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]))
+        self.token_ids[row, :len(new.token_ids)] = new.token_ids
+        self._write_block_ids(state, 0, new.block_ids)
+        self.requests[new.req_id] = state
+        return state
+
+    def remove_request(self, req_id: str) -> CachedRequestState | None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+        return state
+
+    def append_blocks(self, req_id: str, new_block_ids: list[int]) -> None:
+        state = self.requests[req_id]
+        self._write_block_ids(state, len(state.block_ids), new_block_ids)
+        state.block_ids.extend(new_block_ids)
+
+    def append_token(self, state: CachedRequestState, token_id: int) -> None:
+        if state.num_tokens >= self.max_model_len:
+            return  # the scheduler finishes the request at max_model_len; nothing to store
+        self.token_ids[state.row, state.num_tokens] = token_id
+        state.num_tokens += 1
+        state.output_token_ids.append(token_id)
+
+    def _write_block_ids(self, state: CachedRequestState, start: int, block_ids: list[int]) -> None:
+        end = start + len(block_ids)
+        if end > self.max_blocks_per_req:
+            raise RuntimeError(f"request {state.req_id!r} needs {end} KV blocks, more than "
+                               f"max_model_len allows ({self.max_blocks_per_req})")
+        self.block_table[state.row, start:end] = block_ids
+
+    # ---- step preparation ----------------------------------------------------
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        req_ids = list(sched.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        num_scheduled = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64,
+                                    count=len(states))
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
+                                   count=len(states))
+        num_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+
+        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        token_req_index = np.repeat(np.arange(len(states)), num_scheduled)
+        offsets = np.arange(total) - query_start_loc[token_req_index]
+        positions = num_computed[token_req_index] + offsets
+        token_rows = rows[token_req_index]
+        seq_lens = num_computed + num_scheduled
+        if np.any(seq_lens > num_known):
+            bad = req_ids[int(np.argmax(seq_lens > num_known))]
+            raise RuntimeError(f"request {bad!r} was scheduled past its known tokens")
+        block_index = positions // self.block_size
+        slot_mapping = (self.block_table[token_rows, block_index].astype(np.int64) * self.block_size
+                        + positions % self.block_size)
+        num_block_cols = max(1, int(-(-seq_lens.max() // self.block_size))) if len(states) else 1
+        sampling_mask = seq_lens == num_known
+        return StepBatch(
+            req_ids=req_ids, rows=rows, num_scheduled=num_scheduled, num_computed=num_computed,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, positions=positions,
+            input_ids=self.token_ids[token_rows, positions], slot_mapping=slot_mapping,
+            block_tables=self.block_table[rows, :num_block_cols], token_req_index=token_req_index,
+            sampling_mask=sampling_mask, logits_indices=query_start_loc[1:][sampling_mask] - 1)
+
+    def sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
+        """Batched sampling parameters for the requests that sample, in this order."""
+        states = [self.requests[r] for r in req_ids]
+        params = [s.sampling_params for s in states]
+        temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
+                                   dtype=torch.float32)
+        greedy = [p.is_greedy for p in params]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        meta = SamplingMetadata(
+            temperature=temperature.to(self.device),
+            all_greedy=all(greedy), all_random=not any(greedy),
+            top_k=_optional_tensor(top_k, 0, torch.int64, self.device),
+            top_p=_optional_tensor(top_p, 1.0, torch.float32, self.device),
+            min_p=_optional_tensor(min_p, 0.0, torch.float32, self.device),
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            min_tokens_blocked={
+                i: s.sampling_params.all_stop_token_ids for i, s in enumerate(states)
+                if len(s.output_token_ids) < s.sampling_params.min_tokens
+                and s.sampling_params.all_stop_token_ids})
+        if any(_has_penalties(p) for p in params):
+            self._add_penalties(meta, states)
+        return meta
+
+    def _add_penalties(self, meta: SamplingMetadata, states: list[CachedRequestState]) -> None:
+        longest = max(s.num_prompt_tokens for s in states)
+        prompts = np.full((len(states), longest), self.vocab_size, dtype=np.int64)
+        for i, s in enumerate(states):
+            prompts[i, :s.num_prompt_tokens] = self.token_ids[s.row, :s.num_prompt_tokens]
+        meta.prompt_token_ids = torch.from_numpy(prompts).to(self.device)
+        meta.output_token_ids = [s.output_token_ids for s in states]
+        params = [s.sampling_params for s in states]
+        meta.frequency_penalties = torch.tensor([p.frequency_penalty for p in params],
+                                                dtype=torch.float32, device=self.device)
+        meta.presence_penalties = torch.tensor([p.presence_penalty for p in params],
+                                               dtype=torch.float32, device=self.device)
+        meta.repetition_penalties = torch.tensor([p.repetition_penalty for p in params],
+                                                 dtype=torch.float32, device=self.device)
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _optional_tensor(values: list, neutral: Any, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor | None:
+    if all(v == neutral for v in values):
+        return None
+    return torch.tensor(values, dtype=dtype, device=device)

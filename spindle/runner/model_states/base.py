@@ -1,0 +1,63 @@
+"""ModelState: the one place where a family of architectures differs in the runner.
+
+The runner is architecture-agnostic: it keeps request rows, prepares the flat step
+batch, runs the sampler and reports tokens. How that batch becomes model inputs
+(token ids or embeddings), which attention metadata the model needs (a causal
+paged-KV decoder, a bidirectional encoder without cache), and how the forward is
+called, belong to a ModelState. Adding a family is one new state class plus a
+registration line in model_states/__init__.py.
+
+Invariants every state keeps:
+- prepare_inputs / prepare_attn are pure functions of the StepBatch and the state's
+  per-request data; they do not mutate the batch.
+- forward() runs inside the runner's forward context holding prepare_attn's result.
+- Per-request data a state needs (e.g. prompt embeddings on the device) is created
+  in preprocess_state() when the runner first sees the request, stored in
+  CachedRequestState.extra, and dropped with the request.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+from torch import nn
+
+from spindle.engine.scheduler_output import NewRequestData
+from spindle.runner.input_batch import CachedRequestState, StepBatch
+
+
+class ModelState(abc.ABC):
+    #: Whether the runner must allocate a paged KV cache for this model.
+    needs_kv_cache: bool = True
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+
+    def validate_request(self, new: NewRequestData) -> None:
+        """Raise ValueError for a request this state cannot serve (called before it is added)."""
+        return None
+
+    def preprocess_state(self, state: CachedRequestState, new: NewRequestData) -> None:
+        """Set up per-request data when the runner first sees a request."""
+        return None
+
+    @abc.abstractmethod
+    def prepare_inputs(self, batch: StepBatch) -> dict[str, Any]:
+        """Keyword arguments of the model's forward for this step."""
+
+    @abc.abstractmethod
+    def prepare_attn(self, batch: StepBatch) -> Any:
+        """The attention metadata this step's forward context carries."""
+
+    def forward(self, model_inputs: dict[str, Any]) -> torch.Tensor:
+        return self.model(**model_inputs)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden_states)
+
+    def dummy_attn(self, num_reqs: int, tokens_per_req: int) -> Any:
+        """Metadata for a cache-less profiling forward of num_reqs equal requests."""
+        raise NotImplementedError(f"{type(self).__name__} has no profiling path")

@@ -1,0 +1,187 @@
+"""Worker: drives one device through a strict, named lifecycle.
+
+The executor calls, in this order and nothing else in between:
+    init_device -> load_model -> determine_available_memory (runs profile_run)
+    -> allocate_kv_cache -> warmup -> freeze_gc_heap
+then execute_model once per step. Each stage is timed and its memory change
+recorded; lifecycle_report() returns the rows of the startup table. The
+constructor only stores its arguments, so a worker can be built anywhere (in
+process, in a child process, in a Ray actor) and driven by the same calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+import torch
+
+from spindle.config import EngineConfig
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from spindle.platforms import resolve_platform
+
+logger = logging.getLogger(__name__)
+
+LIFECYCLE = ("init_device", "load_model", "profile_run", "allocate_kv_cache", "warmup",
+             "freeze_gc_heap")
+
+
+@dataclass
+class StageRecord:
+    stage: str
+    seconds: float
+    bytes: int  # memory change during the stage (device memory on GPU, RSS on CPU)
+    note: str = ""
+
+
+@dataclass
+class Heartbeat:
+    rank: int
+    last_stage: str
+    last_step: int
+    seconds_since: float
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.platform = resolve_platform(config.device.device_type)
+        self.device: torch.device | None = None
+        self.runner = None
+        self.tp_group = TensorParallelGroup.single()
+        self.records: list[StageRecord] = []
+        self._next_stage = 0
+        self._last_stage = "created"
+        self._last_step = -1
+        self._last_activity = time.monotonic()
+
+    # ---- lifecycle ------------------------------------------------------------
+    def init_device(self) -> None:
+        with self._stage("init_device"):
+            self.device = self.platform.device_for_rank(self.local_rank)
+            self.platform.set_device(self.device)
+            torch.manual_seed(self.config.model.seed)
+            self._init_distributed()
+
+    def load_model(self) -> None:
+        from spindle.runner.model_runner import ModelRunner
+
+        with self._stage("load_model") as record:
+            self.runner = ModelRunner(self.config, self.device, self.platform, self.tp_group)
+            self.runner.load_model()
+            params = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+            record.note = f"weights {_human_bytes(params)}"
+
+    def determine_available_memory(self) -> int:
+        """Run profile_run, then return the bytes this rank can give the KV cache."""
+        with self._stage("profile_run") as record:
+            self.platform.reset_peak_memory(self.device)
+            before = self.platform.memory_in_use(self.device)
+            self.runner.profile_run()
+            available = self._kv_budget(before)
+            record.note = f"kv budget {_human_bytes(available)}"
+        return available
+
+    def kv_cache_block_bytes(self) -> int:
+        return self.runner.kv_cache_block_bytes()
+
+    def allocate_kv_cache(self, num_blocks: int) -> int:
+        with self._stage("allocate_kv_cache") as record:
+            allocated = self.runner.allocate_kv_cache(num_blocks)
+            record.note = f"{num_blocks} blocks, {_human_bytes(allocated)}"
+        return allocated
+
+    def warmup(self) -> None:
+        with self._stage("warmup"):
+            self.runner.warmup()
+
+    def freeze_gc_heap(self) -> None:
+        """Collect once, then move every surviving object out of the collector's
+        view: startup garbage is gone and later collections stay short."""
+        with self._stage("freeze_gc_heap"):
+            gc.collect()
+            gc.freeze()
+
+    # ---- serving ----------------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._last_step = sched.step_id
+        self._last_activity = time.monotonic()
+        return self.runner.execute_model(sched)
+
+    def lifecycle_report(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.records]
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(rank=self.rank, last_stage=self._last_stage, last_step=self._last_step,
+                         seconds_since=time.monotonic() - self._last_activity)
+
+    def check_health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.runner = None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    # ---- helpers ------------------------------------------------------------------
+    def _init_distributed(self) -> None:
+        world_size = self.config.parallel.world_size
+        if world_size == 1:
+            return
+        torch.distributed.init_process_group(
+            backend=self.platform.dist_backend, init_method=self.distributed_init_method,
+            world_size=world_size, rank=self.rank)
+        tp = self.config.parallel.tensor_parallel_size
+        self.tp_group = TensorParallelGroup(rank=self.rank % tp, size=tp,
+                                            group=torch.distributed.group.WORLD)
+
+    def _kv_budget(self, memory_before_profile: int) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        free, total = self.platform.mem_get_info(self.device)
+        if self.device.type == "cpu":
+            # More blocks than max_num_seqs full sequences can use would only cost RAM.
+            blocks_per_seq = -(-self.config.model.max_model_len // cache.block_size)
+            useful = blocks_per_seq * self.config.scheduler.max_num_seqs * self.kv_cache_block_bytes()
+            return min(int(free * cache.cpu_kv_cache_fraction), useful)
+        # GPU: what the utilisation target leaves after everything measured so far.
+        peak = self.platform.peak_memory(self.device) or 0
+        in_use = total - free
+        non_torch = max(0, in_use - torch.cuda.memory_reserved(self.device))
+        return max(0, int(total * cache.gpu_memory_utilization) - peak - non_torch)
+
+    @contextlib.contextmanager
+    def _stage(self, name: str) -> Iterator[StageRecord]:
+        expected = LIFECYCLE[self._next_stage] if self._next_stage < len(LIFECYCLE) else None
+        if name != expected:
+            raise RuntimeError(f"worker {self.rank}: lifecycle stage {name!r} called out of order "
+                               f"(expected {expected!r}; order is {' -> '.join(LIFECYCLE)})")
+        self._last_stage = name
+        self._last_activity = time.monotonic()
+        device = self.device or self.platform.device_for_rank(self.local_rank)
+        before = self.platform.memory_in_use(device)
+        start = time.perf_counter()
+        record = StageRecord(stage=name, seconds=0.0, bytes=0)
+        yield record
+        self.platform.synchronize(device)
+        record.seconds = time.perf_counter() - start
+        record.bytes = self.platform.memory_in_use(device) - before
+        self.records.append(record)
+        self._next_stage += 1
+        logger.debug("worker %d: %s took %.3fs", self.rank, name, record.seconds)
+
+
+def _human_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+

@@ -1,0 +1,140 @@
+"""End to end against the oracle: spindle's greedy output and logprobs equal
+transformers' generate on the same tiny checkpoint, in float32 on CPU, across the
+scheduling regimes that change how the work is cut (chunked prefill, block sizes,
+prefix-cache hits, preemption under a small KV budget)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from spindle import LLM, SamplingParams
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+MAX_NEW = 20
+PROMPT_LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 128, 150, 200, 257, 300]
+LOGPROB_TOL = 1e-4
+
+
+def make_prompts(vocab_size: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
+    prompts = []
+    for n in PROMPT_LENGTHS:
+        own = max(1, n - shared_prefix) if shared_prefix else n
+        prompts.append(prefix + [rng.randrange(vocab_size) for _ in range(own)])
+    return prompts
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and the logprob of each, EOS never stopping it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = model.generation_config
+    config.eos_token_id = None
+    config.pad_token_id = 0
+    results = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                 min_new_tokens=0, do_sample=False, generation_config=config,
+                                 output_logits=True, return_dict_in_generate=True)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                    for step, t in zip(out.logits, tokens)]
+        results.append((tokens, logprobs))
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Per arch: (checkpoint dir, prompts, shared-prefix prompts, HF results for both)."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = tiny_model(arch=arch)
+            import json
+
+            vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+            plain = make_prompts(vocab, seed=1)
+            shared = make_prompts(vocab, seed=2, shared_prefix=40)
+            cache[arch] = (path, plain, shared, hf_greedy(path, plain, MAX_NEW),
+                           hf_greedy(path, shared, MAX_NEW))
+        return cache[arch]
+
+    return get
+
+
+def run_spindle(path, prompts, **engine_kwargs):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    kwargs = dict(dtype="float32", device="cpu", max_model_len=512, seed=0)
+    kwargs.update(engine_kwargs)
+    llm = LLM(str(path), **kwargs)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        scheduler = llm.engine.core.scheduler
+        return outputs, scheduler
+    finally:
+        llm.shutdown()
+
+
+def assert_matches(outputs, expected):
+    for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, expected)):
+        got = out.outputs[0]
+        assert got.token_ids == tokens, f"prompt {i}: tokens differ from transformers"
+        got_lp = [next(iter(d.values())).logprob for d in got.logprobs]
+        for j, (a, b) in enumerate(zip(got_lp, logprobs)):
+            assert abs(a - b) <= LOGPROB_TOL, f"prompt {i} token {j}: logprob {a} vs {b}"
+        assert got.finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_default_config_matches_transformers(reference, arch):
+    path, prompts, _, expected, _ = reference(arch)
+    outputs, _ = run_spindle(path, prompts)
+    assert_matches(outputs, expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("block_size,budget", [(16, 48), (32, 100)])
+def test_chunked_prefill_and_block_sizes(reference, arch, block_size, budget):
+    path, prompts, _, expected, _ = reference(arch)
+    outputs, _ = run_spindle(path, prompts, block_size=block_size, max_num_batched_tokens=budget)
+    assert_matches(outputs, expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_caching_with_shared_prefixes(reference, arch):
+    path, _, prompts, _, expected = reference(arch)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=512,
+              enable_prefix_caching=True, max_num_batched_tokens=128)
+    try:
+        first = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate(prompts, params, use_tqdm=False)  # every prompt block is cached now
+        hits = llm.engine.core.scheduler.kv_cache_manager.prefix_cache_stats
+    finally:
+        llm.shutdown()
+    assert_matches(first, expected)
+    assert_matches(second, expected)
+    assert hits.hits > 0, "the shared prefixes and the repeated batch must hit the prefix cache"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption_under_small_kv_budget(reference, arch, tiny_model):
+    path, prompts, _, expected, _ = reference(arch)
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    block_bytes = 2 * 16 * config["num_key_value_heads"] * head_dim * 4 * config["num_hidden_layers"]
+    # 48 blocks = 768 tokens for 16 prompts that need about 3,000: preemption is forced.
+    outputs, scheduler = run_spindle(path, prompts, kv_cache_memory_bytes=48 * block_bytes,
+                                     block_size=16)
+    assert_matches(outputs, expected)
+    assert scheduler.num_preemptions > 0, "the small KV budget must have forced preemption"
