@@ -2,7 +2,9 @@
 
 __version__ = "0.1.0"
 
-from spindle.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from spindle.outputs import (CompletionOutput, EmbeddingOutput,  # noqa: E402
+                             EmbeddingRequestOutput, RequestOutput)
+from spindle.pooling_params import PoolingParams  # noqa: E402
 from spindle.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -15,4 +17,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'spindle' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]

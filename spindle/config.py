@@ -23,6 +23,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+TASKS = ("auto", "generate", "embed")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -50,13 +51,30 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step "
                                               "(default: max(2048, max_model_len) capped at 8192).")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps.")
+    async_scheduling: bool = _arg(True, "Schedule and launch the next step while the "
+                                  "current one runs on the device (in-process executor).")
     tensor_parallel_size: int = _arg(1, "Number of tensor-parallel ranks.")
     pipeline_parallel_size: int = _arg(1, "Number of pipeline stages.")
     distributed_executor_backend: str | None = _arg(None, "uni, mp or ray (default: uni "
                                                     "for one worker, mp for more).")
     device: str = _arg("auto", "cpu, cuda or auto.")
-    device_ids: list[int] | None = _arg(None, "Physical device ids for the workers.")
+    device_ids: list[int] | None = _arg(None, "Device ids for the workers, one per worker "
+                                        "(e.g. 2,3), as this process sees them: after "
+                                        "CUDA_VISIBLE_DEVICES. The CPU has only device 0.")
     enforce_eager: bool = _arg(False, "Disable CUDA graphs.")
+    attention_backend: str | None = _arg(None, "Attention backend: triton (CUDA default) or "
+                                         "torch_sdpa (CPU default; the reference on CUDA).")
+    max_cudagraph_batch_size: int | None = _arg(None, "Largest decode batch replayed from a "
+                                                "CUDA graph (default: max_num_seqs, at most 512).")
+    task: str = _arg("auto", "generate (text) or embed (one pooled vector per prompt); auto: "
+                     "embed for encoder-only models, generate otherwise.")
+    pooling_type: str | None = _arg(None, "For task=embed: mean, cls or last (default: the "
+                                    "checkpoint's sentence-transformers config, else cls for "
+                                    "encoders and last for decoders).")
+    normalize_embeddings: bool | None = _arg(None, "For task=embed: L2-normalise embeddings "
+                                             "(default: the checkpoint's config, else yes).")
+    enable_prompt_embeds: bool = _arg(False, "Accept prompts given as embeddings "
+                                      "({'prompt_embeds': tensor}); needs prefix caching off.")
 
     def create_engine_config(self) -> "EngineConfig":
         from spindle.platforms import resolve_platform
@@ -64,14 +82,18 @@ class EngineArgs:
         platform = resolve_platform(self.device)
         model = ModelConfig.create(self, platform.device_type)
         sched = SchedulerConfig.create(self, model)
-        return EngineConfig(
+        config = EngineConfig(
             model=model,
             cache=CacheConfig.create(self),
             parallel=ParallelConfig.create(self),
             scheduler=sched,
-            device=DeviceConfig(device_type=platform.device_type,
-                                enforce_eager=self.enforce_eager or platform.device_type == "cpu"),
+            device=DeviceConfig.create(self, platform),
+            pooler=_pooler_config(self, model, sched),
         )
+        from spindle.runner.model_states import check_config
+
+        check_config(config)  # the runner refuses what the model's state cannot serve
+        return config
 
 
 @dataclass(frozen=True)
@@ -82,6 +104,9 @@ class ModelConfig:
     max_model_len: int
     seed: int
     hf_config: Any = field(compare=False, repr=False)
+    model_kind: str = "decoder"  # what the model class declares: "decoder" | "encoder"
+    task: str = "generate"  # "generate" | "embed"
+    enable_prompt_embeds: bool = False
 
     @property
     def architecture(self) -> str:
@@ -96,14 +121,24 @@ class ModelConfig:
         path = _check_model_dir(args.model)
         hf_config = _load_hf_config(path)
         dtype = _resolve_dtype(args.dtype, hf_config, device_type)
+        from spindle.models.registry import model_kind, resolve_model_class
+
+        model_class = resolve_model_class(hf_config.architectures)
+        kind = model_kind(model_class)
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if hasattr(model_class, "max_model_len"):  # positions offset in the table (RoBERTa)
+            limit = model_class.max_model_len(hf_config)
         max_model_len = args.max_model_len or limit
         _require(isinstance(max_model_len, int) and max_model_len >= 1, "max_model_len",
                  max_model_len, "a positive integer")
         _require(max_model_len <= limit, "max_model_len", max_model_len,
                  f"<= the model's max_position_embeddings ({limit})")
+        _require(args.task in TASKS, "task", args.task, f"one of {TASKS}")
+        task = args.task if args.task != "auto" else ("embed" if kind == "encoder" else "generate")
         return ModelConfig(model=str(path), tokenizer=str(args.tokenizer or path), dtype=dtype,
-                           max_model_len=max_model_len, seed=args.seed, hf_config=hf_config)
+                           max_model_len=max_model_len, seed=args.seed, hf_config=hf_config,
+                           model_kind=kind, task=task,
+                           enable_prompt_embeds=bool(args.enable_prompt_embeds))
 
 
 @dataclass(frozen=True)
@@ -168,6 +203,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    async_scheduling: bool = False
 
     @staticmethod
     def create(args: EngineArgs, model: ModelConfig) -> "SchedulerConfig":
@@ -181,13 +217,31 @@ class SchedulerConfig:
                      f">= max_model_len ({model.max_model_len}) when chunked prefill is off")
         return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                max_model_len=model.max_model_len,
-                               enable_chunked_prefill=bool(args.enable_chunked_prefill))
+                               enable_chunked_prefill=bool(args.enable_chunked_prefill),
+                               async_scheduling=bool(args.async_scheduling))
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
     device_type: str  # "cpu" | "cuda"
-    enforce_eager: bool
+    enforce_eager: bool  # True: no CUDA graphs (always on platforms without them)
+    attention_backend: str
+    max_cudagraph_batch_size: int
+
+    @staticmethod
+    def create(args: EngineArgs, platform: Any) -> "DeviceConfig":
+        from spindle.attention.backends.registry import registered_backends
+
+        backend = args.attention_backend or platform.default_attention_backend
+        _require(backend in registered_backends(), "attention_backend", backend,
+                 f"one of {registered_backends()}")
+        graph_max = args.max_cudagraph_batch_size or min(args.max_num_seqs, 512)
+        _require(isinstance(graph_max, int) and graph_max >= 1, "max_cudagraph_batch_size",
+                 graph_max, "an integer >= 1")
+        return DeviceConfig(device_type=platform.device_type,
+                            enforce_eager=args.enforce_eager or not platform.supports_cuda_graphs(),
+                            attention_backend=backend,
+                            max_cudagraph_batch_size=min(graph_max, args.max_num_seqs))
 
 
 @dataclass(frozen=True)
@@ -197,9 +251,25 @@ class EngineConfig:
     parallel: ParallelConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    pooler: Any = None  # spindle.pooler_config.PoolerConfig when task == "embed"
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _pooler_config(args: EngineArgs, model: ModelConfig, sched: SchedulerConfig) -> Any:
+    """The PoolerConfig of an embed engine (None for generate). Pooling prompts are
+    never chunked, so the step budget must hold the longest one."""
+    if model.task != "embed":
+        return None
+    from spindle.pooler_config import PoolerConfig
+
+    pooler = PoolerConfig.create(model.model, model.model_kind, model.max_model_len,
+                                 args.pooling_type, args.normalize_embeddings)
+    _require(sched.max_num_batched_tokens >= pooler.max_seq_len, "max_num_batched_tokens",
+             sched.max_num_batched_tokens,
+             f">= the embedding truncation length ({pooler.max_seq_len}) for task='embed'")
+    return pooler
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:

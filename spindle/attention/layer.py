@@ -33,6 +33,13 @@ class Attention(nn.Module):
         self.impl = get_backend(backend)(num_heads, head_dim, scale, num_kv_heads)
         self.kv_cache: torch.Tensor | None = None
 
+    def use_backend(self, name: str) -> None:
+        """Switch the math to another registered backend (the runner picks the
+        platform's default, or the user's choice, after the model is built)."""
+        self.backend_name = name
+        self.impl = get_backend(name)(self.num_heads, self.head_dim, self.scale,
+                                      self.num_kv_heads)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         attn_metadata = get_forward_context().attn_metadata
         num_tokens = q.shape[0]

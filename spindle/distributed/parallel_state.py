@@ -28,6 +28,13 @@ class TensorParallelGroup:
         torch.distributed.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x of group rank src, on every rank (in place; same shape everywhere)."""
+        if self.size == 1:
+            return x
+        torch.distributed.broadcast(x, group=self.group, group_src=src)
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's x along dim (same shape on every rank)."""
         if self.size == 1:

@@ -11,6 +11,7 @@ import time
 from typing import Iterable
 
 from spindle.config import EngineConfig
+from spindle.engine.pause import PauseMode, SchedulingGate, SleepModeUnavailableError
 from spindle.engine.request import Request, RequestStatus
 from spindle.engine.scheduler import Scheduler
 from spindle.engine.scheduler_output import EngineCoreOutput, ModelRunnerOutput
@@ -30,19 +31,28 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
+        # Async scheduling: schedule and launch step N+1 while step N runs on the device.
+        self.async_scheduling = (config.scheduler.async_scheduling
+                                 and hasattr(self.executor, "execute_model_async"))
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
+                                   async_scheduling=self.async_scheduling)
+        self._inflight = None  # (SchedulerOutput, PendingOutput) of the launched step
+        self._undelivered: list[EngineCoreOutput] = []  # drained outside step()
+        self.gate = SchedulingGate()  # pause / sleep state (engine/pause.py)
         self.startup_seconds = time.perf_counter() - start
         self.startup_table = format_startup_table(self.executor.lifecycle_reports())
         logger.info("startup in %.2fs; KV cache: %d blocks of %d tokens\n%s", self.startup_seconds,
                     self.num_kv_blocks, config.cache.block_size, self.startup_table)
 
     def _initialize_kv_caches(self) -> int:
-        available = min(self.executor.determine_available_memory())
-        block_bytes = max(self.executor.kv_cache_block_bytes())
+        budgets = self.executor.determine_available_memory()
+        rank_block_bytes = self.executor.kv_cache_block_bytes()
+        available, block_bytes = min(budgets), max(rank_block_bytes)
         if block_bytes == 0:  # a model without a KV cache (encoder-only)
             self.executor.initialize_kv_cache(0)
             return 0
-        num_blocks = available // block_bytes
+        # Every rank holds the same block ids: the blocks the tightest rank can fit.
+        num_blocks = min(b // size for b, size in zip(budgets, rank_block_bytes))
         block_size = self.config.cache.block_size
         needed = -(-self.config.model.max_model_len // block_size)
         if num_blocks < needed:
@@ -54,30 +64,121 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         return num_blocks
 
+    def raise_if_dead(self) -> None:
+        """Raise the executor's failure (a dead worker, naming its rank and exit code)."""
+        self.executor.raise_if_failed()
+
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        self.raise_if_dead()
+        if self.gate.admit(request):  # else held until resume, or refused (paused / asleep)
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.abort_requests(list(request_ids))
+        request_ids = list(request_ids)
+        self.gate.drop_held(request_ids)
+        self.scheduler.abort_requests(request_ids)
 
     def finish_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests the output processor stopped (a stop string matched)."""
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return (self.scheduler.has_unfinished_requests() or self._inflight is not None
+                or bool(self._undelivered))
+
+    def can_step(self) -> bool:
+        """True when step() has work to do: unfinished requests and scheduling allowed,
+        or outputs of a launched step to collect."""
+        return ((self.gate.may_schedule and self.scheduler.has_unfinished_requests())
+                or self._inflight is not None or bool(self._undelivered))
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
-            return []
+        """schedule -> execute -> update. With async scheduling the update is that of
+        the previous step: this step is launched first, so the device never waits
+        for the host's bookkeeping."""
+        outputs, self._undelivered = self._undelivered, []
+        if not (self.gate.may_schedule and self.scheduler.has_unfinished_requests()):
+            return outputs + self._collect_inflight()
         sched = self.scheduler.schedule()
-        if sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids):
-            runner_output = ModelRunnerOutput()  # nothing for the workers to do or forget
+        idle = sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids)
+        if not self.async_scheduling:
+            runner_output = (ModelRunnerOutput() if idle  # nothing to do or forget
+                             else self.executor.execute_model(sched))
+            # Always: the scheduler may have finished requests on its own (e.g. one
+            # that can never fit), and reports them here.
+            return outputs + self.scheduler.update_from_output(sched, runner_output)
+        launched = None if idle else self.executor.execute_model_async(sched)
+        outputs += self._collect_inflight()
+        if launched is None:
+            outputs += self.scheduler.update_from_output(sched, ModelRunnerOutput())
         else:
-            runner_output = self.executor.execute_model(sched)
-        # Always: the scheduler may have finished requests on its own (e.g. one that
-        # can never fit), and reports them here.
-        return self.scheduler.update_from_output(sched, runner_output)
+            self._inflight = (sched, launched)
+        return outputs
+
+    def _collect_inflight(self) -> list[EngineCoreOutput]:
+        """Wait for the launched step (if any) and apply its tokens."""
+        if self._inflight is None:
+            return []
+        sched, pending = self._inflight
+        self._inflight = None
+        return self.scheduler.update_from_output(sched, pending.get())
+
+    def drain(self) -> None:
+        """Finish the launched step now (before pausing, sleeping or shutting down);
+        its outputs are delivered by the next step()."""
+        self._undelivered += self._collect_inflight()
+
+    # ---- pause and sleep (the state lives in self.gate) -------------------------
+    def pause(self, mode: PauseMode | str) -> list[EngineCoreOutput]:
+        """Pause scheduling (see PauseMode). With mode "abort", every unfinished request
+        (held ones too) is finished now; their outputs (finish reason "abort") are
+        returned for the caller to report, since no step() reports them."""
+        mode = PauseMode.parse(mode)
+        self.drain()
+        self.gate.pause(mode)
+        if mode is not PauseMode.ABORT:
+            return []
+        request_ids = list(self.scheduler.requests) + self.gate.drop_held()
+        self.scheduler.abort_requests(request_ids)
+        return [EngineCoreOutput(req_id=r, new_token_ids=[], finish_reason="abort")
+                for r in request_ids]
+
+    def resume(self) -> None:
+        """Unpause: frozen requests go on where they stopped, then held ones, in order."""
+        for request in self.gate.resume():
+            self.scheduler.add_request(request)
+
+    def sleep(self, level: int) -> None:
+        """Level 0 stops scheduling only; levels 1 and 2 also release device memory,
+        which needs an executor with sleep(level). In-flight requests stay frozen and
+        new ones are refused until wake_up."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
+        self.drain()
+        if level > 0:
+            self._executor_sleep_method("sleep")(level)
+        self.gate.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake what tags name ("weights", "kv_cache", "scheduling"; None: all).
+        Scheduling starts again only when it is woken."""
+        allowed = ("weights", "kv_cache", "scheduling")
+        bad = [t for t in tags or () if t not in allowed]
+        if bad:
+            raise ValueError(f"wake_up tags must be among {', '.join(allowed)}, got {bad}")
+        memory_tags = [t for t in tags or allowed if t != "scheduling"]
+        if (self.gate.sleep_level or 0) > 0 and memory_tags:
+            self._executor_sleep_method("wake_up")(memory_tags)
+        if tags is None or "scheduling" in tags:
+            self.gate.wake()
+
+    def _executor_sleep_method(self, name: str):
+        method = getattr(self.executor, name, None)
+        if method is None:
+            raise SleepModeUnavailableError(
+                f"sleep mode is not available: the {type(self.executor).__name__} has no "
+                f"{name}() (only sleep level 0, which pauses scheduling, works without it)")
+        return method
 
     def shutdown(self) -> None:
         self.executor.shutdown()

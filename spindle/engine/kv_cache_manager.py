@@ -91,6 +91,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of num_tokens tokens fits in the whole cache."""
+        return _cdiv(num_tokens, self.block_size) <= self.num_blocks
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached full blocks that prefixes request's tokens,
         and the number of tokens they cover.
@@ -140,9 +144,12 @@ class KVCacheManager:
                              "be taken at admission")
         num_hit_tokens = len(new_computed_blocks) * self.block_size
         total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
-        if total > request.num_tokens:
+        if total > request.num_tokens + request.num_output_placeholders:
             raise ValueError(f"request {rid}: cannot allocate for {total} tokens, it has "
                              f"only {request.num_tokens} known tokens")
+        known = min(total, request.num_tokens)  # only known token ids are ever hashed
+        if not is_new and not new_computed_blocks and self._holds_enough(rid, held, total, known):
+            return []  # the common decode step: room in the last block, nothing to cache
         num_needed = max(0, _cdiv(total, self.block_size) - len(held) - len(new_computed_blocks))
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed + num_revived > self.block_pool.num_free_blocks:
@@ -157,8 +164,14 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if is_new:
             self._num_hashed[rid] = len(new_computed_blocks)
-        self._cache_full_blocks(request, total // self.block_size)
+        self._cache_full_blocks(request, known // self.block_size)
         return new_blocks
+
+    def _holds_enough(self, rid: str, held: list[KVCacheBlock], total: int, known: int) -> bool:
+        """Whether held blocks cover total tokens and no block newly became full."""
+        if _cdiv(total, self.block_size) > len(held):
+            return False
+        return not self.enable_caching or known // self.block_size <= self._num_hashed.get(rid, 0)
 
     def free(self, request: Request) -> None:
         """Release every block of request, tail first (its last blocks are evicted

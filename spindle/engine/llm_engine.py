@@ -17,8 +17,13 @@ from typing import Any, Union
 from spindle.config import EngineArgs, EngineConfig
 from spindle.engine.engine_core import EngineCore
 from spindle.engine.output_processor import OutputProcessor
+from spindle.engine.pause import PauseMode
+from spindle.engine.pooling_inputs import (POOLING_SAMPLING_PARAMS, check_pooling_params,
+                                           tokenize_for_pooling)
+from spindle.engine.prompt_embeds import is_prompt_embeds, prompt_embeds_input
 from spindle.engine.request import Request
 from spindle.outputs import RequestOutput
+from spindle.pooling_params import PoolingParams
 from spindle.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,21 +45,44 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     # ---- requests ---------------------------------------------------------------
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(self, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
+                    request_id: str | None = None, final_only: bool = False) -> str:
+        """Queue a request. final_only: step() reports it only once finished (offline
+        batches), instead of its cumulative output after every step (streaming)."""
+        if isinstance(params, PoolingParams) or self.config.model.task == "embed":
+            return self._add_pooling_request(prompt, params, request_id)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = request_id or str(next(self._counter))
+        self.core.gate.check_accepting()  # paused with mode=abort, or asleep: refuse up front
+        self.core.raise_if_dead()  # a failed executor: fail now, before any state is kept
         if self.output_processor.core_request_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids, embeds = self._process_prompt(prompt)
         max_tokens = self._resolve_max_tokens(token_ids, params)
         params = params.with_eos(self.eos_token_ids)
         children = {_child_id(request_id, i, params.n): params.for_child(i) for i in range(params.n)}
-        self.output_processor.add_request(request_id, text, token_ids, children)
+        # (Placeholder ids of prompt embeddings are no tokens to show or detokenize.)
+        self.output_processor.add_request(request_id, text, token_ids if embeds is None else [],
+                                          children, final_only)
         for core_id, child_params in children.items():
-            self.core.add_request(Request(core_id, token_ids, child_params, max_tokens))
+            self.core.add_request(Request(core_id, token_ids, child_params, max_tokens,
+                                          prompt_embeds=embeds))
+        return request_id
+
+    def _add_pooling_request(self, prompt: PromptType, params: PoolingParams | None,
+                             request_id: str | None) -> str:
+        """An embedding request: truncating tokenization, one core request that pools."""
+        params = check_pooling_params(self.config, params)
+        request_id = request_id or str(next(self._counter))
+        self.core.gate.check_accepting()
+        if self.output_processor.core_request_ids(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = tokenize_for_pooling(self.tokenizer, prompt, self.config)
+        self.output_processor.add_pooling_request(request_id, text, token_ids)
+        self.core.add_request(Request(request_id, token_ids, POOLING_SAMPLING_PARAMS, 1,
+                                      pooling_params=params))
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -74,10 +102,30 @@ class LLMEngine:
             self.core.finish_requests(stopped)
         return results
 
+    def can_step(self) -> bool:
+        """False when step() would do nothing (no requests, or scheduling paused)."""
+        return self.core.can_step()
+
+    def pause(self, mode: PauseMode | str) -> list[RequestOutput]:
+        """Pause scheduling (see engine/pause.py); returns the final outputs of the
+        requests that mode "abort" finished."""
+        results, _ = self.output_processor.process(self.core.pause(mode))
+        return results
+
+    def resume(self) -> None:
+        self.core.resume()
+
     def shutdown(self) -> None:
         self.core.shutdown()
 
     # ---- validation ---------------------------------------------------------------
+    def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], Any]:
+        """(text, token ids, prompt embeddings or None) of a generation prompt."""
+        if is_prompt_embeds(prompt):
+            embeds, placeholder_ids = prompt_embeds_input(prompt, self.config)
+            return None, placeholder_ids, embeds
+        return (*self._tokenize(prompt), None)
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

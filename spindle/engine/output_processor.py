@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spindle.engine.detokenizer import IncrementalDetokenizer
+from spindle.engine.pooling_output import PoolingOutputs
 from spindle.engine.scheduler_output import EngineCoreOutput, SampledLogprobs
 from spindle.outputs import CompletionOutput, Logprob, RequestOutput
 from spindle.sampling_params import SamplingParams
@@ -43,6 +44,7 @@ class _UserRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: dict[str, _SampleState]  # core request id -> sample
+    final_only: bool = False  # report only the finished output (offline batches)
 
     @property
     def finished(self) -> bool:
@@ -60,9 +62,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._users: dict[str, _UserRequest] = {}
         self._core_to_user: dict[str, str] = {}
+        self.pooling = PoolingOutputs()  # embedding requests (engine/pooling_output.py)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    core_params: dict[str, SamplingParams]) -> None:
+                    core_params: dict[str, SamplingParams], final_only: bool = False) -> None:
         """Track a user request whose n samples run as core requests core_params.keys()."""
         samples = {}
         for index, (core_id, params) in enumerate(core_params.items()):
@@ -72,21 +75,34 @@ class OutputProcessor:
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             self._core_to_user[core_id] = request_id
-        self._users[request_id] = _UserRequest(request_id, prompt, list(prompt_token_ids), samples)
+        self._users[request_id] = _UserRequest(request_id, prompt, list(prompt_token_ids), samples,
+                                               final_only)
+
+    def add_pooling_request(self, request_id: str, prompt: str | None,
+                            prompt_token_ids: list[int]) -> None:
+        """Track an embedding request (one core request with the same id)."""
+        self.pooling.add(request_id, prompt, prompt_token_ids)
 
     def has_unfinished(self) -> bool:
-        return bool(self._users)
+        return bool(self._users) or bool(self.pooling)
 
     def core_request_ids(self, request_id: str) -> list[str]:
+        if request_id in self.pooling:
+            return [request_id]
         user = self._users.get(request_id)
         return list(user.samples) if user else []
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's outputs. Returns the updated user requests' outputs and
-        the core request ids that hit a stop string (the core must finish them)."""
+        """Apply one step's outputs. Returns the updated user requests' outputs (an
+        EmbeddingRequestOutput for each finished pooling request) and the core
+        request ids that hit a stop string (the core must finish them)."""
         touched: dict[str, _UserRequest] = {}
         stopped_by_string: list[str] = []
+        pooled = []
         for out in outputs:
+            if out.req_id in self.pooling:
+                pooled.append(self.pooling.finish(out))
+                continue
             user_id = self._core_to_user.get(out.req_id)
             if user_id is None:
                 continue  # aborted by the user meanwhile
@@ -97,15 +113,19 @@ class OutputProcessor:
             if self._apply(sample, out):
                 stopped_by_string.append(out.req_id)
             touched[user_id] = user
-        results = []
+        results: list = [p for p in pooled if p is not None]
         for user in touched.values():
-            results.append(user.output())
             if user.finished:
+                results.append(user.output())
                 self._forget(user)
+            elif not user.final_only:
+                results.append(user.output())
         return results, stopped_by_string
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a user request with reason 'abort'; returns its final output."""
+        if request_id in self.pooling:
+            return self.pooling.abort(request_id)
         user = self._users.get(request_id)
         if user is None:
             return None

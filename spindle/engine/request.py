@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from spindle.sampling_params import SamplingParams
 
@@ -47,8 +48,14 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, max_tokens: int,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, pooling_params: Any = None,
+                 prompt_embeds: Any = None) -> None:
         self.request_id = request_id
+        # A pooling request runs its whole prompt in one step (never chunked, no
+        # prefix-cache hits) and finishes with an embedding instead of tokens.
+        self.pooling_params = pooling_params
+        # [num_prompt_tokens, hidden] CPU tensor; prompt_token_ids are then placeholders.
+        self.prompt_embeds = prompt_embeds
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
@@ -59,9 +66,16 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache; -1: not yet known
         self.num_preemptions = 0
+        # Tokens scheduled to be sampled whose ids have not come back yet (async
+        # scheduling): the scheduler may schedule their successors already.
+        self.num_output_placeholders = 0
         self.stop_reason: int | str | None = None
         # Chained hashes of this request's full blocks, filled by the KV cache manager.
         self.block_hashes: list[bytes] = []
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ from typing import Iterable
 
 from spindle.config import CacheConfig, SchedulerConfig
 from spindle.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from spindle.engine.no_kv_cache_manager import NoKVCacheManager
 from spindle.engine.request import Request, RequestStatus
 from spindle.engine.scheduler_output import (CachedRequestData, EngineCoreOutput,
                                              ModelRunnerOutput, NewRequestData,
@@ -48,20 +49,28 @@ class Scheduler:
         update_from_output(), rather than looping forever. Any other request can
         always run once it is the oldest running one, since it then preempts all
         the others if need be.
+      * A pooling request is scheduled with its whole prompt in one step (never
+        chunked, no prefix hits) and finishes in the update_from_output() of that
+        step, with its embedding.
+      * With 0 KV blocks (a model without a KV cache) a NoKVCacheManager stands in:
+        only the token budget and max_num_seqs limit a step.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_kv_blocks: int) -> None:
-        if num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+                 num_kv_blocks: int, async_scheduling: bool = False) -> None:
+        if num_kv_blocks < 0:
+            raise ValueError(f"num_kv_blocks must be >= 0, got {num_kv_blocks}")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+        # 0 blocks: the model has no KV cache (encoder-only).
+        self.kv_cache_manager = (
+            KVCacheManager(num_kv_blocks, cache_config.block_size,
+                           cache_config.enable_prefix_caching)
+            if num_kv_blocks > 0 else NoKVCacheManager(cache_config.block_size))
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -71,6 +80,8 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self._step_id = 0
         self.num_preemptions = 0  # since start, for stats and tests
+        # Schedule step N+1 before step N's tokens are back (see engine_core.py).
+        self.async_scheduling = async_scheduling
 
     # ------------------------------------------------------------------ queries
 
@@ -153,7 +164,11 @@ class Scheduler:
             self._schedule_waiting(out, budget)
 
         for rid, n in out.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += n
+            request = self.requests[rid]
+            request.num_computed_tokens += n
+            if (self.async_scheduling and request.num_computed_tokens
+                    == request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1  # its next token is being sampled
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
@@ -167,7 +182,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = (request.num_tokens + request.num_output_placeholders
+                       - request.num_computed_tokens)
+            if (request.num_output_placeholders
+                    and request.num_output_tokens + request.num_output_placeholders
+                    >= request.max_tokens):
+                num_new = 0  # the in-flight token is its last: nothing more to compute
             if num_new <= 0:
                 # Its last step's token is not back yet (only with outputs in flight).
                 index += 1
@@ -176,7 +196,7 @@ class Scheduler:
                 self.running.pop(index)
                 self._finish_unfittable(request)
                 continue
-            if self.enable_chunked_prefill:
+            if self._chunkable(request):
                 num_new = min(num_new, budget)
             elif num_new > budget:
                 index += 1
@@ -212,14 +232,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and not request.is_pooling:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
             if self._can_never_fit(request, num_new):
                 self.waiting.popleft()
                 self._finish_unfittable(request)
                 continue
-            if self.enable_chunked_prefill:
+            if self._chunkable(request):
                 num_new = min(num_new, budget)
             elif num_new > budget:
                 break
@@ -234,7 +254,9 @@ class Scheduler:
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                num_computed_tokens=request.num_computed_tokens))
+                num_computed_tokens=request.num_computed_tokens,
+                pooling_params=request.pooling_params,
+                prompt_embeds=request.prompt_embeds))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
 
@@ -252,15 +274,20 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # an in-flight token is dropped; recomputed later
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _can_never_fit(self, request: Request, num_new: int) -> bool:
-        needed_blocks = -(-request.num_tokens // self.block_size)
-        if needed_blocks > self.kv_cache_manager.num_blocks:
+        if not self.kv_cache_manager.can_ever_fit(request.num_tokens):
             return True
-        return not self.enable_chunked_prefill and num_new > self.max_num_batched_tokens
+        return not self._chunkable(request) and num_new > self.max_num_batched_tokens
+
+    def _chunkable(self, request: Request) -> bool:
+        """Whether request's prompt may be split across steps: never for a pooling
+        request, whose pooler needs the whole prompt in one step."""
+        return self.enable_chunked_prefill and not request.is_pooling
 
     def _finish_unfittable(self, request: Request) -> None:
         """Finish a request that could never be scheduled (caller removed it from its
@@ -296,11 +323,15 @@ class Scheduler:
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduled = scheduler_output.num_scheduled_tokens
+        if runner_output.pooled_outputs:
+            outputs.extend(self._finish_pooled(scheduled, runner_output))
         logprobs = runner_output.logprobs
         any_finished = False
         for i, rid in enumerate(runner_output.req_ids):
             token_ids = runner_output.sampled_token_ids[i]
             request = self.requests.get(rid)
+            if token_ids and request is not None and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             if (not token_ids or request is None or rid not in scheduled
                     or request.status != RequestStatus.RUNNING):
                 continue
@@ -315,6 +346,23 @@ class Scheduler:
                 self._finish(request, request.status)
                 any_finished = True
         if any_finished:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return outputs
+
+    def _finish_pooled(self, scheduled: dict[str, int],
+                       runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """A pooling request is done after its one step: report its embedding and
+        finish it (FINISHED_STOPPED)."""
+        outputs = []
+        for rid, pooled in zip(runner_output.req_ids, runner_output.pooled_outputs):
+            request = self.requests.get(rid)
+            if (pooled is None or request is None or rid not in scheduled
+                    or request.status != RequestStatus.RUNNING):
+                continue
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=[], finish_reason="stop",
+                                            pooled_output=pooled))
+        if outputs:
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
 

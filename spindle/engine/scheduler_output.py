@@ -9,6 +9,7 @@ after preemption); afterwards only what changed. ModelRunnerOutput comes back up
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from spindle.sampling_params import SamplingParams
 
@@ -23,6 +24,11 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits)
+    # Set for an embedding request: it runs its whole prompt in one step and pools.
+    pooling_params: Any = None  # spindle.pooling_params.PoolingParams
+    # Set for a prompt given as embeddings [num_prompt_tokens, hidden] (a CPU tensor,
+    # sent once); its prompt token ids are then placeholders that nothing embeds.
+    prompt_embeds: Any = None
 
 
 @dataclass
@@ -69,6 +75,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     # Per request in req_ids, when its sampling params asked for logprobs.
     logprobs: list[SampledLogprobs | None] = field(default_factory=list)
+    # Per request in req_ids when the step pooled: its embedding (a list of floats),
+    # None for a request that did not pool. Empty when nothing pooled.
+    pooled_outputs: list[list[float] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -80,6 +89,7 @@ class EngineCoreOutput:
     new_logprobs: list[SampledLogprobs] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # stop token id (None for EOS) or stop string
+    pooled_output: list[float] | None = None  # the embedding, for a finished pooling request
 
     @property
     def finished(self) -> bool:

@@ -1,4 +1,4 @@
-"""The `spindle` command: generate, make-tiny-model (serve and bench come later)."""
+"""The `spindle` command: generate, serve, embed, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -61,6 +61,19 @@ def _stream_one(engine, prompt: str, params) -> None:
     out.write("\n")
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from spindle.entrypoints.openai.api_server import run_server
+    from spindle.logger import configure_logging
+
+    configure_logging()
+    if ns.model_path and ns.model and ns.model_path != ns.model:
+        raise ValueError(f"two models given: {ns.model_path!r} and --model {ns.model!r}")
+    model = ns.model_path or ns.model or str(default_model_dir())
+    return run_server(engine_args_from(ns, model=model), host=ns.host, port=ns.port,
+                      served_model_names=ns.served_model_name,
+                      shutdown_timeout=ns.shutdown_timeout)
+
+
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
     from spindle.tools.tiny_model import run_cli
 
@@ -77,6 +90,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen, temperature=0.0, max_tokens=64)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="Run the OpenAI-compatible HTTP server.")
+    serve.add_argument("model_path", nargs="?", metavar="PATH",
+                       help="Model directory (or --model; default: the built-in tiny model).")
+    serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="Port to listen on; 0 picks a free one (the log says which).")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="Model name(s) clients use (default: the model path).")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="Seconds requests in flight get to finish after SIGINT/SIGTERM "
+                            "before they are aborted.")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    from spindle.entrypoints.embed_cli import add_embed_parser
+
+    add_embed_parser(sub)
 
     tiny = sub.add_parser("make-tiny-model",
                           help="Write a small random Hugging Face checkpoint with a real tokenizer.")

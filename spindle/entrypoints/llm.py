@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model=...)`, `llm.generate(...)`, `llm.chat(...)`.
+"""The offline API: `LLM(model=...)`, `llm.generate(...)`, `llm.chat(...)`,
+`llm.embed(...)` (with `LLM(model, task="embed")`).
 
 Shaped like vLLM's LLM class so that code written for it runs here unchanged for
 the features spindle has.
@@ -13,8 +14,11 @@ from tqdm import tqdm
 
 from spindle.config import EngineArgs
 from spindle.engine.llm_engine import LLMEngine, PromptType
+from spindle.engine.pooling_inputs import pretokenize
+from spindle.entrypoints.chat_utils import render_chat_prompt
 from spindle.logger import configure_logging
-from spindle.outputs import RequestOutput
+from spindle.outputs import EmbeddingRequestOutput, RequestOutput
+from spindle.pooling_params import PoolingParams
 from spindle.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -42,15 +46,19 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order."""
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
-        except Exception:
-            for request_id in ids:  # all or nothing: do not leave half a batch queued
-                self.engine.abort_request(request_id)
-            raise
-        return self._run(ids, use_tqdm)
+        return self._run(self._add_all(prompts, params), use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order. Texts are tokenized in one batch,
+        truncated to the model's max length; the empty string is a valid text."""
+        if self.config.model.task != "embed":
+            raise ValueError(f"embed() needs an engine started with task='embed' (this one "
+                             f"runs task={self.config.model.task!r})")
+        prompts = pretokenize(self.engine.tokenizer, _as_prompt_list(prompts), self.config)
+        params = _params_per_prompt(pooling_params, len(prompts), PoolingParams)
+        return self._run(self._add_all(prompts, params), use_tqdm, desc="Embedding")
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -65,18 +73,8 @@ class LLM:
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> dict:
-        tokenizer = self.engine.tokenizer
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
-        for message in conversation:
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError(f"each chat message needs 'role' and 'content', got {message!r}")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template)
-        # The template already holds any BOS it wants: do not add special tokens twice.
-        return {"prompt": text,
-                "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        return render_chat_prompt(self.engine.tokenizer, conversation, add_generation_prompt,
+                                  chat_template)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -87,11 +85,21 @@ class LLM:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _add_all(self, prompts: list, params: list) -> list[str]:
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p, final_only=True))
+        except Exception:
+            for request_id in ids:  # all or nothing: do not leave half a batch queued
+                self.engine.abort_request(request_id)
+            raise
+        return ids
+
+    def _run(self, request_ids: list[str], use_tqdm: bool, desc: str = "Generating") -> list:
         pending = set(request_ids)
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        finished: dict[str, Any] = {}
+        bar = tqdm(total=len(request_ids), desc=desc, disable=not use_tqdm, dynamic_ncols=True)
         try:
             while pending:
                 for out in self.engine.step():
@@ -118,12 +126,12 @@ def _as_prompt_list(prompts: Any) -> list:
     return list(prompts)
 
 
-def _params_per_prompt(params: Any, n: int) -> list[SamplingParams]:
+def _params_per_prompt(params: Any, n: int, kind: type = SamplingParams) -> list:
     if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
+        return [kind()] * n
+    if isinstance(params, kind):
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        raise ValueError(f"got {len(params)} {kind.__name__} for {n} prompts")
     return params

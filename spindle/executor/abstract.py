@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 _BACKENDS = {
     "uni": "spindle.executor.uniproc:UniProcExecutor",
+    "mp": "spindle.executor.multiproc:MultiProcExecutor",
 }
 
 
@@ -47,9 +48,12 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                        args: tuple = (), kwargs: dict | None = None,
-                       unique_reply_rank: int | None = None) -> Any:
+                       unique_reply_rank: int | None = None, non_block: bool = False) -> Any:
         """Run method on every worker. Returns the list of replies in rank order, or
-        only the reply of unique_reply_rank when it is given (others stay silent)."""
+        only the reply of unique_reply_rank when it is given (others stay silent).
+        timeout: seconds to wait for the replies; TimeoutError names the ranks that did
+        not answer. non_block: return a concurrent.futures.Future at once instead;
+        futures of one executor resolve in call order."""
 
     @property
     def output_rank(self) -> int:
@@ -78,12 +82,18 @@ class Executor(abc.ABC):
     def heartbeats(self) -> list[Any]:
         return self.collective_rpc("heartbeat")
 
-    def check_health(self) -> None:
-        """Raise if any worker is dead or does not answer."""
-        self.collective_rpc("check_health", timeout=10.0)
+    def check_health(self, timeout: float = 10.0) -> None:
+        """Raise if any worker is dead or does not answer within timeout seconds."""
+        self.collective_rpc("check_health", timeout=timeout)
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        """callback() runs once, from any thread, when the executor fails."""
         self._failure_callbacks.append(callback)
+
+    def raise_if_failed(self) -> None:
+        """Raise the error that failed the executor, if it failed (an in-process
+        executor fails only by raising from the call itself)."""
+        return None
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any, Callable
 
+from spindle.engine.scheduler_output import SchedulerOutput
 from spindle.executor.abstract import Executor
+from spindle.executor.devices import worker_device_indices
+from spindle.platforms import resolve_platform
 from spindle.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        local_rank = self.config.parallel.device_ids[0] if self.config.parallel.device_ids else 0
-        self.worker: Worker | None = Worker(self.config, rank=0, local_rank=local_rank)
+        platform = resolve_platform(self.config.device.device_type)
+        device_index = worker_device_indices(self.config.parallel, platform)[0]
+        self.worker: Worker | None = Worker(self.config, rank=0, local_rank=device_index)
         self.worker.init_device()
         self.worker.load_model()
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                        args: tuple = (), kwargs: dict | None = None,
-                       unique_reply_rank: int | None = None) -> Any:
+                       unique_reply_rank: int | None = None, non_block: bool = False) -> Any:
         # In process there is nothing to time out on: the call runs to completion.
         if self.worker is None:
             raise RuntimeError("the executor has been shut down")
+        if non_block:
+            future: Future = Future()
+            try:
+                future.set_result(self.collective_rpc(method, timeout, args, kwargs,
+                                                      unique_reply_rank))
+            except Exception as e:
+                future.set_exception(e)
+            return future
         kwargs = kwargs or {}
         if isinstance(method, str):
             reply = getattr(self.worker, method)(*args, **kwargs)
@@ -32,3 +45,9 @@ class UniProcExecutor(Executor):
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None
+
+    def execute_model_async(self, sched: SchedulerOutput) -> Any:
+        """Launch a step in process; the returned PendingOutput's get() waits for it."""
+        if self.worker is None:
+            raise RuntimeError("the executor has been shut down")
+        return self.worker.execute_model_async(sched)

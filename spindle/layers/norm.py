@@ -32,6 +32,10 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(input_dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda and x.dim() == 2:
+            from spindle.layers.fused_kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return self._norm(x)
         x = residual + x  # HF adds in the activation dtype, as here

@@ -88,15 +88,26 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """cos/sin None: the fused CUDA path reads the rotary tables (rope_tables)
+        by position inside one kernel that also applies the q/k norms."""
         num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cos is None:
+            from spindle.layers.fused_kernels import qk_norm_rope_
+
+            norm = self.q_norm is not None
+            qk_norm_rope_(q, k, positions, *self.rope_tables,
+                          self.q_norm.weight if norm else None,
+                          self.k_norm.weight if norm else None,
+                          self.q_norm.variance_epsilon if norm else 0.0)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
         return self.o_proj(out)
 
@@ -113,7 +124,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                positions: torch.Tensor, cos: torch.Tensor | None,
+                sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block with the residual stream carried separately: returns the MLP
         output and the residual it must be added to (the next norm does the add)."""
         if residual is None:
@@ -121,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin)
+        hidden_states = self.self_attn(hidden_states, positions, cos, sin)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -136,16 +148,21 @@ class LlamaModel(nn.Module):
                                     for _ in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
+        for layer in self.layers:  # plain tensor references, not submodules
+            layer.self_attn.rope_tables = (self.rotary_emb.cos_cache, self.rotary_emb.sin_cache)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary_emb(positions, hidden_states.dtype)  # shared by all layers
+        if hidden_states.is_cuda:
+            cos = sin = None  # the fused kernels read the tables themselves
+        else:
+            cos, sin = self.rotary_emb(positions, hidden_states.dtype)  # shared by all layers
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, cos, sin)
+            hidden_states, residual = layer(hidden_states, residual, positions, cos, sin)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

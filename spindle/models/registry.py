@@ -12,11 +12,19 @@ MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "spindle.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
+    "BertModel": "spindle.models.bert:BertModel",
+    "RobertaModel": "spindle.models.bert:RobertaModel",
+    "XLMRobertaModel": "spindle.models.bert:XLMRobertaModel",
 }
 
 
 def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
+
+
+def model_kind(model_class: type) -> str:
+    """What a model class declares it is: "decoder" (the default) or "encoder"."""
+    return getattr(model_class, "model_kind", "decoder")
 
 
 def resolve_model_class(architectures: list[str] | None) -> type:

@@ -12,6 +12,7 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     default_attention_backend = "torch_sdpa"
+    workers_share_device = True
 
     def is_available(self) -> bool:
         return True

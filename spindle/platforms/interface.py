@@ -15,6 +15,8 @@ class Platform(abc.ABC):
     device_type: str  # torch device type: "cpu" | "cuda"
     dist_backend: str  # torch.distributed backend for this device type
     default_attention_backend: str
+    # True where every worker runs on the same device (the CPU host) instead of one each.
+    workers_share_device: bool = False
 
     @abc.abstractmethod
     def is_available(self) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from spindle.engine.scheduler_output import NewRequestData, SchedulerOutput
 from spindle.runner.sample.metadata import SamplingMetadata
+from spindle.runner.staging import HostToDevice
 from spindle.sampling_params import SamplingParams
 
 
@@ -31,8 +32,12 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     num_tokens: int  # known tokens: prompt + outputs so far
+    # Tokens being sampled by launched steps whose results have not been read back:
+    # their ids are fed to the next step on the device (runner/async_output.py).
+    num_inflight: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # owned by the model state
+    pooling_params: Any = None  # set for a pooling (embedding) request
 
 
 @dataclass
@@ -52,6 +57,8 @@ class StepBatch:
     token_req_index: np.ndarray  # [T] which request each token belongs to
     sampling_mask: np.ndarray  # [B] bool: request reaches its last known token and samples
     logits_indices: np.ndarray  # [S] token index whose hidden state is sampled (S = mask.sum())
+    inflight_dst: np.ndarray = None  # token indices whose input id is still being sampled
+    requests: list[CachedRequestState] = field(default_factory=list)  # [B] in req_ids order
 
     @property
     def num_reqs(self) -> int:
@@ -80,6 +87,8 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.requests: dict[str, CachedRequestState] = {}
+        self._metadata_key: tuple | None = None
+        self._metadata: SamplingMetadata | None = None
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     # ---- request bookkeeping -------------------------------------------------
@@ -101,7 +110,8 @@ class InputBatch:
             req_id=new.req_id, row=row, num_prompt_tokens=new.num_prompt_tokens,
             sampling_params=params, generator=generator, block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens, num_tokens=len(new.token_ids),
-            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]))
+            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
+            pooling_params=new.pooling_params)
         self.token_ids[row, :len(new.token_ids)] = new.token_ids
         self._write_block_ids(state, 0, new.block_ids)
         self.requests[new.req_id] = state
@@ -119,6 +129,7 @@ class InputBatch:
         state.block_ids.extend(new_block_ids)
 
     def append_token(self, state: CachedRequestState, token_id: int) -> None:
+        state.num_inflight = max(0, state.num_inflight - 1)
         if state.num_tokens >= self.max_model_len:
             return  # the scheduler finishes the request at max_model_len; nothing to store
         self.token_ids[state.row, state.num_tokens] = token_id
@@ -141,7 +152,9 @@ class InputBatch:
                                     count=len(states))
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
                                    count=len(states))
-        num_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+        num_host = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+        num_known = num_host + np.fromiter((s.num_inflight for s in states), dtype=np.int64,
+                                           count=len(states))
 
         query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -157,6 +170,8 @@ class InputBatch:
         block_index = positions // self.block_size
         slot_mapping = (self.block_table[token_rows, block_index].astype(np.int64) * self.block_size
                         + positions % self.block_size)
+        # Input positions at or past the host-known tokens hold tokens still in flight.
+        inflight_dst = np.flatnonzero(positions >= num_host[token_req_index])
         num_block_cols = max(1, int(-(-seq_lens.max() // self.block_size))) if len(states) else 1
         sampling_mask = seq_lens == num_known
         return StepBatch(
@@ -164,25 +179,54 @@ class InputBatch:
             query_start_loc=query_start_loc, seq_lens=seq_lens, positions=positions,
             input_ids=self.token_ids[token_rows, positions], slot_mapping=slot_mapping,
             block_tables=self.block_table[rows, :num_block_cols], token_req_index=token_req_index,
-            sampling_mask=sampling_mask, logits_indices=query_start_loc[1:][sampling_mask] - 1)
+            sampling_mask=sampling_mask, logits_indices=query_start_loc[1:][sampling_mask] - 1,
+            inflight_dst=inflight_dst, requests=states)
 
-    def sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
-        """Batched sampling parameters for the requests that sample, in this order."""
+    def advance(self, batch: StepBatch) -> None:
+        """After launching a step: its tokens are computed, and the tokens it samples
+        are in flight until append_token() records them."""
+        for state, n, samples in zip(batch.requests, batch.num_scheduled, batch.sampling_mask):
+            state.num_computed_tokens += int(n)
+            state.num_inflight += int(samples)
+
+    def needs_outputs(self, req_ids: list[str]) -> bool:
+        """Whether sampling these requests reads their outputs so far (penalties, or
+        min_tokens still blocking stop tokens)."""
+        for r in req_ids:
+            s = self.requests[r]
+            p = s.sampling_params
+            if _has_penalties(p) or (p.min_tokens and len(s.output_token_ids) < p.min_tokens):
+                return True
+        return False
+
+    def sampling_metadata(self, req_ids: list[str], h2d: HostToDevice) -> SamplingMetadata:
+        """Batched sampling parameters for the requests that sample, in this order.
+
+        Decode steps usually sample the same requests as the step before: then the
+        metadata is reused unless a row's values change from step to step
+        (penalties read the outputs so far; min_tokens blocking ends).
+        """
+        key = tuple(req_ids)
+        if key == self._metadata_key and self._metadata is not None:
+            return self._metadata
         states = [self.requests[r] for r in req_ids]
+        meta = self._build_sampling_metadata(states, h2d)
+        dynamic = meta.prompt_token_ids is not None or bool(meta.min_tokens_blocked)
+        self._metadata_key, self._metadata = (None, None) if dynamic else (key, meta)
+        return meta
+
+    def _build_sampling_metadata(self, states: list[CachedRequestState],
+                                 h2d: HostToDevice) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
-        temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
-                                   dtype=torch.float32)
         greedy = [p.is_greedy for p in params]
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         meta = SamplingMetadata(
-            temperature=temperature.to(self.device),
+            temperature=h2d.put([0.0 if p.is_greedy else p.temperature for p in params],
+                                torch.float32),
             all_greedy=all(greedy), all_random=not any(greedy),
-            top_k=_optional_tensor(top_k, 0, torch.int64, self.device),
-            top_p=_optional_tensor(top_p, 1.0, torch.float32, self.device),
-            min_p=_optional_tensor(min_p, 0.0, torch.float32, self.device),
+            top_k=_optional_tensor([p.top_k for p in params], 0, torch.int64, h2d),
+            top_p=_optional_tensor([p.top_p for p in params], 1.0, torch.float32, h2d),
+            min_p=_optional_tensor([p.min_p for p in params], 0.0, torch.float32, h2d),
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             max_num_logprobs=max(logprobs) if logprobs else None,
             min_tokens_blocked={
@@ -190,23 +234,21 @@ class InputBatch:
                 if len(s.output_token_ids) < s.sampling_params.min_tokens
                 and s.sampling_params.all_stop_token_ids})
         if any(_has_penalties(p) for p in params):
-            self._add_penalties(meta, states)
+            self._add_penalties(meta, states, h2d)
         return meta
 
-    def _add_penalties(self, meta: SamplingMetadata, states: list[CachedRequestState]) -> None:
+    def _add_penalties(self, meta: SamplingMetadata, states: list[CachedRequestState],
+                       h2d: HostToDevice) -> None:
         longest = max(s.num_prompt_tokens for s in states)
         prompts = np.full((len(states), longest), self.vocab_size, dtype=np.int64)
         for i, s in enumerate(states):
             prompts[i, :s.num_prompt_tokens] = self.token_ids[s.row, :s.num_prompt_tokens]
-        meta.prompt_token_ids = torch.from_numpy(prompts).to(self.device)
+        meta.prompt_token_ids = h2d.put(prompts, torch.int64)
         meta.output_token_ids = [s.output_token_ids for s in states]
         params = [s.sampling_params for s in states]
-        meta.frequency_penalties = torch.tensor([p.frequency_penalty for p in params],
-                                                dtype=torch.float32, device=self.device)
-        meta.presence_penalties = torch.tensor([p.presence_penalty for p in params],
-                                               dtype=torch.float32, device=self.device)
-        meta.repetition_penalties = torch.tensor([p.repetition_penalty for p in params],
-                                                 dtype=torch.float32, device=self.device)
+        meta.frequency_penalties = h2d.put([p.frequency_penalty for p in params], torch.float32)
+        meta.presence_penalties = h2d.put([p.presence_penalty for p in params], torch.float32)
+        meta.repetition_penalties = h2d.put([p.repetition_penalty for p in params], torch.float32)
 
 
 def _has_penalties(p: SamplingParams) -> bool:
@@ -214,7 +256,7 @@ def _has_penalties(p: SamplingParams) -> bool:
 
 
 def _optional_tensor(values: list, neutral: Any, dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor | None:
+                     h2d: HostToDevice) -> torch.Tensor | None:
     if all(v == neutral for v in values):
         return None
-    return torch.tensor(values, dtype=dtype, device=device)
+    return h2d.put(values, dtype)

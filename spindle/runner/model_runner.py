@@ -1,4 +1,5 @@
-"""ModelRunner: turns a SchedulerOutput into sampled tokens on one device.
+"""ModelRunner: turns a SchedulerOutput into sampled tokens (or, for task="embed",
+pooled embeddings) on one device.
 
 It owns the request rows (InputBatch), the KV cache tensors and the sampler, and
 delegates everything architecture-specific to a ModelState. It never branches on
@@ -8,9 +9,7 @@ the architecture.
 from __future__ import annotations
 
 import logging
-import time
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -22,11 +21,15 @@ from spindle.engine.scheduler_output import (ModelRunnerOutput, SampledLogprobs,
 from spindle.forward_context import forward_context
 from spindle.models.loader import load_model
 from spindle.platforms.interface import Platform
+from spindle.runner.async_output import PendingOutput
+from spindle.runner.cuda_graph import CudaGraphRunner
 from spindle.runner.input_batch import InputBatch, StepBatch
 from spindle.runner.model_states import model_state_class
 from spindle.runner.model_states.base import ModelState
+from spindle.runner.pool import Pooler
 from spindle.runner.sample import Sampler, SamplerOutput
 from spindle.runner.sample.metadata import SamplingMetadata
+from spindle.runner.staging import HostToDevice
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +44,14 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.state: ModelState | None = None
         self.sampler = Sampler()
+        # task="embed": requests pool their prompt's states instead of sampling.
+        self.pooler = Pooler(config.pooler) if config.pooler is not None else None
         self.attn_layers: list[Attention] = []
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
+        self.graph_runner: CudaGraphRunner | None = None
+        self._last_launched: PendingOutput | None = None
+        self.h2d = HostToDevice(device)
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler.max_num_seqs,
             max_model_len=config.model.max_model_len,
@@ -54,8 +62,12 @@ class ModelRunner:
     # ---- lifecycle ------------------------------------------------------------
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.device, self.tp_group)
-        self.state = model_state_class(self.model)(self.model, self.device)
+        self.state = model_state_class(self.model, self.config)(self.model, self.device, self.h2d)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = self.config.device.attention_backend
+        for layer in self.attn_layers:
+            if layer.backend_name != backend:
+                layer.use_backend(backend)
 
     @property
     def needs_kv_cache(self) -> bool:
@@ -83,9 +95,12 @@ class ModelRunner:
         positions = torch.arange(tokens_per_req, device=self.device).repeat(num_reqs)
         with forward_context(state.dummy_attn(num_reqs, tokens_per_req)):
             hidden = state.forward({"input_ids": input_ids, "positions": positions})
-        rows = torch.arange(sched.max_num_seqs, device=self.device) % num_tokens
-        logits = state.compute_logits(hidden[rows]).float()
-        self.sampler(logits, _dummy_sampling_metadata(sched.max_num_seqs, self.device))
+        if self.pooler is not None:
+            self.pooler.dummy_run(hidden, num_reqs)
+        else:
+            rows = torch.arange(sched.max_num_seqs, device=self.device) % num_tokens
+            logits = state.compute_logits(hidden[rows]).float()
+            self.sampler(logits, _dummy_sampling_metadata(sched.max_num_seqs, self.device))
         self.platform.synchronize(self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
@@ -104,33 +119,95 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run one small real step through the cache path so first requests are not slow."""
-        if self.num_kv_blocks < 1:
-            return
-        from spindle.engine.scheduler_output import NewRequestData
+        """Run real steps through the cache path (short and long prefill, decode), so
+        kernels are compiled before the first request; then capture CUDA graphs."""
+        if self.num_kv_blocks < 1 or self.pooler is not None:
+            return  # (pooling requests never decode: the sampling warm-up does not apply)
+        block_size = self.config.cache.block_size
+        for n in (block_size, 4 * block_size):
+            blocks = -(-(n + 1) // block_size)
+            if n + 1 > self.config.model.max_model_len or blocks > self.num_kv_blocks:
+                break
+            self._warmup_request(n, list(range(blocks)))
+        self._capture_cuda_graphs()
+
+    def _warmup_request(self, num_prompt: int, block_ids: list[int]) -> None:
+        """A throw-away greedy request: its prefill step, then one decode step."""
+        from spindle.engine.scheduler_output import CachedRequestData, NewRequestData
         from spindle.sampling_params import SamplingParams
 
-        n = min(self.config.cache.block_size, self.config.model.max_model_len)
-        sched = SchedulerOutput(
-            new_requests=[NewRequestData("__warmup__", [0] * n, n, SamplingParams(temperature=0.0),
-                                         [0], 0)],
-            num_scheduled_tokens={"__warmup__": n}, total_num_scheduled_tokens=n)
-        self.execute_model(sched)
-        self.input_batch.remove_request("__warmup__")
+        req = "__warmup__"
+        prefill = SchedulerOutput(
+            new_requests=[NewRequestData(req, [0] * num_prompt, num_prompt,
+                                         SamplingParams(temperature=0.0), block_ids, 0)],
+            num_scheduled_tokens={req: num_prompt}, total_num_scheduled_tokens=num_prompt)
+        self.execute_model(prefill)
+        decode = SchedulerOutput(cached_requests=[CachedRequestData(req, [], num_prompt)],
+                                 num_scheduled_tokens={req: 1}, total_num_scheduled_tokens=1)
+        self.execute_model(decode)
+        self.input_batch.remove_request(req)
+
+    def _capture_cuda_graphs(self) -> None:
+        state = self._require_state()
+        if (self.config.device.enforce_eager or not state.supports_cuda_graphs
+                or not self.needs_kv_cache):
+            return
+        self.graph_runner = CudaGraphRunner(state, self.config.device.max_cudagraph_batch_size,
+                                            self.input_batch.max_blocks_per_req, self.device)
+        self.graph_runner.capture()
 
     # ---- one step ---------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).get()
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> PendingOutput:
+        """Launch one step and return without waiting for the device.
+
+        The caller may launch the next step before get()ting this one: a decode
+        input whose token this step is still sampling is then fed on the device
+        from this step's sampled tokens (see _feed_inflight_tokens).
+        """
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput()
+            return PendingOutput.ready(ModelRunnerOutput())
         state = self._require_state()
+        self.h2d.new_step()
         batch = self.input_batch.prepare(sched)
-        inputs = state.prepare_inputs(batch)
-        with forward_context(state.prepare_attn(batch)):
-            hidden = state.forward(inputs)
+        feed = self._inflight_feed(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            hidden = self.graph_runner.run(batch, feed)
+        else:
+            inputs = state.prepare_inputs(batch)
+            if feed is not None:
+                feed(inputs["input_ids"])
+            with forward_context(state.prepare_attn(batch)):
+                hidden = state.forward(inputs)
+        self.input_batch.advance(batch)
+        if self.pooler is not None:
+            return PendingOutput.ready(self._pool_and_report(batch, hidden))
         sampled = self._sample(batch, hidden)
-        return self._record_and_report(batch, sampled)
+        pending = PendingOutput(self, batch, sampled)
+        self._last_launched = pending
+        return pending
+
+    def _inflight_feed(self, batch: StepBatch):
+        """A function writing, on the device, the input ids whose token the last
+        launched step is still sampling; None when every input id is known."""
+        if not batch.inflight_dst.size:
+            return None
+        last = self._last_launched
+        if last is None or last.sampled is None:
+            raise RuntimeError("a step needs tokens of a step that sampled nothing")
+        src = [last.sample_row[batch.req_ids[i]] for i in batch.token_req_index[batch.inflight_dst]]
+        dst_t = self.h2d.put(batch.inflight_dst, torch.int64)
+        src_t = self.h2d.put(src, torch.int64)
+        tokens = last.sampled.sampled_token_ids
+
+        def feed(input_ids: torch.Tensor) -> None:
+            input_ids[dst_t] = tokens[src_t].to(input_ids.dtype)
+
+        return feed
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
@@ -148,44 +225,56 @@ class ModelRunner:
     def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> SamplerOutput | None:
         if len(batch.logits_indices) == 0:
             return None
-        indices = torch.from_numpy(batch.logits_indices).to(self.device)
-        logits = self._require_state().compute_logits(hidden[indices]).float()
-        metadata = self.input_batch.sampling_metadata(batch.sampling_req_ids)
-        return self.sampler(logits, metadata)
+        num_samples = len(batch.logits_indices)
+        if num_samples < batch.num_tokens:
+            hidden = hidden[self.h2d.put(batch.logits_indices, torch.int64)]
+        # else: every token samples (a decode step): its hidden rows are already in order.
+        logits = self._require_state().compute_logits(hidden).float()
+        if self.tp_group.rank != 0:
+            # Tensor-parallel rank 0 samples and the others take its tokens: ranks cannot
+            # diverge, whatever their random streams or kernels do.
+            tokens = torch.empty(num_samples, dtype=torch.int64, device=self.device)
+            return SamplerOutput(sampled_token_ids=self.tp_group.broadcast(tokens))
+        if self.input_batch.needs_outputs(batch.sampling_req_ids) and self._last_launched:
+            self._last_launched.get()  # penalties / min_tokens read every output so far
+        metadata = self.input_batch.sampling_metadata(batch.sampling_req_ids, self.h2d)
+        sampled = self.sampler(logits, metadata)
+        self.tp_group.broadcast(sampled.sampled_token_ids)
+        return sampled
 
-    def _record_and_report(self, batch: StepBatch, sampled: SamplerOutput | None) -> ModelRunnerOutput:
-        """Advance each request's progress, append sampled tokens, build the reply."""
-        requests = self.input_batch.requests
-        for req_id, n in zip(batch.req_ids, batch.num_scheduled):
-            requests[req_id].num_computed_tokens += int(n)
-        token_ids = sampled.sampled_token_ids.tolist() if sampled is not None else []
-        logprobs = _logprobs_rows(sampled, len(token_ids))
+    def _record_and_report(self, batch: StepBatch, token_ids: list[int],
+                           logprobs) -> ModelRunnerOutput:
+        """Append a finished step's sampled tokens to the requests still held, and
+        build the reply (called once per step, in launch order, by PendingOutput)."""
+        held = self.input_batch.requests
         out = ModelRunnerOutput(req_ids=batch.req_ids)
         sample_row = 0
-        for req_id, samples in zip(batch.req_ids, batch.sampling_mask):
+        for req_id, state, samples in zip(batch.req_ids, batch.requests, batch.sampling_mask):
             if not samples:
                 out.sampled_token_ids.append([])
                 out.logprobs.append(None)
                 continue
-            state = requests[req_id]
             token = token_ids[sample_row]
-            self.input_batch.append_token(state, token)
+            if held.get(req_id) is state:  # (gone if finished or preempted meanwhile)
+                self.input_batch.append_token(state, token)
             out.sampled_token_ids.append([token])
-            out.logprobs.append(_logprobs_for(logprobs, sample_row, state.sampling_params.logprobs))
+            out.logprobs.append(_logprobs_for(logprobs, sample_row,
+                                              state.sampling_params.logprobs))
             sample_row += 1
         return out
+
+    def _pool_and_report(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Advance each request's progress and report the embeddings of those that
+        completed their prompt; nothing is sampled."""
+        pooled = self.pooler(hidden, batch)
+        return ModelRunnerOutput(req_ids=batch.req_ids,
+                                 sampled_token_ids=[[] for _ in batch.req_ids],
+                                 logprobs=[None] * batch.num_reqs, pooled_outputs=pooled)
 
     def _require_state(self) -> ModelState:
         if self.state is None:
             raise RuntimeError("the model is not loaded: call load_model() first")
         return self.state
-
-
-def _logprobs_rows(sampled: SamplerOutput | None, n: int):
-    if sampled is None or sampled.logprobs is None:
-        return None
-    return (sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist(),
-            sampled.sampled_ranks.tolist())
 
 
 def _logprobs_for(rows, i: int, wanted: int | None) -> SampledLogprobs | None:

@@ -27,6 +27,9 @@ from spindle.platforms import resolve_platform
 
 logger = logging.getLogger(__name__)
 
+# Decode graphs share one pool sized by the largest batch's activations: small.
+CUDA_GRAPH_MEMORY_ESTIMATE = 512 * 2**20
+
 LIFECYCLE = ("init_device", "load_model", "profile_run", "allocate_kv_cache", "warmup",
              "freeze_gc_heap")
 
@@ -42,9 +45,11 @@ class StageRecord:
 @dataclass
 class Heartbeat:
     rank: int
-    last_stage: str
+    last_stage: str  # the stage or call last entered
     last_step: int
-    seconds_since: float
+    seconds_since: float  # since last_stage was entered or left
+    busy: bool = False  # still inside last_stage (a hung rank stays busy, seconds grow)
+    pid: int | None = None
 
 
 class Worker:
@@ -117,6 +122,12 @@ class Worker:
         self._last_activity = time.monotonic()
         return self.runner.execute_model(sched)
 
+    def execute_model_async(self, sched: SchedulerOutput):
+        """Launch a step; returns a PendingOutput (in-process executors only)."""
+        self._last_step = sched.step_id
+        self._last_activity = time.monotonic()
+        return self.runner.execute_model_async(sched)
+
     def lifecycle_report(self) -> list[dict[str, Any]]:
         return [asdict(r) for r in self.records]
 
@@ -153,12 +164,15 @@ class Worker:
             # More blocks than max_num_seqs full sequences can use would only cost RAM.
             blocks_per_seq = -(-self.config.model.max_model_len // cache.block_size)
             useful = blocks_per_seq * self.config.scheduler.max_num_seqs * self.kv_cache_block_bytes()
-            return min(int(free * cache.cpu_kv_cache_fraction), useful)
-        # GPU: what the utilisation target leaves after everything measured so far.
+            # Workers of one engine share the host's RAM: each takes its part of the fraction.
+            sharing = self.config.parallel.world_size if self.platform.workers_share_device else 1
+            return min(int(free * cache.cpu_kv_cache_fraction) // sharing, useful)
+        # GPU: what the utilisation target leaves after the measured peak (weights +
+        # activations + sampler), memory outside torch, and the CUDA graphs to come.
         peak = self.platform.peak_memory(self.device) or 0
-        in_use = total - free
-        non_torch = max(0, in_use - torch.cuda.memory_reserved(self.device))
-        return max(0, int(total * cache.gpu_memory_utilization) - peak - non_torch)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        graphs = 0 if self.config.device.enforce_eager else CUDA_GRAPH_MEMORY_ESTIMATE
+        return max(0, int(total * cache.gpu_memory_utilization) - peak - non_torch - graphs)
 
     @contextlib.contextmanager
     def _stage(self, name: str) -> Iterator[StageRecord]:

@@ -47,3 +47,4 @@ def get_backend(name: str | None = None) -> type:
 
 
 register_backend("torch_sdpa", "spindle.attention.backends.torch_sdpa:TorchSDPABackend")
+register_backend("triton", "spindle.attention.backends.triton_attn:TritonAttentionBackend")

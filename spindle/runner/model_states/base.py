@@ -26,15 +26,28 @@ from torch import nn
 
 from spindle.engine.scheduler_output import NewRequestData
 from spindle.runner.input_batch import CachedRequestState, StepBatch
+from spindle.runner.staging import HostToDevice
 
 
 class ModelState(abc.ABC):
     #: Whether the runner must allocate a paged KV cache for this model.
     needs_kv_cache: bool = True
+    #: Whether decode steps may be replayed from CUDA graphs fed with token ids
+    #: (runner/cuda_graph.py); states with other inputs run eagerly.
+    supports_cuda_graphs: bool = False
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device,
+                 h2d: HostToDevice | None = None) -> None:
         self.model = model
         self.device = device
+        # Stage step inputs through h2d.put(array, dtype): pinned, non-blocking copies.
+        self.h2d = h2d or HostToDevice(device)
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Raise ValueError, at config time, for an EngineConfig feature this state
+        cannot serve (the runner never falls back silently)."""
+        return None
 
     def validate_request(self, new: NewRequestData) -> None:
         """Raise ValueError for a request this state cannot serve (called before it is added)."""

@@ -13,11 +13,12 @@ from spindle.runner.model_states.base import ModelState
 
 class DefaultModelState(ModelState):
     needs_kv_cache = True
+    supports_cuda_graphs = True
 
     def prepare_inputs(self, batch: StepBatch) -> dict[str, Any]:
         return {
-            "input_ids": _to_device(batch.input_ids, torch.int64, self.device),
-            "positions": _to_device(batch.positions, torch.int64, self.device),
+            "input_ids": self.h2d.put(batch.input_ids, torch.int64),
+            "positions": self.h2d.put(batch.positions, torch.int64),
         }
 
     def prepare_attn(self, batch: StepBatch) -> AttentionMetadata:
@@ -26,10 +27,10 @@ class DefaultModelState(ModelState):
         return AttentionMetadata(
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
-            query_start_loc=query_start_loc.to(self.device, non_blocking=True),
-            seq_lens=seq_lens.to(self.device, non_blocking=True),
-            block_tables=_to_device(batch.block_tables, torch.int32, self.device),
-            slot_mapping=_to_device(batch.slot_mapping, torch.int64, self.device),
+            query_start_loc=self.h2d.put(query_start_loc, torch.int32),
+            seq_lens=self.h2d.put(seq_lens, torch.int32),
+            block_tables=self.h2d.put(batch.block_tables, torch.int32),
+            slot_mapping=self.h2d.put(batch.slot_mapping, torch.int64),
             max_query_len=int(batch.num_scheduled.max()),
             max_seq_len=int(batch.seq_lens.max()),
             query_start_loc_cpu=query_start_loc,
@@ -48,9 +49,3 @@ class DefaultModelState(ModelState):
             max_query_len=tokens_per_req, max_seq_len=tokens_per_req,
             query_start_loc_cpu=qsl, seq_lens_cpu=lens)
 
-
-def _to_device(array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array).to(dtype)
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)

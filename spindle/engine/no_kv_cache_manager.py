@@ -1,0 +1,49 @@
+"""The KV cache manager of a model without a KV cache (encoder-only models).
+
+It has KVCacheManager's interface and holds nothing: every allocation succeeds
+with no blocks, there are no prefix hits, and any request fits. The scheduler
+uses it when the engine found zero KV blocks to allocate, so its budget logic
+(tokens per step, seats) stays the same for every model.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from spindle.engine.kv_cache_manager import PrefixCacheStats
+from spindle.engine.request import Request
+
+
+class NoKVCacheManager:
+    num_blocks = 0
+    num_free_blocks = 0
+    usage = 0.0
+    enable_caching = False
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return True
+
+    def get_computed_blocks(self, request: Request) -> tuple[list, int]:
+        return [], 0
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence = ()) -> list:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        return []
+
+    def free(self, request: Request) -> None:
+        return None
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return []
+
+    def get_num_blocks(self, request_id: str) -> int:
+        return 0
+
+    def reset_prefix_cache(self) -> bool:
+        return True

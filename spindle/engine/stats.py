@@ -1,0 +1,99 @@
+"""What the engine reports for monitoring: a snapshot of its state after each loop
+iteration, and the request timings that iteration produced.
+
+Pure data and bookkeeping, filled on the engine thread; exporters (Prometheus in
+entrypoints/openai/metrics.py) implement StatLogger and never touch the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from spindle.engine.llm_engine import LLMEngine
+    from spindle.outputs import RequestOutput
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int  # in the scheduler's waiting queue
+    num_held: int  # accepted while paused; they reach the scheduler on resume
+    kv_cache_usage: float  # fraction of KV blocks in use, 0..1
+    pause_mode: str | None = None
+    sleep_level: int | None = None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests the scheduler owns (what a pause in mode "wait" waits for)."""
+        return self.num_running + self.num_waiting
+
+    @classmethod
+    def collect(cls, engine: "LLMEngine") -> "EngineStats":
+        core = engine.core
+        gate = core.gate
+        return cls(num_running=core.scheduler.num_running, num_waiting=core.scheduler.num_waiting,
+                   num_held=len(gate.held), kv_cache_usage=core.scheduler.kv_cache_usage,
+                   pause_mode=gate.pause_mode.value if gate.pause_mode else None,
+                   sleep_level=gate.sleep_level)
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float  # seconds from arrival to the last output
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """Everything one engine-loop iteration produced (a step and/or commands)."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.num_prompt_tokens or self.num_generation_tokens or self.finished)
+
+
+class RequestTimer:
+    """Times one request from its arrival through the cumulative outputs it gets."""
+
+    def __init__(self, arrival_time: float) -> None:
+        self.arrival_time = arrival_time
+        self.last_token_time: float | None = None
+        self.num_tokens = 0
+
+    def observe(self, output: "RequestOutput", now: float, stats: IterationStats) -> None:
+        # An EmbeddingRequestOutput has no completions (and one final output).
+        completions = output.outputs if isinstance(output.outputs, list) else []
+        num_tokens = sum(len(c.token_ids) for c in completions)
+        new_tokens = num_tokens - self.num_tokens
+        if new_tokens > 0:
+            if self.last_token_time is None:
+                stats.time_to_first_tokens.append(now - self.arrival_time)
+                # Counted once the prefill is done: an aborted prompt was never computed.
+                stats.num_prompt_tokens += len(output.prompt_token_ids)
+            else:
+                stats.inter_token_latencies.append(now - self.last_token_time)
+            stats.num_generation_tokens += new_tokens
+            self.num_tokens, self.last_token_time = num_tokens, now
+        if output.finished:
+            # n > 1 samples may end differently: an abort marks the whole request.
+            reasons = ([c.finish_reason or "abort" for c in completions]
+                       or [getattr(output, "finish_reason", None) or "abort"])
+            reason = "abort" if "abort" in reasons else reasons[0]
+            stats.finished.append(FinishedRequestStats(
+                finish_reason=reason, e2e_latency=now - self.arrival_time,
+                num_prompt_tokens=len(output.prompt_token_ids), num_generation_tokens=num_tokens))
+
+
+class StatLogger(Protocol):
+    def record(self, stats: EngineStats, iteration: IterationStats) -> None:
+        """Called on the engine thread after every loop iteration; must be quick."""

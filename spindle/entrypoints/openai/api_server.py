@@ -1,0 +1,280 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app around an AsyncLLM, and
+run_server(), which `spindle serve` calls.
+
+build_app() knows nothing of sockets or signals, so tests can mount it anywhere.
+run_server() owns the engine, the listening socket and the graceful shutdown on
+SIGINT / SIGTERM: stop accepting, let requests in flight finish for a grace
+period, abort the rest (their clients get finish reason "abort"), stop the
+workers, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Sequence
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from spindle import __version__
+from spindle.config import EngineArgs
+from spindle.engine.async_llm import AsyncLLM
+from spindle.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
+from spindle.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
+                                                 CompletionRequest, api_error)
+from spindle.entrypoints.openai.serving_base import ServedModels
+from spindle.entrypoints.openai.serving_chat import ChatServing
+from spindle.entrypoints.openai.serving_completion import CompletionServing
+
+logger = logging.getLogger(__name__)
+
+DEV_MODE_ENV = "SPINDLE_SERVER_DEV_MODE"
+router = APIRouter()
+
+
+def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
+              dev_mode: bool | None = None) -> FastAPI:
+    """The app serving engine. dev_mode None reads SPINDLE_SERVER_DEV_MODE=1."""
+    model_config = engine.config.model
+    models = ServedModels(names=tuple(served_model_names or [model_config.model]),
+                          root=model_config.model, max_model_len=model_config.max_model_len)
+    metrics = PrometheusStatLogger(models.names[0])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.add_stat_logger(metrics)
+        try:
+            yield
+        finally:
+            engine.remove_stat_logger(metrics)
+
+    app = FastAPI(title="spindle", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.models = models
+    app.state.metrics = metrics
+    app.state.completions = CompletionServing(engine, models)
+    app.state.chat = ChatServing(engine, models)
+    from spindle.entrypoints.openai.serving_embedding import add_embedding_routes
+
+    add_embedding_routes(app, engine, models)  # POST /v1/embeddings (task="embed")
+    _add_error_handlers(app)
+    app.include_router(router)
+    if dev_mode is None:
+        dev_mode = os.environ.get(DEV_MODE_ENV, "") == "1"
+    if dev_mode:
+        from spindle.entrypoints.openai.dev_routes import router as dev_router
+
+        app.include_router(dev_router)
+        logger.warning("%s=1: the control routes (/sleep, /wake_up, /pause, /resume, "
+                       "/collective_rpc) are mounted; never expose this server to untrusted "
+                       "clients", DEV_MODE_ENV)
+    return app
+
+
+# ---- routes ---------------------------------------------------------------------------
+@router.get("/health")
+async def health(request: Request) -> Response:
+    try:
+        await request.app.state.engine.check_health()
+    except Exception as e:
+        return error_response(APIError(503, f"the engine is not healthy: {e}", code="unhealthy"))
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return request.app.state.models.listing()
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    request_id = _request_id(request, "cmpl")
+    return await _respond(request, request_id,
+                          request.app.state.completions.create(body, request_id))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    request_id = _request_id(request, "chatcmpl")
+    return await _respond(request, request_id, request.app.state.chat.create(body, request_id))
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    """The client's X-Request-Id when it sends one, so logs on both sides agree."""
+    return request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def _respond(request: Request, request_id: str, work: Awaitable[Any]) -> Response:
+    """JSON for a finished body, server-sent events for a stream. A client that
+    disconnects before a whole (non-streamed) answer is ready cancels the work,
+    which aborts its requests in the engine; a stream is cancelled the same way
+    by the framework when its client goes."""
+    result = await _unless_disconnected(request, work)
+    headers = {"X-Request-Id": request_id}
+    if result is None:
+        return Response(status_code=499, headers=headers)  # nobody is listening
+    if isinstance(result, dict):
+        return JSONResponse(result, headers=headers)
+    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """work's result, or None if the client disconnected first (work is cancelled)."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        task.cancel()  # a no-op once it is done
+    return task.result() if task in done else None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is already read, so the next message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- errors -----------------------------------------------------------------------------
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in the OpenAI shape. Expected failures (bad input, a paused
+    engine) are answered without a traceback; anything else is a 500 and logged."""
+
+    async def from_exception(request: Request, exc: Exception) -> JSONResponse:
+        error = api_error(exc)
+        if error.status >= 500 and error.status != 503:
+            logger.error("request %s failed: %s", request.url.path, error.message, exc_info=exc)
+        return error_response(error)
+
+    async def from_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc))
+
+    async def from_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    async def from_bug(request: Request, exc: Exception) -> JSONResponse:
+        # The framework logs the traceback itself (it re-raises after this answer).
+        return error_response(APIError(500, f"internal error: {exc!r}"))
+
+    app.add_exception_handler(RequestValidationError, from_validation)
+    app.add_exception_handler(StarletteHTTPException, from_http)
+    # The expected kinds by name: a handler for Exception itself would also get them,
+    # but the framework re-raises whatever reaches that one, a traceback per 400.
+    for kind in (APIError, ValueError, RuntimeError):
+        app.add_exception_handler(kind, from_exception)
+    app.add_exception_handler(Exception, from_bug)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """400 naming the offending fields, instead of the framework's 422 body."""
+    parts, params = [], []
+    for error in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        params.append(loc)
+        parts.append(f"{loc}: {error.get('msg', 'invalid')}")
+    return APIError(400, "invalid request: " + "; ".join(parts),
+                    param=params[0] if params else None)
+
+
+# ---- running it -------------------------------------------------------------------------
+def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000,
+               served_model_names: Sequence[str] | None = None,
+               shutdown_timeout: float = 30.0) -> int:
+    """Serve until SIGINT / SIGTERM, then shut down gracefully; returns the exit code."""
+    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        app = build_app(engine, served_model_names or [engine_args.model])
+        sock = _bind(host, port)
+        config = uvicorn.Config(app, log_level="info",
+                                timeout_graceful_shutdown=max(shutdown_timeout, 0) + 5)
+        server = _GracefulServer(config, engine, shutdown_timeout)
+        bound_port = sock.getsockname()[1]
+        url_host = f"[{host}]" if ":" in host else host
+        logger.info("serving %s on http://%s:%d (SIGINT/SIGTERM stops, grace %.0fs)",
+                    app.state.models.names[0], url_host, bound_port, shutdown_timeout)
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        engine.shutdown()
+    logger.info("server stopped")
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket; port 0 lets the OS pick a free port."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from e
+    return sock
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server with spindle's shutdown: after the grace period, generations
+    still running end with finish reason "abort" (so every client gets a complete
+    answer), and a stop by signal exits with status 0 (uvicorn re-raises the signal)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.grace = grace
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            logger.info("%s: no new connections; requests in flight get %.0fs to finish",
+                        signal.Signals(sig).name, self.grace)
+        self.handle_exit(sig, frame)  # a second SIGINT forces the exit
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.grace, self._abort_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _abort_in_flight(self) -> None:
+        stats = self.engine.stats
+        logger.warning("grace period over: aborting the requests still in flight (%d running, "
+                       "%d waiting)", stats.num_running, stats.num_waiting + stats.num_held)
+        self.engine.abort_all_nowait()

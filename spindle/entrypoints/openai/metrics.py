@@ -1,0 +1,75 @@
+"""Prometheus metrics for GET /metrics, fed by the engine loop (a StatLogger).
+
+Each server gets its own CollectorRegistry, never the process-wide default, so
+two servers (or tests) in one process do not collide on metric names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+from spindle.engine.stats import EngineStats, IterationStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class PrometheusStatLogger:
+    """Engine gauges, token counters and latency histograms, labelled by model name."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def make(kind, name: str, doc: str, **kwargs):
+            return kind(name, doc, list(labels), registry=self.registry, **kwargs).labels(**labels)
+
+        self.num_running = make(Gauge, "spindle:num_requests_running",
+                                "Requests the scheduler is running.")
+        self.num_waiting = make(Gauge, "spindle:num_requests_waiting",
+                                "Requests waiting to run (queued, or held while paused).")
+        self.kv_cache_usage = make(Gauge, "spindle:kv_cache_usage_perc",
+                                   "Fraction of KV cache blocks in use (0 to 1).")
+        self.is_paused = make(Gauge, "spindle:engine_paused", "1 while the engine is paused.")
+        self.is_sleeping = make(Gauge, "spindle:engine_sleeping", "1 while the engine sleeps.")
+        self.prompt_tokens = make(Counter, "spindle:prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = make(Counter, "spindle:generation_tokens",
+                                      "Tokens generated.")
+        self.ttft = make(Histogram, "spindle:time_to_first_token_seconds",
+                         "Seconds from arrival to the first generated token.",
+                         buckets=_TTFT_BUCKETS)
+        self.itl = make(Histogram, "spindle:inter_token_latency_seconds",
+                        "Seconds between two outputs of a request that carry new tokens.",
+                        buckets=_ITL_BUCKETS)
+        self.e2e = make(Histogram, "spindle:e2e_request_latency_seconds",
+                        "Seconds from arrival to the final output.", buckets=_E2E_BUCKETS)
+        self._finished = Counter("spindle:request_success", "Requests finished, by reason.",
+                                 [*labels, "finished_reason"], registry=self.registry)
+        self._labels = labels
+
+    def record(self, stats: EngineStats, iteration: IterationStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting + stats.num_held)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.is_paused.set(stats.pause_mode is not None)
+        self.is_sleeping.set(stats.sleep_level is not None)
+        if iteration.is_empty:
+            return
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        for seconds in iteration.time_to_first_tokens:
+            self.ttft.observe(seconds)
+        for seconds in iteration.inter_token_latencies:
+            self.itl.observe(seconds)
+        for finished in iteration.finished:
+            self.e2e.observe(finished.e2e_latency)
+            self._finished.labels(**self._labels, finished_reason=finished.finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,169 @@
+"""What the completions and chat endpoints share: the served model names, starting
+a request's prompts in the engine, merging their output streams, the text each
+streamed chunk may carry, server-sent events and usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from spindle.engine.async_llm import AsyncLLM, RequestStream
+from spindle.engine.llm_engine import PromptType
+from spindle.entrypoints.openai.protocol import APIError
+from spindle.outputs import CompletionOutput, RequestOutput
+from spindle.sampling_params import SamplingParams
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """The names clients may ask for; all of them mean the one loaded model."""
+
+    names: tuple[str, ...]
+    root: str  # the checkpoint directory
+    max_model_len: int
+
+    def resolve(self, requested: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if requested is None:
+            return self.names[0]
+        if requested not in self.names:
+            raise APIError(404, f"the model {requested!r} does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.names)}", param="model",
+                           code="model_not_found")
+        return requested
+
+    def listing(self) -> dict[str, Any]:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "spindle",
+             "root": self.root, "max_model_len": self.max_model_len} for name in self.names]}
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, models: ServedModels) -> None:
+        self.engine = engine
+        self.models = models
+
+    async def start(self, request_id: str, prompts: Sequence[PromptType],
+                    params: SamplingParams) -> list[RequestStream]:
+        """Add every prompt (engine ids request_id-0, -1, ...); all or nothing."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(prompt, params, f"{request_id}-{i}"))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
+
+
+async def merge_streams(streams: Sequence[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they come. Leaving early, or an
+    error in one stream, aborts every request still running."""
+    if len(streams) == 1:  # the common case needs no tasks
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        finally:
+            stream.close()
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """Wait for every request to finish; their last outputs, in prompt order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for index, output in merge_streams(streams):
+        finals[index] = output
+    return finals  # type: ignore[return-value]
+
+
+@dataclass
+class StreamProgress:
+    """How much of one choice (one sample of one prompt) the client has been sent."""
+
+    chars: int = 0
+    tokens: int = 0
+    text_offset: int = 0  # characters sent ahead of the sample's own text (an echoed prompt)
+    started: bool = False
+    finished: bool = False
+
+    def take(self, completion: CompletionOutput, holdback: int) -> tuple[str, int, int] | None:
+        """(new text, first new token, end token) to send now, or None if nothing.
+
+        While a sample runs, the last holdback characters stay back: the output
+        processor cuts a stop string off the text once it completes, and text that
+        may yet become part of one must not reach the client first.
+        """
+        if self.finished:
+            return None
+        self.finished = completion.finish_reason is not None
+        text = completion.text
+        end = len(text) if self.finished else max(self.chars, len(text) - holdback)
+        delta, first_token = text[self.chars:end], self.tokens
+        self.chars, self.tokens = end, len(completion.token_ids)
+        # Tokens without text (part of a character) are worth a chunk only for their logprobs.
+        new_tokens = first_token < self.tokens and completion.logprobs is not None
+        if not (delta or new_tokens or self.finished):
+            return None
+        return delta, first_token, self.tokens
+
+
+def stop_holdback(params: SamplingParams) -> int:
+    return max((len(s) for s in params.stop or ()), default=1) - 1
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf (a token the sampler filtered out): clamp it, as OpenAI
+    servers do."""
+    return max(logprob, -9999.0)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def usage_of(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+    """Each prompt counts once, however many samples (n) it has."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return usage(prompt, completion)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

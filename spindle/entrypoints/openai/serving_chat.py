@@ -1,0 +1,99 @@
+"""POST /v1/chat/completions: a conversation, rendered with the tokenizer's chat
+template (the same rendering as LLM.chat), answered whole or streamed."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from spindle.entrypoints.chat_utils import render_chat_prompt
+from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error
+from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
+                                                     final_outputs, finite, merge_streams, sse,
+                                                     stop_holdback, usage, usage_of)
+from spindle.outputs import CompletionOutput
+
+
+class ChatServing(OpenAIServing):
+    async def create(self, req: ChatCompletionRequest,
+                     request_id: str) -> dict[str, Any] | AsyncIterator[str]:
+        """The response body, or an iterator of server-sent events when req.stream."""
+        model = self.models.resolve(req.model)
+        req.refuse_unsupported()
+        params = req.sampling_params(req.max_new_tokens(), req.logprobs_wanted())
+        conversation = [m.for_template() for m in req.messages]
+        # The tokenizer belongs to the engine thread: render there.
+        prompt = await self.engine.call(lambda engine: render_chat_prompt(
+            engine.tokenizer, conversation, req.add_generation_prompt, req.chat_template))
+        streams = await self.start(request_id, [prompt], params)
+        created = int(time.time())
+        if req.stream:
+            header = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                      "model": model}
+            return self._stream(req, header, streams, stop_holdback(params))
+        (output,) = await final_outputs(streams)
+        k = req.top_logprobs or 0
+        choices = [{"index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _logprobs(c, 0, c.token_ids, k),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in output.outputs]
+        return {"id": request_id, "object": "chat.completion", "created": created,
+                "model": model, "choices": choices, "usage": usage_of([output])}
+
+    async def _stream(self, req: ChatCompletionRequest, header: dict, streams,
+                      holdback: int) -> AsyncIterator[str]:
+        progress: dict[int, StreamProgress] = {}
+        k = req.top_logprobs or 0
+        prompt_tokens = completion_tokens = 0
+        try:
+            async for _, output in merge_streams(streams):
+                for c in output.outputs:
+                    state = progress.setdefault(c.index, StreamProgress())
+                    if not state.started:  # OpenAI opens each choice with the role alone
+                        state.started = True
+                        yield sse({**header, "choices": [_delta_choice(
+                            c.index, {"role": "assistant", "content": ""})]})
+                    taken = state.take(c, holdback)
+                    if taken is None:
+                        continue
+                    text, first, end = taken
+                    choice = _delta_choice(c.index, {"content": text} if text else {},
+                                           _logprobs(c, first, c.token_ids[first:end], k))
+                    if state.finished:
+                        choice["finish_reason"], choice["stop_reason"] = (c.finish_reason,
+                                                                          c.stop_reason)
+                    yield sse({**header, "choices": [choice]})
+                if output.finished:
+                    prompt_tokens += len(output.prompt_token_ids)
+                    completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+            if req.include_usage_in_stream():
+                yield sse({**header, "choices": [], "usage": usage(prompt_tokens,
+                                                                   completion_tokens)})
+        except Exception as e:  # the headers are sent: report in-band, as OpenAI does
+            yield sse(api_error(e).body())
+        yield SSE_DONE
+
+
+def _delta_choice(index: int, delta: dict[str, Any],
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+
+
+def _logprobs(completion: CompletionOutput, first: int, token_ids: list[int],
+              k: int) -> dict[str, Any] | None:
+    """The chat logprobs object: per token, its logprob and the k most likely tokens."""
+    if completion.logprobs is None:
+        return None
+    content = []
+    for token, entry in zip(token_ids, completion.logprobs[first:first + len(token_ids)]):
+        top = sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
+        content.append({**_token_logprob(entry[token].decoded_token, entry[token].logprob),
+                        "top_logprobs": [_token_logprob(lp.decoded_token, lp.logprob)
+                                         for lp in top]})
+    return {"content": content}
+
+
+def _token_logprob(token: str | None, logprob: float) -> dict[str, Any]:
+    token = token or ""
+    return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode("utf-8"))}

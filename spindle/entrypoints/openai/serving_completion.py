@@ -1,0 +1,100 @@
+"""POST /v1/completions: prompts in, text completions out, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from spindle.entrypoints.openai.protocol import CompletionRequest, api_error
+from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
+                                                     final_outputs, finite, merge_streams, sse,
+                                                     stop_holdback, usage, usage_of)
+from spindle.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class CompletionServing(OpenAIServing):
+    async def create(self, req: CompletionRequest,
+                     request_id: str) -> dict[str, Any] | AsyncIterator[str]:
+        """The response body, or an iterator of server-sent events when req.stream."""
+        model = self.models.resolve(req.model)
+        req.refuse_unsupported()
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        streams = await self.start(request_id, req.prompts(), params)
+        header = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                  "model": model}
+        if req.stream:
+            return self._stream(req, header, streams, stop_holdback(params))
+        outputs = await final_outputs(streams)
+        choices = []
+        for i, output in enumerate(outputs):
+            prompt_text = await self._prompt_text(output) if req.echo else ""
+            choices += [_choice(i * params.n + c.index, prompt_text + c.text, c,
+                                _logprobs(c, 0, c.token_ids, len(prompt_text)))
+                        for c in output.outputs]
+        return {**header, "choices": choices, "usage": usage_of(outputs)}
+
+    async def _stream(self, req: CompletionRequest, header: dict, streams,
+                      holdback: int) -> AsyncIterator[str]:
+        n = req.n
+        progress: dict[int, StreamProgress] = {}
+        prompt_tokens = completion_tokens = 0
+        try:
+            async for i, output in merge_streams(streams):
+                for c in output.outputs:
+                    state = progress.setdefault(i * n + c.index, StreamProgress())
+                    echo = await self._prompt_text(output) if req.echo and not state.started else ""
+                    state.started = True
+                    state.text_offset += len(echo)
+                    chars_before = state.chars
+                    taken = state.take(c, holdback)
+                    if taken is None and not echo:
+                        continue
+                    text, first, end = taken or ("", state.tokens, state.tokens)
+                    offset = state.text_offset + chars_before
+                    choice = _choice(i * n + c.index, echo + text, c,
+                                     _logprobs(c, first, c.token_ids[first:end], offset))
+                    if not state.finished:
+                        choice["finish_reason"] = choice["stop_reason"] = None
+                    yield sse({**header, "choices": [choice]})
+                if output.finished:
+                    prompt_tokens += len(output.prompt_token_ids)
+                    completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+            if req.include_usage_in_stream():
+                yield sse({**header, "choices": [], "usage": usage(prompt_tokens,
+                                                                   completion_tokens)})
+        except Exception as e:  # the headers are sent: report in-band, as OpenAI does
+            yield sse(api_error(e).body())
+        yield SSE_DONE
+
+    async def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        ids = output.prompt_token_ids
+        return await self.engine.call(lambda engine: engine.tokenizer.decode(ids))
+
+
+def _choice(index: int, text: str, completion: CompletionOutput,
+            logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+
+def _logprobs(completion: CompletionOutput, first: int, token_ids: list[int],
+              text_offset: int) -> dict[str, Any] | None:
+    """The legacy completions logprobs object for token_ids (which start at index
+    first of the sample): the sampled token's logprob and, per position, the
+    sampled token plus the top-k."""
+    if completion.logprobs is None:
+        return None
+    result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+    for token, entry in zip(token_ids, completion.logprobs[first:first + len(token_ids)]):
+        sampled: Logprob = entry[token]
+        text = sampled.decoded_token or ""
+        result["tokens"].append(text)
+        result["token_logprobs"].append(finite(sampled.logprob))
+        result["top_logprobs"].append({lp.decoded_token or "": finite(lp.logprob)
+                                       for lp in entry.values()})
+        result["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return result

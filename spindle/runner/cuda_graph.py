@@ -1,0 +1,117 @@
+"""CUDA graphs for decode steps: capture once per batch size, replay every step.
+
+All static buffers live here, sized for the largest captured batch. A decode batch
+of B requests is padded to the next captured size P: padding rows get slot -1 (the
+store-KV kernel skips them) and sequence length 0 (attention writes zeros), so
+they touch no real cache entry and produce finite garbage that nobody reads.
+Graphs are captured largest first into one memory pool, which the smaller graphs
+then reuse.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from spindle.attention.metadata import AttentionMetadata
+from spindle.forward_context import forward_context
+from spindle.runner.input_batch import StepBatch
+from spindle.runner.model_states.base import ModelState
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, then steps of 32 up to 256 and of 64 beyond,
+    ending at max_batch: at most about a third of padding, and few enough graphs that
+    capture stays a small part of startup."""
+    sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64) if s < max_batch]
+    size = 96
+    while size < max_batch:
+        sizes.append(size)
+        size += 32 if size < 256 else 64
+    sizes.append(max_batch)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(self, state: ModelState, max_batch: int, max_blocks_per_req: int,
+                 device: torch.device) -> None:
+        self.state = state
+        self.device = device
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((n, max_blocks_per_req), dtype=torch.int32, device=device)
+        # Pinned host mirror of the per-step inputs: one H2D copy per buffer per step.
+        self._host = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
+        self._host_tables = torch.zeros((n, max_blocks_per_req), dtype=torch.int32,
+                                        pin_memory=True)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def can_run(self, batch: StepBatch) -> bool:
+        return (batch.num_tokens == batch.num_reqs and batch.num_reqs <= self.max_batch
+                and bool(self.graphs))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first (the smaller graphs reuse its pool)."""
+        for size in reversed(self.sizes):
+            self.seq_lens[:size].fill_(1)
+            self._forward(size)  # warm-up outside the graph: compile, autotune, allocate
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[size] = self._forward(size)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+        self.seq_lens.zero_()
+        torch.cuda.synchronize(self.device)
+
+    def run(self, batch: StepBatch, feed=None) -> torch.Tensor:
+        """Replay the graph of the smallest captured size >= batch size; hidden [B, ...].
+        feed(input_ids), when given, writes input ids still being sampled on the device."""
+        num = batch.num_reqs
+        size = self.sizes[bisect.bisect_left(self.sizes, num)]
+        self._stage_inputs(batch, size)
+        if feed is not None:
+            feed(self.input_ids[:num])
+        self.graphs[size].replay()
+        return self.outputs[size][:num]
+
+    def _stage_inputs(self, batch: StepBatch, size: int) -> None:
+        num = batch.num_reqs
+        host = self._host.numpy()
+        host[0, :num] = batch.input_ids
+        host[1, :num] = batch.positions
+        host[2, :num] = batch.slot_mapping
+        host[2, num:size] = -1
+        host[3, :num] = batch.seq_lens
+        host[3, num:size] = 0
+        cols = batch.block_tables.shape[1]
+        self._host_tables.numpy()[:num, :cols] = batch.block_tables
+        self.input_ids[:size].copy_(self._host[0, :size], non_blocking=True)
+        self.positions[:size].copy_(self._host[1, :size], non_blocking=True)
+        self.slot_mapping[:size].copy_(self._host[2, :size], non_blocking=True)
+        self.seq_lens[:size].copy_(self._host[3, :size], non_blocking=True)
+        self.block_tables[:num, :cols].copy_(self._host_tables[:num, :cols], non_blocking=True)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            num_reqs=size, num_tokens=size, query_start_loc=self.query_start_loc[:size + 1],
+            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size], max_query_len=1,
+            max_seq_len=self.block_tables.shape[1])
+        with forward_context(meta):
+            return self.state.forward({"input_ids": self.input_ids[:size],
+                                       "positions": self.positions[:size]})
+
