@@ -190,11 +190,11 @@ def test_timeout_names_the_silent_rank_and_where_it_is(executor):
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not answer within 0.4s") as info:
         executor.collective_rpc(stuck_on_rank_1, timeout=0.4)
-    assert time.monotonic() - start < 1.0
-    assert "rank 1 in stuck_on_rank_1" in str(info.value) or "rank 1 in <callable>" in str(info.value)
+    assert time.monotonic() - start < 1.4  # (rank 1 sleeps 1.5 s)
+    assert "rank 1 in stuck_on_rank_1" in str(info.value)
     # The heartbeat, read from shared memory while the rank is busy: where and how long.
     beats = executor.heartbeats()
-    assert beats[1].busy and beats[1].last_stage in ("<callable>", "stuck_on_rank_1")
+    assert beats[1].busy and beats[1].last_stage == "stuck_on_rank_1"
     assert not beats[0].busy
     time.sleep(0.3)
     assert executor.heartbeats()[1].seconds_since > beats[1].seconds_since
@@ -206,7 +206,7 @@ def test_timeout_names_the_silent_rank_and_where_it_is(executor):
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not answer within 0.2s"):
         executor.check_health(timeout=0.2)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 1.4
     assert stuck.result(timeout=10) == [0, 1]
     executor.check_health(timeout=10)
 
@@ -221,6 +221,8 @@ def test_a_non_fatal_rpc_error_is_reported_and_serving_goes_on(executor):
         executor.collective_rpc(fails_on_rank_1)
     with pytest.raises(RuntimeError, match="AttributeError"):
         executor.collective_rpc("no_such_method")
+    with pytest.raises(RuntimeError, match="sending the reply"):
+        executor.collective_rpc(lambda w: threading.Lock())  # a reply that cannot be pickled
     assert executor.collective_rpc("check_health") == [True, True]
     assert executor.failure is None
 
@@ -238,7 +240,7 @@ def test_sigkill_of_a_worker_mid_generate_fails_fast_and_leaves_nothing(tiny_mod
     killed_at = {}
 
     def kill_rank_1_after_a_few_steps():
-        while min(b.last_step for b in executor.heartbeats()) < 5:
+        while min(b.last_step for b in llm.heartbeats()) < 5:
             time.sleep(0.002)
         killed_at["t"] = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
@@ -282,7 +284,7 @@ def test_a_fatal_step_error_is_reported_and_the_worker_exits(tiny_model):
         if w.rank == 1:
             def fail(sched):
                 raise RuntimeError("injected step failure")
-            w.runner.execute_model = fail
+            w.execute_model = fail
 
     executor.collective_rpc(break_rank_1)
     start = time.monotonic()
@@ -290,6 +292,31 @@ def test_a_fatal_step_error_is_reported_and_the_worker_exits(tiny_model):
         llm.generate("hello", GREEDY, use_tqdm=False)
     print(f"raised after {time.monotonic() - start:.3f}s: {str(info.value)[:300]}")
     assert time.monotonic() - start < 2.0
+    assert _wait_gone(pids, 5.0) == []
+    llm.shutdown()
+
+
+def test_a_hung_step_times_out_naming_where_every_rank_is(tiny_model, monkeypatch):
+    import spindle.executor.multiproc as multiproc
+
+    monkeypatch.setattr(multiproc, "STEP_TIMEOUT_S", 1.0)
+    llm = LLM(str(tiny_model(arch="llama")), device="cpu", tensor_parallel_size=2,
+              max_model_len=256)
+    executor = _executor(llm)
+    pids = executor.worker_pids
+
+    def hang_rank_1(w):
+        if w.rank == 1:
+            def hang(sched):
+                time.sleep(60)
+            w.execute_model = hang
+
+    executor.collective_rpc(hang_rank_1)
+    start = time.monotonic()
+    with pytest.raises(ExecutorFailedError, match="did not finish within 1s") as info:
+        llm.generate("hello", GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 3.0
+    assert "rank 1 in execute_model" in str(info.value)
     assert _wait_gone(pids, 5.0) == []
     llm.shutdown()
 

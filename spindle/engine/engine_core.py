@@ -181,4 +181,5 @@ class EngineCore:
         return method
 
     def shutdown(self) -> None:
+        self._inflight = None  # a launched step's outputs are not wanted any more
         self.executor.shutdown()

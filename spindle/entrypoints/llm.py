@@ -76,6 +76,11 @@ class LLM:
         return render_chat_prompt(self.engine.tokenizer, conversation, add_generation_prompt,
                                   chat_template)
 
+    def heartbeats(self) -> list:
+        """Per worker rank: the stage or call it last entered, its last step, the
+        seconds since, and whether it is still inside (a hung rank stays busy)."""
+        return self.engine.core.executor.heartbeats()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from spindle.distributed.shm_broadcast import BroadcastRing
+from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from spindle.executor.abstract import Executor
 from spindle.executor.config_snapshot import config_for_workers
 from spindle.executor.devices import worker_device_indices
@@ -52,6 +53,8 @@ from spindle.worker.worker import Heartbeat
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 1200.0  # init_device + load_model of the slowest rank
+# A step that takes longer is taken for a hung collective and fails the executor.
+STEP_TIMEOUT_S = 900.0
 SHUTDOWN_GRACE_S = 5.0  # a clean exit after SHUTDOWN
 KILL_GRACE_S = 2.0  # after closing the death pipes, then after SIGTERM
 
@@ -95,6 +98,7 @@ class MultiProcExecutor(Executor):
         self._failure: ExecutorFailedError | None = None
         self._closing = False
         self._torn_down = False
+        self._shutdown_done = threading.Event()
         # Written once (failure or shutdown) and never drained: a level-triggered flag
         # that every wait includes.
         self._wakeup_r, self._wakeup_w = os.pipe()
@@ -112,6 +116,7 @@ class MultiProcExecutor(Executor):
             self._teardown(grace=0.0)
             self._close_pipes()
             _LIVE.discard(self)
+            self._shutdown_done.set()
             raise
         self._monitor = threading.Thread(target=self._monitor_workers, daemon=True,
                                          name="spindle-mp-monitor")
@@ -168,6 +173,16 @@ class MultiProcExecutor(Executor):
                         exitcode=h.process.exitcode)
 
     # ---- calls ----------------------------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.collective_rpc("execute_model", args=(sched,), timeout=STEP_TIMEOUT_S,
+                                       unique_reply_rank=self.output_rank)
+        except TimeoutError as e:
+            # The ranks' states are unknown now (some may have finished the step): fatal.
+            self._fail(ExecutorFailedError(f"step {sched.step_id} did not finish within "
+                                           f"{STEP_TIMEOUT_S:.0f}s: {e}"))
+            raise self._unusable_error() from e
+
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                        args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None, non_block: bool = False) -> Any:
@@ -192,8 +207,8 @@ class MultiProcExecutor(Executor):
                 self._pending.append(future)
                 self._by_id[call_id] = future
             try:
-                self.ring.enqueue(RpcRequest(call_id, payload, args, kwargs, unique_reply_rank),
-                                  abort=self._abort_reason)
+                self.ring.enqueue(RpcRequest(call_id, payload, args, kwargs, unique_reply_rank,
+                                             label=name), abort=self._abort_reason)
             except BaseException:
                 with self._state_lock:
                     if self._by_id.pop(call_id, None) is not None:
@@ -304,9 +319,10 @@ class MultiProcExecutor(Executor):
                 return
             self._pending.remove(future)
         missing = [r for r in future.ranks if r not in future.replies]
+        # Every rank's whereabouts: a silent rank may be waiting on another one.
         future.set_exception(TimeoutError(
             f"collective_rpc({future.name!r}): rank(s) {missing} did not answer within "
-            f"{future.timeout}s; {self._describe_ranks(missing)}"))
+            f"{future.timeout}s; {self._describe_ranks(list(range(self.world_size)))}"))
 
     def _head(self) -> "_RpcFuture | None":
         if self._failure is not None or self._closing:
@@ -358,7 +374,10 @@ class MultiProcExecutor(Executor):
             self._failure = error
             self.is_failed = True
         logger.error("executor failed: %s", error)
-        os.write(self._wakeup_w, b"!")
+        try:
+            os.write(self._wakeup_w, b"!")
+        except OSError:
+            pass  # a shutdown closed the pipes meanwhile: nobody is waiting
         self._fail_pending()
         threading.Thread(target=self._after_failure, daemon=True,
                          name="spindle-mp-failure").start()
@@ -440,26 +459,29 @@ class MultiProcExecutor(Executor):
 
     # ---- shutdown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
+        """Stop the workers and release everything. Idempotent; a second caller waits
+        for the first one to finish."""
         with self._state_lock:
-            if self._closing:
-                first = False
-            else:
-                self._closing = first = True
-        if first:
-            os.write(self._wakeup_w, b"!")
-            clean = self._failure is None
-            if clean:
-                try:
-                    with self._send_lock:
-                        self.ring.enqueue(SHUTDOWN, timeout=1.0)
-                except Exception:  # a full or closed ring: the signals below still work
-                    clean = False
-            self._fail_pending()
-            self._teardown(grace=SHUTDOWN_GRACE_S if clean else 0.0)
-            if self._monitor is not None and self._monitor is not threading.current_thread():
-                self._monitor.join()
-            self._close_pipes()
+            first = not self._closing
+            self._closing = True
+        if not first:
+            self._shutdown_done.wait(timeout=SHUTDOWN_GRACE_S + 3 * KILL_GRACE_S + 5.0)
+            return
+        os.write(self._wakeup_w, b"!")
+        clean = self._failure is None
+        if clean:
+            try:
+                with self._send_lock:
+                    self.ring.enqueue(SHUTDOWN, timeout=1.0)
+            except Exception:  # a full or closed ring: the signals below still work
+                clean = False
+        self._fail_pending()
+        self._teardown(grace=SHUTDOWN_GRACE_S if clean else 0.0)
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join()
+        self._close_pipes()
         _LIVE.discard(self)
+        self._shutdown_done.set()
 
     def _teardown(self, grace: float) -> None:
         """Stop every worker process, then remove the shared memory and the store

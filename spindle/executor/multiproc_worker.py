@@ -49,10 +49,11 @@ class RpcRequest:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     reply_rank: int | None = None  # None: every rank replies
+    label: str = ""  # the function's name, for heartbeats and errors
 
     @property
     def name(self) -> str:
-        return self.method if isinstance(self.method, str) else "<callable>"
+        return self.method if isinstance(self.method, str) else (self.label or "<callable>")
 
 
 @dataclass
@@ -89,7 +90,14 @@ def worker_main(spec: WorkerProcSpec) -> None:
     _exit_when_parent_dies(spec.death_conn, spec.run_dir)
     # Ctrl-C reaches the whole process group: the parent decides, workers do not die mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    code = WorkerProc(spec).run()
+    try:
+        code = WorkerProc(spec).run()
+    except BaseException:  # a bug of this module: still tell the executor what happened
+        try:
+            spec.ready_conn.send((FAILED, _error_text(spec.rank, "the worker process")))
+        except OSError:
+            pass
+        code = EXIT_FATAL
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: destructors of communicators whose peers are gone can abort.
@@ -140,17 +148,30 @@ class WorkerProc:
     # ---- serving --------------------------------------------------------------------
     def _serve(self) -> int:
         while True:
-            request = self.ring.dequeue()
+            try:
+                request = self.ring.dequeue()
+            except EOFError:
+                raise
+            except Exception:  # a call this process cannot even decode: nobody to answer
+                self.spec.ready_conn.send((FAILED, _error_text(self.rank, "decoding a call")))
+                return EXIT_FATAL
             if request == SHUTDOWN:
                 return EXIT_OK
             reply = self._handle(request)
             if reply is not None:
-                self.spec.reply_conn.send(reply)
+                self._send(reply)
             if reply is not None and reply.fatal:
                 # Also on the readiness pipe: the executor's monitor reads it when it
                 # sees this process exit, whichever thread notices first.
                 self.spec.ready_conn.send((FAILED, reply.value))
                 return EXIT_FATAL
+
+    def _send(self, reply: RpcReply) -> None:
+        try:
+            self.spec.reply_conn.send(reply)  # pickles fully before writing a byte
+        except Exception:
+            self.spec.reply_conn.send(RpcReply(reply.call_id, self.rank, False,
+                                               _error_text(self.rank, "sending the reply")))
 
     def _handle(self, request: RpcRequest) -> RpcReply | None:
         asked = request.reply_rank is None or request.reply_rank == self.rank

@@ -68,4 +68,5 @@ class PendingOutput:
                 logprobs = (self._host[1].tolist(), self._host[2].tolist(), self._host[3].tolist())
             self._result = self._runner._record_and_report(self._batch, token_ids, logprobs)
             self._host = []
+            self._runner = self._batch = None  # no cycle keeps the runner (and its memory) alive
         return self._result

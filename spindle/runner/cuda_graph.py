@@ -50,10 +50,13 @@ class CudaGraphRunner:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_req), dtype=torch.int32, device=device)
-        # Pinned host mirror of the per-step inputs: one H2D copy per buffer per step.
-        self._host = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
-        self._host_tables = torch.zeros((n, max_blocks_per_req), dtype=torch.int32,
-                                        pin_memory=True)
+        # Pinned host mirrors of the per-step inputs (one H2D copy per buffer per step),
+        # two sets used in turn: with async scheduling a step is staged while the
+        # previous step's copies may still be queued (see runner/staging.py).
+        self._host_sets = [(torch.zeros((4, n), dtype=torch.int64, pin_memory=True),
+                            torch.zeros((n, max_blocks_per_req), dtype=torch.int32,
+                                        pin_memory=True)) for _ in range(2)]
+        self._runs = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -90,7 +93,9 @@ class CudaGraphRunner:
 
     def _stage_inputs(self, batch: StepBatch, size: int) -> None:
         num = batch.num_reqs
-        host = self._host.numpy()
+        self._runs += 1
+        host_t, tables_t = self._host_sets[self._runs % 2]
+        host = host_t.numpy()
         host[0, :num] = batch.input_ids
         host[1, :num] = batch.positions
         host[2, :num] = batch.slot_mapping
@@ -98,12 +103,12 @@ class CudaGraphRunner:
         host[3, :num] = batch.seq_lens
         host[3, num:size] = 0
         cols = batch.block_tables.shape[1]
-        self._host_tables.numpy()[:num, :cols] = batch.block_tables
-        self.input_ids[:size].copy_(self._host[0, :size], non_blocking=True)
-        self.positions[:size].copy_(self._host[1, :size], non_blocking=True)
-        self.slot_mapping[:size].copy_(self._host[2, :size], non_blocking=True)
-        self.seq_lens[:size].copy_(self._host[3, :size], non_blocking=True)
-        self.block_tables[:num, :cols].copy_(self._host_tables[:num, :cols], non_blocking=True)
+        tables_t.numpy()[:num, :cols] = batch.block_tables
+        self.input_ids[:size].copy_(host_t[0, :size], non_blocking=True)
+        self.positions[:size].copy_(host_t[1, :size], non_blocking=True)
+        self.slot_mapping[:size].copy_(host_t[2, :size], non_blocking=True)
+        self.seq_lens[:size].copy_(host_t[3, :size], non_blocking=True)
+        self.block_tables[:num, :cols].copy_(tables_t[:num, :cols], non_blocking=True)
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(

@@ -156,6 +156,17 @@ class ModelRunner:
                                             self.input_batch.max_blocks_per_req, self.device)
         self.graph_runner.capture()
 
+    def release(self) -> None:
+        """Drop every device tensor this runner holds (graphs first: they reference
+        the pool and the cache), so the memory is free for whoever comes next."""
+        self.graph_runner = None
+        self._last_launched = None
+        for layer in self.attn_layers:
+            layer.kv_cache = None
+        self.kv_caches = []
+        self.attn_layers = []
+        self.model = self.state = self.pooler = None
+
     # ---- one step ---------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(sched).get()
@@ -264,8 +275,8 @@ class ModelRunner:
         return out
 
     def _pool_and_report(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
-        """Advance each request's progress and report the embeddings of those that
-        completed their prompt; nothing is sampled."""
+        """Report the embeddings of the requests that completed their prompt (their
+        whole step; input_batch.advance() counted it); nothing is sampled."""
         pooled = self.pooler(hidden, batch)
         return ModelRunnerOutput(req_ids=batch.req_ids,
                                  sampled_token_ids=[[] for _ in batch.req_ids],

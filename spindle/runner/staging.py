@@ -2,10 +2,10 @@
 
 A pageable `tensor.to("cuda")` is a synchronous copy that waits for all queued GPU
 work, so the host could never run ahead of the device. Every per-step array goes
-instead through one pinned buffer and a non-blocking copy. The buffer is reused
-from its start each step: the runner synchronises once per step (when it reads
-the sampled tokens back) before the next step stages anything, so a copy never
-reads a region that is being overwritten.
+instead through a pinned buffer and a non-blocking copy. Steps alternate between
+NUM_BUFFERS buffers: with async scheduling step N+1 is staged while step N's
+copies may still be queued, but before step N+2 is staged the engine has waited
+for step N's results, so the buffer it reuses has been read.
 """
 
 from __future__ import annotations
@@ -14,16 +14,26 @@ import numpy as np
 import torch
 
 
+NUM_BUFFERS = 2
+
+
 class HostToDevice:
     def __init__(self, device: torch.device, capacity_bytes: int = 16 * 2**20) -> None:
         self.device = device
         self.on_cpu = device.type == "cpu"
-        self._buffer = None if self.on_cpu else torch.empty(capacity_bytes, dtype=torch.uint8,
-                                                            pin_memory=True)
+        self._buffers = [] if self.on_cpu else [
+            torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=True)
+            for _ in range(NUM_BUFFERS)]
+        self._step = 0
+        self._buffer = self._buffers[0] if self._buffers else None
         self._offset = 0
 
     def new_step(self) -> None:
+        """Start staging a new step, in the other buffer."""
         self._offset = 0
+        if self._buffers:
+            self._step += 1
+            self._buffer = self._buffers[self._step % NUM_BUFFERS]
 
     def put(self, array: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
         """A device tensor of dtype holding array (copied without blocking the host)."""

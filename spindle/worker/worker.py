@@ -139,7 +139,11 @@ class Worker:
         return True
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.release()
         self.runner = None
+        if self.device is not None:
+            self.platform.empty_cache()  # give the device memory back now, not at exit
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

@@ -4,9 +4,10 @@ Chosen by config (enable_prompt_embeds) for decoder models. A request may carry
 `prompt_embeds` [num_prompt_tokens, hidden] instead of prompt token ids; the
 engine gives such a request out-of-vocabulary placeholder ids, which nothing
 embeds (and the penalties ignore, as padding). The embeddings go to the device
-once, when the runner first sees the request (preprocess_state), and each step
-the rows of the scheduled prompt positions are copied into the step's input
-embeddings with one indexed copy: a loop over requests, never over tokens.
+once, when the runner first sees the request (preprocess_state). Each step,
+prepare_inputs finds the rows of the scheduled prompt positions (a loop over
+requests, never over tokens) and forward copies them into the step's input
+embeddings with one indexed copy.
 Generated tokens (and requests without embeddings) are embedded from their ids.
 
 Prefix caching is refused at config time: the cache hashes token ids, and
@@ -25,7 +26,8 @@ from spindle.runner.input_batch import CachedRequestState, StepBatch
 from spindle.runner.model_states.default import DefaultModelState
 from spindle.runner.staging import HostToDevice
 
-EXTRA_KEY = "prompt_embeds"
+EXTRA_KEY = "prompt_embeds"  # CachedRequestState.extra: the request's rows on the device
+PLACEMENT_KEY = "_prompt_embeds_placement"  # step inputs: (token indices, rows) to place
 
 
 class PromptEmbedsState(DefaultModelState):
@@ -61,13 +63,24 @@ class PromptEmbedsState(DefaultModelState):
     def prepare_inputs(self, batch: StepBatch) -> dict[str, Any]:
         inputs = super().prepare_inputs(batch)
         placement = _prompt_rows(batch)
+        if placement is not None:
+            token_index, rows = placement
+            inputs[PLACEMENT_KEY] = (self.h2d.put(token_index, torch.int64), rows)
+        return inputs
+
+    def forward(self, model_inputs: dict[str, Any]) -> torch.Tensor:
+        """Embed the step's ids, then copy the prompt rows over their positions. This
+        happens here, not in prepare_inputs, because the runner may write on the
+        device, in between, the ids of tokens a step still in flight is sampling."""
+        inputs = dict(model_inputs)
+        placement = inputs.pop(PLACEMENT_KEY, None)
         if placement is None:
-            return inputs
-        token_index, rows = placement
+            return self.model(**inputs)
         ids = inputs.pop("input_ids")
         embeds = self.model.embed_tokens(torch.where(ids < self.vocab_size, ids, 0))
-        embeds[self.h2d.put(token_index, torch.int64)] = rows
-        return {**inputs, "input_ids": None, "inputs_embeds": embeds}
+        token_index, rows = placement
+        embeds[token_index] = rows
+        return self.model(input_ids=None, inputs_embeds=embeds, **inputs)
 
 
 def _prompt_rows(batch: StepBatch) -> tuple[np.ndarray, torch.Tensor] | None:
