@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spindle.forward_context import get_forward_context
+from spindle.attention.heads import set_head_geometry
 
 # A sequence joins a group of longer ones while its padding stays within this many
 # tokens, or within this fraction of the group's longest sequence.
@@ -144,13 +145,7 @@ class EncoderAttention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
-                             f"({num_kv_heads})")
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.num_kv_heads = num_kv_heads
+        set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         metadata = get_forward_context().attn_metadata

@@ -22,8 +22,8 @@ from torch import nn
 from spindle.attention.encoder import EncoderAttention
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.embedding import VocabParallelEmbedding
-from spindle.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   default_weight_loader)
+from spindle.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from spindle.models.weights import load_named_weights
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -169,25 +169,7 @@ class BertModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the completely loaded
         names. Raises ValueError on a tensor that matches no parameter or does not fit."""
-        params = dict(self.named_parameters())
-        shards_seen: dict[str, set[Any]] = {}
-        for hf_name, tensor in weights:
-            name = _strip_prefix(hf_name)
-            if name.startswith(_UNUSED):
-                continue
-            name, shard_id = _to_param_name(name)
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "
-                                 f"{type(self).__name__}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"cannot load checkpoint tensor {hf_name!r} into {name!r}: {e}") from e
-            shards_seen.setdefault(name, set()).add(shard_id)
-        return {name for name, seen in shards_seen.items()
-                if seen >= set(getattr(params[name], "shard_ids", (None,)))}
+        return load_named_weights(self, weights, _map_checkpoint_name)
 
 
 class RobertaModel(BertModel):
@@ -216,3 +198,11 @@ def _to_param_name(name: str) -> tuple[str, Any]:
         if part in name:
             return name.replace(part, "attention.qkv_proj."), shard_id
     return name, None
+
+
+def _map_checkpoint_name(hf_name: str):
+    """HF tensor name -> (parameter name, shard id), or None for unused tensors."""
+    name = _strip_prefix(hf_name)
+    if name.startswith(_UNUSED):
+        return None
+    return _to_param_name(name)

@@ -27,9 +27,10 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.activation import SiluAndMul
 from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                   RowParallelLinear, default_weight_loader)
+                                   RowParallelLinear)
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary
+from spindle.models.weights import load_named_weights
 
 
 @dataclass(frozen=True)
@@ -225,24 +226,9 @@ class LlamaForCausalLM(nn.Module):
         parameters only once every shard arrived). Raises ValueError on a checkpoint
         tensor that matches no parameter, or whose shape does not fit.
         """
-        params = dict(self.named_parameters())
-        shards_seen: dict[str, set[Any]] = {}
-        for hf_name, tensor in weights:
-            if self._skip_checkpoint_tensor(hf_name):
-                continue
-            name, shard_id = _to_param_name(hf_name)
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "
-                                 f"{type(self).__name__}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"cannot load checkpoint tensor {hf_name!r} into {name!r}: {e}") from e
-            shards_seen.setdefault(name, set()).add(shard_id)
-        return {name for name, seen in shards_seen.items()
-                if seen >= set(getattr(params[name], "shard_ids", (None,)))}
+        return load_named_weights(
+            self, weights,
+            lambda hf_name: None if self._skip_checkpoint_tensor(hf_name) else _to_param_name(hf_name))
 
     def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
         # Rotary tables are recomputed from the config (old checkpoints saved inv_freq).

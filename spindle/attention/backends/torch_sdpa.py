@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from spindle.attention.heads import set_head_geometry
 from spindle.attention.metadata import AttentionMetadata
 
 # Most context tokens gathered at once by the batched decode path (per K and per V).
@@ -30,13 +31,7 @@ DECODE_GATHER_TOKEN_BUDGET = 1 << 15
 
 class TorchSDPABackend:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
-                             f"({num_kv_heads})")
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.num_kv_heads = num_kv_heads
+        set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
         self.gqa = num_heads != num_kv_heads
 
     # ---------------------------------------------------------------- entry point

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spindle.attention.heads import set_head_geometry
 from spindle.attention.metadata import AttentionMetadata
 
 _TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100/H200
@@ -34,13 +35,7 @@ _MAX_SPLITS = 32
 
 class TritonAttentionBackend:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
-                             f"({num_kv_heads})")
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.num_kv_heads = num_kv_heads
+        set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
         self.gqa = num_heads // num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,0 +1,40 @@
+"""Copying HF-named checkpoint tensors into a model's parameters (any architecture)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from spindle.layers.linear import default_weight_loader
+
+# hf name -> (parameter name, shard id), or None to skip the tensor.
+NameMapper = Callable[[str], "tuple[str, Any] | None"]
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       map_name: NameMapper) -> set[str]:
+    """Feed each tensor to its parameter's weight_loader (which shards it for tensor
+    parallelism). Returns the names of the parameters completely loaded (merged
+    parameters only once every shard arrived). Raises ValueError on a tensor that
+    matches no parameter, or whose shape does not fit."""
+    params = dict(model.named_parameters())
+    shards_seen: dict[str, set[Any]] = {}
+    for hf_name, tensor in weights:
+        mapped = map_name(hf_name)
+        if mapped is None:
+            continue
+        name, shard_id = mapped
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "
+                             f"{type(model).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"cannot load checkpoint tensor {hf_name!r} into {name!r}: {e}") from e
+        shards_seen.setdefault(name, set()).add(shard_id)
+    return {name for name, seen in shards_seen.items()
+            if seen >= set(getattr(params[name], "shard_ids", (None,)))}
