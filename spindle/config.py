@@ -55,8 +55,17 @@ class EngineArgs:
                                   "current one runs on the device (in-process executor).")
     tensor_parallel_size: int = _arg(1, "Number of tensor-parallel ranks.")
     pipeline_parallel_size: int = _arg(1, "Number of pipeline stages.")
+    pipeline_layer_partition: list[int] | None = _arg(
+        None, "Decoder layers per pipeline stage (e.g. 3,5); default: an even split.")
+    max_concurrent_batches: int | None = _arg(
+        None, "Batches in flight at once with pipeline parallelism (default: "
+        "pipeline_parallel_size, so that no stage idles; 1: one batch at a time).")
     distributed_executor_backend: str | None = _arg(None, "uni, mp or ray (default: uni "
                                                     "for one worker, mp for more).")
+    ray_address: str | None = _arg(None, "For the ray backend: the cluster to join (default: "
+                                   "RAY_ADDRESS, else a Ray instance started for this engine).")
+    ray_placement_strategy: str = _arg("PACK", "For the ray backend: placement group strategy "
+                                       "(PACK, SPREAD, STRICT_PACK, STRICT_SPREAD).")
     device: str = _arg("auto", "cpu, cuda or auto.")
     device_ids: list[int] | None = _arg(None, "Device ids for the workers, one per worker "
                                         "(e.g. 2,3), as this process sees them: after "
@@ -172,6 +181,10 @@ class ParallelConfig:
     pipeline_parallel_size: int
     distributed_executor_backend: str
     device_ids: tuple[int, ...] | None
+    pipeline_layer_partition: tuple[int, ...] | None = None
+    ray_address: str | None = None
+    ray_placement_strategy: str = "PACK"
+    max_concurrent_batches: int = 1
 
     @property
     def world_size(self) -> int:
@@ -193,8 +206,23 @@ class ParallelConfig:
                      f"{tp * pp} distinct device ids (one per worker)")
             _require(all(isinstance(i, int) and i >= 0 for i in ids), "device_ids", list(ids),
                      "non-negative integers")
+        partition = args.pipeline_layer_partition
+        if partition is not None:
+            partition = tuple(partition)
+            _require(len(partition) == pp and all(isinstance(n, int) and n >= 1 for n in partition),
+                     "pipeline_layer_partition", list(partition),
+                     f"{pp} positive integers (layers per stage)")
+        batches = args.max_concurrent_batches if args.max_concurrent_batches is not None else pp
+        _require(isinstance(batches, int) and 1 <= batches <= max(pp, 1), "max_concurrent_batches",
+                 batches, f"an integer in 1..pipeline_parallel_size ({pp})")
+        strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+        _require(args.ray_placement_strategy in strategies, "ray_placement_strategy",
+                 args.ray_placement_strategy, f"one of {strategies}")
         return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                              distributed_executor_backend=backend, device_ids=ids)
+                              distributed_executor_backend=backend, device_ids=ids,
+                              pipeline_layer_partition=partition, ray_address=args.ray_address,
+                              ray_placement_strategy=args.ray_placement_strategy,
+                              max_concurrent_batches=batches)
 
 
 @dataclass(frozen=True)

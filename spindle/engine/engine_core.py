@@ -11,6 +11,7 @@ import time
 from typing import Iterable
 
 from spindle.config import EngineConfig
+from spindle.engine.batch_queue import BatchQueue
 from spindle.engine.pause import PauseMode, SchedulingGate, SleepModeUnavailableError
 from spindle.engine.request import Request, RequestStatus
 from spindle.engine.scheduler import Scheduler
@@ -32,10 +33,15 @@ class EngineCore:
             self.executor.shutdown()
             raise
         # Async scheduling: schedule and launch step N+1 while step N runs on the device.
-        self.async_scheduling = (config.scheduler.async_scheduling
+        pipelined = config.parallel.pipeline_parallel_size > 1
+        self.async_scheduling = (config.scheduler.async_scheduling and not pipelined
                                  and hasattr(self.executor, "execute_model_async"))
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    async_scheduling=self.async_scheduling)
+        # Pipeline parallelism: up to max_concurrent_batches disjoint batches in flight.
+        self.batch_queue = (BatchQueue(self.scheduler, self.executor,
+                                       config.parallel.max_concurrent_batches)
+                            if pipelined else None)
         self._inflight = None  # (SchedulerOutput, PendingOutput) of the launched step
         self._undelivered: list[EngineCoreOutput] = []  # drained outside step()
         self.gate = SchedulingGate()  # pause / sleep state (engine/pause.py)
@@ -84,19 +90,25 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self._inflight is not None
-                or bool(self._undelivered))
+                or bool(self._undelivered) or self._batches_in_flight())
 
     def can_step(self) -> bool:
         """True when step() has work to do: unfinished requests and scheduling allowed,
         or outputs of a launched step to collect."""
         return ((self.gate.may_schedule and self.scheduler.has_unfinished_requests())
-                or self._inflight is not None or bool(self._undelivered))
+                or self._inflight is not None or bool(self._undelivered)
+                or self._batches_in_flight())
+
+    def _batches_in_flight(self) -> bool:
+        return self.batch_queue is not None and self.batch_queue.busy
 
     def step(self) -> list[EngineCoreOutput]:
         """schedule -> execute -> update. With async scheduling the update is that of
         the previous step: this step is launched first, so the device never waits
         for the host's bookkeeping."""
         outputs, self._undelivered = self._undelivered, []
+        if self.batch_queue is not None:
+            return outputs + self.batch_queue.step(self.gate.may_schedule)
         if not (self.gate.may_schedule and self.scheduler.has_unfinished_requests()):
             return outputs + self._collect_inflight()
         sched = self.scheduler.schedule()
@@ -127,6 +139,8 @@ class EngineCore:
         """Finish the launched step now (before pausing, sleeping or shutting down);
         its outputs are delivered by the next step()."""
         self._undelivered += self._collect_inflight()
+        if self.batch_queue is not None:
+            self._undelivered += self.batch_queue.drain()
 
     # ---- pause and sleep (the state lives in self.gate) -------------------------
     def pause(self, mode: PauseMode | str) -> list[EngineCoreOutput]:
@@ -182,4 +196,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._inflight = None  # a launched step's outputs are not wanted any more
+        if self.batch_queue is not None:
+            self.batch_queue.clear()
         self.executor.shutdown()

@@ -82,6 +82,7 @@ class Scheduler:
         self.num_preemptions = 0  # since start, for stats and tests
         # Schedule step N+1 before step N's tokens are back (see engine_core.py).
         self.async_scheduling = async_scheduling
+        self._step_cap = self.max_num_seqs  # requests one schedule() may pick
 
     # ------------------------------------------------------------------ queries
 
@@ -155,9 +156,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------- schedule
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts (see the class docstring)."""
+    def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
+        """Pick this step's requests and token counts (see the class docstring).
+        max_num_reqs caps the requests of this step (pipeline parallelism splits the
+        requests between the batches in flight)."""
         out = SchedulerOutput()
+        self._step_cap = max_num_reqs if max_num_reqs is not None else self.max_num_seqs
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_req_ids:
@@ -180,7 +184,8 @@ class Scheduler:
         """Schedule running requests in admission order, preempting from the back
         when blocks run out. Returns the budget left."""
         index = 0
-        while index < len(self.running) and budget > 0:
+        while (index < len(self.running) and budget > 0
+               and len(out.num_scheduled_tokens) < self._step_cap):
             request = self.running[index]
             num_new = (request.num_tokens + request.num_output_placeholders
                        - request.num_computed_tokens)
@@ -229,7 +234,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests FCFS while seats, budget and blocks last; never
         preempts."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(out.num_scheduled_tokens) < self._step_cap):
             request = self.waiting[0]
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0 and not request.is_pooling:

@@ -38,6 +38,11 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int  # before this step's tokens
+    # Pipeline parallelism only: this step's input tokens from new_token_start on that
+    # are outputs (only the last stage saw them sampled); other stages append the ones
+    # they lack.
+    new_token_ids: list[int] | None = None
+    new_token_start: int = 0
 
 
 @dataclass

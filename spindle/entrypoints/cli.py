@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -12,15 +11,17 @@ from spindle.entrypoints.cli_args import (add_engine_args, add_sampling_args, en
 
 
 def default_model_dir() -> Path:
-    """The built-in default model: a tiny random Llama made on first use (no download)."""
-    root = Path(os.environ.get("SPINDLE_CACHE_DIR", Path.home() / ".cache" / "spindle"))
-    path = root / "tiny-llama"
-    if not (path / "config.json").is_file():
-        from spindle.tools.tiny_model import make_tiny_model
+    """The built-in default model: spindle's demo model, shipped inside the package.
 
-        print(f"spindle: no --model given; creating the built-in tiny model at {path}",
-              file=sys.stderr)
-        make_tiny_model(path, arch="llama")
+    A 4M-parameter Llama trained on the Python standard library's source by
+    spindle/tools/train_demo_model.py (docs/demo_model.md): it completes Python code,
+    offline, on any machine.
+    """
+    path = Path(__file__).resolve().parent.parent / "demo_model"
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"the built-in demo model is missing from {path} (a broken install?); "
+            "reinstall spindle or pass --model PATH")
     return path
 
 
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="Run the OpenAI-compatible HTTP server.")
     serve.add_argument("model_path", nargs="?", metavar="PATH",
-                       help="Model directory (or --model; default: the built-in tiny model).")
+                       help="Model directory (or --model; default: the built-in demo model).")
     serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     serve.add_argument("--port", type=int, default=8000,
                        help="Port to listen on; 0 picks a free one (the log says which).")

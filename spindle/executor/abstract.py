@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 _BACKENDS = {
     "uni": "spindle.executor.uniproc:UniProcExecutor",
     "mp": "spindle.executor.multiproc:MultiProcExecutor",
+    "ray": "spindle.executor.ray_executor:RayExecutor",
 }
 
 

@@ -78,10 +78,6 @@ class MultiProcExecutor(Executor):
     # ---- startup ------------------------------------------------------------------------
     def _init_executor(self) -> None:
         parallel = self.config.parallel
-        if parallel.pipeline_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size > 1 is not supported by the mp executor "
-                             "(tensor parallelism only); got "
-                             f"{parallel.pipeline_parallel_size}")
         self.world_size = parallel.world_size
         platform = resolve_platform(self.config.device.device_type)
         device_indices = worker_device_indices(parallel, platform)  # raises before any process

@@ -24,6 +24,7 @@ from torch import nn
 
 from spindle.attention import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.layers.activation import SiluAndMul
 from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -141,31 +142,59 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
-                 tp_group: TensorParallelGroup) -> None:
+                 tp_group: TensorParallelGroup, stage: PipelineStage | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   tp_group=tp_group)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, options, tp_group)
-                                    for _ in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.stage = stage = stage or PipelineStage.single()
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # A pipeline stage builds only what it runs (layer indices stay global, so
+        # checkpoint names map unchanged); a tied head needs the embedding on the last stage.
+        if stage.is_first or (stage.is_last and tied):
+            self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size,
+                                                       hf_config.hidden_size, tp_group=tp_group)
+        else:
+            self.embed_tokens = None
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, options, tp_group) if stage.owns_layer(i)
+            else MissingLayer() for i in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps) if stage.is_last else None
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
-        for layer in self.layers:  # plain tensor references, not submodules
+        for layer in self.own_layers():  # plain tensor references, not submodules
             layer.self_attn.rope_tables = (self.rotary_emb.cos_cache, self.rotary_emb.sin_cache)
 
+    def own_layers(self) -> list["LlamaDecoderLayer"]:
+        return [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
+
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: IntermediateTensors | None = None,
+                ) -> torch.Tensor | IntermediateTensors:
+        """-> final-normed hidden states on the last stage; on any other stage the
+        hidden states and residual for the next one."""
+        if self.stage.is_first:
+            if (input_ids is None) == (inputs_embeds is None):
+                raise ValueError("pass exactly one of input_ids and inputs_embeds")
+            hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
+        else:
+            if intermediate_tensors is None:
+                raise ValueError(f"pipeline stage {self.stage.rank} needs the previous "
+                                 "stage's intermediate_tensors")
+            hidden_states = intermediate_tensors.hidden_states
+            residual = intermediate_tensors.residual
         if hidden_states.is_cuda:
             cos = sin = None  # the fused kernels read the tables themselves
         else:
             cos, sin = self.rotary_emb(positions, hidden_states.dtype)  # shared by all layers
-        residual = None
-        for layer in self.layers:
+        for layer in self.own_layers():
             hidden_states, residual = layer(hidden_states, residual, positions, cos, sin)
+        if not self.stage.is_last:
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+
+class MissingLayer(nn.Identity):
+    """Placeholder for a layer another pipeline stage owns (no parameters)."""
 
 
 # HF checkpoint projection name -> (merged parameter name, shard id).
@@ -188,17 +217,23 @@ def _to_param_name(hf_name: str) -> tuple[str, Any]:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+    supports_pipeline_parallel = True
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         check_supported_config(hf_config)
         self.config = hf_config
         self.tp_group = tp_group
-        self.model = LlamaModel(hf_config, self.attention_options(hf_config), tp_group)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
-                                      tp_group=tp_group)
+        self.stage = stage or PipelineStage.single()
+        self.model = LlamaModel(hf_config, self.attention_options(hf_config), tp_group, self.stage)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = None
+        if self.stage.is_last:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                          tp_group=tp_group)
+            if self.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
@@ -207,9 +242,12 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ inference
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """-> final-normed hidden states [T, hidden]."""
-        return self.model(input_ids, positions, inputs_embeds)
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: IntermediateTensors | None = None,
+                ) -> torch.Tensor | IntermediateTensors:
+        """-> final-normed hidden states [T, hidden] (IntermediateTensors on a stage
+        other than the last)."""
+        return self.model(input_ids, positions, inputs_embeds, intermediate_tensors)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -235,7 +273,16 @@ class LlamaForCausalLM(nn.Module):
         if "rotary_emb." in hf_name:
             return True
         # A tied head shares the embedding's parameter; some checkpoints still store it.
-        return self.tie_word_embeddings and hf_name == "lm_head.weight"
+        if hf_name == "lm_head.weight":
+            return self.tie_word_embeddings or self.lm_head is None
+        # Pipeline parallelism: tensors of what another stage owns.
+        if hf_name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is None
+        if hf_name.startswith("model.norm."):
+            return self.model.norm is None
+        if hf_name.startswith("model.layers."):
+            return not self.stage.owns_layer(int(hf_name.split(".")[2]))
+        return False
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -12,6 +12,7 @@ from torch import nn
 
 from spindle.config import ModelConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import PipelineStage
 from spindle.models.registry import resolve_model_class
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -19,7 +20,7 @@ SAFETENSORS_SINGLE = "model.safetensors"
 
 
 def load_model(model_config: ModelConfig, device: torch.device,
-               tp_group: TensorParallelGroup) -> nn.Module:
+               tp_group: TensorParallelGroup, stage: PipelineStage | None = None) -> nn.Module:
     """The model of model_config on device, in model_config.dtype, holding this rank's
     shard of every weight, in eval mode.
 
@@ -31,7 +32,12 @@ def load_model(model_config: ModelConfig, device: torch.device,
     model_class = resolve_model_class(getattr(hf_config, "architectures", None))
     files = checkpoint_files(Path(model_config.model))
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = model_class(hf_config, tp_group)
+        if stage is None or stage.size == 1:
+            model = model_class(hf_config, tp_group)
+        elif getattr(model_class, "supports_pipeline_parallel", False):
+            model = model_class(hf_config, tp_group, stage)  # only this stage's layers
+        else:
+            raise ValueError(f"{model_class.__name__} does not support pipeline_parallel_size > 1")
     loaded = model.load_weights(iter_checkpoint(files, model_config.dtype))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:

@@ -16,6 +16,7 @@ from torch import nn
 from spindle.attention.layer import Attention
 from spindle.config import EngineConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.engine.scheduler_output import (ModelRunnerOutput, SampledLogprobs,
                                              SchedulerOutput)
 from spindle.forward_context import forward_context
@@ -36,11 +37,14 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, platform: Platform,
-                 tp_group: TensorParallelGroup) -> None:
+                 tp_group: TensorParallelGroup, stage: PipelineStage | None = None) -> None:
         self.config = config
         self.device = device
         self.platform = platform
         self.tp_group = tp_group
+        # Pipeline parallelism: this rank runs only its stage's layers; a stage other
+        # than the first receives its input, one other than the last sends its output.
+        self.stage = stage or PipelineStage.single()
         self.model: nn.Module | None = None
         self.state: ModelState | None = None
         self.sampler = Sampler()
@@ -61,7 +65,9 @@ class ModelRunner:
 
     # ---- lifecycle ------------------------------------------------------------
     def load_model(self) -> None:
-        self.model = load_model(self.config.model, self.device, self.tp_group)
+        if self.stage.size > 1 and self.pooler is not None:
+            raise ValueError("pipeline_parallel_size > 1 is not supported for task='embed'")
+        self.model = load_model(self.config.model, self.device, self.tp_group, self.stage)
         self.state = model_state_class(self.model, self.config)(self.model, self.device, self.h2d)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = self.config.device.attention_backend
@@ -93,9 +99,14 @@ class ModelRunner:
         num_tokens = num_reqs * tokens_per_req
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(tokens_per_req, device=self.device).repeat(num_reqs)
+        inputs = {"input_ids": input_ids, "positions": positions}
+        if not self.stage.is_first:
+            inputs["intermediate_tensors"] = self._empty_intermediate(num_tokens)
         with forward_context(state.dummy_attn(num_reqs, tokens_per_req)):
-            hidden = state.forward({"input_ids": input_ids, "positions": positions})
-        if self.pooler is not None:
+            hidden = state.forward(inputs)
+        if not self.stage.is_last:
+            pass  # the last stage's logits and sampler are not this rank's
+        elif self.pooler is not None:
             self.pooler.dummy_run(hidden, num_reqs)
         else:
             rows = torch.arange(sched.max_num_seqs, device=self.device) % num_tokens
@@ -142,7 +153,9 @@ class ModelRunner:
                                          SamplingParams(temperature=0.0), block_ids, 0)],
             num_scheduled_tokens={req: num_prompt}, total_num_scheduled_tokens=num_prompt)
         self.execute_model(prefill)
-        decode = SchedulerOutput(cached_requests=[CachedRequestData(req, [], num_prompt)],
+        # (new_token_ids: what pipeline stages other than the last did not sample)
+        decode = SchedulerOutput(cached_requests=[CachedRequestData(req, [], num_prompt, [0],
+                                                                    num_prompt)],
                                  num_scheduled_tokens={req: 1}, total_num_scheduled_tokens=1)
         self.execute_model(decode)
         self.input_batch.remove_request(req)
@@ -150,7 +163,7 @@ class ModelRunner:
     def _capture_cuda_graphs(self) -> None:
         state = self._require_state()
         if (self.config.device.enforce_eager or not state.supports_cuda_graphs
-                or not self.needs_kv_cache):
+                or not self.needs_kv_cache or self.stage.size > 1):
             return
         self.graph_runner = CudaGraphRunner(state, self.config.device.max_cudagraph_batch_size,
                                             self.input_batch.max_blocks_per_req, self.device)
@@ -192,9 +205,17 @@ class ModelRunner:
             inputs = state.prepare_inputs(batch)
             if feed is not None:
                 feed(inputs["input_ids"])
+            if not self.stage.is_first:
+                inputs["intermediate_tensors"] = self.stage.recv(
+                    batch.num_tokens, self._hidden_size(), self.config.model.dtype, self.device)
             with forward_context(state.prepare_attn(batch)):
                 hidden = state.forward(inputs)
+            if not self.stage.is_last:
+                self.stage.send(hidden)
         self.input_batch.advance(batch)
+        if not self.stage.is_last:
+            # The last stage samples and reports; this stage is free for the next batch.
+            return PendingOutput.ready(ModelRunnerOutput())
         if self.pooler is not None:
             return PendingOutput.ready(self._pool_and_report(batch, hidden))
         sampled = self._sample(batch, hidden)
@@ -230,8 +251,30 @@ class ModelRunner:
             state.preprocess_state(cached, new)
         for cached_req in sched.cached_requests:
             self.input_batch.append_blocks(cached_req.req_id, cached_req.new_block_ids)
+            if cached_req.new_token_ids:
+                self._append_step_tokens(cached_req)
             self.input_batch.requests[cached_req.req_id].num_computed_tokens = \
                 cached_req.num_computed_tokens
+
+    def _append_step_tokens(self, cached_req) -> None:
+        """Pipeline parallelism: append the sampled tokens this stage has not seen
+        (the scheduler output carries them; the last stage already has them)."""
+        state = self.input_batch.requests[cached_req.req_id]
+        skip = state.num_tokens - cached_req.new_token_start
+        if skip < 0:
+            raise RuntimeError(f"request {cached_req.req_id!r}: stage {self.stage.rank} lacks "
+                               f"tokens {state.num_tokens}..{cached_req.new_token_start - 1}")
+        for token in cached_req.new_token_ids[skip:]:
+            self.input_batch.append_token(state, token)
+
+    def _empty_intermediate(self, num_tokens: int) -> IntermediateTensors:
+        shape = (num_tokens, self._hidden_size())
+        dtype = self.config.model.dtype
+        return IntermediateTensors(torch.zeros(shape, dtype=dtype, device=self.device),
+                                   torch.zeros(shape, dtype=dtype, device=self.device))
+
+    def _hidden_size(self) -> int:
+        return self.config.model.hf_config.hidden_size
 
     def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> SamplerOutput | None:
         if len(batch.logits_indices) == 0:

@@ -22,6 +22,7 @@ import torch
 
 from spindle.config import EngineConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import PipelineStage, build_parallel_groups
 from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from spindle.platforms import resolve_platform
 
@@ -63,6 +64,7 @@ class Worker:
         self.device: torch.device | None = None
         self.runner = None
         self.tp_group = TensorParallelGroup.single()
+        self.pp_stage = PipelineStage.single()
         self.records: list[StageRecord] = []
         self._next_stage = 0
         self._last_stage = "created"
@@ -81,7 +83,8 @@ class Worker:
         from spindle.runner.model_runner import ModelRunner
 
         with self._stage("load_model") as record:
-            self.runner = ModelRunner(self.config, self.device, self.platform, self.tp_group)
+            self.runner = ModelRunner(self.config, self.device, self.platform, self.tp_group,
+                                      self.pp_stage)
             self.runner.load_model()
             params = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
             record.note = f"weights {_human_bytes(params)}"
@@ -155,9 +158,13 @@ class Worker:
         torch.distributed.init_process_group(
             backend=self.platform.dist_backend, init_method=self.distributed_init_method,
             world_size=world_size, rank=self.rank)
-        tp = self.config.parallel.tensor_parallel_size
-        self.tp_group = TensorParallelGroup(rank=self.rank % tp, size=tp,
-                                            group=torch.distributed.group.WORLD)
+        parallel = self.config.parallel
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        group, self.pp_stage = build_parallel_groups(
+            self.rank, tp, pp, self.platform.dist_backend,
+            parallel.pipeline_layer_partition,
+            getattr(self.config.model.hf_config, "num_hidden_layers", None))
+        self.tp_group = TensorParallelGroup(rank=self.rank % tp, size=tp, group=group)
 
     def _kv_budget(self, memory_before_profile: int) -> int:
         cache = self.config.cache

@@ -1,0 +1,91 @@
+"""Pipeline parallelism: stage partition, and greedy parity with the uni executor
+for PP=2 (and PP=2 x TP=2) on the mp backend. The Ray backend: test_ray_executor.py."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from spindle import LLM, SamplingParams
+from spindle.distributed.pipeline import partition_layers
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ENGINE_ARGS = dict(device="cpu", max_model_len=256, max_num_batched_tokens=32,
+                   enable_chunked_prefill=True, enable_prefix_caching=True)
+
+
+def prompts() -> list[list[int]]:
+    """Prompts sharing prefixes (prefix-cache hits), longer than the step budget
+    (chunked prefill: steps where nothing samples)."""
+    base = [(7 * i + 3) % 500 + 5 for i in range(70)]
+    return [base + [11, 12], base[:40] + [99, 98, 97], base[:17],
+            [(5 * i + 1) % 500 + 5 for i in range(50)]]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@functools.lru_cache(maxsize=None)
+def uni_reference(path: str) -> list[list[int]]:
+    with LLM(path, **ENGINE_ARGS) as llm:
+        return token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False))
+
+
+def stage_layers(worker) -> tuple[int, int, int, bool, bool]:
+    """(stage, own decoder layers, KV-cached attention layers, has embedding, has head)."""
+    model = worker.runner.model
+    return (worker.pp_stage.rank, len(model.model.own_layers()), len(worker.runner.kv_caches),
+            model.model.embed_tokens is not None, model.lm_head is not None)
+
+
+def test_partition_layers():
+    assert partition_layers(4, 2) == [(0, 2), (2, 4)]
+    assert partition_layers(5, 2) == [(0, 2), (2, 5)]  # the last stage also samples
+    assert partition_layers(5, 2, [4, 1]) == [(0, 4), (4, 5)]
+    with pytest.raises(ValueError, match="at least one layer"):
+        partition_layers(4, 2, [4, 0])
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        partition_layers(2, 3)
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen3", 1), ("llama", 2)],
+                         ids=["llama-pp2", "qwen3-pp2-tied", "llama-pp2-tp2"])
+def test_mp_pp2_greedy_matches_uni(tiny_model, arch, tp):
+    path = str(tiny_model(arch=arch, num_layers=4))
+    expected = uni_reference(path)
+    with LLM(path, pipeline_parallel_size=2, tensor_parallel_size=tp,
+             distributed_executor_backend="mp", **ENGINE_ARGS) as llm:
+        assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == expected
+        assert llm.engine.core.batch_queue.peak_in_flight == 2  # P batches in flight
+        # Each stage holds only its layers and allocates KV for those only.
+        layers = llm.engine.core.executor.collective_rpc(stage_layers)
+        tied = arch == "qwen3"
+        assert layers[0] == (0, 2, 2, True, False)
+        assert layers[-1] == (1, 2, 2, tied, True)
+        assert len(layers) == 2 * tp
+
+
+def test_mp_pp2_explicit_partition_one_batch_in_flight(tiny_model):
+    path = str(tiny_model(arch="llama", num_layers=4))
+    expected = uni_reference(path)
+    with LLM(path, pipeline_parallel_size=2, pipeline_layer_partition=[3, 1],
+             max_concurrent_batches=1, distributed_executor_backend="mp", **ENGINE_ARGS) as llm:
+        assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == expected
+        assert llm.engine.core.batch_queue.peak_in_flight == 1
+        layers = llm.engine.core.executor.collective_rpc(stage_layers)
+        assert [row[1] for row in layers] == [3, 1]
+
+
+def test_mp_pp2_preemption_with_batches_in_flight(tiny_model):
+    """A KV cache too small for every request at once: requests are preempted (some
+    while their batch is in flight) and recomputed; greedy output is unchanged."""
+    path = str(tiny_model(arch="llama", num_layers=4))
+    expected = uni_reference(path)
+    block_bytes = 2 * 16 * 2 * 16 * 4 * 2  # K+V, 16 tokens, 2 KV heads x 16 dims, fp32, 2 layers
+    args = dict(ENGINE_ARGS, max_model_len=128, kv_cache_memory_bytes=10 * block_bytes)
+    with LLM(path, pipeline_parallel_size=2, distributed_executor_backend="mp", **args) as llm:
+        assert llm.engine.core.num_kv_blocks == 10
+        assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == expected
+        assert llm.engine.core.scheduler.num_preemptions > 0
