@@ -26,7 +26,7 @@ import inspect
 import json
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -197,15 +197,13 @@ def _split_balanced(names: list[str], sizes: list[int], parts: int) -> list[list
 
 
 # ---------------------------------------------------------------------- tokenizer
-@functools.lru_cache(maxsize=8)
-def _train_tokenizer_json(vocab_size: int) -> str:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE tokenizer with SPECIAL_TOKENS, trained on texts (also used by
+    tools/train_demo_model.py)."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers import models as tokenizer_models
 
-    minimum = 256 + len(SPECIAL_TOKENS)
-    if vocab_size < minimum:
-        raise ValueError(f"vocab_size must be >= {minimum} (256 bytes + special tokens), "
-                         f"got {vocab_size}")
-    tokenizer = Tokenizer(models.BPE())
+    tokenizer = Tokenizer(tokenizer_models.BPE())
     # The pipeline transformers' Qwen2Tokenizer rebuilds around the vocab and merges
     # (transformers 5 forces that class on model_type qwen2): with the same pipeline
     # here, the raw tokenizer.json and every transformers tokenizer class agree.
@@ -218,7 +216,17 @@ def _train_tokenizer_json(vocab_size: int) -> str:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tokenizer.train_from_iterator(_corpus(), trainer)
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+@functools.lru_cache(maxsize=8)
+def _train_tokenizer_json(vocab_size: int) -> str:
+    minimum = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be >= {minimum} (256 bytes + special tokens), "
+                         f"got {vocab_size}")
+    tokenizer = train_bpe_tokenizer(_corpus(), vocab_size)
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(f"the tokenizer corpus only supports {tokenizer.get_vocab_size()} "
                          f"tokens, fewer than vocab_size={vocab_size}")

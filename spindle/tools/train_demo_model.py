@@ -52,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spindle.tools.tiny_model import (BOS_ID, CHAT_TEMPLATE, EOS_ID, IM_END_ID, PAD_ID,
-                                      PRETOKENIZE_REGEX, SPECIAL_TOKENS)
+                                      SPECIAL_TOKENS, train_bpe_tokenizer)
 
 # Directory names (anywhere in a file's relative path) left out of the corpus: test
 # suites are huge and full of deliberately odd code; site-packages is not the stdlib.
@@ -111,22 +111,8 @@ def split_corpus(files: list[tuple[str, str]], holdout_every: int):
 
 # ---------------------------------------------------------------------- tokenizer
 def train_tokenizer(texts: list[str], vocab_size: int):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    # The same pipeline as spindle.tools.tiny_model (transformers' Qwen2-style
-    # byte-level BPE): the raw tokenizer.json and transformers' classes agree on it.
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tokenizer.train_from_iterator(texts, trainer)
-    return tokenizer
+    """The tiny-model maker's byte-level BPE (transformers' Qwen2-style pipeline)."""
+    return train_bpe_tokenizer(texts, vocab_size)
 
 
 def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:
