@@ -65,6 +65,22 @@ class Executor(abc.ABC):
         return self.collective_rpc("execute_model", args=(sched,),
                                    unique_reply_rank=self.output_rank)
 
+    def _execute_with_step_timeout(self, sched: SchedulerOutput,
+                                   timeout: float) -> ModelRunnerOutput:
+        """execute_model for executors with worker processes or actors, which provide
+        _fail(error) and _unusable_error(): a step that outlives timeout is taken for
+        a hung collective, and the ranks' states are unknown from then on (some may
+        have finished the step), so the executor fails as a whole."""
+        from spindle.executor.errors import ExecutorFailedError
+
+        try:
+            return self.collective_rpc("execute_model", args=(sched,), timeout=timeout,
+                                       unique_reply_rank=self.output_rank)
+        except TimeoutError as e:
+            self._fail(ExecutorFailedError(f"step {sched.step_id} did not finish within "
+                                           f"{timeout:.0f}s: {e}"))
+            raise self._unusable_error() from e
+
     def determine_available_memory(self) -> list[int]:
         return self.collective_rpc("determine_available_memory")
 

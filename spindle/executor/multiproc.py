@@ -170,14 +170,7 @@ class MultiProcExecutor(Executor):
 
     # ---- calls ----------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            return self.collective_rpc("execute_model", args=(sched,), timeout=STEP_TIMEOUT_S,
-                                       unique_reply_rank=self.output_rank)
-        except TimeoutError as e:
-            # The ranks' states are unknown now (some may have finished the step): fatal.
-            self._fail(ExecutorFailedError(f"step {sched.step_id} did not finish within "
-                                           f"{STEP_TIMEOUT_S:.0f}s: {e}"))
-            raise self._unusable_error() from e
+        return self._execute_with_step_timeout(sched, STEP_TIMEOUT_S)
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                        args: tuple = (), kwargs: dict | None = None,

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -173,13 +173,7 @@ class RayExecutor(Executor):
 
     # ---- calls ----------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            return self.collective_rpc("execute_model", args=(sched,), timeout=STEP_TIMEOUT_S,
-                                       unique_reply_rank=self.output_rank)
-        except TimeoutError as e:
-            self._fail(ExecutorFailedError(f"step {sched.step_id} did not finish within "
-                                           f"{STEP_TIMEOUT_S:.0f}s: {e}"))
-            raise self._failure.copy() from e
+        return self._execute_with_step_timeout(sched, STEP_TIMEOUT_S)
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                        args: tuple = (), kwargs: dict | None = None,
@@ -295,6 +289,11 @@ class RayExecutor(Executor):
             raise self._failure.copy()
         if self._closed:
             raise RuntimeError("the executor has been shut down")
+
+    def _unusable_error(self) -> BaseException:
+        if self._failure is not None:
+            return self._failure.copy()
+        return RuntimeError("the executor has been shut down")
 
     def _fail(self, error: ExecutorFailedError) -> None:
         with self._lock:
