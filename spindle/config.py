@@ -84,6 +84,17 @@ class EngineArgs:
                                              "(default: the checkpoint's config, else yes).")
     enable_prompt_embeds: bool = _arg(False, "Accept prompts given as embeddings "
                                       "({'prompt_embeds': tensor}); needs prefix caching off.")
+    enable_sleep_mode: bool = _arg(False, "Allow sleep(level=1|2): weights and KV cache give "
+                                   "their device memory back until wake_up (turns on the "
+                                   "cumem allocator on CUDA).")
+    enable_cumem_allocator: bool = _arg(False, "Back weights and KV cache by CUDA virtual "
+                                        "memory (tagged pools); CUDA only.")
+    sleep_mode_backend: str | None = _arg(None, "Sleep-mode backend: cumem (CUDA default: "
+                                          "addresses and CUDA graphs survive sleep), portable "
+                                          "(any device; moves tensors out and back), or one "
+                                          "registered by a plugin.")
+    mm_ipc_gpu_memory_gb: float = _arg(0.0, "GiB of device memory set aside before the KV "
+                                       "cache is sized (e.g. for multimodal IPC buffers).")
 
     def create_engine_config(self) -> "EngineConfig":
         from spindle.platforms import resolve_platform
@@ -98,6 +109,7 @@ class EngineArgs:
             scheduler=sched,
             device=DeviceConfig.create(self, platform),
             pooler=_pooler_config(self, model, sched),
+            memory=MemoryConfig.create(self, platform),
         )
         from spindle.runner.model_states import check_config
 
@@ -273,6 +285,40 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """How device memory is allocated and whether the engine may sleep."""
+
+    enable_sleep_mode: bool = False
+    enable_cumem_allocator: bool = False
+    sleep_mode_backend: str | None = None  # None when sleep mode is off
+    reserved_bytes: int = 0  # set aside before the KV cache is sized (mm_ipc_gpu_memory_gb)
+
+    @staticmethod
+    def create(args: EngineArgs, platform: Any) -> "MemoryConfig":
+        _require(args.mm_ipc_gpu_memory_gb >= 0, "mm_ipc_gpu_memory_gb",
+                 args.mm_ipc_gpu_memory_gb, ">= 0")
+        reserved = int(args.mm_ipc_gpu_memory_gb * 2**30)
+        backend = args.sleep_mode_backend
+        if backend is not None and not args.enable_sleep_mode:
+            raise ValueError("sleep_mode_backend is set but enable_sleep_mode is off: "
+                             "pass enable_sleep_mode=True (--enable-sleep-mode) too")
+        if not args.enable_sleep_mode:
+            if args.enable_cumem_allocator and not platform.is_cumem_allocator_available():
+                raise ValueError(f"enable_cumem_allocator needs CUDA and cuda-python "
+                                 f"(cuda.bindings); not available on {platform!r}")
+            return MemoryConfig(enable_cumem_allocator=bool(args.enable_cumem_allocator),
+                                reserved_bytes=reserved)
+        from spindle.memory.sleep_backend import default_backend_name, get_backend_class
+
+        backend = backend or default_backend_name(platform)
+        backend_class = get_backend_class(backend)  # ValueError naming the known backends
+        backend_class.check_available(platform)  # ValueError saying what is missing
+        cumem = bool(args.enable_cumem_allocator) or backend_class.needs_cumem_allocator
+        return MemoryConfig(enable_sleep_mode=True, enable_cumem_allocator=cumem,
+                            sleep_mode_backend=backend, reserved_bytes=reserved)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -280,6 +326,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     pooler: Any = None  # spindle.pooler_config.PoolerConfig when task == "embed"
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

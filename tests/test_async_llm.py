@@ -228,10 +228,12 @@ def test_pause_modes_have_one_definition():
             with pytest.raises(EngineUnavailableError):
                 gate.check_accepting()
     gate.resume()
-    gate.sleep(0)
+    gate.sleep(0, ["scheduling"])
     assert not gate.may_schedule
     with pytest.raises(EngineUnavailableError, match="sleeping"):
         gate.check_accepting()
+    gate.wake(["scheduling"])
+    assert gate.may_schedule and not gate.is_sleeping
 
 
 # ---- sleep and control --------------------------------------------------------------------

@@ -60,3 +60,41 @@ def test_device_ids_pin_workers_to_devices(tiny_model):
     bad = torch.cuda.device_count()
     with pytest.raises(ValueError, match=f"device_ids \\[0, {bad}\\]"):
         LLM(path, tensor_parallel_size=2, device_ids=[0, bad], **_engine_kwargs(True))
+
+
+def test_pp2_mp_greedy_matches_tp1(tiny_model):
+    path = str(tiny_model(arch="qwen3", num_kv_heads=1))
+    kwargs = _engine_kwargs(True)
+    with LLM(path, **kwargs) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY,
+                                                                  use_tqdm=False)]
+    torch.cuda.empty_cache()
+    with LLM(path, pipeline_parallel_size=2, distributed_executor_backend="mp", **kwargs) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+    assert got == expected
+
+
+def test_tp2_sleep_level1_returns_memory_on_every_gpu(tiny_model):
+    path = str(tiny_model(arch="qwen3", num_kv_heads=1))
+    kwargs = dict(_engine_kwargs(False), kv_cache_memory_bytes=4 * 2**30)
+    with LLM(path, tensor_parallel_size=2, enable_sleep_mode=True, **kwargs) as llm:
+        executor = llm.engine.core.executor
+
+        def used():
+            return executor.collective_rpc(
+                lambda w: (lambda f, t: t - f)(*torch.cuda.mem_get_info(w.device)))
+
+        expected = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY,
+                                                                  use_tqdm=False)]
+        captures = executor.collective_rpc(lambda w: w.runner.num_graph_captures)
+        awake = used()
+        llm.sleep(1)
+        asleep = used()
+        assert all(a - s >= 4 * 2**30 for a, s in zip(awake, asleep)), (awake, asleep)
+        llm.wake_up()
+        assert all(abs(u - a) <= 0.01 * a for u, a in zip(used(), awake))
+        got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+        assert got == expected
+        assert executor.collective_rpc(lambda w: w.runner.num_graph_captures) == captures
+        print(f"TP=2 sleep level 1: used per GPU awake {[a >> 20 for a in awake]} MiB, "
+              f"asleep {[s >> 20 for s in asleep]} MiB")

@@ -139,13 +139,25 @@ class AsyncLLM:
         """The pause mode, None when not paused."""
         return await self.call(lambda engine: engine.core.gate.pause_mode)
 
-    async def sleep(self, level: int = 1) -> None:
-        """Level 0 pauses scheduling; 1 and 2 release device memory through the executor
-        (SleepModeUnavailableError when it cannot)."""
-        await self.call(lambda engine: engine.core.sleep(level))
+    async def sleep(self, level: int = 1, mode: PauseMode | str = PauseMode.KEEP) -> None:
+        """Level 0 stops scheduling; 1 and 2 also release device memory (an engine
+        without sleep mode raises SleepModeUnavailableError). mode, for unfinished
+        requests: "keep" freezes them until wake_up, "abort" finishes them, "wait"
+        lets them finish first (streaming as usual; requests that arrive meanwhile
+        are held and run after wake_up)."""
+        mode = PauseMode.parse(mode)
+        if mode is not PauseMode.WAIT:
+            await self._loop.call(lambda: self._loop.sleep(level, mode))
+            return
+        await self.pause(PauseMode.WAIT)
+        try:
+            await self._loop.call(lambda: self._loop.sleep(level, PauseMode.KEEP))
+        finally:
+            await self.resume()  # the held requests wait in the scheduler (or run, on failure)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self.call(lambda engine: engine.core.wake_up(tags))
+        """Wake tags ("weights", "kv_cache", "scheduling"; None: all that sleeps)."""
+        await self.call(lambda engine: engine.wake_up(tags))
 
     async def is_sleeping(self) -> bool:
         return await self.call(lambda engine: engine.core.gate.is_sleeping)
@@ -349,6 +361,11 @@ class _EngineLoop:
     def pause(self, mode: PauseMode) -> None:
         now = time.monotonic()
         for output in self.engine.pause(mode):
+            self._deliver(output, now)
+
+    def sleep(self, level: int, mode: PauseMode) -> None:
+        now = time.monotonic()
+        for output in self.engine.sleep(level, mode):
             self._deliver(output, now)
 
     # ---- delivery ---------------------------------------------------------------------

@@ -21,6 +21,9 @@ from spindle.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
 
+# What wake_up can wake: the two memory tags, and scheduling.
+SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
@@ -162,37 +165,83 @@ class EngineCore:
         for request in self.gate.resume():
             self.scheduler.add_request(request)
 
-    def sleep(self, level: int) -> None:
-        """Level 0 stops scheduling only; levels 1 and 2 also release device memory,
-        which needs an executor with sleep(level). In-flight requests stay frozen and
-        new ones are refused until wake_up."""
+    def sleep(self, level: int, mode: PauseMode | str = PauseMode.KEEP
+              ) -> list[EngineCoreOutput]:
+        """Stop scheduling (level 0), and release the device memory of the weights and
+        the KV cache (levels 1 and 2; the engine must run with enable_sleep_mode).
+
+        mode says what happens to unfinished requests: "keep" freezes them and they go
+        on after wake_up (recomputing their tokens, since the KV cache is discarded),
+        "wait" runs them to completion first, "abort" finishes them now. Returns the
+        outputs this produced (finished or aborted requests) for the caller to report.
+        New requests are refused until the engine is awake.
+        """
         if level not in (0, 1, 2):
             raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
+        mode = PauseMode.parse(mode)
+        if self.gate.is_sleeping:
+            raise ValueError(f"the engine is already asleep (level {self.gate.sleep_level}; "
+                             f"asleep: {', '.join(self.gate.asleep)}); wake_up first")
+        if level > 0 and not self.config.memory.enable_sleep_mode:
+            raise SleepModeUnavailableError(
+                f"sleep mode is not available: sleep level {level} releases device memory, "
+                "which needs an engine started with enable_sleep_mode=True "
+                "(--enable-sleep-mode); level 0, which only pauses scheduling, works without")
         self.drain()
+        outputs = self._settle_unfinished(mode)
         if level > 0:
-            self._executor_sleep_method("sleep")(level)
-        self.gate.sleep(level)
+            self.scheduler.preempt_all()  # their KV cache is about to be discarded
+            self.scheduler.reset_prefix_cache()
+            self.executor.sleep(level)
+        self.gate.sleep(level, SLEEP_TAGS if level > 0 else ("scheduling",))
+        return outputs
+
+    def _settle_unfinished(self, mode: PauseMode) -> list[EngineCoreOutput]:
+        """Apply mode to the unfinished requests before sleeping (see sleep())."""
+        if mode is PauseMode.ABORT:
+            request_ids = list(self.scheduler.requests) + self.gate.drop_held()
+            self.scheduler.abort_requests(request_ids)
+            return [EngineCoreOutput(req_id=r, new_token_ids=[], finish_reason="abort")
+                    for r in request_ids]
+        outputs, self._undelivered = self._undelivered, []
+        if mode is PauseMode.WAIT:
+            while self.scheduler.has_unfinished_requests() or self._inflight is not None:
+                outputs += self.step()
+            self.drain()
+            outputs, self._undelivered = outputs + self._undelivered, []
+        return outputs
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake what tags name ("weights", "kv_cache", "scheduling"; None: all).
-        Scheduling starts again only when it is woken."""
-        allowed = ("weights", "kv_cache", "scheduling")
-        bad = [t for t in tags or () if t not in allowed]
+        """Wake tags ("weights", "kv_cache", "scheduling"; None: every tag asleep).
+        Memory can wake in stages (weights, then kv_cache); scheduling wakes only
+        once both are awake, and only when named (or tags is None)."""
+        if not self.gate.is_sleeping:
+            raise ValueError("the engine is not asleep: nothing to wake")
+        tags = list(self.gate.asleep if tags is None else tags)
+        bad = [t for t in tags if t not in SLEEP_TAGS]
         if bad:
-            raise ValueError(f"wake_up tags must be among {', '.join(allowed)}, got {bad}")
-        memory_tags = [t for t in tags or allowed if t != "scheduling"]
-        if (self.gate.sleep_level or 0) > 0 and memory_tags:
-            self._executor_sleep_method("wake_up")(memory_tags)
-        if tags is None or "scheduling" in tags:
-            self.gate.wake()
+            raise ValueError(f"wake_up tags must be among {', '.join(SLEEP_TAGS)}, got {bad}")
+        not_asleep = [t for t in tags if t not in self.gate.asleep]
+        if not_asleep:
+            raise ValueError(f"cannot wake {', '.join(not_asleep)}: not asleep "
+                             f"(asleep: {', '.join(self.gate.asleep)})")
+        memory = [t for t in tags if t != "scheduling"]
+        still_asleep = [t for t in self.gate.asleep if t != "scheduling" and t not in memory]
+        if "scheduling" in tags and still_asleep:
+            raise ValueError(f"cannot wake scheduling while {', '.join(still_asleep)} "
+                             "still sleeps: wake it first, or in the same call")
+        if memory:
+            self.executor.wake_up(memory)
+        if "kv_cache" in memory:
+            self.scheduler.reset_prefix_cache()  # whatever the cache held is gone
+        self.gate.wake(tags)
 
-    def _executor_sleep_method(self, name: str):
-        method = getattr(self.executor, name, None)
-        if method is None:
-            raise SleepModeUnavailableError(
-                f"sleep mode is not available: the {type(self.executor).__name__} has no "
-                f"{name}() (only sleep level 0, which pauses scheduling, works without it)")
-        return method
+    def sleep_state(self) -> dict:
+        """The engine's sleep state, and each worker's (when sleep mode is on)."""
+        state = {"level": self.gate.sleep_level, "asleep": list(self.gate.asleep)}
+        if self.config.memory.enable_sleep_mode:
+            state["workers"] = self.executor.sleep_state()
+        return state
 
     def shutdown(self) -> None:
         self._inflight = None  # a launched step's outputs are not wanted any more

@@ -115,6 +115,18 @@ class LLMEngine:
     def resume(self) -> None:
         self.core.resume()
 
+    def sleep(self, level: int = 1, mode: PauseMode | str = PauseMode.KEEP) -> list[RequestOutput]:
+        """Sleep (see EngineCore.sleep); returns the outputs of the requests that mode
+        "abort" or "wait" finished."""
+        results, _ = self.output_processor.process(self.core.sleep(level, mode))
+        return results
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.gate.is_sleeping
+
     def shutdown(self) -> None:
         self.core.shutdown()
 

@@ -62,6 +62,7 @@ class SchedulingGate:
     def __init__(self) -> None:
         self.pause_mode: PauseMode | None = None
         self.sleep_level: int | None = None
+        self.asleep: list[str] = []  # sleep tags not woken yet (see engine_core.SLEEP_TAGS)
         self.held: list[Request] = []
 
     @property
@@ -115,8 +116,12 @@ class SchedulingGate:
             self.held = [r for r in self.held if r.request_id not in gone]
         return dropped
 
-    def sleep(self, level: int) -> None:
-        self.sleep_level = level
+    def sleep(self, level: int, tags: Iterable[str]) -> None:
+        self.sleep_level, self.asleep = level, list(tags)
 
-    def wake(self) -> None:
-        self.sleep_level = None
+    def wake(self, tags: Iterable[str]) -> None:
+        """Wake tags; the engine is awake once no tag sleeps."""
+        woken = set(tags)
+        self.asleep = [t for t in self.asleep if t not in woken]
+        if not self.asleep:
+            self.sleep_level = None

@@ -78,6 +78,8 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         # Requests the scheduler itself finished, reported by update_from_output().
         self._pending_outputs: list[EngineCoreOutput] = []
+        # Preempted outside schedule() (preempt_all): reported by the next schedule().
+        self._preempted_outside: set[str] = set()
         self._step_id = 0
         self.num_preemptions = 0  # since start, for stats and tests
         # Schedule step N+1 before step N's tokens are back (see engine_core.py).
@@ -174,6 +176,8 @@ class Scheduler:
                     == request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # its next token is being sampled
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.preempted_req_ids |= self._preempted_outside
+        self._preempted_outside = set()
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
         self._step_id += 1
@@ -284,6 +288,16 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def preempt_all(self) -> int:
+        """Preempt every running request (before the KV cache is discarded, e.g. by
+        sleep): each recomputes its tokens when it runs again, so nothing is lost.
+        Returns how many were preempted."""
+        victims, self.running = self.running, []
+        for request in reversed(victims):  # the oldest ends up first in the queue
+            self._preempt(request)
+            self._preempted_outside.add(request.request_id)
+        return len(victims)
 
     def _can_never_fit(self, request: Request, num_new: int) -> bool:
         if not self.kv_cache_manager.can_ever_fit(request.num_tokens):

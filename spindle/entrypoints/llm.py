@@ -76,6 +76,31 @@ class LLM:
         return render_chat_prompt(self.engine.tokenizer, conversation, add_generation_prompt,
                                   chat_template)
 
+    # ---- sleep mode ----------------------------------------------------------------
+    def sleep(self, level: int = 1, mode: str = "keep") -> None:
+        """Give the GPU back until wake_up().
+
+        level 0: stop scheduling only. level 1: weights copied to host memory, KV cache
+        dropped. level 2: both dropped; wake_up reloads the weights from the
+        checkpoint. Levels 1 and 2 need LLM(..., enable_sleep_mode=True). mode, for
+        unfinished requests: "keep" (continue them after waking), "wait" (finish them
+        first) or "abort". Cached prefixes are forgotten.
+        """
+        self.engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake tags: "weights", "kv_cache", "scheduling" (None: everything asleep).
+        Waking in stages lets the weights be updated before the cache takes memory:
+        wake_up(["weights"]), then wake_up(["kv_cache", "scheduling"])."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def sleep_state(self) -> dict:
+        """Sleep level, tags asleep and, per worker, device and host bytes by tag."""
+        return self.engine.core.sleep_state()
+
     def heartbeats(self) -> list:
         """Per worker rank: the stage or call it last entered, its last step, the
         seconds since, and whether it is still inside (a hung rank stays busy)."""

@@ -93,6 +93,18 @@ class Executor(abc.ABC):
         self.collective_rpc("warmup")
         self.collective_rpc("freeze_gc_heap")
 
+    # ---- sleep mode (workers started with enable_sleep_mode) ----------------------------
+    def sleep(self, level: int) -> list[dict]:
+        """Every worker gives its weights' and KV cache's device memory back."""
+        return self.collective_rpc("sleep", args=(level,))
+
+    def wake_up(self, tags: list[str] | None = None) -> list[dict]:
+        """Every worker takes the memory of tags back (None: all that sleeps)."""
+        return self.collective_rpc("wake_up", args=(tags,))
+
+    def sleep_state(self) -> list[dict]:
+        return self.collective_rpc("sleep_state")
+
     def lifecycle_reports(self) -> list[list[dict]]:
         return self.collective_rpc("lifecycle_report")
 

@@ -30,5 +30,8 @@ class CpuPlatform(Platform):
         vm = psutil.virtual_memory()
         return vm.available, vm.total
 
+    def device_key(self, device: torch.device) -> str:
+        return "cpu"  # one host memory, whatever the rank
+
     def memory_in_use(self, device: torch.device) -> int:
         return psutil.Process().memory_info().rss

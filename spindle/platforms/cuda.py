@@ -43,6 +43,9 @@ class CudaPlatform(Platform):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def device_key(self, device: torch.device) -> str:
+        return f"cuda-{torch.cuda.get_device_properties(device).uuid}"
+
     def is_cumem_allocator_available(self) -> bool:
         try:
             from cuda.bindings import driver  # noqa: F401

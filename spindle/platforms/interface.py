@@ -55,11 +55,18 @@ class Platform(abc.ABC):
     def empty_cache(self) -> None:
         return None
 
+    def device_key(self, device: torch.device) -> str:
+        """A name of the physical device, the same in every process that uses it
+        (the per-device sleep lock is named after it)."""
+        return f"{self.device_type}-{device.index or 0}"
+
     def is_cumem_allocator_available(self) -> bool:
         return False
 
     def is_sleep_mode_available(self) -> bool:
-        return self.is_cumem_allocator_available()
+        """Whether sleep levels 1 and 2 can run here: every platform has the portable
+        backend; is_cumem_allocator_available() tells whether the cumem one can."""
+        return True
 
     def supports_cuda_graphs(self) -> bool:
         return False

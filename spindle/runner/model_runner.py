@@ -8,7 +8,10 @@ the architecture.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from pathlib import Path
+from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -20,7 +23,8 @@ from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.engine.scheduler_output import (ModelRunnerOutput, SampledLogprobs,
                                              SchedulerOutput)
 from spindle.forward_context import forward_context
-from spindle.models.loader import load_model
+from spindle.memory.sleep_backend import KV_CACHE, WEIGHTS
+from spindle.models.loader import checkpoint_files, iter_checkpoint, load_model
 from spindle.platforms.interface import Platform
 from spindle.runner.async_output import PendingOutput
 from spindle.runner.cuda_graph import CudaGraphRunner
@@ -33,6 +37,23 @@ from spindle.runner.sample.metadata import SamplingMetadata
 from spindle.runner.staging import HostToDevice
 
 logger = logging.getLogger(__name__)
+
+
+MemoryScope = Callable[[str], ContextManager]
+
+
+def flatten_cache_entries(entries: Sequence[torch.Tensor | Sequence[torch.Tensor]]
+                          ) -> list[torch.Tensor]:
+    """The tensors of per-layer cache entries: a tensor, or a list of tensors for a
+    layer with several states (hybrid models). Every path that touches the cache's
+    memory (sizing, zeroing, sleep, release) goes through this."""
+    tensors: list[torch.Tensor] = []
+    for entry in entries:
+        if isinstance(entry, torch.Tensor):
+            tensors.append(entry)
+        else:
+            tensors.extend(flatten_cache_entries(entry))
+    return tensors
 
 
 class ModelRunner:
@@ -51,9 +72,13 @@ class ModelRunner:
         # task="embed": requests pool their prompt's states instead of sampling.
         self.pooler = Pooler(config.pooler) if config.pooler is not None else None
         self.attn_layers: list[Attention] = []
-        self.kv_caches: list[torch.Tensor] = []
+        # One entry per attention layer: a tensor, or a list of them (hybrid state).
+        self.kv_caches: list[torch.Tensor | list[torch.Tensor]] = []
         self.num_kv_blocks = 0
+        self._memory_scope: MemoryScope = lambda tag: contextlib.nullcontext()
         self.graph_runner: CudaGraphRunner | None = None
+        self.num_graph_captures = 0  # CUDA graphs captured so far (warmup and recaptures)
+        self._recapture_on_wake = False
         self._last_launched: PendingOutput | None = None
         self.h2d = HostToDevice(device)
         self.input_batch = InputBatch(
@@ -64,10 +89,17 @@ class ModelRunner:
             device=device)
 
     # ---- lifecycle ------------------------------------------------------------
+    def set_memory_scope(self, scope: MemoryScope | None) -> None:
+        """Where tagged memory ("weights", "kv_cache") is allocated from: scope(tag) is
+        entered around the allocations (a pool of the cumem allocator, or of a sleep
+        backend). None: plain torch allocations. Set before load_model."""
+        self._memory_scope = scope or (lambda tag: contextlib.nullcontext())
+
     def load_model(self) -> None:
         if self.stage.size > 1 and self.pooler is not None:
             raise ValueError("pipeline_parallel_size > 1 is not supported for task='embed'")
-        self.model = load_model(self.config.model, self.device, self.tp_group, self.stage)
+        with self._memory_scope(WEIGHTS):
+            self.model = load_model(self.config.model, self.device, self.tp_group, self.stage)
         self.state = model_state_class(self.model, self.config)(self.model, self.device, self.h2d)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = self.config.device.attention_backend
@@ -121,12 +153,14 @@ class ModelRunner:
             return 0
         block_size = self.config.cache.block_size
         self.kv_caches = []
-        for layer in self.attn_layers:
-            cache = torch.zeros((2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim),
-                                dtype=self.config.model.dtype, device=self.device)
-            layer.kv_cache = cache
-            self.kv_caches.append(cache)
-        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+        with self._memory_scope(KV_CACHE):
+            for layer in self.attn_layers:
+                cache = torch.zeros((2, num_blocks, block_size, layer.num_kv_heads,
+                                     layer.head_dim), dtype=self.config.model.dtype,
+                                    device=self.device)
+                layer.kv_cache = cache
+                self.kv_caches.append(cache)
+        return sum(c.numel() * c.element_size() for c in flatten_cache_entries(self.kv_caches))
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -168,6 +202,62 @@ class ModelRunner:
         self.graph_runner = CudaGraphRunner(state, self.config.device.max_cudagraph_batch_size,
                                             self.input_batch.max_blocks_per_req, self.device)
         self.graph_runner.capture()
+        self.num_graph_captures += len(self.graph_runner.graphs)
+
+    # ---- sleep mode (the SleepTarget of spindle/memory/sleep_backend.py) ----------
+    def tagged_tensors(self, tag: str) -> list[torch.Tensor]:
+        """The distinct tensors holding tag's device memory."""
+        if tag == KV_CACHE:
+            return flatten_cache_entries(self.kv_caches)
+        if tag != WEIGHTS:
+            raise ValueError(f"unknown memory tag {tag!r}")
+        model = self._require_model()
+        distinct: dict[int, torch.Tensor] = {}
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            distinct.setdefault(id(tensor), tensor)  # tied weights appear once
+        return list(distinct.values())
+
+    def buffers_outside_checkpoint(self) -> list[torch.Tensor]:
+        """Buffers are derived from the config (rotary tables), never loaded: a
+        reload from the checkpoint does not restore them."""
+        return list(self._require_model().buffers())
+
+    @torch.no_grad()
+    def reload_weights(self) -> None:
+        """Copy the checkpoint into the existing parameters (same tensors, same
+        addresses), as load_model did."""
+        model_config = self.config.model
+        files = checkpoint_files(Path(model_config.model))
+        loaded = self._require_model().load_weights(iter_checkpoint(files, model_config.dtype))
+        missing = [n for n, _ in self._require_model().named_parameters() if n not in loaded]
+        if missing:
+            raise RuntimeError(f"reloading {model_config.model} left {len(missing)} "
+                               f"parameter(s) unloaded: {', '.join(missing[:5])}")
+
+    def before_sleep(self, addresses_will_change: bool) -> None:
+        """Captured graphs would point at freed memory after such a sleep: drop them
+        now (their pool goes back too) and recapture on wake."""
+        if addresses_will_change and self.graph_runner is not None:
+            self.graph_runner = None
+            self._recapture_on_wake = True
+            self.platform.empty_cache()
+
+    @torch.no_grad()
+    def after_wake(self, woken: Sequence[str], all_awake: bool) -> None:
+        """A woken KV cache holds garbage: zero it, as allocate_kv_cache left it. Once
+        weights and cache are both back, recapture the graphs before_sleep dropped."""
+        if KV_CACHE in woken:
+            for cache in flatten_cache_entries(self.kv_caches):
+                cache.zero_()
+        if all_awake and self._recapture_on_wake:
+            self._recapture_on_wake = False
+            self._capture_cuda_graphs()
+        self.platform.synchronize(self.device)
+
+    def _require_model(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("the model is not loaded")
+        return self.model
 
     def release(self) -> None:
         """Drop every device tensor this runner holds (graphs first: they reference
@@ -176,7 +266,7 @@ class ModelRunner:
         self._last_launched = None
         for layer in self.attn_layers:
             layer.kv_cache = None
-        self.kv_caches = []
+        self.kv_caches = []  # (hybrid list entries included)
         self.attn_layers = []
         self.model = self.state = self.pooler = None
 

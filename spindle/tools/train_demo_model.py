@@ -11,7 +11,9 @@ Pipeline (deterministic for a given seed and Python installation):
    (``<|bos|>``, ``<|eos|>``, ``<|pad|>``, ChatML markers).
 3. Model: a Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention, tied
    embeddings) written here in plain PyTorch; AdamW, linear warm-up then cosine decay
-   over ``--steps``; bf16 autocast on CUDA, float32 on CPU. Batches are random windows
+   over ``--steps``; float32 arithmetic on every device by default, so a GPU rerun
+   follows the shipped CPU run (``--precision bf16`` trades that for speed on CUDA).
+   Batches are random windows
    of the token stream (each file is ``<|bos|> source <|eos|>``) drawn from a seeded
    generator.
 4. Output: a standard Hugging Face checkpoint directory (config.json,
@@ -401,9 +403,12 @@ def train(args: argparse.Namespace) -> dict:
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        # float32: no TF32 either, for the same arithmetic as the shipped CPU run.
+        fast = args.precision == "bf16"
+        torch.backends.cuda.matmul.allow_tf32 = fast
+        torch.backends.cudnn.allow_tf32 = fast
 
+    if device.type == "cuda" and args.precision == "bf16":
         def autocast():
             return torch.autocast("cuda", dtype=torch.bfloat16)
     else:
@@ -466,7 +471,7 @@ def train(args: argparse.Namespace) -> dict:
     for prompt, text in samples.items():
         print(f"--- {prompt!r}\n{prompt}{text}", flush=True)
     summary = {
-        "seed": args.seed, "device": str(device), "dtype": args.dtype,
+        "seed": args.seed, "device": str(device), "dtype": args.dtype, "precision": args.precision,
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                         else f"cpu, {torch.get_num_threads()} thread(s)"),
         "torch": torch.__version__, "python": sys.version.split()[0],
@@ -513,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-tokens", type=int, default=262144,
                    help="held-out tokens scored (at most)")
     p.add_argument("--eval-batch", type=int, default=16)
+    p.add_argument("--precision", choices=("float32", "bf16"), default="float32",
+                   help="training arithmetic: float32 (default, any device) or bf16 autocast "
+                        "(CUDA only; faster, slightly different result)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch and the tokenizer (0: torch's default)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16",

@@ -63,6 +63,8 @@ class Worker:
         self.platform = resolve_platform(config.device.device_type)
         self.device: torch.device | None = None
         self.runner = None
+        self.sleep_backend = None  # a SleepModeBackend under enable_sleep_mode
+        self.cumem_allocator = None  # enable_cumem_allocator without sleep mode
         self.tp_group = TensorParallelGroup.single()
         self.pp_stage = PipelineStage.single()
         self.records: list[StageRecord] = []
@@ -85,6 +87,7 @@ class Worker:
         with self._stage("load_model") as record:
             self.runner = ModelRunner(self.config, self.device, self.platform, self.tp_group,
                                       self.pp_stage)
+            self.runner.set_memory_scope(self._create_memory_scope())
             self.runner.load_model()
             params = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
             record.note = f"weights {_human_bytes(params)}"
@@ -96,7 +99,10 @@ class Worker:
             before = self.platform.memory_in_use(self.device)
             self.runner.profile_run()
             available = self._kv_budget(before)
-            record.note = f"kv budget {_human_bytes(available)}"
+            reserved = self.config.memory.reserved_bytes
+            record.note = f"kv budget {_human_bytes(available)}" + (
+                f" (after {_human_bytes(reserved)} set aside by mm_ipc_gpu_memory_gb)"
+                if reserved else "")
         return available
 
     def kv_cache_block_bytes(self) -> int:
@@ -131,6 +137,76 @@ class Worker:
         self._last_activity = time.monotonic()
         return self.runner.execute_model_async(sched)
 
+    # ---- sleep mode ----------------------------------------------------------------
+    def sleep(self, level: int) -> dict[str, Any]:
+        """Give the device memory of weights and KV cache back (level 1: weights kept
+        on the host; level 2: weights dropped, reloaded on wake). Returns the seconds
+        it took and the device memory freed (driver figures)."""
+        backend = self._require_sleep_backend()
+        with self._timed_under_device_lock("sleep") as report:
+            backend.suspend(level)
+        return report
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Take the memory of tags back (None: every tag asleep); the KV cache comes
+        back zeroed, the weights as they were."""
+        backend = self._require_sleep_backend()
+        with self._timed_under_device_lock("wake_up") as report:
+            backend.resume(tags)
+        return report
+
+    def sleep_state(self) -> dict[str, Any]:
+        """The backend's state and the device memory this process uses now: by tag,
+        and the rest ("other": CUDA context, graph pool, activation cache, ...)."""
+        state = asdict(self._require_sleep_backend().state())
+        in_use = self.platform.memory_in_use(self.device)
+        state.update(rank=self.rank, device_memory_in_use=in_use,
+                     other_device_bytes=max(0, in_use - sum(state["device_bytes"].values())))
+        if self.device.type == "cuda":
+            state["torch_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+        return state
+
+    def _require_sleep_backend(self):
+        if self.sleep_backend is None:
+            raise RuntimeError("sleep mode is off for this engine: start it with "
+                               "enable_sleep_mode=True (--enable-sleep-mode)")
+        return self.sleep_backend
+
+    @contextlib.contextmanager
+    def _timed_under_device_lock(self, what: str) -> Iterator[dict[str, Any]]:
+        from spindle.memory.device_lock import device_lock
+
+        report: dict[str, Any] = {"rank": self.rank}
+        self._last_stage = what
+        self._last_activity = time.monotonic()
+        with device_lock(self.platform.device_key(self.device)) as waited:
+            before = self.platform.memory_in_use(self.device)
+            start = time.perf_counter()
+            yield report
+            self.platform.synchronize(self.device)
+            report["seconds"] = time.perf_counter() - start
+            report["lock_wait_seconds"] = waited
+            report["memory_change_bytes"] = self.platform.memory_in_use(self.device) - before
+        logger.info("worker %d: %s in %.3fs, device memory %+.1f MiB", self.rank, what,
+                    report["seconds"], report["memory_change_bytes"] / 2**20)
+
+    def _create_memory_scope(self):
+        """The scope the runner allocates weights and KV cache in: the sleep backend's
+        pools under sleep mode, the cumem allocator's when only that is on, else none."""
+        memory = self.config.memory
+        if memory.enable_sleep_mode:
+            from spindle.memory.sleep_backend import get_backend_class
+
+            backend_class = get_backend_class(memory.sleep_mode_backend)
+            self.sleep_backend = backend_class(self.runner, self.platform)
+            return self.sleep_backend.allocating
+        if memory.enable_cumem_allocator:
+            from spindle.memory.cumem import CuMemAllocator
+
+            self.cumem_allocator = CuMemAllocator(self.device)
+            return self.cumem_allocator.use_pool
+        return None
+
     def lifecycle_report(self) -> list[dict[str, Any]]:
         return [asdict(r) for r in self.records]
 
@@ -145,6 +221,15 @@ class Worker:
         if self.runner is not None:
             self.runner.release()
         self.runner = None
+        # freeze_gc_heap hid startup's objects from the collector: cycles among them
+        # (holding device tensors) would never be freed. Let it see them again.
+        gc.unfreeze()
+        gc.collect()
+        # The tagged pools go after every tensor allocated from them.
+        for memory in (self.sleep_backend, self.cumem_allocator):
+            if memory is not None:
+                memory.close()
+        self.sleep_backend = self.cumem_allocator = None
         if self.device is not None:
             self.platform.empty_cache()  # give the device memory back now, not at exit
         if torch.distributed.is_initialized():
@@ -170,6 +255,11 @@ class Worker:
         cache = self.config.cache
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
+        return max(0, self._measured_kv_budget(memory_before_profile)
+                   - self.config.memory.reserved_bytes)
+
+    def _measured_kv_budget(self, memory_before_profile: int) -> int:
+        cache = self.config.cache
         free, total = self.platform.mem_get_info(self.device)
         if self.device.type == "cpu":
             # More blocks than max_num_seqs full sequences can use would only cost RAM.

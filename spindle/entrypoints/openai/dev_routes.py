@@ -26,9 +26,18 @@ def _engine(request: Request) -> AsyncLLM:
 
 
 @router.post("/sleep")
-async def sleep(request: Request, level: int = 1) -> dict[str, Any]:
-    await _engine(request).sleep(level)
-    return {"is_sleeping": True, "level": level}
+async def sleep(request: Request, level: int = 1,
+                mode: str = PauseMode.KEEP.value) -> dict[str, Any]:
+    """mode, for requests in flight: keep (continue after wake_up), wait, abort."""
+    mode = PauseMode.parse(mode)  # ValueError -> 400 naming the allowed modes
+    await _engine(request).sleep(level, mode)
+    return {"is_sleeping": True, "level": level, "mode": mode.value}
+
+
+@router.get("/sleep_state")
+async def sleep_state(request: Request) -> dict[str, Any]:
+    """Level, tags asleep and, per worker, device and host bytes by tag."""
+    return await _engine(request).call(lambda engine: engine.core.sleep_state())
 
 
 @router.post("/wake_up")
