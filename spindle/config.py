@@ -52,7 +52,7 @@ class EngineArgs:
                                               "(default: max(2048, max_model_len) capped at 8192).")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps.")
     async_scheduling: bool = _arg(True, "Schedule and launch the next step while the "
-                                  "current one runs on the device (in-process executor).")
+                                  "current one runs on the device (uni and mp executors, without PP).")
     tensor_parallel_size: int = _arg(1, "Number of tensor-parallel ranks.")
     pipeline_parallel_size: int = _arg(1, "Number of pipeline stages.")
     pipeline_layer_partition: list[int] | None = _arg(

@@ -57,3 +57,18 @@ def test_async_under_preemption_and_chunking(setup):
     fast, _, preemptions = _run(path, prompts, params, async_scheduling=True, **kwargs)
     assert preemptions > 0, "the KV budget must force preemption"
     assert fast == sync
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.9, seed=5, max_tokens=24, repetition_penalty=1.3,
+                   frequency_penalty=0.5, presence_penalty=0.3),
+], ids=["greedy", "penalties"])
+def test_async_over_worker_processes_equals_sync(setup, params):
+    """The mp executor (TP=2): step N+1 is sent while the workers compute step N."""
+    path, prompts = setup
+    kwargs = dict(tensor_parallel_size=2, kv_cache_memory_bytes=2**22)
+    sync, sync_mode, _ = _run(path, prompts, params, async_scheduling=False, **kwargs)
+    fast, async_mode, _ = _run(path, prompts, params, async_scheduling=True, **kwargs)
+    assert (sync_mode, async_mode) == (False, True)
+    assert fast == sync

@@ -71,15 +71,28 @@ class Executor(abc.ABC):
         _fail(error) and _unusable_error(): a step that outlives timeout is taken for
         a hung collective, and the ranks' states are unknown from then on (some may
         have finished the step), so the executor fails as a whole."""
-        from spindle.executor.errors import ExecutorFailedError
-
         try:
             return self.collective_rpc("execute_model", args=(sched,), timeout=timeout,
                                        unique_reply_rank=self.output_rank)
         except TimeoutError as e:
-            self._fail(ExecutorFailedError(f"step {sched.step_id} did not finish within "
-                                           f"{timeout:.0f}s: {e}"))
-            raise self._unusable_error() from e
+            raise self._step_timed_out(sched, timeout, e) from e
+
+    def _step_timed_out(self, sched: SchedulerOutput, timeout: float,
+                        error: TimeoutError) -> BaseException:
+        """Fail the executor for a step that did not finish in time; returns the
+        error to raise."""
+        from spindle.executor.errors import ExecutorFailedError
+
+        self._fail(ExecutorFailedError(f"step {sched.step_id} did not finish within "
+                                       f"{timeout:.0f}s: {error}"))
+        return self._unusable_error()
+
+    def _launch_step(self, sched: SchedulerOutput, timeout: float) -> "LaunchedStep":
+        """Send a step to the workers and return at once (for executors whose
+        collective_rpc returns futures with non_block=True and a deadline)."""
+        future = self.collective_rpc("execute_model", args=(sched,), timeout=timeout,
+                                     unique_reply_rank=self.output_rank, non_block=True)
+        return LaunchedStep(self, sched, timeout, future)
 
     def determine_available_memory(self) -> list[int]:
         return self.collective_rpc("determine_available_memory")
@@ -127,3 +140,22 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop every worker and release what the executor holds. Idempotent."""
+
+
+class LaunchedStep:
+    """A step sent to worker processes; get() waits for the output rank's reply.
+    A step that outlives its timeout (counted from the send) fails the executor,
+    as in execute_model."""
+
+    def __init__(self, executor: Executor, sched: SchedulerOutput, timeout: float,
+                 future: Any) -> None:
+        self._executor = executor
+        self._sched = sched
+        self._timeout = timeout
+        self._future = future
+
+    def get(self) -> ModelRunnerOutput:
+        try:
+            return self._future.result()
+        except TimeoutError as e:
+            raise self._executor._step_timed_out(self._sched, self._timeout, e) from e

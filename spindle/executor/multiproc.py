@@ -172,6 +172,12 @@ class MultiProcExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self._execute_with_step_timeout(sched, STEP_TIMEOUT_S)
 
+    def execute_model_async(self, sched: SchedulerOutput):
+        """Send a step and return at once: with async scheduling the engine schedules
+        step N+1 while the workers compute step N (workers run steps in order, and
+        feed a step's still-unknown input tokens from the previous step's samples)."""
+        return self._launch_step(sched, STEP_TIMEOUT_S)
+
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                        args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None, non_block: bool = False) -> Any:
