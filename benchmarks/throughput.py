@@ -6,6 +6,14 @@ and the KV cache of every live sequence once). Prints the startup table, a resul
 table, and writes JSON with --json.
 
     python benchmarks/throughput.py [--json out.json] [--skip-nano] [--num-seqs 256]
+    python benchmarks/throughput.py --startup-only [--importtime FILE]   # startup alone
+
+--startup (and --startup-only) also time `LLM(...)` from a fresh interpreter to ready,
+phase by phase, next to its worker-stage table: with an empty Triton cache (cold: every
+kernel compiles), with the cache that run filled (warm), and warm with the tokenizer
+loaded before the engine starts instead of in its thread beside it. That checkpoint has
+a Qwen3-style tokenizer (byte-level BPE of Qwen's size, Qwen2Tokenizer), which is what
+a real start loads; the throughput runs keep the cheaper word-level one.
 """
 
 from __future__ import annotations
@@ -31,17 +39,20 @@ def write_random_checkpoint(out: Path, shape: dict, dtype: torch.dtype = torch.b
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
     out.mkdir(parents=True, exist_ok=True)
+    # (transformers_version as in the real Qwen3-0.6B config: without one, transformers
+    # takes any tokenizer for a possibly broken Mistral one and warns.)
     config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rms_norm_eps=1e-6,
                   max_position_embeddings=40960, rope_theta=1000000.0, hidden_act="silu",
                   attention_bias=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1,
-                  **shape)
+                  transformers_version="4.51.0", **shape)
     (out / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
     h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     nq, nkv = shape["num_attention_heads"], shape["num_key_value_heads"]
 
     def rand(*size, std=0.02):
-        return (torch.randn(size, generator=gen, device="cuda") * std).to(dtype).cpu()
+        return (torch.randn(size, generator=gen, device=device) * std).to(dtype).cpu()
 
     weights = {"model.embed_tokens.weight": rand(shape["vocab_size"], h),
                "model.norm.weight": torch.ones(h, dtype=dtype)}
@@ -183,31 +194,205 @@ def profiled(enabled: bool, out_path: Path | None, label: str):
     return block()
 
 
-_STARTUP_SCRIPT = """
-import time, sys
-start = time.perf_counter()
+QWEN3_SPECIAL_TOKENS = (
+    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> "
+    "<|box_start|> <|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> "
+    "<|vision_pad|> <|image_pad|> <|video_pad|>").split()
+QWEN3_ADDED_TOKENS = (
+    "<tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> "
+    "<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>").split()
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def write_qwen3_style_tokenizer(out: Path, num_tokens: int = 151643) -> None:
+    """A tokenizer laid out like Qwen3's, for what a start loads: byte-level BPE with
+    Qwen's pre-tokenizer, 151,643 tokens and 151,387 merges, its 26 added tokens,
+    vocab.json and merges.txt beside tokenizer.json, class Qwen2Tokenizer. The merges
+    are synthetic (each token is an earlier one plus a byte), not trained."""
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
+                            pre_tokenizers, processors)
+
+    from spindle.tools.tiny_model import PRETOKENIZE_REGEX
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens, merges = list(alphabet), []
+    vocab = {t: n for n, t in enumerate(tokens)}
+    for base in tokens:  # grows while it is walked
+        for byte in alphabet[:40]:
+            if len(tokens) == num_tokens:
+                break
+            vocab[base + byte] = len(tokens)
+            tokens.append(base + byte)
+            merges.append((base, byte))
+        if len(tokens) == num_tokens:
+            break
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in QWEN3_SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (out / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    added = {str(num_tokens + n): {"content": t, "lstrip": False, "normalized": False,
+                                   "rstrip": False, "single_word": False,
+                                   "special": t in QWEN3_SPECIAL_TOKENS}
+             for n, t in enumerate(QWEN3_SPECIAL_TOKENS + QWEN3_ADDED_TOKENS)}
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
+        "chat_template": QWEN3_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": 131072,
+        "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}, indent=2))
+
+
+def startup_checkpoint(weights_from: Path, out: Path) -> Path:
+    """The benchmark checkpoint (its weights linked, not copied) with a Qwen3-style tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text((weights_from / "config.json").read_text())
+    (out / "model.safetensors").symlink_to((weights_from / "model.safetensors").resolve())
+    write_qwen3_style_tokenizer(out)
+    return out
+
+
+# Runs in a fresh interpreter: times `from spindle import LLM` and `LLM(...)` phase by
+# phase (wrapping the engine's own steps), then prints one JSON line and the stage table.
+_STARTUP_SCRIPT = r"""
+import json, sys, time
+launched = float(sys.argv[2])  # the parent's time.time() just before it started us
+script_start, start = time.time(), time.perf_counter()
 from spindle import LLM
+phases = {"interpreter start": script_start - launched,
+          "from spindle import LLM": time.perf_counter() - start}
+import spindle.config as config_module
+import spindle.engine.llm_engine as engine_module
+
+def timed(owner, name, label):
+    original = getattr(owner, name)
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            phases[label] = time.perf_counter() - t
+    setattr(owner, name, wrapper)
+
+timed(config_module.EngineArgs, "create_engine_config", "create_engine_config")
+timed(engine_module, "EngineCore", "EngineCore (executor + worker stages)")
+if sys.argv[3] == "serial":  # the tokenizer loads before the engine starts, not beside it
+    threaded = engine_module.TokenizerLoad
+    class SerialLoad:
+        def __init__(self, *args):
+            t = time.perf_counter()
+            self.tokenizer = threaded(*args).result()
+            self.seconds = self.waited = time.perf_counter() - t
+        def result(self):
+            return self.tokenizer
+    engine_module.TokenizerLoad = SerialLoad
+tokenizer_result = engine_module.TokenizerLoad.result
+def result(self):
+    try:
+        return tokenizer_result(self)
+    finally:
+        phases["tokenizer load"] = self.seconds
+        phases["  main thread waited for it"] = self.waited
+engine_module.TokenizerLoad.result = result
+start = time.perf_counter()
 llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
-ready = time.perf_counter() - start
-print("STARTUP", ready)
+phases["LLM(...)"] = time.perf_counter() - start
+phases["process start -> ready"] = time.time() - launched
+stages = sum(r["seconds"] for r in llm.engine.core.executor.lifecycle_reports()[0])
+phases["  worker stages (table below)"] = stages
+heavy = ("transformers", "triton", "jinja2", "sklearn", "scipy", "fastapi", "ray")
+loaded = sorted({m.split(".")[0] for m in sys.modules} & set(heavy))
+auto = sorted(m for m in sys.modules  # transformers' auto registry (seconds to import)
+              if m.rsplit(".", 1)[-1] in ("configuration_auto", "tokenization_auto",
+                                          "modeling_auto"))
+print("STARTUP_JSON " + json.dumps({"phases": phases, "loaded": loaded, "auto": auto}))
 print(llm.engine.core.startup_table)
 llm.shutdown()
 """
+_PHASE_ORDER = ("interpreter start", "from spindle import LLM", "create_engine_config",
+                "EngineCore (executor + worker stages)", "  worker stages (table below)",
+                "tokenizer load", "  main thread waited for it", "LLM(...)",
+                "process start -> ready")
+_STARTUP_RUNS = (("cold", "cold Triton"), ("warm", "warm Triton"),
+                 ("serial", "warm, serial tok."))
 
 
-def measure_startup(path: Path) -> dict:
-    """Process start to ready, in a fresh interpreter: cold (first run on this machine:
-    Triton compiles) and warm (Triton's on-disk kernel cache filled)."""
+def measure_startup(path: Path, importtime: Path | None = None) -> dict:
+    """Process start to ready, in fresh interpreters: cold (an empty Triton cache: every
+    kernel compiles), warm (the cache the cold run filled), and warm again with the
+    tokenizer loaded before the engine starts instead of beside it (what the overlap
+    saves, or costs)."""
+    import os
     import subprocess
     import sys
 
     result = {}
-    for label in ("cold", "warm"):
-        proc = subprocess.run([sys.executable, "-c", _STARTUP_SCRIPT, str(path)],
-                              capture_output=True, text=True, timeout=240)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("STARTUP")]
-        result[f"startup_{label}_s"] = float(lines[0].split()[1]) if lines else float("nan")
-        result[f"startup_{label}_table"] = proc.stdout.split("\n", 1)[-1] + proc.stderr[-2000:]
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        runs = [(label, env) for label, _ in _STARTUP_RUNS]
+        if importtime is not None:  # one more: -X importtime slows imports down
+            runs.append(("importtime", {**env, "PYTHONPROFILEIMPORTTIME": "1"}))
+        for label, run_env in runs:
+            proc = subprocess.run(
+                [sys.executable, "-c", _STARTUP_SCRIPT, str(path), repr(time.time()), label],
+                capture_output=True, text=True, timeout=600, env=run_env,
+                cwd=Path(__file__).resolve().parent.parent)
+            if label == "importtime":
+                importtime.write_text("".join(l for l in proc.stderr.splitlines(True)
+                                              if l.startswith("import time:")))
+                continue
+            lines = proc.stdout.splitlines()
+            found = [l for l in lines if l.startswith("STARTUP_JSON ")]
+            if not found:
+                result[f"startup_{label}_s"] = float("nan")
+                result[f"startup_{label}_table"] = proc.stdout + proc.stderr[-3000:]
+                continue
+            report = json.loads(found[0].split(" ", 1)[1])
+            result[f"startup_{label}_s"] = report["phases"]["process start -> ready"]
+            result[f"startup_{label}_phases"] = report["phases"]
+            result[f"startup_{label}_loaded"] = report["loaded"] + report["auto"]
+            result[f"startup_{label}_table"] = "\n".join(lines[lines.index(found[0]) + 1:])
+    return result
+
+
+def format_startup(result: dict) -> str:
+    """The phase table of both fresh starts, then each one's worker-stage table."""
+    runs = [(l, title) for l, title in _STARTUP_RUNS if f"startup_{l}_phases" in result]
+    labels = [l for l, _ in runs]
+    lines = ["--- fresh process: `LLM(...)` to ready, Qwen3-0.6B shape (seconds) ---",
+             f"{'phase':<40}" + "".join(f"{title:>19}" for _, title in runs)]
+    for phase in _PHASE_ORDER:
+        lines.append(f"{phase:<40}" + "".join(
+            f"{result[f'startup_{l}_phases'].get(phase, float('nan')):>19.3f}" for l in labels))
+    for label in labels:
+        lines.append(f"imported ({label}): {', '.join(result[f'startup_{label}_loaded'])}")
+    for label, title in _STARTUP_RUNS:
+        table = result.get(f"startup_{label}_table")
+        if table:
+            lines.append(f"--- worker stages, fresh process, {title} ---\n{table}")
+    return "\n".join(lines)
+
+
+def run_startup_only(args) -> dict:
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        result["device"] = torch.cuda.get_device_name()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_random_checkpoint(Path(tmp) / "qwen3-0.6b-shape", QWEN3_06B)
+        result.update(measure_startup(startup_checkpoint(path, Path(tmp) / "startup"),
+                                      args.importtime))
     return result
 
 
@@ -225,7 +410,8 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_checkpoint(Path(tmp) / "qwen3-0.6b-shape", QWEN3_06B)
         if args.startup:
-            result.update(measure_startup(path))
+            result.update(measure_startup(startup_checkpoint(path, Path(tmp) / "startup"),
+                                          args.importtime))
         start = time.perf_counter()
         llm = LLM(str(path), dtype="bfloat16", max_model_len=4096,
                   max_num_seqs=args.num_seqs, max_num_batched_tokens=args.batched_tokens,
@@ -284,17 +470,23 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--startup", action="store_true",
                         help="also time process start to ready in fresh interpreters (cold, warm)")
+    parser.add_argument("--startup-only", action="store_true",
+                        help="only the fresh-process startup measurement (no throughput runs)")
+    parser.add_argument("--importtime", type=Path,
+                        help="with --startup: one more fresh start under -X importtime, its "
+                        "report written to this file")
     parser.add_argument("--profile", type=Path, help="cProfile the timed runs into this file "
                         "(slows them: use for where the host time goes, not for figures)")
     args = parser.parse_args()
-    result = run(args)
+    result = run_startup_only(args) if args.startup_only else run(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    print(result.pop("startup_table"))
-    for label in ("cold", "warm"):
-        table = result.pop(f"startup_{label}_table", None)
-        if table:
-            print(f"--- fresh process, {label} ---\n{table}")
+    if "startup_table" in result:
+        print(result.pop("startup_table"))
+    if any(key.startswith("startup_cold") for key in result):
+        print(format_startup(result))
+    for key in [k for k in result if k.startswith("startup_") and not k.endswith("_s")]:
+        del result[key]  # (printed above)
     print()
     for key, value in result.items():
         print(f"{key:<24}{value:.4g}" if isinstance(value, float) else f"{key:<24}{value}")

@@ -9,7 +9,6 @@ the allowed values for anything out of range.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -365,18 +364,14 @@ def _check_model_dir(model: str | os.PathLike | None) -> Path:
 
 
 def _load_hf_config(path: Path) -> Any:
-    from transformers import AutoConfig
+    # Plain data where that is exact; transformers' AutoConfig otherwise (hf_config.py):
+    # importing transformers costs seconds of every start.
+    from spindle.hf_config import load_hf_config, read_config_json
 
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+    raw = read_config_json(path)
     if not raw.get("architectures"):
         raise ValueError(f"{path / 'config.json'} names no 'architectures'")
-    try:
-        return AutoConfig.from_pretrained(str(path))
-    except Exception as e:  # transformers raises many types for an unknown model_type
-        raise ValueError(f"transformers cannot read {path / 'config.json'}: {e}") from e
+    return load_hf_config(path, raw)
 
 
 def _resolve_dtype(name: str, hf_config: Any, device_type: str) -> torch.dtype:

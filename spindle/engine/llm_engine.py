@@ -22,6 +22,7 @@ from spindle.engine.pooling_inputs import (POOLING_SAMPLING_PARAMS, check_poolin
                                            tokenize_for_pooling)
 from spindle.engine.prompt_embeds import is_prompt_embeds, prompt_embeds_input
 from spindle.engine.request import Request
+from spindle.engine.tokenizer_loader import TokenizerLoad
 from spindle.outputs import RequestOutput
 from spindle.pooling_params import PoolingParams
 from spindle.sampling_params import SamplingParams
@@ -34,9 +35,18 @@ PromptType = Union[str, list[int], dict[str, Any]]
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer)
-        self.eos_token_ids = eos_token_ids(config, self.tokenizer)
+        # The tokenizer loads in a thread while the engine core starts: neither needs
+        # the other, and both take seconds.
+        tokenizer = TokenizerLoad(config.model.tokenizer, _tokenizer_dir_config(config))
         self.core = EngineCore(config)
+        try:
+            self.tokenizer = tokenizer.result()
+        except BaseException:
+            self.core.shutdown()
+            raise
+        logger.info("tokenizer loaded in %.2f s, alongside the engine start (waited %.2f s)",
+                    tokenizer.seconds, tokenizer.waited)
+        self.eos_token_ids = eos_token_ids(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
@@ -178,13 +188,11 @@ def _child_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+def _tokenizer_dir_config(config: EngineConfig) -> Any:
+    """The HF config of the tokenizer's directory when it is the model's (AutoTokenizer
+    would read it again), else None."""
+    model = config.model
+    return model.hf_config if model.tokenizer == model.model else None
 
 
 def eos_token_ids(config: EngineConfig, tokenizer: Any) -> set[int]:
