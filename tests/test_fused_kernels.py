@@ -10,7 +10,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-DTYPES = [torch.float32, torch.bfloat16]
+# Triton's CPU interpreter truncates float32 -> bf16 instead of rounding: the bf16
+# cases are for the GPU.
+DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
 
 
 def _close(out, ref, dtype):
@@ -87,3 +89,51 @@ def test_silu_and_mul(dtype, width):
     ref = SiluAndMul()(x)
     out = silu_and_mul(x.to(DEVICE)).cpu()
     _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,num_q,num_k", [(128, 16, 8), (64, 8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_qk_norm_rope_stores_kv(dtype, head_dim, num_q, num_k, block_size):
+    """With a cache, the same launch writes each token's rotated k and its v into its
+    slot; padding tokens (slot -1) write nothing; q and k are rotated as without."""
+    from spindle.layers.fused_kernels import QKNormRope, qk_norm_rope_
+    from spindle.layers.rotary import RotaryEmbedding
+
+    tokens, num_blocks = 23, 5
+    gen = torch.Generator().manual_seed(head_dim + num_k + block_size)
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+    qkv = torch.randn(tokens, (num_q + 2 * num_k) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[3, 17]] = -1  # CUDA-graph padding tokens
+    weights = [torch.randn(head_dim, generator=gen).to(dtype) for _ in range(2)]
+    cache = torch.randn((2, num_blocks, block_size, num_k, head_dim), generator=gen).to(dtype)
+
+    def split(buf):
+        q = buf[:, :num_q * head_dim].view(tokens, num_q, head_dim)
+        k = buf[:, num_q * head_dim:(num_q + num_k) * head_dim].view(tokens, num_k, head_dim)
+        return q, k, buf[:, (num_q + num_k) * head_dim:].view(tokens, num_k, head_dim)
+
+    to = lambda t: t.to(DEVICE, copy=True)  # noqa: E731
+    unfused_qkv = to(qkv)
+    uq, uk, _ = split(unfused_qkv)
+    qk_norm_rope_(uq, uk, to(positions), to(rope.cos_cache), to(rope.sin_cache),
+                  to(weights[0]), to(weights[1]), 1e-6)
+
+    dev_qkv, dev_cache = to(qkv), to(cache)
+    q, k, v = split(dev_qkv)
+    transform = QKNormRope(to(positions), to(rope.cos_cache), to(rope.sin_cache),
+                           to(weights[0]), to(weights[1]), 1e-6)
+    transform.apply_(q, k, v, dev_cache, to(slots))
+    # q and k as without the store (float32: the two compiled variants may contract
+    # multiply-adds differently); v untouched.
+    _close(q.cpu(), uq.cpu(), dtype)
+    _close(k.cpu(), uk.cpu(), dtype)
+    assert torch.equal(v.cpu(), split(qkv)[2])
+    # The cache: exactly this launch's k and the v at the real tokens' slots, the
+    # rest as it was.
+    real = slots >= 0
+    expect = cache.clone().view(2, -1, num_k, head_dim)
+    expect[0, slots[real]], expect[1, slots[real]] = k.cpu()[real], v.cpu()[real]
+    assert torch.equal(dev_cache.cpu().view(2, -1, num_k, head_dim), expect)

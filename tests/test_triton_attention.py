@@ -17,6 +17,9 @@ import os
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 # Relative error bounds (METHOD.md): IEEE float32 far under 1e-3; bf16 operands 1e-3..1e-2.
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
+# Triton's CPU interpreter computes bf16 dot products wrongly (it multiplies the raw
+# bits) and truncates float32 -> bf16: the bf16 cases are for the GPU.
+DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -92,16 +95,21 @@ def meta_for(case):
 
 
 def run_backend(case, num_heads, num_kv_heads, head_dim):
+    """What the backend does for one step without a q/k transform: decode (one launch
+    that stores k/v and attends) or store + prefill."""
     from spindle.attention.backends.triton_attn import (decode_attention, prefill_attention,
-                                                        store_kv)
+                                                        split_counters, store_kv)
 
     scale = head_dim ** -0.5
     meta = meta_for(case)
-    store_kv(case["k"], case["v"], case["kv_cache"], case["slot_mapping"])
     out = torch.full_like(case["q"], float("nan"))  # poisoned: every row must be written
     if meta.max_query_len == 1:
-        decode_attention(case["q"], case["kv_cache"], meta.block_tables, meta.seq_lens, scale, out)
+        counters = split_counters(DEVICE)
+        decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta, scale, out,
+                         counters)
+        assert not counters.any(), "the last split must leave its counter at zero"
     else:
+        store_kv(case["k"], case["v"], case["kv_cache"], case["slot_mapping"])
         prefill_attention(case["q"], case["kv_cache"], meta, scale, out)
     return out, scale
 
@@ -112,7 +120,7 @@ SHAPES = [  # (num_heads, num_kv_heads, head_dim)
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_with_prefix_hits_and_ragged_lengths(num_heads, num_kv_heads, head_dim,
                                                      block_size, dtype):
     seed = hash((num_heads, num_kv_heads, head_dim, block_size, str(dtype))) % 10_000
@@ -131,7 +139,7 @@ def test_prefill_with_prefix_hits_and_ragged_lengths(num_heads, num_kv_heads, he
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 3, 64])
 def test_decode_split_context(num_heads, num_kv_heads, head_dim, block_size, dtype, batch):
     gen = torch.Generator().manual_seed(batch * 31 + head_dim + block_size)
@@ -160,13 +168,171 @@ def test_store_kv_skips_negative_slots():
 
 
 def test_decode_padding_rows_are_zero():
-    """CUDA-graph padding rows have seq_len 0: finite zeros, never NaN."""
-    case = make_case([1, 1], [10, 0], 8, 2, 64, 16, torch.bfloat16, seed=3)
-    case["seq_lens"][1] = 0
-    from spindle.attention.backends.triton_attn import decode_attention
+    """CUDA-graph padding rows have seq_len 0 and slot -1: finite zeros, never NaN,
+    and the cache is not touched for them."""
+    from spindle.attention.backends.triton_attn import decode_attention, split_counters
 
+    case = make_case([1, 1, 1], [10, 0, 300], 8, 2, 64, 16, torch.float32, seed=3)
+    case["seq_lens"][1] = 0
+    case["slot_mapping"][1] = -1
+    before = case["kv_cache"].clone()
     out = torch.full_like(case["q"], float("nan"))
-    decode_attention(case["q"], case["kv_cache"], case["block_tables"], case["seq_lens"],
-                     0.125, out)
+    decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case), 0.125,
+                     out, split_counters(DEVICE))
     assert torch.equal(out[1], torch.zeros_like(out[1]))
-    assert not out[0].isnan().any()
+    assert not out.isnan().any()
+    flat = case["kv_cache"].reshape(2, -1, 2, 64)
+    real = case["slot_mapping"][[0, 2]]
+    flat_before = before.reshape(2, -1, 2, 64)
+    flat_before[0, real], flat_before[1, real] = case["k"][[0, 2]], case["v"][[0, 2]]
+    assert torch.equal(flat, flat_before), "only the real tokens' slots may change"
+
+
+def _qwen3_like_transform(positions, head_dim, with_norm, gen):
+    from spindle.layers.fused_kernels import QKNormRope
+    from spindle.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+    weights = [torch.randn(head_dim, generator=gen) for _ in range(2)] if with_norm else [None] * 2
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return QKNormRope(positions.to(DEVICE), to(rope.cos_cache), to(rope.sin_cache),
+                      to(weights[0]), to(weights[1]), 1e-6), rope
+
+
+def _transformed_reference_case(case, transform, rope, dtype):
+    """The case with q and k normalised and rotated by the plain-torch layers."""
+    from spindle.layers.rotary import apply_rotary
+
+    def norm(x, w):
+        if w is None:
+            return x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + transform.eps)
+        return w.to(dtype) * h.to(dtype)
+
+    cos, sin = rope(transform.positions.cpu(), dtype)
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    ref = dict(case)
+    ref["q"] = apply_rotary(norm(case["q"].cpu(), cpu(transform.q_weight)), cos, sin).to(DEVICE)
+    ref["k"] = apply_rotary(norm(case["k"].cpu(), cpu(transform.k_weight)), cos, sin).to(DEVICE)
+    return ref
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (8, 2, 64)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 8, 40])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_fused_decode_with_qk_norm_rope(num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                        batch, with_norm):
+    """The backend's decode path with a QKNormRope: one launch normalises and rotates q
+    and k, stores k and v (padding slots skipped), attends and merges the splits."""
+    from spindle.attention.backends.triton_attn import TritonAttentionBackend
+
+    gen = torch.Generator().manual_seed(batch * 7 + head_dim + block_size + with_norm)
+    context_lens = torch.randint(100, 2000, (batch,), generator=gen).tolist()
+    context_lens[0] = 0  # a context of just the new token
+    if batch > 2:
+        context_lens[1] = 64  # the new token is alone in its split (at batch 8)
+    case = make_case([1] * batch, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     dtype, seed=batch + head_dim + block_size)
+    positions = torch.tensor(context_lens)
+    transform, rope = _qwen3_like_transform(positions, head_dim, with_norm, gen)
+    ref_case = _transformed_reference_case(case, transform, rope, dtype)
+    ref, _, _ = reference(ref_case, head_dim ** -0.5)
+    ref_k = ref_case["k"].clone()
+    padding = batch - 1 if batch > 1 else None
+    if padding is not None:  # a CUDA-graph padding row
+        case["slot_mapping"][padding] = -1
+        case["seq_lens"][padding] = 0
+    kv_before = case["kv_cache"].clone()
+    backend = TritonAttentionBackend(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
+    q_raw, k_raw = case["q"].clone(), case["k"].clone()
+    for _ in range(2):  # twice: the split counters must be ready for the next launch
+        case["kv_cache"].copy_(kv_before)
+        out = backend.forward(case["q"], case["k"], case["v"], case["kv_cache"],
+                              meta_for(case), qk_transform=transform)
+    assert torch.equal(case["q"], q_raw) and torch.equal(case["k"], k_raw)
+
+    real = [i for i in range(batch) if i != padding]
+    assert not out.isnan().any()
+    assert rel_err(out[real], ref[real]) < REL_TOL[dtype]
+    if padding is not None:
+        assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+    # The cache: the real tokens' rotated k and their v at their slots, nothing else.
+    cache_k = case["kv_cache"][0].reshape(-1, num_kv_heads, head_dim)
+    cache_v = case["kv_cache"][1].reshape(-1, num_kv_heads, head_dim)
+    slots = case["slot_mapping"][real]
+    assert rel_err(cache_k[slots], ref_k[real].double()) < REL_TOL[dtype]
+    assert torch.equal(cache_v[slots], case["v"][real])
+    untouched = torch.ones(cache_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    before = kv_before.reshape(2, -1, num_kv_heads, head_dim)
+    assert torch.equal(cache_k[untouched], before[0, untouched])
+    assert torch.equal(cache_v[untouched], before[1, untouched])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (8, 1, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_with_fused_qk_norm_rope_store(num_heads, num_kv_heads, head_dim, dtype):
+    """Prefill through the backend with a QKNormRope: the rotary kernel stores k/v."""
+    from spindle.attention.backends.triton_attn import TritonAttentionBackend
+
+    gen = torch.Generator().manual_seed(head_dim + num_kv_heads)
+    query_lens, context_lens = [5, 1, 70], [0, 33, 16]
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype,
+                     seed=11)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
+    transform, rope = _qwen3_like_transform(positions, head_dim, True, gen)
+    ref_case = _transformed_reference_case(case, transform, rope, dtype)
+    ref, _, _ = reference(ref_case, head_dim ** -0.5)
+    backend = TritonAttentionBackend(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
+    out = backend.forward(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case),
+                          qk_transform=transform)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    cache_k = case["kv_cache"][0].reshape(-1, num_kv_heads, head_dim)
+    assert rel_err(cache_k[case["slot_mapping"]], ref_case["k"].double()) < REL_TOL[dtype]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("batch", [1, 8])
+def test_fused_decode_graph_replays_with_new_lengths(batch):
+    """One captured decode launch, replayed with new sequence lengths, slots and caches:
+    the split counters must be back at zero after every replay, or later replays go
+    wrong. (A race in the last-split merge would show as a moving error here.)"""
+    from spindle.attention.backends.triton_attn import TritonAttentionBackend
+
+    num_heads, num_kv_heads, head_dim, block_size = 16, 8, 128, 16
+    dtype, scale = torch.bfloat16, head_dim ** -0.5
+    gen = torch.Generator().manual_seed(batch)
+    backend = TritonAttentionBackend(num_heads, head_dim, scale, num_kv_heads)
+    # Static buffers, as the CUDA-graph runner keeps them, sized for the longest context.
+    static = make_case([1] * batch, [2000] * batch, num_heads, num_kv_heads, head_dim,
+                       block_size, dtype, seed=0)
+    positions = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
+    transform, rope = _qwen3_like_transform(positions, head_dim, True, gen)
+    meta = meta_for(static)
+    run = lambda: backend.forward(static["q"], static["k"], static["v"],  # noqa: E731
+                                  static["kv_cache"], meta, qk_transform=transform)
+    run()  # eager first: compiles, allocates the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for replay in range(6):
+        context_lens = torch.randint(0, 2000, (batch,), generator=gen).tolist()
+        case = make_case([1] * batch, context_lens, num_heads, num_kv_heads, head_dim,
+                         block_size, dtype, seed=100 + replay)
+        positions.copy_(torch.tensor(context_lens))
+        ref, _, _ = reference(_transformed_reference_case(case, transform, rope, dtype), scale)
+        for name in ("q", "k", "v", "slot_mapping", "seq_lens"):
+            static[name].copy_(case[name])
+        static["kv_cache"][:, :case["kv_cache"].shape[1]].copy_(case["kv_cache"])
+        static["block_tables"].zero_()
+        static["block_tables"][:, :case["block_tables"].shape[1]].copy_(case["block_tables"])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < REL_TOL[dtype], f"replay {replay}"
+    assert not backend._counters.any()

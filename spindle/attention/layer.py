@@ -3,18 +3,23 @@ backend chosen from the registry."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from spindle.attention.backends.registry import get_backend
 from spindle.forward_context import get_forward_context
 
+if TYPE_CHECKING:
+    from spindle.layers.fused_kernels import QKNormRope
+
 
 class Attention(nn.Module):
     """Multi-head (grouped-query) attention over the paged KV cache.
 
-    forward(q [T, H*D], k [T, H_kv*D], v [T, H_kv*D]) -> [T, H*D], for the flat batch
-    of tokens described by the forward context's AttentionMetadata.
+    forward(q [T, H*D], k [T, H_kv*D], v [T, H_kv*D], qk_transform=None) -> [T, H*D],
+    for the flat batch of tokens described by the forward context's AttentionMetadata.
 
     ``self.kv_cache`` is this layer's cache [2, num_blocks, block_size, H_kv, D],
     assigned by the model runner once the cache is allocated. While it is None (the
@@ -40,14 +45,24 @@ class Attention(nn.Module):
         self.impl = get_backend(name)(self.num_heads, self.head_dim, self.scale,
                                       self.num_kv_heads)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                qk_transform: QKNormRope | None = None) -> torch.Tensor:
+        """qk_transform: the q/k norm + rotary still to be applied to q and k (in place).
+        A backend whose class sets ``fuses_qk_transform`` takes it as a keyword and
+        folds it into its own kernels (Triton: one decode launch does rotary, KV store
+        and attention); for any other backend it is applied here first."""
         attn_metadata = get_forward_context().attn_metadata
         num_tokens = q.shape[0]
-        out = self.impl.forward(
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            v.view(num_tokens, self.num_kv_heads, self.head_dim),
-            self.kv_cache, attn_metadata)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if qk_transform is not None and getattr(self.impl, "fuses_qk_transform", False):
+            out = self.impl.forward(q, k, v, self.kv_cache, attn_metadata,
+                                    qk_transform=qk_transform)
+        else:
+            if qk_transform is not None:
+                qk_transform.apply_(q, k)
+            out = self.impl.forward(q, k, v, self.kv_cache, attn_metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

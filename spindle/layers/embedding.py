@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
-from spindle.layers.linear import set_weight_loader
+from spindle.layers.linear import apply_linear, set_weight_loader
 
 
 def pad_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -80,7 +80,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = apply_linear(hidden_states, self.weight)
         logits = self.tp_group.all_gather(logits, dim=-1)
         if logits.shape[-1] != self.num_embeddings:
             logits = logits[..., :self.num_embeddings]

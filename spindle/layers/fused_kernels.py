@@ -7,13 +7,16 @@ one of those stages in one launch and rounds to the activation dtype exactly whe
 the plain-torch (Hugging Face) version rounds, so results stay bit-comparable:
 
 * rms_norm(x, weight, eps, residual=None): optional residual add, then RMSNorm.
-* qk_norm_rope_(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps):
-  optional per-head RMSNorm of q and k, then the neox-style rotary embedding,
-  in place.
+* qk_norm_rope_(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps,
+  [v, kv_cache, slot_mapping]): optional per-head RMSNorm of q and k, then the
+  neox-style rotary embedding, in place; optionally also writes k and v into their
+  paged KV-cache slots (QKNormRope bundles the arguments for the attention layer).
 * silu_and_mul(x): silu(gate) * up for x = [gate | up].
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -55,66 +58,144 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, x_stride, res_
     tl.store(out_ptr + row * HIDDEN + offs, y, mask=mask)
 
 
+@dataclass(frozen=True)
+class QKNormRope:
+    """What a Llama-family layer does to q and k before attention: a per-head RMSNorm
+    (when the weights are given), then the rotary embedding at `positions`.
+
+    The model hands it to the attention layer unapplied, so that a backend can fuse it
+    into its own kernels (the Triton decode kernel does); apply_ is the stand-alone
+    version for everything else."""
+
+    positions: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+
+    def apply_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
+               kv_cache: torch.Tensor | None = None,
+               slot_mapping: torch.Tensor | None = None) -> None:
+        qk_norm_rope_(q, k, self.positions, self.cos_cache, self.sin_cache, self.q_weight,
+                      self.k_weight, self.eps, v, kv_cache, slot_mapping)
+
+
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                   cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                  eps: float) -> None:
+                  eps: float, v: torch.Tensor | None = None,
+                  kv_cache: torch.Tensor | None = None,
+                  slot_mapping: torch.Tensor | None = None) -> None:
     """In place on q [T, Hq, D] and k [T, Hk, D] (views into the qkv output allowed):
-    per-head RMSNorm when weights are given, then the rotary embedding."""
+    per-head RMSNorm when weights are given, then the rotary embedding.
+
+    With kv_cache [2, num_blocks, block_size, Hk, D] (and v [T, Hk, D], slot_mapping
+    [T]) the same launch also writes each token's rotated k and its v into its cache
+    slot (slot < 0: a padding token, skipped), which saves the separate store-KV kernel.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     if num_tokens == 0:
         return
     has_norm = q_weight is not None
-    _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_k_heads)](
-        q, k, positions, cos_cache, sin_cache,
+    store = kv_cache is not None
+    if store and (v is None or slot_mapping is None):
+        raise ValueError("storing into kv_cache needs v and slot_mapping")
+    key_cache, value_cache = (kv_cache[0], kv_cache[1]) if store else (k, k)
+    v = v if store else k
+    _qk_norm_rope_kernel[(num_tokens, 2)](
+        q, k, v, positions, cos_cache, sin_cache,
         q_weight if has_norm else q, k_weight if has_norm else k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0), eps,
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), HAS_NORM=has_norm, num_warps=1)
+        key_cache, value_cache, slot_mapping if store else positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_cache.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        eps, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)),
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE=key_cache.shape[1] if store else 1,
+        HAS_NORM=has_norm, STORE=store, num_warps=4)
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-                         q_stride_t, q_stride_h, k_stride_t, k_stride_h, cs_stride, eps,
-                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                         HAS_NORM: tl.constexpr):
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+                         key_cache_ptr, value_cache_ptr, slot_ptr,
+                         q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t,
+                         v_stride_h, cs_stride, c_stride_b, c_stride_t, c_stride_h, eps,
+                         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PAGE: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr):
+    """One program per (token, q or k): all heads of that token's q (or k) at once."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if head < NUM_Q_HEADS:
-        base = q_ptr + token * q_stride_t + head * q_stride_h
-        w_ptr = qw_ptr
-    else:
-        base = k_ptr + token * k_stride_t + (head - NUM_Q_HEADS) * k_stride_h
+    is_k = tl.program_id(1) == 1
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    if is_k:
+        rows = k_ptr + token * k_stride_t + offs_h * k_stride_h
+        row_valid = offs_h < NUM_K_HEADS
         w_ptr = kw_ptr
-    offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < HALF
-    x1 = tl.load(base + offs, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
-    dtype = x1.dtype
-    if HAS_NORM:
-        h1 = x1.to(tl.float32)
-        h2 = x2.to(tl.float32)
-        variance = (tl.sum(h1 * h1, 0) + tl.sum(h2 * h2, 0)) / HEAD_DIM
-        inv = tl.math.rsqrt(variance + eps)
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        x1 = (w1 * (h1 * inv).to(dtype).to(tl.float32)).to(dtype)
-        x2 = (w2 * (h2 * inv).to(dtype).to(tl.float32)).to(dtype)
+    else:
+        rows = q_ptr + token * q_stride_t + offs_h * q_stride_h
+        row_valid = offs_h < NUM_Q_HEADS
+        w_ptr = qw_ptr
     pos = tl.load(pos_ptr + token)
+    x = norm_rope_rows(rows, row_valid, w_ptr, cos_ptr + pos * cs_stride,
+                       sin_ptr + pos * cs_stride, eps, HEAD_DIM, BLOCK_D, HAS_NORM)
+    mask = row_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.store(rows[:, None] + offs_d[None, :], x, mask=mask)
+    if STORE:
+        slot = tl.load(slot_ptr + token)
+        if is_k & (slot >= 0):
+            dst = cache_row(slot, c_stride_b, c_stride_t, PAGE) \
+                + offs_h[:, None] * c_stride_h + offs_d[None, :]
+            tl.store(key_cache_ptr + dst, x, mask=mask)
+            value = tl.load(v_ptr + token * v_stride_t + offs_h[:, None] * v_stride_h
+                            + offs_d[None, :], mask=mask)
+            tl.store(value_cache_ptr + dst, value, mask=mask)
+
+
+@triton.jit
+def norm_rope_rows(rows, row_valid, w_ptr, cos_row, sin_row, eps, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads [R, BLOCK_D] of q or k, row r starting at pointer rows[r] (activation
+    dtype; rows with row_valid False read as zeros) -> RMSNorm(head) * w (HAS_NORM),
+    then the neox rotary embedding with the float32 table rows cos_row/sin_row of the
+    token's position.
+
+    Rounds to the activation dtype wherever the torch layers (RMSNorm, apply_rotary)
+    round, so results match them up to float32 summation order. Shared with the
+    attention backend's fused decode kernel."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, BLOCK_D)
+    d_valid = offs < HEAD_DIM
+    # rotate_half(x)[d] is -x[d + HALF] in the first half and x[d - HALF] in the
+    # second: load each element's partner and give it that sign.
+    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+    sign = tl.where(offs < HALF, -1.0, 1.0)[None, :]
+    mask = row_valid[:, None] & d_valid[None, :]
+    x = tl.load(rows[:, None] + offs[None, :], mask=mask, other=0.0)
+    xp = tl.load(rows[:, None] + partner[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_NORM:
+        h = x.to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(h * h, 1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(w_ptr + offs, mask=d_valid, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=d_valid, other=0.0).to(tl.float32)[None, :]
+        x = (w * (h * inv).to(dtype).to(tl.float32)).to(dtype)
+        xp = (wp * (xp.to(tl.float32) * inv).to(dtype).to(tl.float32)).to(dtype)
     # The cos/sin tables are float32; torch casts them to the activation dtype first.
-    cos1 = tl.load(cos_ptr + pos * cs_stride + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    cos2 = tl.load(cos_ptr + pos * cs_stride + HALF + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    sin1 = tl.load(sin_ptr + pos * cs_stride + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    sin2 = tl.load(sin_ptr + pos * cs_stride + HALF + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    # (x * cos) + (rotate_half(x) * sin), each product rounded like the torch version.
-    out1 = ((a1 * cos1).to(dtype).to(tl.float32) + (-a2 * sin1).to(dtype).to(tl.float32)).to(dtype)
-    out2 = ((a2 * cos2).to(dtype).to(tl.float32) + (a1 * sin2).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(base + offs, out1, mask=mask)
-    tl.store(base + HALF + offs, out2, mask=mask)
+    cos = tl.load(cos_row + offs, mask=d_valid, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(sin_row + offs, mask=d_valid, other=0.0).to(dtype).to(tl.float32)[None, :]
+    # x * cos + rotate_half(x) * sin, each product rounded like the torch version.
+    return ((x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+            + (sign * xp.to(tl.float32) * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def cache_row(slot, c_stride_b, c_stride_t, PAGE: tl.constexpr):
+    """Offset of cache slot `slot` (block * PAGE + position in block) in a key or value
+    cache [num_blocks, PAGE, H_kv, D] with the given block and token strides."""
+    slot = slot.to(tl.int64)
+    return (slot // PAGE) * c_stride_b + (slot % PAGE) * c_stride_t
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,33 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
     copy_checked(param.data, loaded_weight)
 
 
+# The smallest N tile the skinny GEMM may use: it sizes the split-K counters.
+SKINNY_MIN_BLOCK_N = 16
+
+
+def new_split_counters(n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Zeroed arrival counters for the skinny GEMM's split-K launches with an [n, K]
+    weight, one per N tile. Owned by the caller (each linear layer keeps its own as a
+    buffer): every launch leaves them at zero, and launches sharing them must run one
+    after another, as one layer's do."""
+    return torch.zeros(-(-n // SKINNY_MIN_BLOCK_N), dtype=torch.int32, device=device)
+
+
+def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 split_counters: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or on CUDA at decode-sized batches (<= 8 rows) the skinny GEMM, which
+    streams the weight at close to memory bandwidth where cuBLAS does not (it splits
+    K only when given split_counters)."""
+    if x.is_cuda:
+        from spindle.layers.skinny_gemm import skinny_linear, use_skinny_gemm
+
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if use_skinny_gemm(x2, weight):
+            y = skinny_linear(x2, weight, bias, counters=split_counters)
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
 def set_weight_loader(param: nn.Parameter, loader: Any, shard_ids: Sequence[Any] = (None,)) -> None:
     param.weight_loader = loader
     param.shard_ids = tuple(shard_ids)
@@ -73,6 +100,8 @@ class _ParallelLinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        # Scratch of the skinny GEMM (decode on CUDA); not part of any checkpoint.
+        self.register_buffer("split_counters", new_split_counters(output_size), persistent=False)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size} (per rank), "
@@ -103,7 +132,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         copy_checked(param.data, loaded_weight.narrow(0, self.tp_group.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = apply_linear(x, self.weight, self.bias, self.split_counters)
         if self.gather_output:
             y = self.tp_group.all_gather(y, dim=-1)
         return y
@@ -216,8 +245,8 @@ class RowParallelLinear(_ParallelLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return apply_linear(x, self.weight, self.bias, self.split_counters)
+        y = apply_linear(x, self.weight, split_counters=self.split_counters)
         if self.reduce_results:
             y = self.tp_group.all_reduce(y)
         if self.bias is not None:

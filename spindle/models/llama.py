@@ -92,26 +92,32 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        """cos/sin None: the fused CUDA path reads the rotary tables (rope_tables)
-        by position inside one kernel that also applies the q/k norms."""
-        num_tokens = hidden_states.shape[0]
+        """cos/sin None: the fused CUDA path. The q/k norms and the rotary embedding
+        (reading the tables, rope_tables, by position) are handed to the attention
+        layer unapplied, so its backend can fuse them with the KV store (and, on
+        decode steps, with attention itself)."""
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if cos is None:
-            from spindle.layers.fused_kernels import qk_norm_rope_
-
-            norm = self.q_norm is not None
-            qk_norm_rope_(q, k, positions, *self.rope_tables,
-                          self.q_norm.weight if norm else None,
-                          self.k_norm.weight if norm else None,
-                          self.q_norm.variance_epsilon if norm else 0.0)
+            out = self.attn(q, k, v, qk_transform=self._qk_norm_rope(positions))
         else:
+            num_tokens = hidden_states.shape[0]
+            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
+            out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
         return self.o_proj(out)
+
+    def _qk_norm_rope(self, positions: torch.Tensor):
+        """This layer's q/k norms and rotary embedding, as a fused_kernels.QKNormRope."""
+        from spindle.layers.fused_kernels import QKNormRope
+
+        norm = self.q_norm is not None
+        return QKNormRope(positions, *self.rope_tables,
+                          self.q_norm.weight if norm else None,
+                          self.k_norm.weight if norm else None,
+                          self.q_norm.variance_epsilon if norm else 0.0)
 
 
 class LlamaDecoderLayer(nn.Module):

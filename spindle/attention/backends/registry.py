@@ -8,6 +8,10 @@ whose instances provide
   [2, num_blocks, block_size, num_kv_heads, head_dim] or None (then attention runs among
   the step's new tokens only and nothing is stored), attn_metadata an AttentionMetadata
   or None (None: all tokens form one causal sequence), and out [T, num_heads, head_dim].
+* optionally ``fuses_qk_transform = True``: forward then also takes
+  ``qk_transform=`` (a ``layers.fused_kernels.QKNormRope``: q/k norm + rotary not yet
+  applied) and applies it itself; for other backends ``Attention.forward`` applies it
+  before calling them.
 
 Adding a backend is one new module plus one ``register_backend`` line below (imports are
 lazy, so a backend may depend on packages that only exist on some machines).

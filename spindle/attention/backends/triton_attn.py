@@ -1,19 +1,26 @@
 """Triton attention over the paged KV cache (the CUDA backend).
 
-Three kernels:
+Kernels:
 
 * ``store_kv``: writes this step's keys and values into their cache slots
-  (slot < 0 marks a padding token of a CUDA-graph batch: skipped).
+  (slot < 0 marks a padding token of a CUDA-graph batch: skipped). When the model
+  hands over its q/k norm + rotary (a QKNormRope), prefill steps do this store inside
+  that kernel instead (fused_kernels.qk_norm_rope_).
 * ``prefill``: any number of new tokens per request after any cached context
   (chunked prefill, prefix-cache hits, mixed prefill + decode steps). One program
   per (query tile, request, query head); online softmax over the context, causal
   relative to the context length.
-* ``decode`` + ``reduce``: one new token per request (flash-decoding). One program
-  per (request, KV head, split): the query heads sharing a KV head are packed into
-  one tile (GQA), and the context is split so that small batches still fill the
-  GPU. Each program derives its context range from the request's sequence length
-  on the device, so the launch grid depends only on the batch size: the kernels
-  can be captured in CUDA graphs and replayed for any sequence lengths.
+* ``decode``: one new token per request (flash-decoding), one launch per layer.
+  One program per (request, KV head, split): the query heads sharing a KV head are
+  packed into one tile (GQA), and the context is split so that small batches still
+  fill the GPU. Each program applies the q/k norm + rotary (when given) to its
+  queries and to the new token's key; the one whose split ends at the new token
+  writes the new k and v into the cache and attends to them from registers. The
+  last split to finish (a per-(request, KV head) counter) merges the splits' partial
+  results, so no separate reduce kernel runs. Each program derives its context range from the
+  request's sequence length on the device, so the launch grid depends only on the
+  batch size: the kernel can be captured in CUDA graphs and replayed for any
+  sequence lengths.
 
 Cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (see
 AttentionMetadata). Float32 models use IEEE dot products (not TF32), so that a
@@ -28,37 +35,58 @@ import triton.language as tl
 
 from spindle.attention.heads import set_head_geometry
 from spindle.attention.metadata import AttentionMetadata
+from spindle.layers.fused_kernels import QKNormRope, cache_row, norm_rope_rows
 
 _TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100/H200
 _MAX_SPLITS = 32
 
 
 class TritonAttentionBackend:
+    # forward() takes q/k un-normalised and un-rotated plus a QKNormRope, and fuses it.
+    fuses_qk_transform = True
+
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
         self.gqa = num_heads // num_kv_heads
+        self._counters: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None,
-                attn_metadata: AttentionMetadata | None) -> torch.Tensor:
-        """q [T, H, D], k/v [T, H_kv, D] -> [T, H, D]."""
+                attn_metadata: AttentionMetadata | None,
+                qk_transform: QKNormRope | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, H_kv, D] -> [T, H, D]. With qk_transform, q and k are
+        still to be normalised and rotated (q and k may be modified in place)."""
         if kv_cache is None:
             # The profiling forward runs before the cache exists: attend among the
             # step's new tokens with the plain-torch path (a conservative peak).
             from spindle.attention.backends.torch_sdpa import TorchSDPABackend
 
+            if qk_transform is not None:
+                qk_transform.apply_(q, k)
             return TorchSDPABackend(self.num_heads, self.head_dim, self.scale,
                                     self.num_kv_heads).forward(q, k, v, None, attn_metadata)
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
-        store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
         out = torch.empty_like(q)
         if attn_metadata.max_query_len == 1:
-            decode_attention(q, kv_cache, attn_metadata.block_tables, attn_metadata.seq_lens,
-                             self.scale, out)
+            decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
+                             self._split_counters(q.device), qk_transform)
+            return out
+        if qk_transform is None:
+            store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
         else:
-            prefill_attention(q, kv_cache, attn_metadata, self.scale, out)
+            qk_transform.apply_(q, k, v, kv_cache, attn_metadata.slot_mapping)
+        prefill_attention(q, kv_cache, attn_metadata, self.scale, out)
         return out
+
+    def _split_counters(self, device: torch.device) -> torch.Tensor:
+        """This layer's decode split counters, allocated once and kept: captured CUDA
+        graphs hold their address. (The runner's eager warm-up decode allocates them
+        before any capture; were the first allocation captured, the graph would just
+        zero them on every replay, which is still correct.)"""
+        if self._counters is None or self._counters.device != device:
+            self._counters = split_counters(device)
+        return self._counters
 
 
 # ---------------------------------------------------------------------- store KV
@@ -156,12 +184,7 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
         scores = _dot(q, tl.trans(k), IEEE) * scale
         visible = (offs_n[None, :] <= row_limit[:, None]) & n_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * o_stride_t
              + head * o_stride_h + offs_d[None, :],
@@ -175,42 +198,73 @@ def num_decode_splits(num_reqs: int, num_kv_heads: int) -> int:
     return min(_MAX_SPLITS, triton.next_power_of_2(splits))
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """One query token per request: q [B, H, D] -> out [B, H, D]. The grid depends
-    only on B, H and H_kv (never on sequence lengths): CUDA-graph safe."""
+def split_counters(device: torch.device | str) -> torch.Tensor:
+    """Zeroed arrival counters for decode_attention, one per (request, KV head). More
+    than one split per request only happens below _TARGET_PROGRAMS (request, KV head)
+    pairs, so that many counters always suffice. Each launch leaves them at zero."""
+    return torch.zeros(_TARGET_PROGRAMS, dtype=torch.int32, device=device)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     out: torch.Tensor, counters: torch.Tensor,
+                     qk_transform: QKNormRope | None = None) -> None:
+    """One query token per request: q [B, H, D], this step's k/v [B, H_kv, D] -> out
+    [B, H, D], in one launch. Stores k/v into the cache slots meta.slot_mapping
+    (negative: padding, skipped); applies qk_transform to q and k first when given
+    (q and k themselves are left as they are). counters: see split_counters.
+
+    The grid depends only on B, H and H_kv (never on sequence lengths): CUDA-graph
+    safe. A padding row (sequence length 0) gets zeros."""
     num_reqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     gqa = num_heads // num_kv_heads
     splits = num_decode_splits(num_reqs, num_kv_heads)
-    part_out = torch.empty((splits, num_reqs, num_heads, head_dim), dtype=torch.float32,
-                           device=q.device)
-    part_lse = torch.empty((splits, num_reqs, num_heads), dtype=torch.float32, device=q.device)
+    if splits > 1 and num_reqs * num_kv_heads > counters.numel():
+        raise ValueError(f"decode with {splits} splits needs {num_reqs * num_kv_heads} "
+                         f"split counters, got {counters.numel()}")
+    if splits > 1:
+        part_out = torch.empty((splits, num_reqs, num_heads, head_dim), dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty((splits, num_reqs, num_heads), dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    rope = qk_transform
+    has_norm = rope is not None and rope.q_weight is not None
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(num_reqs, num_kv_heads, splits)](
-        q, key_cache, value_cache, part_out, part_lse, block_tables, seq_lens, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        q, k, v, key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+        rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
+        rope.sin_cache if rope else q, rope.q_weight if has_norm else q,
+        rope.k_weight if has_norm else q, rope.eps if rope else 0.0,
+        part_out, part_lse, out, counters, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), meta.block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        num_reqs, num_heads,
+        rope.cos_cache.stride(0) if rope else 0,
         GQA=gqa, BLOCK_G=max(16, triton.next_power_of_2(gqa)), PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
-        SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
-    _reduce_kernel[(num_reqs, num_heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), num_reqs, num_heads,
-        SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+        SPLITS=splits, ROPE=rope is not None, HAS_NORM=has_norm,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
 
 
 @triton.jit
-def _decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, part_out_ptr, part_lse_ptr,
-                   block_tables_ptr, seq_lens_ptr, scale,
-                   q_stride_t, q_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h,
-                   num_reqs, num_heads,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+                   block_tables_ptr, seq_lens_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+                   eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, scale,
+                   q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                   o_stride_t, o_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h,
+                   cs_stride,
                    GQA: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                   SPLITS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                   IEEE: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_reqs = tl.num_programs(0)
+    num_heads = tl.num_programs(1) * GQA
     seq_len = tl.load(seq_lens_ptr + req)
     # Split the context in BLOCK_N-aligned ranges derived from this request's length.
     per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
@@ -222,58 +276,137 @@ def _decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, part_out_ptr, part_lse
     g_valid = offs_g < GQA
     d_valid = offs_d < HEAD_DIM
     heads = kv_head * GQA + offs_g
-    q = tl.load(q_ptr + req.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h
-                + offs_d[None, :], mask=g_valid[:, None] & d_valid[None, :], other=0.0)
+    out_rows = out_ptr + req.to(tl.int64) * o_stride_t + heads * o_stride_h
+    if SPLITS == 1:
+        m_i, l_i, acc = _attend_split(
+            q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, block_tables_ptr,
+            pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale, req, kv_head, heads,
+            g_valid, start, end, seq_len, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
+            v_stride_t, v_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h, cs_stride,
+            PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, IEEE)
+        _store_rows(out_rows, g_valid, d_valid, offs_d, acc / _nonzero(l_i)[:, None])
+    else:
+        part_rows = (split * num_reqs + req).to(tl.int64) * num_heads + heads
+        if start < end:  # (splits past the end of a short context only check in)
+            m_i, l_i, acc = _attend_split(
+                q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+                block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale, req,
+                kv_head, heads, g_valid, start, end, seq_len, q_stride_t, q_stride_h,
+                k_stride_t, k_stride_h, v_stride_t, v_stride_h, bt_stride, c_stride_b,
+                c_stride_t, c_stride_h, cs_stride,
+                PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, IEEE)
+            # A partial is stored as (log-sum-exp, normalised output).
+            _store_rows(part_out_ptr + part_rows * HEAD_DIM, g_valid, d_valid, offs_d,
+                        acc / l_i[:, None])
+            tl.store(part_lse_ptr + part_rows, m_i + tl.log(l_i), mask=g_valid)
+        # Every thread's partial is written before the arrival is counted (release);
+        # the program that arrives last sees all partials (acquire) and merges them.
+        tl.debug_barrier()
+        counter = counters_ptr + req * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            used_splits = tl.cdiv(seq_len, tl.maximum(per_split, 1))
+            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_reqs,
+                          num_heads, used_splits, o_stride_t, o_stride_h,
+                          GQA, HEAD_DIM, BLOCK_D, SPLITS)
+            tl.store(counter, 0)  # ready for the next launch
+
+
+@triton.jit
+def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+                  block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale,
+                  req, kv_head, heads, g_valid, start, end, seq_len,
+                  q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                  bt_stride, c_stride_b, c_stride_t, c_stride_h, cs_stride,
+                  PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
+                  HAS_NORM: tl.constexpr, IEEE: tl.constexpr):
+    """Softmax state (m, l, acc) of one request's query heads `heads` over context
+    positions [start, end). Positions before seq_len - 1 come from the cache; the new
+    token (position seq_len - 1, in the last non-empty split) comes from k/v: it is
+    rotated, written to its cache slot and attended from registers.
+
+    Every split loads and rotates the new token's k up front, although only one uses
+    it: the loads then overlap those of q instead of adding a round trip to memory
+    after the loop of the split that holds the new token."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    token = req.to(tl.int64)
+    pos = tl.load(pos_ptr + token)
+    slot = tl.load(slot_ptr + token)
+    cos_row = cos_ptr + pos * cs_stride
+    sin_row = sin_ptr + pos * cs_stride
+    q_rows = q_ptr + token * q_stride_t + heads * q_stride_h
+    k_row = k_ptr + token * k_stride_t + kv_head * k_stride_h + tl.zeros([1], tl.int64)
+    if ROPE:
+        q = norm_rope_rows(q_rows, g_valid, qw_ptr, cos_row, sin_row, eps, HEAD_DIM,
+                           BLOCK_D, HAS_NORM)
+        k_new = norm_rope_rows(k_row, tl.full([1], True, tl.int1), kw_ptr, cos_row, sin_row,
+                               eps, HEAD_DIM, BLOCK_D, HAS_NORM)
+    else:
+        q = tl.load(q_rows[:, None] + offs_d[None, :],
+                    mask=g_valid[:, None] & d_valid[None, :], other=0.0)
+        k_new = tl.load(k_row[:, None] + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+    v_new = tl.load(v_ptr + token * v_stride_t + kv_head * v_stride_h + offs_d[None, :],
+                    mask=d_valid[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n in range(start, end, BLOCK_N):
+    cached_end = tl.minimum(end, seq_len - 1)
+    for n in range(start, cached_end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < end
+        n_valid = offs_n < cached_end
         k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + req * bt_stride,
                              offs_n, n_valid, offs_d, d_valid, kv_head,
                              c_stride_b, c_stride_t, c_stride_h, PAGE)
         scores = _dot(q, tl.trans(k), IEEE) * scale
         scores = tl.where(n_valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE)
 
-    has_work = end > start
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    out = tl.where(has_work, acc / safe_l[:, None], 0.0)
-    lse = tl.where(has_work, m_i + tl.log(safe_l), float("-inf"))
-    base = (split * num_reqs + req).to(tl.int64) * num_heads + heads
-    tl.store(part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=g_valid[:, None] & d_valid[None, :])
-    tl.store(part_lse_ptr + base, lse, mask=g_valid)
+    if (start < end) & (end == seq_len):  # this split holds the new token
+        if slot >= 0:
+            dst = cache_row(slot, c_stride_b, c_stride_t, PAGE) + kv_head * c_stride_h \
+                + offs_d[None, :]
+            tl.store(key_cache_ptr + dst, k_new, mask=d_valid[None, :])
+            tl.store(value_cache_ptr + dst, v_new, mask=d_valid[None, :])
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
+        m_i, l_i, acc = _softmax_add_key(m_i, l_i, acc, score, v_new.to(tl.float32))
+    return m_i, l_i, acc
 
 
 @triton.jit
-def _reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, o_stride_t, o_stride_h,
-                   num_reqs, num_heads,
-                   SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_reqs, num_heads,
+                  used_splits, o_stride_t, o_stride_h, GQA: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    """Write the output of this KV head's query heads from the partials of splits
+    [0, used_splits) (the later ones had no context; none at all, for a padding row,
+    gives zeros). All of a head's partials are loaded at once, so the merge waits on
+    memory once, not once per split; the loads bypass L1 (.cg) because other programs
+    wrote the partials during this launch."""
     offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
+    s_valid = offs_s < used_splits
     d_valid = offs_d < HEAD_DIM
-    base = (offs_s * num_reqs + req).to(tl.int64) * num_heads + head
-    lse = tl.load(part_lse_ptr + base)
-    lse_max = tl.max(lse, 0)
-    # A padding row of a CUDA-graph batch has no context at all: write zeros.
-    safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp(lse - safe_max)
-    total = tl.sum(weights, 0)
-    parts = tl.load(part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=d_valid[None, :], other=0.0)
-    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + req.to(tl.int64) * o_stride_t + head * o_stride_h + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=d_valid)
+    for g in tl.static_range(GQA):
+        head = kv_head * GQA + g
+        rows = (offs_s * num_reqs + req).to(tl.int64) * num_heads + head
+        lse = tl.load(part_lse_ptr + rows, mask=s_valid, other=float("-inf"),
+                      cache_modifier=".cg")
+        parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=s_valid[:, None] & d_valid[None, :], other=0.0,
+                        cache_modifier=".cg")
+        lse_max = tl.max(lse, 0)
+        weights = tl.exp(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+        merged = tl.sum(parts * weights[:, None], 0) / _nonzero(tl.sum(weights, 0))
+        tl.store(out_ptr + req.to(tl.int64) * o_stride_t + head * o_stride_h + offs_d,
+                 merged.to(out_ptr.dtype.element_ty), mask=d_valid)
+
+
+@triton.jit
+def _store_rows(rows, g_valid, d_valid, offs_d, values):
+    """values [BLOCK_G, BLOCK_D] (float32) -> the rows starting at pointers rows [BLOCK_G]."""
+    tl.store(rows[:, None] + offs_d[None, :], values.to(rows.dtype.element_ty),
+             mask=g_valid[:, None] & d_valid[None, :])
 
 
 # ---------------------------------------------------------------------- shared
@@ -294,3 +427,29 @@ def _dot(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_step(m_i, l_i, acc, scores, v, IEEE: tl.constexpr):
+    """Online softmax: fold a tile of scores [M, N] (masked: -inf; every row's running
+    max or the tile must hold a finite score) and its values [N, D] into the running
+    max m_i [M], sum l_i [M] and unnormalised output acc [M, D]."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+
+
+@triton.jit
+def _softmax_add_key(m_i, l_i, acc, score, value):
+    """Online softmax: fold one key (scores [M], value [1, D] in float32) into the
+    running max m_i [M], sum l_i [M] and unnormalised output acc [M, D]."""
+    m_new = tl.maximum(m_i, score)
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(score - m_new)
+    return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * value
+
+
+@triton.jit
+def _nonzero(x):
+    return tl.where(x > 0, x, 1.0)

@@ -1,0 +1,170 @@
+"""The skinny Triton GEMM against F.linear (cuBLAS) at decode batch sizes, on CUDA.
+
+For M in 1, 2, 4, 8 and Qwen3-0.6B's four projections plus its LM head: the time per
+call and the weight-streaming bandwidth it reaches. Each timed graph replays CALLS
+calls that cycle through enough copies of the weight (over 256 MB) that no call finds
+its weight in L2, as in a decode step; a call's time is the replay time (CUDA events,
+median of --iters replays after a warm-up) over CALLS, launch gaps included as in a
+captured decode step. Outputs are checked against a float32 reference first. The
+device-to-device copy rate is printed as the bandwidth ceiling.
+
+    python benchmarks/skinny_gemm.py                  # the table
+    python benchmarks/skinny_gemm.py --sweep --m 1 8  # also the best tile configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N, K) of the weight
+    "qkv_proj": (4096, 1024),
+    "gate_up_proj": (6144, 1024),
+    "o_proj": (1024, 2048),
+    "down_proj": (1024, 3072),
+    "lm_head": (151936, 1024),
+}
+CALLS = 20
+ROTATE_BYTES = 256 << 20
+
+
+def time_us(fn, iters: int) -> float:
+    """Median time of one fn() call, from graph replays of CALLS calls."""
+    fn(0)  # compile, allocate split-K counters, outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            fn(i)
+    for _ in range(10):
+        graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """TB/s of a 1 GiB device-to-device copy, bytes read plus written."""
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e12
+
+
+SWEEP_TILES = ((32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128))
+
+
+def sweep_configs(n: int, k: int, num_sms: int):
+    """Tiles x warps x stages, each with its default split, half and twice that."""
+    from spindle.layers.skinny_gemm import SkinnyConfig, pick_config
+
+    for (block_n, block_k), warps, stages in itertools.product(SWEEP_TILES, (4, 8), (3, 4)):
+        if k % block_k:
+            continue
+        auto = pick_config(n, k, num_sms, SkinnyConfig(block_n, block_k, 1, warps, stages))
+        for split in sorted({auto.split_k // 2, auto.split_k, auto.split_k * 2} - {0}):
+            if k % (split * block_k) == 0:
+                yield replace(auto, split_k=split)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time every tile config, report the best per shape")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA")
+    from spindle.layers.skinny_gemm import (_num_sms, new_split_counters, pick_config,
+                                            skinny_linear)
+
+    dtype = getattr(torch, args.dtype)
+    num_sms = _num_sms(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}: {num_sms} SMs, device copy "
+          f"{copy_bandwidth():.2f} TB/s (read + write)")
+    rows = []
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+                   for _ in range(copies)]
+        counters = new_split_counters(n, "cuda")  # as a layer's own buffer
+        for m in args.m:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = (x.float() @ weights[0].float().T)
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+            skinny_linear(x, weights[0], out=out, counters=counters)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:  # (NaN fails too)
+                raise SystemExit(f"{name} M={m}: relative error {err:.2e}")
+            moved = (n * k + m * k + m * n) * dtype.itemsize
+            cublas = time_us(lambda i: F.linear(x, weights[i % copies]), args.iters)
+            auto = pick_config(n, k, num_sms)
+            skinny = time_us(lambda i: skinny_linear(x, weights[i % copies], counters=counters),
+                             args.iters)
+            best, best_cfg = skinny, auto
+            if args.sweep:
+                for cfg in sweep_configs(n, k, num_sms):
+                    try:
+                        t = time_us(lambda i: skinny_linear(x, weights[i % copies], config=cfg,
+                                                            counters=counters),
+                                    max(50, args.iters // 4))
+                    except Exception as exc:  # (a config that does not compile: skip it)
+                        print(f"  {name} M={m} {cfg}: {type(exc).__name__}")
+                        continue
+                    if t < best:
+                        best, best_cfg = t, cfg
+            rows.append((name, n, k, m, cublas, moved / cublas / 1e6, skinny,
+                         moved / skinny / 1e6, cublas / skinny, err, auto, best, best_cfg))
+            print(f"  {name} M={m}: F.linear {cublas:.2f} us, skinny {skinny:.2f} us",
+                  flush=True)
+    print(f"\n{'shape':>13} {'N':>6} {'K':>5} {'M':>2} | {'F.linear us':>11} {'TB/s':>5} | "
+          f"{'skinny us':>9} {'TB/s':>5} | {'speedup':>7} | {'rel err':>7} | "
+          f"default tiles (n, k, split, warps, stages)")
+    for (name, n, k, m, cublas, cublas_bw, skinny, skinny_bw, speedup, err, auto, best,
+         best_cfg) in rows:
+        print(f"{name:>13} {n:>6} {k:>5} {m:>2} | {cublas:>11.2f} {cublas_bw:>5.2f} | "
+              f"{skinny:>9.2f} {skinny_bw:>5.2f} | {speedup:>7.2f} | {err:>7.1e} | "
+              f"{auto.block_n}, {auto.block_k}, {auto.split_k}, {auto.num_warps}, "
+              f"{auto.num_stages}")
+    if args.sweep:
+        print(f"\n{'shape':>13} {'M':>2} | {'default us':>10} | {'best us':>7} {'TB/s':>5} | "
+              f"best tiles (n, k, split, warps, stages)")
+        for (name, n, k, m, _, _, skinny, _, _, _, _, best, cfg) in rows:
+            moved = (n * k + m * k + m * n) * dtype.itemsize
+            print(f"{name:>13} {m:>2} | {skinny:>10.2f} | {best:>7.2f} {moved / best / 1e6:>5.2f}"
+                  f" | {cfg.block_n}, {cfg.block_k}, {cfg.split_k}, {cfg.num_warps}, "
+                  f"{cfg.num_stages}")
+    per_layer = {m: sum(r[6] for r in rows if r[3] == m and r[0] != "lm_head") for m in args.m}
+    per_layer_ref = {m: sum(r[4] for r in rows if r[3] == m and r[0] != "lm_head")
+                     for m in args.m}
+    for m in args.m:
+        print(f"M={m}: one layer's four projections {per_layer_ref[m]:.2f} us (F.linear) -> "
+              f"{per_layer[m]:.2f} us (skinny)")
+
+
+if __name__ == "__main__":
+    main()

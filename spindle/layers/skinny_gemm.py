@@ -1,0 +1,200 @@
+"""A Triton GEMM for decode-sized batches: y = x W^T (+ b) with x [M, K], M <= 8.
+
+At M = 1..8 a linear layer is a pass over its weight: cuBLAS reaches about a quarter
+of an H200's memory bandwidth at these shapes. Here each program streams a
+[BLOCK_N, BLOCK_K] tile of W along K (K is contiguous: coalesced, pipelined loads),
+multiplies it by the M rows of x (padded to 16 for the matrix units; x is tiny and
+stays in cache) and accumulates in float32. When N alone gives too few programs to
+fill the chip (o_proj, down_proj), K is split as well; the program of an N tile that
+finishes last sums the splits' partials in a fixed order, so results do not depend on
+arrival order and there is no second launch. The grid depends only on (M, N, K):
+CUDA graphs can capture it. This module knows nothing of layers or parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this API)
+
+MAX_M = 8
+_BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
+_DTYPES = (torch.bfloat16, torch.float16)
+# Triton's CPU interpreter multiplies bf16 dot operands as raw integers: it gets float32
+# operands (bf16 x bf16 products are exact in float32, as in the matrix units).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_linear should replace F.linear(x, weight): CUDA tensors that
+    skinny_gemm_applies to."""
+    return x.is_cuda and skinny_gemm_applies(x, weight)
+
+
+def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A decode-sized 2-D input, a contiguous half-precision weight with K a multiple
+    of 16 on the same device, and SPINDLE_SKINNY_GEMM not "0" (the switch for A/B
+    runs). (The device type is use_skinny_gemm's business.)"""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_M and x.dtype in _DTYPES
+            and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.shape[1] == x.shape[1] and weight.shape[1] % 16 == 0
+            and weight.is_contiguous() and weight.device == x.device
+            and os.environ.get("SPINDLE_SKINNY_GEMM", "1") != "0")
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None,
+                  config: SkinnyConfig | None = None,
+                  counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias [N]) in float32, returned in x's dtype.
+
+    out: an optional [M, N] contiguous destination. config: block sizes and split-K
+    (default: pick_config's choice for the shape; benchmarks sweep it). counters: the
+    caller's new_split_counters(N); without them the K dimension is not split."""
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"skinny_linear needs a contiguous weight [N, {k}], got "
+                         f"{tuple(weight.shape)} (contiguous={weight.is_contiguous()})")
+    if m > MAX_M:
+        raise ValueError(f"skinny_linear serves at most {MAX_M} rows, got {m}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{n}] tensor, got {tuple(bias.shape)}")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or not out.is_contiguous() or out.dtype != x.dtype:
+        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
+    if m == 0 or n == 0:
+        return out.reshape(*lead, n)
+    if k == 0:
+        out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
+        return out.reshape(*lead, n)
+    cfg = config or _default_config(n, k, x.device)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    if counters is None or n_tiles > counters.numel():
+        cfg = replace(cfg, split_k=1)
+    split, block_k = cfg.split_k, cfg.block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    partials = (torch.empty(split, m, n_tiles * cfg.block_n, dtype=torch.float32,
+                            device=x.device) if split > 1 else out)
+    _skinny_gemm_kernel[(n_tiles, split)](
+        x, weight, bias if bias is not None else weight, out, partials,
+        counters if counters is not None else out,
+        m, n, k, x.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=_BLOCK_M,
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k == split * k_per_split,
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.reshape(*lead, n)
+
+
+def pick_config(n: int, k: int, num_sms: int,
+                base: SkinnyConfig = SkinnyConfig()) -> SkinnyConfig:
+    """base's tiles (64 x 128); K split when the N tiles alone are fewer than num_sms.
+
+    The split divides K into whole BLOCK_K chunks (no masked tail), keeps at least two
+    chunks per program so its loads pipeline, and is the smallest such divisor that
+    reaches num_sms programs (else the largest there is). Qwen3-0.6B on 132 SMs:
+    qkv 4096x1024 -> 64 tiles x 4 splits, gate_up 6144x1024 -> 96 x 2, o_proj
+    1024x2048 -> 16 x 8, down_proj 1024x3072 -> 16 x 12, LM head 151936x1024 -> 2374."""
+    n_tiles = triton.cdiv(n, base.block_n)
+    if n_tiles >= num_sms or k % base.block_k:
+        return replace(base, split_k=1)
+    chunks = k // base.block_k
+    splits = [d for d in range(1, chunks // 2 + 1) if chunks % d == 0] or [1]
+    return replace(base, split_k=next((d for d in splits if n_tiles * d >= num_sms),
+                                      splits[-1]))
+
+
+@functools.lru_cache(maxsize=None)
+def _default_config(n: int, k: int, device: torch.device) -> SkinnyConfig:
+    return pick_config(n, k, _num_sms(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: plan as for an H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, counters_ptr,
+                        M, N, K, x_stride, k_per_split,
+                        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                        IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = split * k_per_split + tl.arange(0, BLOCK_K)
+    m_valid = offs_m < M
+    # The tail tile rereads row N - 1 instead of masking, so W loads stay unmasked.
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[None, :] * x_stride + offs_k[:, None]  # x^T: [BLOCK_K, BLOCK_M]
+    # y^T = W x^T: W is the dot's wide operand, so M pads only the narrow one.
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs, mask=m_valid[None, :], other=0.0)
+        else:
+            k_valid = offs_k + k0 < K
+            w = tl.load(w_ptrs, mask=k_valid[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_valid[:, None] & m_valid[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y_ptrs = y_ptr + offs_m[None, :] * N + offs_n[:, None]
+    y_mask = m_valid[None, :] & (offs_n < N)[:, None]
+    if SPLIT_K == 1:
+        _store_output(acc, b_ptr, rows, y_ptrs, y_mask, HAS_BIAS)
+    else:
+        # partials [SPLIT_K, M, n_tiles * BLOCK_N]: whole tiles, so no N mask.
+        width = tl.num_programs(0) * BLOCK_N
+        part = part_ptr + offs_m[None, :] * width + offs_n[:, None]
+        tl.store(part + split * M * width, acc, mask=m_valid[None, :])
+        # Every thread's partial is written before the arrival is counted (release);
+        # the program that arrives last sees all partials (acquire) and sums them in
+        # split order, whichever order the splits finished in.
+        tl.debug_barrier()
+        counter = counters_ptr + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part + s * M * width, mask=m_valid[None, :], other=0.0,
+                                 cache_modifier=".cg")
+            _store_output(total, b_ptr, rows, y_ptrs, y_mask, HAS_BIAS)
+            tl.store(counter, 0)  # ready for the next launch
+
+
+@triton.jit
+def _store_output(acc, b_ptr, rows, y_ptrs, y_mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
+    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=y_mask)

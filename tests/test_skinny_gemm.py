@@ -1,0 +1,192 @@
+"""The skinny (decode-sized) Triton GEMM against a float32 torch reference, on fresh
+random inputs with poisoned outputs, in bf16 and fp16; and when the layers use it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+DTYPES = [torch.bfloat16, torch.float16]
+# Qwen3-0.6B's qkv, gate_up, o_proj and down_proj (the last two split K), then shapes
+# whose N is not a multiple of the 64-row tile.
+QWEN_SHAPES = [(4096, 1024), (6144, 1024), (1024, 2048), (1024, 3072)]
+TAIL_SHAPES = [(1000, 256), (1000, 1024)] + ([] if INTERPRET else [(151936, 1024)])
+# The interpreter runs a Qwen-sized launch in about a second: small shapes take the
+# same paths there (one tile row per program, split K by a power of two and by 3).
+SMALL_SHAPES = [(256, 1024), (192, 768)]
+
+
+def _inputs(m, n, k, dtype, with_bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5  # outputs of order one, as in a model
+    b = torch.randn(n, generator=gen) if with_bias else None
+    to = dict(dtype=dtype, device=DEVICE)
+    return x.to(**to), w.to(**to), (b.to(**to) if b is not None else None)
+
+
+def _reference(x, w, b):
+    ref = x.float().cpu() @ w.float().cpu().T
+    return ref + b.float().cpu() if b is not None else ref
+
+
+def _check(out, ref, dtype):
+    """bf16/fp16 output of a float32 accumulation: one rounding step from the reference
+    rounded the same way (rtol 1.6e-2), and a relative norm error under 1e-2."""
+    out = out.float().cpu()
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) outputs"
+    torch.testing.assert_close(out, ref.to(dtype).float(), rtol=1.6e-2, atol=1e-2)
+    assert (out - ref).norm() / ref.norm() < 1e-2
+
+
+def _run(x, w, b, **kwargs):
+    from spindle.layers.skinny_gemm import new_split_counters, skinny_linear
+
+    kwargs.setdefault("counters", new_split_counters(w.shape[0], x.device))
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    y = skinny_linear(x, w, b, out=out, **kwargs)
+    assert y.data_ptr() == out.data_ptr()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("n,k", (SMALL_SHAPES if INTERPRET else QWEN_SHAPES) + TAIL_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_skinny_linear(m, n, k, dtype, with_bias):
+    x, w, b = _inputs(m, n, k, dtype, with_bias, seed=hash((m, n, k, with_bias)) % 1000)
+    _check(_run(x, w, b), _reference(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("n,k", QWEN_SHAPES)
+def test_skinny_linear_qwen_shapes(n, k):
+    """The real shapes once each (all of them run in test_skinny_linear on a GPU)."""
+    m, dtype = 3, torch.bfloat16
+    x, w, b = _inputs(m, n, k, dtype, True, seed=n + k)
+    _check(_run(x, w, b), _reference(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("split_k,block_k,k", [(3, 128, 512), (4, 64, 272), (1, 128, 272),
+                                               (5, 32, 1024)])
+def test_skinny_linear_masked_k(split_k, block_k, k):
+    """Splits and K that do not divide into whole blocks: the K tail is masked, and a
+    split past the end of K contributes zeros."""
+    from spindle.layers.skinny_gemm import SkinnyConfig
+
+    x, w, b = _inputs(4, 200, k, torch.bfloat16, True, seed=k + split_k)
+    out = _run(x, w, b, config=SkinnyConfig(block_n=32, block_k=block_k, split_k=split_k))
+    _check(out, _reference(x, w, b), torch.bfloat16)
+
+
+def test_split_k_is_deterministic_and_rearms_its_counters():
+    """The last split sums the partials in split order, so repeated launches agree
+    bit for bit; and it leaves the arrival counters at zero, as a graph replay needs."""
+    from spindle.layers.skinny_gemm import SkinnyConfig, new_split_counters
+
+    x, w, _ = _inputs(8, 1024, 2048, torch.bfloat16, False, seed=7)
+    cfg = SkinnyConfig(split_k=8)
+    counters = new_split_counters(w.shape[0], x.device)
+    first = _run(x, w, None, config=cfg, counters=counters)
+    for _ in range(3):
+        assert torch.equal(_run(x, w, None, config=cfg, counters=counters), first)
+    assert not counters.any()
+    _check(first, _reference(x, w, None), torch.bfloat16)
+
+
+def test_strided_and_3d_inputs():
+    from spindle.layers.skinny_gemm import skinny_linear
+
+    x, w, b = _inputs(3, 192, 256, torch.bfloat16, True, seed=3)
+    wide = torch.randn(3, 512, dtype=x.dtype, device=x.device)
+    wide[:, :256] = x
+    _check(skinny_linear(wide[:, :256], w, b), _reference(x, w, b), torch.bfloat16)
+    y = skinny_linear(x.reshape(1, 3, 256), w, b)
+    assert y.shape == (1, 3, 192)
+    _check(y[0], _reference(x, w, b), torch.bfloat16)
+
+
+def test_check_rejects_a_wrong_output():
+    """The tolerance is tight enough to fail: one output off by a bf16 step of 0.1, or
+    a result that dropped one of eight K splits."""
+    x, w, b = _inputs(2, 256, 1024, torch.bfloat16, False, seed=11)
+    ref = _reference(x, w, b)
+    out = _run(x, w, b)
+    _check(out, ref, torch.bfloat16)
+    bad = out.clone()
+    bad[1, 17] += 0.1
+    with pytest.raises(AssertionError):
+        _check(bad, ref, torch.bfloat16)
+    with pytest.raises(AssertionError):
+        _check(_run(x[:, 128:], w[:, 128:].contiguous(), b), ref, torch.bfloat16)
+
+
+def test_when_the_skinny_gemm_applies(monkeypatch):
+    from spindle.layers.skinny_gemm import skinny_gemm_applies, use_skinny_gemm
+
+    w = torch.randn(64, 256, dtype=torch.bfloat16)
+    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    monkeypatch.delenv("SPINDLE_SKINNY_GEMM", raising=False)
+    assert skinny_gemm_applies(x, w)  # default on
+    assert skinny_gemm_applies(x[:1], w)
+    assert not use_skinny_gemm(x, w)  # CPU tensors keep F.linear
+    assert not skinny_gemm_applies(torch.randn(9, 256, dtype=torch.bfloat16), w)  # M > 8
+    assert not skinny_gemm_applies(x.float(), w.float())
+    assert not skinny_gemm_applies(x[:, :248], w[:, :248].contiguous())  # K % 16
+    assert not skinny_gemm_applies(x, w.T.contiguous().T)  # non-contiguous weight
+    assert not skinny_gemm_applies(x[0], w)  # 1-D
+    monkeypatch.setenv("SPINDLE_SKINNY_GEMM", "0")
+    assert not skinny_gemm_applies(x, w)
+    if torch.cuda.is_available():
+        xc, wc = x.cuda(), w.cuda()
+        assert not use_skinny_gemm(xc, wc)
+        monkeypatch.setenv("SPINDLE_SKINNY_GEMM", "1")
+        assert use_skinny_gemm(xc, wc) and not use_skinny_gemm(xc.repeat(2, 1), wc)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers dispatch on CUDA only")
+@pytest.mark.parametrize("skinny", ["1", "0"])
+def test_layers_match_f_linear(monkeypatch, skinny):
+    """Column/row parallel layers and the LM head, with and without the skinny GEMM."""
+    from spindle.distributed.parallel_state import TensorParallelGroup
+    from spindle.layers.embedding import ParallelLMHead
+    from spindle.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    monkeypatch.setenv("SPINDLE_SKINNY_GEMM", skinny)
+    group = TensorParallelGroup(rank=0, size=1)
+    with torch.device("cuda"):  # (their split-K counters are buffers: on the device too)
+        col = ColumnParallelLinear(1024, 4096, bias=True, tp_group=group)
+        row = RowParallelLinear(2048, 1024, tp_group=group)
+        head = ParallelLMHead(1000, 1024, tp_group=group)
+    for layer in (col, row, head):
+        for p in layer.parameters():
+            p.data = (torch.randn_like(p, dtype=torch.float32) / 32).to(torch.bfloat16).cuda()
+    for m in (1, 4, 8):
+        x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+        _check(col(x), _reference(x, col.weight, col.bias), torch.bfloat16)
+        x2 = torch.randn(m, 2048, dtype=torch.bfloat16, device="cuda")
+        _check(row(x2), _reference(x2, row.weight, None), torch.bfloat16)
+        _check(head.compute_logits(x), _reference(x, head.weight, None), torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("n,k", [(1024, 2048), (6144, 1024)])
+def test_cuda_graph_replays(n, k):
+    """Captured once (split K included), replayed on new inputs: every replay matches."""
+    from spindle.layers.skinny_gemm import new_split_counters, skinny_linear
+
+    x, w, b = _inputs(4, n, k, torch.bfloat16, True, seed=n)
+    counters = new_split_counters(n, x.device)
+    skinny_linear(x, w, b, counters=counters)  # warm-up outside the graph, as the runner does
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = skinny_linear(x, w, b, counters=counters)
+    for seed in range(3):
+        x.copy_(_inputs(4, n, k, torch.bfloat16, False, seed=100 + seed)[0])
+        y.fill_(float("nan"))
+        graph.replay()
+        _check(y, _reference(x, w, b), torch.bfloat16)
