@@ -288,24 +288,7 @@ def timed(owner, name, label):
 
 timed(config_module.EngineArgs, "create_engine_config", "create_engine_config")
 timed(engine_module, "EngineCore", "EngineCore (executor + worker stages)")
-if sys.argv[3] == "serial":  # the tokenizer loads before the engine starts, not beside it
-    threaded = engine_module.TokenizerLoad
-    class SerialLoad:
-        def __init__(self, *args):
-            t = time.perf_counter()
-            self.tokenizer = threaded(*args).result()
-            self.seconds = self.waited = time.perf_counter() - t
-        def result(self):
-            return self.tokenizer
-    engine_module.TokenizerLoad = SerialLoad
-tokenizer_result = engine_module.TokenizerLoad.result
-def result(self):
-    try:
-        return tokenizer_result(self)
-    finally:
-        phases["tokenizer load"] = self.seconds
-        phases["  main thread waited for it"] = self.waited
-engine_module.TokenizerLoad.result = result
+timed(engine_module, "load_tokenizer", "tokenizer load")
 start = time.perf_counter()
 llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
 phases["LLM(...)"] = time.perf_counter() - start
@@ -323,17 +306,14 @@ llm.shutdown()
 """
 _PHASE_ORDER = ("interpreter start", "from spindle import LLM", "create_engine_config",
                 "EngineCore (executor + worker stages)", "  worker stages (table below)",
-                "tokenizer load", "  main thread waited for it", "LLM(...)",
+                "tokenizer load", "LLM(...)",
                 "process start -> ready")
-_STARTUP_RUNS = (("cold", "cold Triton"), ("warm", "warm Triton"),
-                 ("serial", "warm, serial tok."))
+_STARTUP_RUNS = (("cold", "cold Triton"), ("warm", "warm Triton"))
 
 
 def measure_startup(path: Path, importtime: Path | None = None) -> dict:
     """Process start to ready, in fresh interpreters: cold (an empty Triton cache: every
-    kernel compiles), warm (the cache the cold run filled), and warm again with the
-    tokenizer loaded before the engine starts instead of beside it (what the overlap
-    saves, or costs)."""
+    kernel compiles) and warm (the cache the cold run filled)."""
     import os
     import subprocess
     import sys
@@ -433,10 +413,13 @@ def run(args) -> dict:
         llm.generate([prompt], greedy(1), use_tqdm=False)
         t1 = time.perf_counter()
         with profiled(args.profile is not None, args.profile, "batch-1 decode"):
-            llm.generate([prompt], greedy(257), use_tqdm=False)
+            batch1 = llm.generate([prompt], greedy(257), use_tqdm=False)
         t2 = time.perf_counter()
         decode_s = (t2 - t1) - (t1 - t0)
         result["batch1_tok_s"] = 256 / decode_s
+        # The greedy tokens, to compare runs with different kernels (first 32 shown).
+        result["batch1_tokens_head"] = list(batch1[0].outputs[0].token_ids[:32])
+        result["batch1_tokens_hash"] = hash(tuple(batch1[0].outputs[0].token_ids))
         result["batch1_bound_tok_s"] = bandwidth / weight_bytes
 
         if not args.skip_nano:

@@ -11,8 +11,7 @@ import pytest
 
 from spindle.engine import tokenizer_loader
 from spindle.engine.tokenizer_loader import (MODEL_IDS_TO_TOKENIZERS_BACKEND,
-                                             REGISTERED_TOKENIZERS, WRONG_HUB_CLASS,
-                                             TokenizerLoad, load_tokenizer,
+                                             REGISTERED_TOKENIZERS, WRONG_HUB_CLASS, load_tokenizer,
                                              resolve_tokenizer_class)
 
 transformers = pytest.importorskip("transformers")
@@ -285,20 +284,19 @@ def test_load_errors_are_value_errors(tmp_path, tiny_model):
     for f in tiny_model(arch="qwen3").iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
     (broken / "tokenizer_config.json").write_text("{not json")
-    load = TokenizerLoad(str(broken))
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
-        load.result()
-    assert load.seconds > 0
+        load_tokenizer(str(broken))
 
 
-def test_engine_with_a_bad_tokenizer_fails_and_shuts_down(tiny_model, tmp_path, monkeypatch):
+def test_engine_with_a_bad_tokenizer_fails_before_starting(tiny_model, tmp_path, monkeypatch):
     from spindle import LLM
     from spindle.engine.engine_core import EngineCore
 
-    shut = []
-    original = EngineCore.shutdown
-    monkeypatch.setattr(EngineCore, "shutdown", lambda self: (shut.append(1), original(self)))
+    started = []
+    original = EngineCore.__init__
+    monkeypatch.setattr(EngineCore, "__init__",
+                        lambda self, config: (started.append(1), original(self, config)))
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         LLM(str(tiny_model(arch="llama")), tokenizer=str(tmp_path / "nope"), device="cpu",
             kv_cache_memory_bytes=1 << 22, max_num_seqs=2)
-    assert shut == [1]
+    assert started == []  # no worker was started for an engine that cannot run

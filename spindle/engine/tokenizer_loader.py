@@ -6,9 +6,8 @@ resolve_tokenizer_class follows AutoTokenizer.from_pretrained's choice of class 
 step (from tokenizer_config.json and the model type) and imports only that class, which
 then loads exactly as under AutoTokenizer. A case it does not follow (remote code,
 another model type or tokenizer class, a transformers version it was not checked
-against) goes to AutoTokenizer. TokenizerLoad runs the load in a thread, so that it
-overlaps the engine's start. tests/test_tokenizer_loader.py checks the choice against
-the installed transformers.
+against) goes to AutoTokenizer. tests/test_tokenizer_loader.py checks the choice
+against the installed transformers.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import importlib
 import json
 import os
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,36 +37,6 @@ def load_tokenizer(path: str, hf_config: Any = None) -> Any:
         return tokenizer_class.from_pretrained(path, _from_auto=True, **kwargs)
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
-
-
-class TokenizerLoad:
-    """load_tokenizer in a background thread, started at once; result() waits for it."""
-
-    def __init__(self, path: str, hf_config: Any = None) -> None:
-        self.seconds = 0.0  # how long the load took
-        self.waited = 0.0  # how long result() blocked on it
-        self._tokenizer: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._load, args=(path, hf_config),
-                                        name="spindle-tokenizer-load", daemon=True)
-        self._thread.start()
-
-    def result(self) -> Any:
-        start = time.perf_counter()
-        self._thread.join()
-        self.waited = time.perf_counter() - start
-        if self._error is not None:
-            raise self._error
-        return self._tokenizer
-
-    def _load(self, path: str, hf_config: Any) -> None:
-        start = time.perf_counter()
-        try:
-            self._tokenizer = load_tokenizer(path, hf_config)
-        except BaseException as e:  # handed to the thread that calls result()
-            self._error = e
-        finally:
-            self.seconds = time.perf_counter() - start
 
 
 def resolve_tokenizer_class(path: str, hf_config: Any = None) -> tuple[type, dict] | None:
