@@ -32,19 +32,28 @@ QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
                  intermediate_size=3072, tie_word_embeddings=True)
 
 
-def write_random_checkpoint(out: Path, shape: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A Qwen3ForCausalLM checkpoint with random weights and a word-level tokenizer
-    covering the whole vocabulary (throughput does not depend on weight values)."""
+# config.json fields besides the shape, per architecture. (transformers_version as in the
+# real Qwen3-0.6B config: without one, transformers takes any tokenizer for a possibly
+# broken Mistral one and warns.)
+ARCHITECTURES = {
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rms_norm_eps=1e-6,
+                  max_position_embeddings=40960, rope_theta=1000000.0,
+                  transformers_version="4.51.0"),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
+                  max_position_embeddings=8192, rope_theta=500000.0, mlp_bias=False),
+}
+
+
+def write_random_checkpoint(out: Path, shape: dict, dtype: torch.dtype = torch.bfloat16,
+                            model_type: str = "qwen3") -> Path:
+    """A Qwen3ForCausalLM (or LlamaForCausalLM) checkpoint with random weights and a
+    word-level tokenizer covering the whole vocabulary (throughput does not depend on
+    weight values)."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
     out.mkdir(parents=True, exist_ok=True)
-    # (transformers_version as in the real Qwen3-0.6B config: without one, transformers
-    # takes any tokenizer for a possibly broken Mistral one and warns.)
-    config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rms_norm_eps=1e-6,
-                  max_position_embeddings=40960, rope_theta=1000000.0, hidden_act="silu",
-                  attention_bias=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1,
-                  transformers_version="4.51.0", **shape)
+    config = dict(ARCHITECTURES[model_type], hidden_act="silu", attention_bias=False,
+                  torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, **shape)
     (out / "config.json").write_text(json.dumps(config))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
@@ -54,28 +63,39 @@ def write_random_checkpoint(out: Path, shape: dict, dtype: torch.dtype = torch.b
     def rand(*size, std=0.02):
         return (torch.randn(size, generator=gen, device=device) * std).to(dtype).cpu()
 
+    def ones(n):
+        return torch.ones(n, dtype=dtype)
+
     weights = {"model.embed_tokens.weight": rand(shape["vocab_size"], h),
-               "model.norm.weight": torch.ones(h, dtype=dtype)}
+               "model.norm.weight": ones(h)}
+    if not shape.get("tie_word_embeddings", True):
+        weights["lm_head.weight"] = rand(shape["vocab_size"], h)
     for layer in range(shape["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         weights.update({
             p + "self_attn.q_proj.weight": rand(nq * d, h), p + "self_attn.k_proj.weight": rand(nkv * d, h),
             p + "self_attn.v_proj.weight": rand(nkv * d, h), p + "self_attn.o_proj.weight": rand(h, nq * d),
-            p + "self_attn.q_norm.weight": torch.ones(d, dtype=dtype),
-            p + "self_attn.k_norm.weight": torch.ones(d, dtype=dtype),
             p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
             p + "mlp.down_proj.weight": rand(h, i),
-            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype)})
+            p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h)})
+        if model_type == "qwen3":
+            weights.update({p + "self_attn.q_norm.weight": ones(d),
+                            p + "self_attn.k_norm.weight": ones(d)})
     save_file(weights, str(out / "model.safetensors"))
-    vocab = {f"t{n}": n for n in range(shape["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    write_wordlevel_tokenizer(out, shape["vocab_size"])
+    return out
+
+
+def write_wordlevel_tokenizer(out: Path, vocab_size: int) -> None:
+    """Token "t<n>" for every id n; decoding joins words with spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{n}": n for n in range(vocab_size)}, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.decoder = decoders.WordPiece(prefix="##")
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t1", "bos_token": "t0"}))
-    return out
 
 
 def nano_workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:

@@ -2,6 +2,8 @@
 checkpoint (random bf16 weights) with the mp executor at each --tp size.
 
 Each size runs in a fresh process, so that every engine starts on empty devices.
+(Figures of 2026-11-29 in docs/benchmarks.md were taken with the checkpoint written in
+per-layer shards; it is one file now, which does not change the engine's speed.)
 The workload is the nano workload of benchmarks/throughput.py (same seed and lengths).
 Prints tok/s per size and the scaling efficiency, (tok/s at n) / (n x tok/s at 1).
 --json writes the figures.
@@ -22,57 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import nano_workload  # noqa: E402
+from throughput import write_random_checkpoint  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                  intermediate_size=14336, tie_word_embeddings=False)
-
-
-def write_llama_checkpoint(out: Path, shape: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A LlamaForCausalLM checkpoint with random weights (drawn on the GPU, written
-    one layer per safetensors shard) and a word-level tokenizer over the vocabulary."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    out.mkdir(parents=True, exist_ok=True)
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
-                  max_position_embeddings=8192, rope_theta=500000.0, hidden_act="silu",
-                  attention_bias=False, mlp_bias=False, torch_dtype="bfloat16",
-                  bos_token_id=0, eos_token_id=1, **shape)
-    (out / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
-    nq, nkv, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
-
-    def rand(*size):
-        return (torch.randn(size, generator=gen, device="cuda") * 0.02).to(dtype).cpu()
-
-    shards: list[dict] = [{"model.embed_tokens.weight": rand(vocab, h),
-                           "lm_head.weight": rand(vocab, h),
-                           "model.norm.weight": torch.ones(h, dtype=dtype)}]
-    for layer in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        shards.append({
-            p + "self_attn.q_proj.weight": rand(nq * d, h), p + "self_attn.k_proj.weight": rand(nkv * d, h),
-            p + "self_attn.v_proj.weight": rand(nkv * d, h), p + "self_attn.o_proj.weight": rand(h, nq * d),
-            p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
-            p + "mlp.down_proj.weight": rand(h, i),
-            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype)})
-    weight_map = {}
-    for n, shard in enumerate(shards):
-        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / name))
-        weight_map.update({key: name for key in shard})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    tok = Tokenizer(models.WordLevel({f"t{n}": n for n in range(vocab)}, unk_token="t2"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t1", "bos_token": "t0"}))
-    return out
 
 
 _RUN_ONE = """
@@ -125,7 +81,8 @@ def main() -> None:
         path = args.checkpoint
         if path is None or not (path / "config.json").exists():
             start = time.perf_counter()
-            path = write_llama_checkpoint(path or Path(tmp) / "llama3-8b-shape", LLAMA3_8B)
+            path = write_random_checkpoint(path or Path(tmp) / "llama3-8b-shape", LLAMA3_8B,
+                                           model_type="llama")
             result["checkpoint_write_s"] = time.perf_counter() - start
         torch.cuda.empty_cache()
         for tp in args.tp:
