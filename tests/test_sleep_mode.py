@@ -159,8 +159,8 @@ def _start(llm: LLM, n: int) -> list[str]:
     return ids
 
 
-def _finish(llm: LLM, ids: list[str], already=()) -> dict[str, list[int]]:
-    done = {o.request_id: o for o in already if o.finished}
+def _finish(llm: LLM, ids: list[str]) -> dict:
+    done = {}
     while len(done) < len(ids):
         for out in llm.engine.step():
             if out.finished:
@@ -199,6 +199,18 @@ def test_wait_runs_requests_to_completion_before_sleeping(llm):
     assert sorted(finished) == sorted(ids)
     assert [finished[r].outputs[0].token_ids for r in ids] == expected
     llm.wake_up()
+
+
+def test_wait_while_paused_is_a_clear_error(llm):
+    expected = texts(llm, greedy(30))
+    ids = _start(llm, 30)
+    llm.engine.pause("keep")
+    with pytest.raises(ValueError, match="cannot finish requests while the engine is paused"):
+        llm.engine.sleep(1, "wait")
+    assert not llm.is_sleeping()
+    llm.engine.resume()
+    outs = _finish(llm, ids)
+    assert [outs[r].outputs[0].token_ids for r in ids] == expected
 
 
 # ---- tensor parallel (collective_rpc to every worker) ----------------------------------------

@@ -205,6 +205,11 @@ class EngineCore:
                     for r in request_ids]
         outputs, self._undelivered = self._undelivered, []
         if mode is PauseMode.WAIT:
+            if not self.gate.may_schedule and self.scheduler.has_unfinished_requests():
+                self._undelivered = outputs
+                raise ValueError("sleep mode 'wait' cannot finish requests while the engine "
+                                 f"is paused (mode={self.gate.pause_mode.value}): resume "
+                                 "first, or sleep with mode 'keep' or 'abort'")
             while self.scheduler.has_unfinished_requests() or self._inflight is not None:
                 outputs += self.step()
             self.drain()
