@@ -153,8 +153,11 @@ class EngineCore:
         mode = PauseMode.parse(mode)
         self.drain()
         self.gate.pause(mode)
-        if mode is not PauseMode.ABORT:
-            return []
+        return self._abort_all() if mode is PauseMode.ABORT else []
+
+    def _abort_all(self) -> list[EngineCoreOutput]:
+        """Finish every unfinished request (held ones too) with reason "abort"; their
+        outputs, since no step() reports them."""
         request_ids = list(self.scheduler.requests) + self.gate.drop_held()
         self.scheduler.abort_requests(request_ids)
         return [EngineCoreOutput(req_id=r, new_token_ids=[], finish_reason="abort")
@@ -199,10 +202,7 @@ class EngineCore:
     def _settle_unfinished(self, mode: PauseMode) -> list[EngineCoreOutput]:
         """Apply mode to the unfinished requests before sleeping (see sleep())."""
         if mode is PauseMode.ABORT:
-            request_ids = list(self.scheduler.requests) + self.gate.drop_held()
-            self.scheduler.abort_requests(request_ids)
-            return [EngineCoreOutput(req_id=r, new_token_ids=[], finish_reason="abort")
-                    for r in request_ids]
+            return self._abort_all()
         outputs, self._undelivered = self._undelivered, []
         if mode is PauseMode.WAIT:
             if not self.gate.may_schedule and self.scheduler.has_unfinished_requests():

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from spindle.config import EngineConfig
 from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from spindle.executor.errors import ExecutorFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ class Executor(abc.ABC):
         self.config = config
         self._failure_callbacks: list[Callable[[], None]] = []
         self.is_failed = False
+        # The first failure of workers in other processes or actors (an in-process
+        # executor fails only by raising from the call itself).
+        self._failure: ExecutorFailedError | None = None
         self._init_executor()
 
     @staticmethod
@@ -81,8 +85,6 @@ class Executor(abc.ABC):
                         error: TimeoutError) -> BaseException:
         """Fail the executor for a step that did not finish in time; returns the
         error to raise."""
-        from spindle.executor.errors import ExecutorFailedError
-
         self._fail(ExecutorFailedError(f"step {sched.step_id} did not finish within "
                                        f"{timeout:.0f}s: {error}"))
         return self._unusable_error()
@@ -132,10 +134,21 @@ class Executor(abc.ABC):
         """callback() runs once, from any thread, when the executor fails."""
         self._failure_callbacks.append(callback)
 
+    @property
+    def failure(self) -> ExecutorFailedError | None:
+        """The first failure, or None while the executor is healthy."""
+        return self._failure
+
     def raise_if_failed(self) -> None:
-        """Raise the error that failed the executor, if it failed (an in-process
-        executor fails only by raising from the call itself)."""
-        return None
+        """Raise the error that failed the executor, if it failed."""
+        if self._failure is not None:
+            raise self._failure.copy()
+
+    def _unusable_error(self) -> BaseException:
+        """What a call to a failed or shut-down executor raises."""
+        if self._failure is not None:
+            return self._failure.copy()
+        return RuntimeError("the executor has been shut down")
 
     @abc.abstractmethod
     def shutdown(self) -> None:

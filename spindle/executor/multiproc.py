@@ -91,7 +91,6 @@ class MultiProcExecutor(Executor):
         self._pending: deque[_RpcFuture] = deque()
         self._by_id: dict[int, _RpcFuture] = {}
         self._call_ids = itertools.count(1)
-        self._failure: ExecutorFailedError | None = None
         self._closing = False
         self._torn_down = False
         self._shutdown_done = threading.Event()
@@ -393,11 +392,6 @@ class MultiProcExecutor(Executor):
         for future in pending:
             future.set_exception(self._unusable_error())
 
-    def _unusable_error(self) -> BaseException:
-        if self._failure is not None:
-            return self._failure.copy()
-        return RuntimeError("the executor has been shut down")
-
     def _abort_reason(self) -> BaseException | None:
         return self._unusable_error() if self._failure is not None or self._closing else None
 
@@ -405,15 +399,6 @@ class MultiProcExecutor(Executor):
         error = self._abort_reason()
         if error is not None:
             raise error
-
-    @property
-    def failure(self) -> ExecutorFailedError | None:
-        """The first failure, or None while the executor is healthy."""
-        return self._failure
-
-    def raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise self._failure.copy()
 
     # ---- health -----------------------------------------------------------------------------
     def heartbeats(self) -> list[Heartbeat]:

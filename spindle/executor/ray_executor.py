@@ -61,7 +61,6 @@ class RayExecutor(Executor):
         parallel = self.config.parallel
         self.world_size = parallel.world_size
         self.platform = resolve_platform(self.config.device.device_type)
-        self._failure: ExecutorFailedError | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -276,24 +275,11 @@ class RayExecutor(Executor):
             self._fail(ExecutorFailedError(f"health check failed: {e}"))
             raise self._failure.copy() from e
 
-    @property
-    def failure(self) -> ExecutorFailedError | None:
-        return self._failure
-
-    def raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise self._failure.copy()
-
     def _raise_if_unusable(self) -> None:
         if self._failure is not None:
             raise self._failure.copy()
         if self._closed:
             raise RuntimeError("the executor has been shut down")
-
-    def _unusable_error(self) -> BaseException:
-        if self._failure is not None:
-            return self._failure.copy()
-        return RuntimeError("the executor has been shut down")
 
     def _fail(self, error: ExecutorFailedError) -> None:
         with self._lock:
