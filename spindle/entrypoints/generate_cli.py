@@ -10,6 +10,7 @@ what `spindle chat` shares: starting the engine, streaming one request, renderin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -85,8 +86,6 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def start_llm(ns: argparse.Namespace) -> Any:
     """An LLM for the command's engine flags (the built-in demo model without --model);
     ValueError if the model does not generate text."""
-    import dataclasses
-
     from spindle.entrypoints.cli import default_model_dir
     from spindle.entrypoints.cli_args import engine_args_from
     from spindle.entrypoints.llm import LLM
