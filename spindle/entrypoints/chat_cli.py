@@ -68,6 +68,8 @@ def _read_message(interactive: bool) -> str | None:
     if interactive:
         write_text("> ")
     line = sys.stdin.readline()
+    if not line and interactive:
+        write_text("\n")  # Ctrl-D: leave the terminal on a fresh line
     return line.rstrip("\r\n") if line else None
 
 
