@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # Install spindle and its test dependencies into the current Python environment.
-# torch is installed first, pinned to the CPU build, unless a torch is already
-# present (e.g. a CUDA build on a GPU machine): an unpinned resolve could pull a
-# multi-GB CUDA wheel onto a CPU-only machine.
+#
+# torch: an installed torch is kept, so a GPU user installs the CUDA build of torch
+# that matches their driver first (https://pytorch.org/get-started/locally/). Without
+# one, the script runs `pip install $SPINDLE_TORCH` (default: torch==2.13.0). What
+# that brings depends on where pip looks: from PyPI on Linux x86_64 it is the CUDA
+# build with its nvidia-* libraries (several GB); where pip is configured with a CPU
+# wheel (an index or find-links), it is the CPU build. To ask for the CPU build:
+#   SPINDLE_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" \
+#       bash scripts/install.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+SPINDLE_TORCH=${SPINDLE_TORCH:-torch==2.13.0}
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-    "$PYTHON" -m pip install --quiet "torch==2.13.0"
+    # A requirement and any pip options, split on spaces.
+    read -r -a torch_args <<< "$SPINDLE_TORCH"
+    "$PYTHON" -m pip install --quiet "${torch_args[@]}"
 fi
 "$PYTHON" -m pip install --quiet -e ".[dev]"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -195,6 +196,27 @@ def test_chat_uses_the_template(llm):
     assert out[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "no role"}], use_tqdm=False)
+
+
+@pytest.mark.parametrize("message,problem", [
+    ({"role": "wizard", "content": "x"}, "has role 'wizard'"),
+    ({"role": "user"}, "has no 'content'"),
+    ({"role": "user", "content": None}, "has no 'content'"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "content"),
+])
+def test_chat_refuses_the_messages_the_server_refuses(llm, message, problem):
+    # One check (chat_utils.chat_messages) for LLM.chat and /v1/chat/completions.
+    with pytest.raises(ValueError, match=re.escape(f"messages[1] {problem}")):
+        llm.chat([{"role": "system", "content": "be brief"}, message], use_tqdm=False)
+
+
+def test_chat_messages_read_as_the_template_expects():
+    from spindle.entrypoints.chat_utils import chat_messages
+
+    assert chat_messages([{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                            {"type": "text", "text": "b"}]},
+                          {"role": "user", "content": "hi", "name": "x"}]) == [
+        {"role": "system", "content": "ab"}, {"role": "user", "content": "hi", "name": "x"}]
 
 
 # ---- CLI ---------------------------------------------------------------------------

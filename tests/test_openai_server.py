@@ -198,6 +198,8 @@ def test_models_health_version(client, http):
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, None),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 3}, "frequency_penalty"),
 ])

@@ -32,11 +32,32 @@ def load_tokenizer(path: str, hf_config: Any = None) -> Any:
         if choice is None:
             from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(path)
+            return without_length_warning(AutoTokenizer.from_pretrained(path))
         tokenizer_class, kwargs = choice
-        return tokenizer_class.from_pretrained(path, _from_auto=True, **kwargs)
+        return without_length_warning(
+            tokenizer_class.from_pretrained(path, _from_auto=True, **kwargs))
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+
+
+# The key under which transformers notes that it gave its "Token indices sequence length
+# is longer than the specified maximum sequence length" warning (it gives it once).
+_LENGTH_WARNING_KEY = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+def without_length_warning(tokenizer: Any) -> Any:
+    """The tokenizer, with its warning about prompts longer than model_max_length
+    marked as given already.
+
+    The engine checks every prompt against max_model_len itself and refuses one that is
+    too long with a clear error; the tokenizer's warning would come first, compare with
+    model_max_length (often not the model's context), and speak of indexing errors that
+    cannot happen. Truncation and the tokenizer's other behaviour stay as they are.
+    """
+    given = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(given, dict):
+        given[_LENGTH_WARNING_KEY] = True
+    return tokenizer
 
 
 def resolve_tokenizer_class(path: str, hf_config: Any = None) -> tuple[type, dict] | None:

@@ -1,4 +1,5 @@
-"""The `spindle` command: generate, serve, embed, make-tiny-model."""
+"""The `spindle` command (also `python -m spindle`): generate, chat, serve, embed,
+make-tiny-model."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from spindle.entrypoints.cli_args import (add_engine_args, add_sampling_args, engine_args_from,
-                                          sampling_params_from)
+# Exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
+EXIT_USAGE = 2
+
+# Module-level imports stay light (torch comes in with build_parser), so that a
+# Ctrl-C during start-up lands inside main's handler, not in an import.
 
 
 def default_model_dir() -> Path:
@@ -25,44 +30,8 @@ def default_model_dir() -> Path:
     return path
 
 
-def cmd_generate(ns: argparse.Namespace) -> int:
-    from spindle.engine.llm_engine import LLMEngine
-    from spindle.logger import configure_logging
-
-    configure_logging()
-    model = ns.model or str(default_model_dir())
-    engine = LLMEngine.from_engine_args(engine_args_from(ns, model=model))
-    try:
-        params = sampling_params_from(ns)
-        prompts = ns.prompt or ["Hello"]
-        for prompt in prompts:
-            _stream_one(engine, prompt, params)
-    finally:
-        engine.shutdown()
-    return 0
-
-
-def _stream_one(engine, prompt: str, params) -> None:
-    request_id = engine.add_request(prompt, params)
-    printed = {}
-    out = sys.stdout
-    out.write(prompt)
-    out.flush()
-    while engine.has_unfinished_requests():
-        for result in engine.step():
-            if result.request_id != request_id:
-                continue
-            for completion in result.outputs:
-                seen = printed.get(completion.index, 0)
-                if len(result.outputs) > 1 and seen == 0 and completion.text:
-                    out.write(f"\n--- sample {completion.index} ---\n")
-                out.write(completion.text[seen:])
-                printed[completion.index] = len(completion.text)
-            out.flush()
-    out.write("\n")
-
-
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from spindle.entrypoints.cli_args import engine_args_from
     from spindle.entrypoints.openai.api_server import run_server
     from spindle.logger import configure_logging
 
@@ -83,16 +52,23 @@ def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spindle", description=__doc__)
+    from spindle.entrypoints.chat_cli import add_chat_parser
+    from spindle.entrypoints.cli_args import HelpFormatter, add_engine_args
+    from spindle.entrypoints.embed_cli import add_embed_parser
+    from spindle.entrypoints.generate_cli import add_generate_parser
+    from spindle.tools.tiny_model import add_cli_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="spindle", description=__doc__, formatter_class=HelpFormatter,
+        epilog="`spindle COMMAND --help` lists a command's flags with their defaults. "
+               "generate and chat\nsample greedily by default, unlike the Python API: see "
+               "their --help.")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_chat_parser(sub)
 
-    gen = sub.add_parser("generate", help="Generate text for prompts, streaming to the terminal.")
-    gen.add_argument("prompt", nargs="*", help="Prompt text (several prompts run one after another).")
-    add_engine_args(gen)
-    add_sampling_args(gen, temperature=0.0, max_tokens=64)
-    gen.set_defaults(func=cmd_generate)
-
-    serve = sub.add_parser("serve", help="Run the OpenAI-compatible HTTP server.")
+    serve = sub.add_parser("serve", help="Run the OpenAI-compatible HTTP server.",
+                           usage="%(prog)s [options] [PATH]", formatter_class=HelpFormatter)
     serve.add_argument("model_path", nargs="?", metavar="PATH",
                        help="Model directory (or --model; default: the built-in demo model).")
     serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
@@ -106,27 +82,52 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    from spindle.entrypoints.embed_cli import add_embed_parser
-
     add_embed_parser(sub)
 
-    tiny = sub.add_parser("make-tiny-model",
-                          help="Write a small random Hugging Face checkpoint with a real tokenizer.")
-    from spindle.tools.tiny_model import add_cli_arguments
-
+    tiny_help = "Write a small random Hugging Face checkpoint with a real tokenizer."
+    tiny = sub.add_parser("make-tiny-model", help=tiny_help, description=tiny_help,
+                          formatter_class=HelpFormatter)
     add_cli_arguments(tiny)
     tiny.set_defaults(func=cmd_make_tiny_model)
+    for subparser in sub.choices.values():  # so that a check can report like argparse
+        subparser.set_defaults(parser=subparser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
     try:
+        ns = build_parser().parse_args(argv)
+        _check_flags(ns)
         return ns.func(ns)
+    except KeyboardInterrupt:
+        return _interrupted()
     except ValueError as e:
         print(f"spindle: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+
+
+def _check_flags(ns: argparse.Namespace) -> None:
+    """The command's checks of its flag values, before anything starts; a bad value
+    exits like an argparse error (usage, the flag named, status 2)."""
+    from spindle.entrypoints.cli_args import FlagError
+
+    check = getattr(ns, "check", None)
+    if check is None:
+        return
+    try:
+        check(ns)
+    except FlagError as e:
+        ns.parser.error(str(e))
+
+
+def _interrupted() -> int:
+    """Ctrl-C: no traceback, the cursor on a fresh line, status 130."""
+    try:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):  # stdout closed or a broken pipe: nothing to tidy
+        pass
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,19 +1,76 @@
 """Command-line flags generated from EngineArgs and SamplingParams fields, so the
-CLI and the Python API cannot drift apart."""
+CLI and the Python API cannot drift apart; and the checks that refuse bad flag
+values before any engine starts."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 
 from spindle.config import EngineArgs
 from spindle.sampling_params import SamplingParams
 
 # No per-request --seed: the engine's --seed already makes a CLI run reproducible.
-_SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "frequency_penalty", "presence_penalty", "max_tokens", "min_tokens",
-                   "stop", "stop_token_ids", "ignore_eos", "logprobs")
+_SAMPLING_HELP = {
+    "n": "Samples per prompt; each is printed whole, under a label.",
+    "temperature": "Sampling temperature; 0 is greedy.",
+    "top_p": "Nucleus sampling: keep the most likely tokens whose probabilities sum to "
+             "this (1: off).",
+    "top_k": "Keep only the k most likely tokens (0 or -1: off).",
+    "min_p": "Drop tokens less likely than this fraction of the most likely one (0: off).",
+    "repetition_penalty": "Discourage tokens already in the prompt or output (1: off; "
+                          "> 1 discourages).",
+    "frequency_penalty": "Subtract this times a token's count in the output from its "
+                         "logit, in [-2, 2].",
+    "presence_penalty": "Subtract this from the logit of every token already in the "
+                        "output, in [-2, 2].",
+    "max_tokens": "Most tokens to generate per sample.",
+    "min_tokens": "Tokens to generate before EOS or a stop token may end a sample.",
+    "stop": "A string that ends a sample (not printed); repeat the flag for several.",
+    "stop_token_ids": "Token ids that end a sample, comma-separated (e.g. 2,7).",
+    "ignore_eos": "Keep generating past the end-of-sequence token.",
+    "logprobs": "Show each generated token's log-probability and those of the N most "
+                "likely tokens at its place.",
+}
+SAMPLING_FLAGS = tuple(_SAMPLING_HELP)
+# Where the command line says more than EngineArgs' own help.
+_ENGINE_HELP_ON_CLI = {
+    "model": "Path to a Hugging Face checkpoint directory (default: spindle's built-in demo "
+             "model, spindle/demo_model).",
+}
+
+# Sampling defaults of the CLI: greedy and long enough to see something. The Python
+# API keeps vLLM's SamplingParams defaults (temperature 1.0, max_tokens 16).
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
+SAMPLING_DEFAULTS_NOTE = (
+    "The sampling defaults here (--temperature {temperature}, --max-tokens {max_tokens})\n"
+    "differ from those of the Python API's SamplingParams() (temperature=1.0,\n"
+    "max_tokens=16).")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default, except where there is none (None: the help text
+    says what happens without the flag); keeps the line breaks of epilogs."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class FlagError(ValueError):
+    """A bad command-line value, reported argparse-style (usage, exit status 2)
+    before any engine starts."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"argument {flag}: {message}")
+        self.flag = flag
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def _int_list(text: str) -> list[int]:
@@ -42,8 +99,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         if f.name in skip:
             continue
         kwargs = _flag_kwargs(hints[f.name], f.default)
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name,
-                           help=f.metadata.get("help", ""), **kwargs)
+        group.add_argument(flag_name(f.name), dest=f.name,
+                           help=_ENGINE_HELP_ON_CLI.get(f.name, f.metadata.get("help", "")),
+                           **kwargs)
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides: typing.Any) -> EngineArgs:
@@ -53,14 +111,32 @@ def engine_args_from(ns: argparse.Namespace, **overrides: typing.Any) -> EngineA
     return EngineArgs(**values)
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, **defaults: typing.Any) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                      **defaults: typing.Any) -> None:
     group = parser.add_argument_group("sampling")
     hints = typing.get_type_hints(SamplingParams)
     fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
-    for name in _SAMPLING_FLAGS:
+    for name in SAMPLING_FLAGS:
+        if name in skip:
+            continue
         kwargs = _flag_kwargs(hints[name], defaults.get(name, fields[name].default))
-        group.add_argument(f"--{name.replace('_', '-')}", dest=name, **kwargs)
+        group.add_argument(flag_name(name), dest=name, help=_SAMPLING_HELP[name], **kwargs)
 
 
 def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**{name: getattr(ns, name) for name in _SAMPLING_FLAGS})
+    """SamplingParams from the sampling flags; FlagError naming the flag for a bad value."""
+    values = {name: getattr(ns, name) for name in SAMPLING_FLAGS if hasattr(ns, name)}
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        found = re.match(r"SamplingParams\.(\w+) (.*)", str(e), re.DOTALL)
+        if found is None or found.group(1) not in values:
+            raise
+        raise FlagError(flag_name(found.group(1)), found.group(2)) from e
+
+
+def refuse_embed_task(ns: argparse.Namespace, command: str) -> None:
+    """Generation commands cannot run an embedding engine: say so before starting one."""
+    if getattr(ns, "task", None) == "embed":
+        raise FlagError("--task", f"`spindle {command}` generates text; to embed texts, run "
+                        "`spindle embed` (or `spindle serve --task embed`)")

@@ -12,12 +12,13 @@ import dataclasses
 import json
 import sys
 
-from spindle.entrypoints.cli_args import add_engine_args, engine_args_from
+from spindle.entrypoints.cli_args import HelpFormatter, add_engine_args, engine_args_from
 
 
 def add_embed_parser(subparsers: argparse._SubParsersAction) -> None:
     embed = subparsers.add_parser(
-        "embed", help="Embed texts with an embedding model (task=embed); prints JSON lines.")
+        "embed", help="Embed texts with an embedding model (task=embed); prints JSON lines.",
+        description=__doc__, usage="%(prog)s [options] [text ...]", formatter_class=HelpFormatter)
     embed.add_argument("text", nargs="*", help="Texts to embed (default: the lines of stdin).")
     add_engine_args(embed, skip=("task",))
     embed.set_defaults(func=cmd_embed)

@@ -256,22 +256,29 @@ def _write_tokenizer(out: Path, vocab_size: int, max_length: int) -> None:
 
 # ---------------------------------------------------------------------- CLI
 def add_cli_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("out", help="output directory")
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate-size", type=int, default=128)
-    parser.add_argument("--max-position-embeddings", type=int, default=2048)
+    parser.add_argument("out", help="Output directory.")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama",
+                        help="Architecture of the checkpoint.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the random weights.")
+    parser.add_argument("--vocab-size", type=int, default=512,
+                        help="Vocabulary of the byte-level BPE tokenizer trained for it.")
+    parser.add_argument("--hidden-size", type=int, default=64, help="Model width.")
+    parser.add_argument("--num-layers", type=int, default=2, help="Decoder layers.")
+    parser.add_argument("--num-heads", type=int, default=4, help="Attention (query) heads.")
+    parser.add_argument("--num-kv-heads", type=int, default=2, help="Key/value heads.")
+    parser.add_argument("--intermediate-size", type=int, default=128, help="MLP width.")
+    parser.add_argument("--max-position-embeddings", type=int, default=2048,
+                        help="Context length (also the tokenizer's model_max_length).")
     parser.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction,
-                        default=None, help="default: tied for qwen3, untied otherwise")
-    parser.add_argument("--num-shards", type=int, default=1)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+                        default=None,
+                        help="Share the embedding and LM head (default: tied for qwen3, "
+                             "untied otherwise).")
+    parser.add_argument("--num-shards", type=int, default=1,
+                        help="Safetensors files to split the weights into.")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="Dtype of the stored weights.")
     parser.add_argument("--logit-std", type=float, default=TARGET_LOGIT_STD,
-                        help="spread of the logits (larger: fewer near-ties, flatter sampling)")
+                        help="Spread of the logits (larger: fewer near-ties, flatter sampling).")
     return parser
 
 

@@ -162,19 +162,12 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """Roles and content are checked by chat_utils.chat_messages, as for LLM.chat."""
+
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
-
-    def for_template(self) -> dict[str, str]:
-        """The message as a chat template reads it (text parts joined; "developer"
-        is the newer name of "system")."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
 
 
 class ChatCompletionRequest(_SamplingRequest):

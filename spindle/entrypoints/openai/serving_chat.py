@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from spindle.entrypoints.chat_utils import render_chat_prompt
+from spindle.entrypoints.chat_utils import chat_messages, render_chat_prompt
 from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
                                                      final_outputs, finite, merge_streams, sse,
@@ -21,7 +21,8 @@ class ChatServing(OpenAIServing):
         model = self.models.resolve(req.model)
         req.refuse_unsupported()
         params = req.sampling_params(req.max_new_tokens(), req.logprobs_wanted())
-        conversation = [m.for_template() for m in req.messages]
+        conversation = chat_messages([m.model_dump(include={"role", "content"})
+                                      for m in req.messages])
         # The tokenizer belongs to the engine thread: render there.
         prompt = await self.engine.call(lambda engine: render_chat_prompt(
             engine.tokenizer, conversation, req.add_generation_prompt, req.chat_template))
