@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from spindle.entrypoints.cli_args import (add_engine_args, add_sampling_args, engine_args_from,
-                                          sampling_params_from)
+from spindle.entrypoints.cli_args import (add_engine_args, add_sampling_args, add_server_args,
+                                          engine_args_from, sampling_params_from,
+                                          server_args_from)
 
 
 def default_model_dir() -> Path:
@@ -63,6 +65,7 @@ def _stream_one(engine, prompt: str, params) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from spindle.config import API_KEY_ENV
     from spindle.entrypoints.openai.api_server import run_server
     from spindle.logger import configure_logging
 
@@ -70,9 +73,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.model_path and ns.model and ns.model_path != ns.model:
         raise ValueError(f"two models given: {ns.model_path!r} and --model {ns.model!r}")
     model = ns.model_path or ns.model or str(default_model_dir())
+    # Checked before the engine starts: a bad server flag fails at once.
+    server_args = server_args_from(ns, api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None)
     return run_server(engine_args_from(ns, model=model), host=ns.host, port=ns.port,
                       served_model_names=ns.served_model_name,
-                      shutdown_timeout=ns.shutdown_timeout)
+                      shutdown_timeout=ns.shutdown_timeout, server_args=server_args)
 
 
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
@@ -103,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="Seconds requests in flight get to finish after SIGINT/SIGTERM "
                             "before they are aborted.")
+    add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
