@@ -126,8 +126,8 @@ class ServerArgs:
     """Options of the OpenAI-compatible server (`spindle serve`), checked when made, so
     that a bad one is refused before the engine starts."""
 
-    api_key: str | None = _arg(None, "Require `Authorization: Bearer KEY` on every /v1 "
-                               "and dev route; /health, /metrics and /version stay open "
+    api_key: str | None = _arg(None, "Require `Authorization: Bearer KEY` on every route "
+                               "but /health, /metrics and /version (the /v1 and dev routes) "
                                f"(default: ${API_KEY_ENV} when set, else no key).")
     allowed_origins: list[str] | None = _arg(
         None, "Browser origins allowed to call the server (CORS), e.g. "
