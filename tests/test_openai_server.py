@@ -317,6 +317,16 @@ def test_dev_routes_are_404_without_dev_mode(http, method, path):
     assert "error" in response.json()
 
 
+def test_cors_is_off_by_default(server):
+    evil = "https://evil.example"
+    preflight = httpx.options(f"{server.url}/v1/completions", headers={
+        "Origin": evil, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    assert "access-control-allow-origin" not in preflight.headers
+    answer = httpx.get(f"{server.url}/v1/models", headers={"Origin": evil})
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+
+
 # ---- the command line ------------------------------------------------------------------------
 def test_serve_flags_come_from_engine_args(capsys):
     from spindle.entrypoints.cli import build_parser, main
