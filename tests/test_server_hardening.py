@@ -317,7 +317,7 @@ def test_prompt_too_long_is_context_length_exceeded(client, http):
 
 
 def test_duplicate_request_id_is_refused_and_echoed(server, http):
-    first = StreamReader(server.url, 300, headers={**AUTH, "X-Request-Id": "dup-7"})
+    first = StreamReader(server.url, 600, headers={**AUTH, "X-Request-Id": "dup-7"})
     assert wait_for(lambda: first.chunks, timeout=30)
     second = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi",
                                                  "max_tokens": 2},
