@@ -47,6 +47,8 @@ class EngineArgs:
     cpu_kv_cache_fraction: float = _arg(0.25, "On CPU: fraction of available RAM for the "
                                         "KV cache when kv_cache_memory_bytes is not set.")
     max_num_seqs: int = _arg(256, "Most sequences in one step.")
+    max_n: int = _arg(128, "Most samples (n) one request may ask for; more are refused "
+                      "with a ValueError (400 from the server).")
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step "
                                               "(default: max(2048, max_model_len) capped at 8192).")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps.")
@@ -114,6 +116,47 @@ class EngineArgs:
 
         check_config(config)  # the runner refuses what the model's state cannot serve
         return config
+
+
+API_KEY_ENV = "SPINDLE_API_KEY"  # the default of --api-key (spindle serve)
+
+
+@dataclass
+class ServerArgs:
+    """Options of the OpenAI-compatible server (`spindle serve`), checked when made, so
+    that a bad one is refused before the engine starts."""
+
+    api_key: str | None = _arg(None, "Require `Authorization: Bearer KEY` on every route "
+                               "but /health, /metrics and /version (the /v1 and dev routes) "
+                               f"(default: ${API_KEY_ENV} when set, else no key).")
+    allowed_origins: list[str] | None = _arg(
+        None, "Browser origins allowed to call the server (CORS), e.g. "
+        "https://app.example.com; repeat the flag for more, * for any (default: none, "
+        "CORS off).")
+    allowed_methods: list[str] | None = _arg(None, "With --allowed-origins: the HTTP methods "
+                                             "a browser may use (default: all).")
+    allowed_headers: list[str] | None = _arg(None, "With --allowed-origins: the request "
+                                             "headers a browser may send (default: all).")
+    allow_credentials: bool = _arg(False, "With --allowed-origins: let browsers send "
+                                   "credentials (cookies, Authorization) cross-origin.")
+    max_request_body_bytes: int = _arg(16 * 2**20, "Largest request body accepted, in "
+                                       "bytes; a larger one gets 413 (default: 16 MiB).")
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None:
+            _require(bool(self.api_key) and self.api_key.isascii() and self.api_key.isprintable()
+                     and not any(c.isspace() for c in self.api_key), "api_key", "<hidden>",
+                     "a non-empty string of printable ASCII characters without spaces")
+        _require(_is_int(self.max_request_body_bytes) and self.max_request_body_bytes >= 1,
+                 "max_request_body_bytes", self.max_request_body_bytes, "an integer >= 1")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = getattr(self, name)
+            _require(values is None or all(isinstance(v, str) and v for v in values), name,
+                     values, "a list of non-empty strings")
+        if self.allowed_origins is None:
+            for name in ("allowed_methods", "allowed_headers", "allow_credentials"):
+                _require(not getattr(self, name), name, getattr(self, name),
+                         "left unset without allowed_origins (CORS is off)")
 
 
 @dataclass(frozen=True)
@@ -243,11 +286,14 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     async_scheduling: bool = False
+    max_n: int = 128  # most samples one request may ask for
 
     @staticmethod
     def create(args: EngineArgs, model: ModelConfig) -> "SchedulerConfig":
         _require(isinstance(args.max_num_seqs, int) and args.max_num_seqs >= 1, "max_num_seqs",
                  args.max_num_seqs, "an integer >= 1")
+        _require(_is_int(args.max_n) and args.max_n >= 1, "max_n", args.max_n,
+                 "an integer >= 1")
         budget = args.max_num_batched_tokens or min(max(2048, model.max_model_len), 8192)
         _require(isinstance(budget, int) and budget >= 1, "max_num_batched_tokens", budget,
                  "an integer >= 1")
@@ -257,7 +303,7 @@ class SchedulerConfig:
         return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                max_model_len=model.max_model_len,
                                enable_chunked_prefill=bool(args.enable_chunked_prefill),
-                               async_scheduling=bool(args.async_scheduling))
+                               async_scheduling=bool(args.async_scheduling), max_n=args.max_n)
 
 
 @dataclass(frozen=True)
@@ -344,6 +390,10 @@ def _pooler_config(args: EngineArgs, model: ModelConfig, sched: SchedulerConfig)
              sched.max_num_batched_tokens,
              f">= the embedding truncation length ({pooler.max_seq_len}) for task='embed'")
     return pooler
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -90,12 +90,16 @@ class ThreadedServer:
 
 
 class StreamReader(threading.Thread):
-    """Streams one completion in the background, keeping every chunk it gets."""
+    """Streams one completion in the background, keeping every chunk it gets (and
+    the error object of an in-band error event, such as an aborted request's)."""
 
-    def __init__(self, url: str, max_tokens: int, prompt: str = "Hello there") -> None:
+    def __init__(self, url: str, max_tokens: int, prompt: str = "Hello there",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(daemon=True)
         self.url, self.max_tokens, self.prompt = url, max_tokens, prompt
+        self.headers = headers or {}
         self.chunks: list[dict] = []
+        self.error: dict | None = None
         self.done = False
         self.start()
 
@@ -103,10 +107,12 @@ class StreamReader(threading.Thread):
         body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=120) as c, c.stream("POST", f"{self.url}/v1/completions",
-                                                       json=body) as response:
+                                                       json=body, headers=self.headers) as response:
             for event in sse_events(response):
                 if event == "[DONE]":
                     self.done = True
+                elif "error" in event:
+                    self.error = event["error"]
                 else:
                     self.chunks.append(event)
 

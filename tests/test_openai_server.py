@@ -197,9 +197,9 @@ def test_models_health_version(client, http):
     ("/v1/completions", {"prompt": [[1, 2], [10**9]]}, None),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 3}, "frequency_penalty"),
 ])
@@ -317,6 +317,16 @@ def test_dev_routes_are_404_without_dev_mode(http, method, path):
     response = http.request(method, path, json={"method": "heartbeat"})
     assert response.status_code == 404
     assert "error" in response.json()
+
+
+def test_cors_is_off_by_default(server):
+    evil = "https://evil.example"
+    preflight = httpx.options(f"{server.url}/v1/completions", headers={
+        "Origin": evil, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    assert "access-control-allow-origin" not in preflight.headers
+    answer = httpx.get(f"{server.url}/v1/models", headers={"Origin": evil})
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
 
 
 # ---- the command line ------------------------------------------------------------------------

@@ -40,8 +40,8 @@ def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
         # Leave the engine serving for the next test, whatever this one did.
-        c.post("/resume")
-        c.post("/wake_up")
+        c.post("/resume", json={})
+        c.post("/wake_up", json={})
 
 
 def completion(http, max_tokens=8, **kw) -> httpx.Response:
@@ -85,18 +85,18 @@ def test_dev_routes_follow_the_environment_variable(engine, monkeypatch):
 def test_pause_abort_fails_in_flight_and_refuses_new_requests(server, http):
     readers = [StreamReader(server.url, LONG) for _ in range(2)]
     assert wait_for(lambda: all(r.chunks for r in readers), timeout=30)
-    response = http.post("/pause", params={"mode": "abort"})
+    response = http.post("/pause", json={"mode": "abort"})
     assert response.status_code == 200 and response.json() == {"is_paused": True,
                                                                "mode": "abort"}
-    for reader in readers:
+    for reader in readers:  # an aborted request ends with an error event (no finish reason)
         reader.join(30)
-        assert reader.done and reader.finish_reason == "abort"
+        assert reader.done and reader.error["code"] == "request_aborted", reader.error
     assert http.get("/is_paused").json() == {"is_paused": True, "mode": "abort"}
     refused = completion(http)
     assert refused.status_code == 503
     assert refused.json()["error"]["type"] == "service_unavailable_error"
     assert "paused" in refused.json()["error"]["message"]
-    assert http.post("/resume").json() == {"is_paused": False}
+    assert http.post("/resume", json={}).json() == {"is_paused": False}
     assert http.get("/is_paused").json() == {"is_paused": False, "mode": None}
     assert completion(http).status_code == 200
 
@@ -104,7 +104,7 @@ def test_pause_abort_fails_in_flight_and_refuses_new_requests(server, http):
 def test_pause_wait_lets_in_flight_finish_and_holds_new_ones(server, http):
     first = StreamReader(server.url, 300)
     assert wait_for(lambda: first.chunks, timeout=30)
-    response = http.post("/pause", params={"mode": "wait"})  # returns once `first` is done
+    response = http.post("/pause", json={"mode": "wait"})  # returns once `first` is done
     assert response.status_code == 200
     first.join(30)
     assert first.finish_reason == "length"
@@ -115,7 +115,7 @@ def test_pause_wait_lets_in_flight_finish_and_holds_new_ones(server, http):
     time.sleep(0.3)
     assert not held.done()
     assert http.get("/is_paused").json() == {"is_paused": True, "mode": "wait"}
-    http.post("/resume")
+    http.post("/resume", json={})
     answer = held.result(timeout=30)
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 5
 
@@ -125,7 +125,7 @@ def test_pause_keep_freezes_and_continues_with_identical_output(server, http):
     reference = completion(http, max_tokens).json()["choices"][0]["text"]
     reader = StreamReader(server.url, max_tokens)
     assert wait_for(lambda: reader.chunks, timeout=30)
-    assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+    assert http.post("/pause", json={"mode": "keep"}).status_code == 200
     time.sleep(0.2)  # chunks already on the wire may still land
     frozen = len(reader.chunks)
     time.sleep(0.5)
@@ -134,7 +134,7 @@ def test_pause_keep_freezes_and_continues_with_identical_output(server, http):
     time.sleep(0.2)
     assert not held.done()
     assert http.get("/is_paused").json() == {"is_paused": True, "mode": "keep"}
-    http.post("/resume")
+    http.post("/resume", json={})
     reader.join(60)
     assert reader.done and reader.finish_reason == "length"
     assert reader.text == reference
@@ -142,7 +142,7 @@ def test_pause_keep_freezes_and_continues_with_identical_output(server, http):
 
 
 def test_bad_pause_mode_is_400(http):
-    response = http.post("/pause", params={"mode": "nap"})
+    response = http.post("/pause", json={"mode": "nap"})
     assert response.status_code == 400
     message = response.json()["error"]["message"]
     assert all(m in message for m in ("abort", "wait", "keep"))
@@ -150,7 +150,7 @@ def test_bad_pause_mode_is_400(http):
 
 # ---- sleep --------------------------------------------------------------------------------
 def test_sleep_level_1_is_not_available_yet(http):
-    response = http.post("/sleep", params={"level": 1})
+    response = http.post("/sleep", json={"level": 1})
     assert response.status_code == 501
     assert "sleep mode is not available" in response.json()["error"]["message"]
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
@@ -158,14 +158,14 @@ def test_sleep_level_1_is_not_available_yet(http):
 
 
 def test_sleep_level_0_pauses_scheduling_until_wake_up(http):
-    assert http.post("/sleep", params={"level": 0}).status_code == 200
+    assert http.post("/sleep", json={"level": 0}).status_code == 200
     assert http.get("/is_sleeping").json() == {"is_sleeping": True}
     refused = completion(http)
     assert refused.status_code == 503 and "sleeping" in refused.json()["error"]["message"]
-    assert http.post("/wake_up", params={"tags": "bogus"}).status_code == 400
-    assert http.post("/wake_up", params={"tags": "scheduling"}).json() == {"is_sleeping": False}
+    assert http.post("/wake_up", json={"tags": ["bogus"]}).status_code == 400
+    assert http.post("/wake_up", json={"tags": ["scheduling"]}).json() == {"is_sleeping": False}
     assert completion(http).status_code == 200
-    assert http.post("/sleep", params={"level": 7}).status_code == 400
+    assert http.post("/sleep", json={"level": 7}).status_code == 400
 
 
 # ---- collective_rpc ---------------------------------------------------------------------------
@@ -183,3 +183,45 @@ def test_collective_rpc_refuses_bad_methods(http, method):
     response = http.post("/collective_rpc", json={"method": method})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "method"
+
+
+# ---- the error boundary (an app of its own around this module's engine) --------------------------
+def test_an_unexpected_exception_is_a_500_and_the_connection_stays_open(engine):
+    import json
+    import socket
+
+    app = build_app(engine, ["tiny"])
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise TypeError("a bug")
+
+    srv = ThreadedServer(app)
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            replies = []
+            for path in ("/boom", "/boom", "/health"):  # one connection for all three
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                replies.append(_read_response(sock))
+    finally:
+        srv.stop()
+    assert [status for status, _ in replies] == [500, 500, 200]
+    error = json.loads(replies[0][1])["error"]
+    assert error["type"] == "server_error" and "TypeError('a bug')" in error["message"]
+
+
+def _read_response(sock) -> tuple[int, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection after {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-body"
+        body += chunk
+    return int(head.split()[1]), body[:length]

@@ -33,6 +33,11 @@ logger = logging.getLogger(__name__)
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room for one generated token within max_model_len
+    (servers answer it with code "context_length_exceeded")."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -61,6 +66,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n > self.config.scheduler.max_n:
+            raise ValueError(f"SamplingParams.n must be at most max_n "
+                             f"({self.config.scheduler.max_n}), got {params.n}")
         request_id = request_id or str(next(self._counter))
         self.core.gate.check_accepting()  # paused with mode=abort, or asleep: refuse up front
         self.core.raise_if_dead()  # a failed executor: fail now, before any state is kept
@@ -174,9 +182,9 @@ class LLMEngine:
     def _resolve_max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
         max_len = self.config.model.max_model_len
         if len(token_ids) >= max_len:
-            raise ValueError(f"prompt is {len(token_ids)} tokens long, but max_model_len is "
-                             f"{max_len}: it must be at most {max_len - 1} tokens to leave room "
-                             "for one generated token")
+            raise PromptTooLongError(
+                f"prompt is {len(token_ids)} tokens long, but max_model_len is {max_len}: it "
+                f"must be at most {max_len - 1} tokens to leave room for one generated token")
         room = max_len - len(token_ids)
         return room if params.max_tokens is None else min(params.max_tokens, room)
 

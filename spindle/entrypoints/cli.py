@@ -4,6 +4,7 @@ make-tiny-model."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def default_model_dir() -> Path:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from spindle.entrypoints.cli_args import engine_args_from
+    from spindle.config import API_KEY_ENV
+    from spindle.entrypoints.cli_args import engine_args_from, server_args_from
     from spindle.entrypoints.openai.api_server import run_server
     from spindle.logger import configure_logging
 
@@ -39,9 +41,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.model_path and ns.model and ns.model_path != ns.model:
         raise ValueError(f"two models given: {ns.model_path!r} and --model {ns.model!r}")
     model = ns.model_path or ns.model or str(default_model_dir())
+    # Checked before the engine starts: a bad server flag fails at once.
+    server_args = server_args_from(ns, api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None)
     return run_server(engine_args_from(ns, model=model), host=ns.host, port=ns.port,
                       served_model_names=ns.served_model_name,
-                      shutdown_timeout=ns.shutdown_timeout)
+                      shutdown_timeout=ns.shutdown_timeout, server_args=server_args)
 
 
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
@@ -53,7 +57,7 @@ def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from spindle.entrypoints.chat_cli import add_chat_parser
-    from spindle.entrypoints.cli_args import HelpFormatter, add_engine_args
+    from spindle.entrypoints.cli_args import HelpFormatter, add_engine_args, add_server_args
     from spindle.entrypoints.embed_cli import add_embed_parser
     from spindle.entrypoints.generate_cli import add_generate_parser
     from spindle.tools.tiny_model import add_cli_arguments
@@ -79,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="Seconds requests in flight get to finish after SIGINT/SIGTERM "
                             "before they are aborted.")
+    add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -9,7 +9,7 @@ import dataclasses
 import re
 import typing
 
-from spindle.config import EngineArgs
+from spindle.config import EngineArgs, ServerArgs
 from spindle.sampling_params import SamplingParams
 
 # No per-request --seed: the engine's --seed already makes a CLI run reproducible.
@@ -92,10 +92,11 @@ def _flag_kwargs(tp: typing.Any, default: typing.Any) -> dict:
     return {"type": base, "default": default}
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    group = parser.add_argument_group("engine")
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
+def _add_field_flags(group: argparse._ArgumentGroup, cls: type,
+                     skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of the dataclass cls, with the field's help."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         kwargs = _flag_kwargs(hints[f.name], f.default)
@@ -104,11 +105,27 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
                            **kwargs)
 
 
-def engine_args_from(ns: argparse.Namespace, **overrides: typing.Any) -> EngineArgs:
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
-              if hasattr(ns, f.name)}
+def _fields_from(cls: type, ns: argparse.Namespace, overrides: dict[str, typing.Any]) -> typing.Any:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
     values.update(overrides)
-    return EngineArgs(**values)
+    return cls(**values)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    _add_field_flags(parser.add_argument_group("engine"), EngineArgs, skip)
+
+
+def engine_args_from(ns: argparse.Namespace, **overrides: typing.Any) -> EngineArgs:
+    return _fields_from(EngineArgs, ns, overrides)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    _add_field_flags(parser.add_argument_group("server"), ServerArgs)
+
+
+def server_args_from(ns: argparse.Namespace, **overrides: typing.Any) -> ServerArgs:
+    """ServerArgs from the flags; raises ValueError naming a bad one."""
+    return _fields_from(ServerArgs, ns, overrides)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),

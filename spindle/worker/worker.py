@@ -72,6 +72,7 @@ class Worker:
         self._last_stage = "created"
         self._last_step = -1
         self._last_activity = time.monotonic()
+        self._shut_down = False
 
     # ---- lifecycle ------------------------------------------------------------
     def init_device(self) -> None:
@@ -215,9 +216,14 @@ class Worker:
                          seconds_since=time.monotonic() - self._last_activity)
 
     def check_health(self) -> bool:
+        """True while the worker can serve; raises once it has been shut down (say by a
+        collective_rpc("shutdown")), so that health checks see a dead engine at once."""
+        if self._shut_down:
+            raise RuntimeError(f"worker rank {self.rank} has been shut down")
         return True
 
     def shutdown(self) -> None:
+        self._shut_down = True
         if self.runner is not None:
             self.runner.release()
         self.runner = None

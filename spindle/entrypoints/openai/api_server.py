@@ -2,37 +2,43 @@
 run_server(), which `spindle serve` calls.
 
 build_app() knows nothing of sockets or signals, so tests can mount it anywhere.
-run_server() owns the engine, the listening socket and the graceful shutdown on
-SIGINT / SIGTERM: stop accepting, let requests in flight finish for a grace
-period, abort the rest (their clients get finish reason "abort"), stop the
-workers, exit 0.
+Around the routes sit, outermost first: CORS (only with allowed origins), the API
+key (only with one), the request body limit, and the error boundary
+(middleware.py). run_server() owns the engine, the listening socket and the
+graceful shutdown on SIGINT / SIGTERM: stop accepting, let requests in flight
+finish for a grace period, abort the rest (their clients get an error with code
+"request_aborted"), stop the workers, exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import socket
 import threading
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spindle import __version__
-from spindle.config import EngineArgs
+from spindle.config import EngineArgs, ServerArgs
 from spindle.engine.async_llm import AsyncLLM
 from spindle.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
+from spindle.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware,
+                                                   ErrorBoundary)
 from spindle.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
-                                                 CompletionRequest, api_error)
-from spindle.entrypoints.openai.serving_base import ServedModels
+                                                 CompletionRequest, api_error, invalid_request)
+from spindle.entrypoints.openai.serving_base import RequestIds, ServedModels
 from spindle.entrypoints.openai.serving_chat import ChatServing
 from spindle.entrypoints.openai.serving_completion import CompletionServing
 
@@ -43,8 +49,10 @@ router = APIRouter()
 
 
 def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
-              dev_mode: bool | None = None) -> FastAPI:
-    """The app serving engine. dev_mode None reads SPINDLE_SERVER_DEV_MODE=1."""
+              dev_mode: bool | None = None, server_args: ServerArgs | None = None) -> FastAPI:
+    """The app serving engine. dev_mode None reads SPINDLE_SERVER_DEV_MODE=1;
+    server_args None: ServerArgs() (no API key, CORS off, the default body limit)."""
+    server_args = server_args or ServerArgs()
     model_config = engine.config.model
     models = ServedModels(names=tuple(served_model_names or [model_config.model]),
                           root=model_config.model, max_model_len=model_config.max_model_len)
@@ -64,6 +72,7 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
     app.state.metrics = metrics
     app.state.completions = CompletionServing(engine, models)
     app.state.chat = ChatServing(engine, models)
+    app.state.request_ids = RequestIds()
     from spindle.entrypoints.openai.serving_embedding import add_embedding_routes
 
     add_embedding_routes(app, engine, models)  # POST /v1/embeddings (task="embed")
@@ -78,7 +87,21 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
         logger.warning("%s=1: the control routes (/sleep, /wake_up, /pause, /resume, "
                        "/collective_rpc) are mounted; never expose this server to untrusted "
                        "clients", DEV_MODE_ENV)
+    _add_middleware(app, server_args)
     return app
+
+
+def _add_middleware(app: FastAPI, args: ServerArgs) -> None:
+    # Each add wraps the ones before it: the last added sees a request first.
+    app.add_middleware(ErrorBoundary)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    if args.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    if args.allowed_origins:  # outermost: preflights and 401s get their CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                           allow_methods=args.allowed_methods or ["*"],
+                           allow_headers=args.allowed_headers or ["*"],
+                           allow_credentials=args.allow_credentials)
 
 
 # ---- routes ---------------------------------------------------------------------------
@@ -101,6 +124,11 @@ async def list_models(request: Request) -> dict[str, Any]:
     return request.app.state.models.listing()
 
 
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    return request.app.state.models.retrieve(model_id)
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
@@ -108,34 +136,63 @@ async def metrics(request: Request) -> Response:
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    request_id = _request_id(request, "cmpl")
-    return await _respond(request, request_id,
-                          request.app.state.completions.create(body, request_id))
+    return await serve_request(request, "cmpl", "prompt", lambda request_id:
+                               request.app.state.completions.create(body, request_id))
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    request_id = _request_id(request, "chatcmpl")
-    return await _respond(request, request_id, request.app.state.chat.create(body, request_id))
+    return await serve_request(request, "chatcmpl", "messages", lambda request_id:
+                               request.app.state.chat.create(body, request_id))
 
 
-def _request_id(request: Request, prefix: str) -> str:
-    """The client's X-Request-Id when it sends one, so logs on both sides agree."""
-    return request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
+async def serve_request(request: Request, prefix: str, prompt_param: str,
+                        create: Callable[[str], Awaitable[Any]]) -> Response:
+    """Run create(request_id) and answer: JSON for a finished body, server-sent events
+    for a stream, an error otherwise; every answer carries the X-Request-Id header.
 
-
-async def _respond(request: Request, request_id: str, work: Awaitable[Any]) -> Response:
-    """JSON for a finished body, server-sent events for a stream. A client that
-    disconnects before a whole (non-streamed) answer is ready cancels the work,
-    which aborts its requests in the engine; a stream is cancelled the same way
-    by the framework when its client goes."""
-    result = await _unless_disconnected(request, work)
+    The id is the client's X-Request-Id when it sends one (so logs on both sides
+    agree), held while the request is in flight. A client that disconnects before
+    a whole (non-streamed) answer is ready cancels the work, which aborts its
+    requests in the engine; a stream is cancelled the same way by the framework
+    when its client goes. prompt_param: the field a too-long prompt is named by.
+    """
+    request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
     headers = {"X-Request-Id": request_id}
-    if result is None:
-        return Response(status_code=499, headers=headers)  # nobody is listening
-    if isinstance(result, dict):
-        return JSONResponse(result, headers=headers)
-    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+    ids: RequestIds = request.app.state.request_ids
+    try:
+        ids.claim(request_id)
+    except APIError as e:
+        return error_response(e, headers)
+    streaming = False
+    try:
+        result = await _unless_disconnected(request, create(request_id))
+        if result is None:
+            return Response(status_code=499, headers=headers)  # nobody is listening
+        if isinstance(result, dict):
+            return JSONResponse(result, headers=headers)
+        streaming = True
+        return _EventStream(result, headers, on_close=lambda: ids.release(request_id))
+    except Exception as exc:
+        return error_response(_logged(api_error(exc, prompt_param), request, exc), headers)
+    finally:
+        if not streaming:
+            ids.release(request_id)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events; on_close() runs once the response ends, however it ends
+    (also when the stream never started)."""
+
+    def __init__(self, events: Any, headers: dict[str, str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
@@ -157,58 +214,50 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 # ---- errors -----------------------------------------------------------------------------
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> Response:
+    # ASCII-escaped JSON: a message quoting the client's text is always encodable.
+    return Response(json.dumps(error.body()), status_code=error.status, headers=headers,
+                    media_type="application/json")
+
+
+def _logged(error: APIError, request: Request, exc: BaseException) -> APIError:
+    """error; logged with the traceback when it is the server's fault (not a 503)."""
+    if error.status >= 500 and error.status != 503:
+        logger.error("request %s failed: %s", request.url.path, error.message, exc_info=exc)
+    return error
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error leaves in the OpenAI shape. Expected failures (bad input, a paused
-    engine) are answered without a traceback; anything else is a 500 and logged."""
+    engine) are answered without a traceback; anything else is a 500 and logged (by
+    the ErrorBoundary middleware for kinds not named here)."""
 
-    async def from_exception(request: Request, exc: Exception) -> JSONResponse:
-        error = api_error(exc)
-        if error.status >= 500 and error.status != 503:
-            logger.error("request %s failed: %s", request.url.path, error.message, exc_info=exc)
-        return error_response(error)
+    async def from_exception(request: Request, exc: Exception) -> Response:
+        return error_response(_logged(api_error(exc), request, exc))
 
-    async def from_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
+    async def from_validation(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(invalid_request(exc.errors()))
 
-    async def from_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail)))
-
-    async def from_bug(request: Request, exc: Exception) -> JSONResponse:
-        # The framework logs the traceback itself (it re-raises after this answer).
-        return error_response(APIError(500, f"internal error: {exc!r}"))
+    async def from_http(request: Request, exc: StarletteHTTPException) -> Response:
+        error = APIError(exc.status_code, str(exc.detail), code=getattr(exc, "code", None))
+        return error_response(error, exc.headers)
 
     app.add_exception_handler(RequestValidationError, from_validation)
     app.add_exception_handler(StarletteHTTPException, from_http)
-    # The expected kinds by name: a handler for Exception itself would also get them,
-    # but the framework re-raises whatever reaches that one, a traceback per 400.
     for kind in (APIError, ValueError, RuntimeError):
         app.add_exception_handler(kind, from_exception)
-    app.add_exception_handler(Exception, from_bug)
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """400 naming the offending fields, instead of the framework's 422 body."""
-    parts, params = [], []
-    for error in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
-        params.append(loc)
-        parts.append(f"{loc}: {error.get('msg', 'invalid')}")
-    return APIError(400, "invalid request: " + "; ".join(parts),
-                    param=params[0] if params else None)
 
 
 # ---- running it -------------------------------------------------------------------------
 def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000,
                served_model_names: Sequence[str] | None = None,
-               shutdown_timeout: float = 30.0) -> int:
+               shutdown_timeout: float = 30.0, server_args: ServerArgs | None = None) -> int:
     """Serve until SIGINT / SIGTERM, then shut down gracefully; returns the exit code."""
+    server_args = server_args or ServerArgs()
     engine = AsyncLLM.from_engine_args(engine_args)
     try:
-        app = build_app(engine, served_model_names or [engine_args.model])
+        app = build_app(engine, served_model_names or [engine_args.model],
+                        server_args=server_args)
         sock = _bind(host, port)
         config = uvicorn.Config(app, log_level="info",
                                 timeout_graceful_shutdown=max(shutdown_timeout, 0) + 5)
@@ -217,6 +266,10 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
         url_host = f"[{host}]" if ":" in host else host
         logger.info("serving %s on http://%s:%d (SIGINT/SIGTERM stops, grace %.0fs)",
                     app.state.models.names[0], url_host, bound_port, shutdown_timeout)
+        logger.info("API key: %s; CORS: %s; request bodies up to %d bytes",
+                    "required" if server_args.api_key else "none (every client is served)",
+                    ", ".join(server_args.allowed_origins or []) or "off",
+                    server_args.max_request_body_bytes)
         asyncio.run(server.serve(sockets=[sock]))
     finally:
         engine.shutdown()
@@ -239,8 +292,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 class _GracefulServer(uvicorn.Server):
     """uvicorn's server with spindle's shutdown: after the grace period, generations
-    still running end with finish reason "abort" (so every client gets a complete
-    answer), and a stop by signal exits with status 0 (uvicorn re-raises the signal)."""
+    still running are aborted (so every client gets a complete answer: an error with
+    code "request_aborted"), and a stop by signal exits with status 0 (uvicorn
+    re-raises the signal)."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace: float) -> None:
         super().__init__(config)

@@ -2,28 +2,35 @@
 
 Field names and defaults follow the OpenAI API (plus the usual extensions of
 OpenAI-compatible servers: top_k, min_p, repetition_penalty, ignore_eos, ...).
-Unknown fields are ignored, as OpenAI-compatible servers commonly do, so newer
-clients keep working; known fields whose feature spindle lacks are refused with
-400 rather than silently ignored.
+Types are strict, as the OpenAI API's are: a boolean is no number, a string no
+boolean, a float no integer; text must be valid Unicode (no lone surrogates, which
+JSON's \\ud800 escapes can carry). Unknown fields are ignored, as OpenAI-compatible
+servers commonly do, so newer clients keep working; known fields whose feature
+spindle lacks are refused with 400 rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from spindle.engine.llm_engine import PromptTooLongError
 from spindle.engine.pause import EngineUnavailableError, SleepModeUnavailableError
 from spindle.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+# The seeds torch.Generator.manual_seed takes (a negative one counts modulo 2**64).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class APIError(Exception):
     """An error to send to the client as {"error": {...}} with an HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error",
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+             404: "invalid_request_error", 413: "invalid_request_error",
+             415: "invalid_request_error", 500: "server_error",
              501: "not_implemented_error", 503: "service_unavailable_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -44,12 +51,24 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def api_error(exc: BaseException) -> APIError:
-    """The client-facing form of an exception raised while serving a request."""
+def request_aborted() -> APIError:
+    """What a client gets for a request the server aborted (a pause or sleep with mode
+    "abort", or the end of the shutdown grace period): an error, since the OpenAI API
+    has no finish reason for it."""
+    return APIError(503, "the server aborted this request before it finished (the engine "
+                    "was paused or put to sleep with mode abort, or the server is shutting "
+                    "down); retry it later", code="request_aborted")
+
+
+def api_error(exc: BaseException, prompt_param: str | None = None) -> APIError:
+    """The client-facing form of an exception raised while serving a request.
+    prompt_param: the request field that holds the prompt (named by a too-long one)."""
     from spindle.engine.async_llm import EngineDeadError
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, EngineUnavailableError):
         return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, SleepModeUnavailableError):
@@ -61,31 +80,81 @@ def api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {exc!r}")
 
 
+# pydantic's labels for the branches of a union type ("str", "list[int]",
+# "function-after[...]"): not field names, so left out of a field's path.
+_UNION_BRANCH = re.compile(r"[\[(]|^(str|int|float|bool|none|dict|list)$")
+
+
+def invalid_request(errors: Sequence[dict[str, Any]]) -> APIError:
+    """400 from pydantic's validation errors: each field at fault with what is wrong
+    (no input values: they may be large, or not printable); param names the first."""
+    by_field: dict[str, list[tuple[str, dict[str, Any]]]] = {}  # top-level field -> errors
+    for error in errors:
+        if error.get("type") == "json_invalid":
+            reason = (error.get("ctx") or {}).get("error", "cannot be decoded")
+            return bad_request(f"the body is not valid JSON: {reason}")
+        path = [str(p) for p in error.get("loc", ())
+                if p != "body" and not (isinstance(p, str) and _UNION_BRANCH.search(p))]
+        by_field.setdefault(path[0] if path else "", []).append((".".join(path), error))
+    by_path: dict[str, list[str]] = {}
+    for field_errors in by_field.values():
+        # A validator that ran (the type fitted) says more than the union branches
+        # whose type did not fit.
+        chosen = [(p, e) for p, e in field_errors if e.get("type") == "value_error"]
+        for path, error in chosen or field_errors:
+            message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+            messages = by_path.setdefault(path, [])
+            if message not in messages:
+                messages.append(message)
+    parts = [f"{path or 'body'}: {' or '.join(messages)}"
+             for path, messages in list(by_path.items())[:5]]
+    return APIError(400, "invalid request: " + "; ".join(parts),
+                    param=next(iter(by_path), None) or None)
+
+
 def param_of(message: str) -> str | None:
-    """The request field a SamplingParams error names ("SamplingParams.top_p must ...")."""
+    """The request field a validation error names: SamplingParams' ("SamplingParams.top_p
+    must ...") or the chat checks' ("messages[1] has role ...")."""
+    if message.startswith("messages"):
+        return "messages"
     found = re.search(r"SamplingParams\.(\w+)", message)
     return found.group(1) if found else None
 
 
+def _valid_unicode(text: str) -> str:
+    """text, if it can be encoded as UTF-8 (the tokenizer's and the response's need)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text holds a lone UTF-16 surrogate ({text[e.start]!r} at "
+                         f"character {e.start}), which is not valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **_STRICT)
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _SamplingRequest(_Request):
     """Fields completions and chat share."""
 
-    model: str | None = None
-    n: int = 1
+    model: Text | None = None
+    n: int = Field(1, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -96,7 +165,7 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     logit_bias: dict[str, float] | None = None
 
     def include_usage_in_stream(self) -> bool:
@@ -109,11 +178,16 @@ class _SamplingRequest(_Request):
             raise bad_request("stream_options is only allowed when stream is true",
                               "stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        max_n: int) -> SamplingParams:
         """Raises ValueError naming the field for a bad value (answered with 400)."""
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}",
-                              "logprobs")
+        if self.n > max_n:
+            raise bad_request(f"n must be at most {max_n} (the server's --max-n), got {self.n}",
+                              "n")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise bad_request(f"seed must be at most {SEED_MAX - self.n + 1} when n is {self.n} "
+                              f"(sample i draws with seed + i, and seeds end at {SEED_MAX})",
+                              "seed")
         values = dict(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
@@ -127,11 +201,11 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
     def refuse_unsupported(self) -> None:
@@ -157,27 +231,28 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextPart(BaseModel):
+    model_config = _STRICT
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     """Roles and content are checked by chat_utils.chat_messages, as for LLM.chat."""
 
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    model_config = ConfigDict(extra="allow", **_STRICT)
+    role: Text
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    chat_template: str | None = None
+    chat_template: Text | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None

@@ -1,6 +1,7 @@
-"""What the completions and chat endpoints share: the served model names, starting
-a request's prompts in the engine, merging their output streams, the text each
-streamed chunk may carry, server-sent events and usage."""
+"""What the completions and chat endpoints share: the served model names, the
+request ids in flight, starting a request's prompts in the engine, merging their
+output streams, the text and logprobs each streamed chunk may carry, aborted
+requests, server-sent events and usage."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from spindle.engine.async_llm import AsyncLLM, RequestStream
 from spindle.engine.llm_engine import PromptType
-from spindle.entrypoints.openai.protocol import APIError
+from spindle.entrypoints.openai.protocol import APIError, request_aborted
 from spindle.outputs import CompletionOutput, RequestOutput
 from spindle.sampling_params import SamplingParams
 
@@ -38,16 +39,56 @@ class ServedModels:
         return requested
 
     def listing(self) -> dict[str, Any]:
-        created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "spindle",
-             "root": self.root, "max_model_len": self.max_model_len} for name in self.names]}
+        return {"object": "list", "data": [self.card(name) for name in self.names]}
+
+    def retrieve(self, model_id: str) -> dict[str, Any]:
+        """GET /v1/models/{model_id}: the model's card, or 404."""
+        if model_id not in self.names:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.names)}", param="model",
+                           code="model_not_found")
+        return self.card(model_id)
+
+    def card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": int(time.time()),
+                "owned_by": "spindle", "root": self.root, "max_model_len": self.max_model_len}
+
+
+class RequestIds:
+    """The ids of the requests in flight: a client's X-Request-Id may name only one at
+    a time (the engine's ids are derived from it)."""
+
+    def __init__(self) -> None:
+        self._live: set[str] = set()
+
+    def claim(self, request_id: str) -> None:
+        if request_id in self._live:
+            raise APIError(400, f"X-Request-Id {request_id!r} is already in use by a request "
+                           "in flight; send a unique id per request", param="X-Request-Id",
+                           code="duplicate_request_id")
+        self._live.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._live.discard(request_id)
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, models: ServedModels) -> None:
         self.engine = engine
         self.models = models
+        self._special_ids: frozenset[int] | None = None
+
+    @property
+    def max_n(self) -> int:
+        return self.engine.config.scheduler.max_n
+
+    async def special_token_ids(self) -> frozenset[int]:
+        """The ids a decode with skip_special_tokens leaves out (read once, on the engine
+        thread, which owns the tokenizer)."""
+        if self._special_ids is None:
+            self._special_ids = await self.engine.call(
+                lambda engine: _special_token_ids(engine.tokenizer))
+        return self._special_ids
 
     async def start(self, request_id: str, prompts: Sequence[PromptType],
                     params: SamplingParams) -> list[RequestStream]:
@@ -141,6 +182,30 @@ class StreamProgress:
         if not (delta or new_tokens or self.finished):
             return None
         return delta, first_token, self.tokens
+
+
+def _special_token_ids(tokenizer: Any) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, token in added.items() if getattr(token, "special", False))
+    return frozenset(ids)
+
+
+def logprob_token_count(completion: CompletionOutput, special_ids: frozenset[int],
+                        skip_special_tokens: bool) -> int:
+    """How many of the sample's tokens its logprobs report: all but a final stop token
+    (EOS, or one of stop_token_ids) that the text leaves out, as a special token under
+    skip_special_tokens. The logprobs describe the text the client gets."""
+    token_ids = completion.token_ids
+    hidden = (completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str)
+              and skip_special_tokens and bool(token_ids) and token_ids[-1] in special_ids)
+    return len(token_ids) - hidden
+
+
+def raise_if_aborted(completion: CompletionOutput) -> None:
+    """An aborted sample fails its request: the OpenAI API has no finish reason for it."""
+    if completion.finish_reason == "abort":
+        raise request_aborted()
 
 
 def stop_holdback(params: SamplingParams) -> int:

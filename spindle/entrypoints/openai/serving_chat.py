@@ -3,13 +3,15 @@ template (the same rendering as LLM.chat), answered whole or streamed."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, AsyncIterator
 
 from spindle.entrypoints.chat_utils import chat_messages, render_chat_prompt
 from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
-                                                     final_outputs, finite, merge_streams, sse,
+                                                     final_outputs, finite, logprob_token_count,
+                                                     merge_streams, raise_if_aborted, sse,
                                                      stop_holdback, usage, usage_of)
 from spindle.outputs import CompletionOutput
 
@@ -20,9 +22,10 @@ class ChatServing(OpenAIServing):
         """The response body, or an iterator of server-sent events when req.stream."""
         model = self.models.resolve(req.model)
         req.refuse_unsupported()
-        params = req.sampling_params(req.max_new_tokens(), req.logprobs_wanted())
+        params = req.sampling_params(req.max_new_tokens(), req.logprobs_wanted(), self.max_n)
         conversation = chat_messages([m.model_dump(include={"role", "content"})
                                       for m in req.messages])
+        special = await self.special_token_ids() if req.logprobs else frozenset()
         # The tokenizer belongs to the engine thread: render there.
         prompt = await self.engine.call(lambda engine: render_chat_prompt(
             engine.tokenizer, conversation, req.add_generation_prompt, req.chat_template))
@@ -31,43 +34,51 @@ class ChatServing(OpenAIServing):
         if req.stream:
             header = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                       "model": model}
-            return self._stream(req, header, streams, stop_holdback(params))
+            return self._stream(req, header, streams, stop_holdback(params), special)
         (output,) = await final_outputs(streams)
         k = req.top_logprobs or 0
-        choices = [{"index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _logprobs(c, 0, c.token_ids, k),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            raise_if_aborted(c)
+            shown = c.token_ids[:logprob_token_count(c, special, req.skip_special_tokens)]
+            choices.append({"index": c.index,
+                            "message": {"role": "assistant", "content": c.text},
+                            "logprobs": _logprobs(c, 0, shown, k),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": created,
                 "model": model, "choices": choices, "usage": usage_of([output])}
 
-    async def _stream(self, req: ChatCompletionRequest, header: dict, streams,
-                      holdback: int) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, header: dict, streams, holdback: int,
+                      special: frozenset[int]) -> AsyncIterator[str]:
         progress: dict[int, StreamProgress] = {}
         k = req.top_logprobs or 0
         prompt_tokens = completion_tokens = 0
         try:
-            async for _, output in merge_streams(streams):
-                for c in output.outputs:
-                    state = progress.setdefault(c.index, StreamProgress())
-                    if not state.started:  # OpenAI opens each choice with the role alone
-                        state.started = True
-                        yield sse({**header, "choices": [_delta_choice(
-                            c.index, {"role": "assistant", "content": ""})]})
-                    taken = state.take(c, holdback)
-                    if taken is None:
-                        continue
-                    text, first, end = taken
-                    choice = _delta_choice(c.index, {"content": text} if text else {},
-                                           _logprobs(c, first, c.token_ids[first:end], k))
-                    if state.finished:
-                        choice["finish_reason"], choice["stop_reason"] = (c.finish_reason,
-                                                                          c.stop_reason)
-                    yield sse({**header, "choices": [choice]})
-                if output.finished:
-                    prompt_tokens += len(output.prompt_token_ids)
-                    completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+            async with contextlib.aclosing(merge_streams(streams)) as outputs:
+                async for _, output in outputs:
+                    for c in output.outputs:
+                        raise_if_aborted(c)
+                        state = progress.setdefault(c.index, StreamProgress())
+                        if not state.started:  # OpenAI opens each choice with the role alone
+                            state.started = True
+                            yield sse({**header, "choices": [_delta_choice(
+                                c.index, {"role": "assistant", "content": ""})]})
+                        taken = state.take(c, holdback)
+                        if taken is None:
+                            continue
+                        text, first, end = taken
+                        if state.finished:
+                            end = max(first, min(end, logprob_token_count(
+                                c, special, req.skip_special_tokens)))
+                        choice = _delta_choice(c.index, {"content": text} if text else {},
+                                               _logprobs(c, first, c.token_ids[first:end], k))
+                        if state.finished:
+                            choice["finish_reason"], choice["stop_reason"] = (c.finish_reason,
+                                                                              c.stop_reason)
+                        yield sse({**header, "choices": [choice]})
+                    if output.finished:
+                        prompt_tokens += len(output.prompt_token_ids)
+                        completion_tokens += sum(len(c.token_ids) for c in output.outputs)
             if req.include_usage_in_stream():
                 yield sse({**header, "choices": [], "usage": usage(prompt_tokens,
                                                                    completion_tokens)})

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, AsyncIterator
 
 from spindle.entrypoints.openai.protocol import CompletionRequest, api_error
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
-                                                     final_outputs, finite, merge_streams, sse,
+                                                     final_outputs, finite, logprob_token_count,
+                                                     merge_streams, raise_if_aborted, sse,
                                                      stop_holdback, usage, usage_of)
 from spindle.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -18,47 +20,57 @@ class CompletionServing(OpenAIServing):
         """The response body, or an iterator of server-sent events when req.stream."""
         model = self.models.resolve(req.model)
         req.refuse_unsupported()
-        params = req.sampling_params(req.max_tokens, req.logprobs)
-        streams = await self.start(request_id, req.prompts(), params)
+        params = req.sampling_params(req.max_tokens, req.logprobs, self.max_n)
+        prompts = req.prompts()
+        special = await self.special_token_ids() if req.logprobs is not None else frozenset()
+        streams = await self.start(request_id, prompts, params)
         header = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                   "model": model}
         if req.stream:
-            return self._stream(req, header, streams, stop_holdback(params))
+            return self._stream(req, header, streams, stop_holdback(params), special)
         outputs = await final_outputs(streams)
         choices = []
         for i, output in enumerate(outputs):
             prompt_text = await self._prompt_text(output) if req.echo else ""
-            choices += [_choice(i * params.n + c.index, prompt_text + c.text, c,
-                                _logprobs(c, 0, c.token_ids, len(prompt_text)))
-                        for c in output.outputs]
+            for c in output.outputs:
+                raise_if_aborted(c)
+                shown = c.token_ids[:logprob_token_count(c, special, req.skip_special_tokens)]
+                choices.append(_choice(i * params.n + c.index, prompt_text + c.text, c,
+                                       _logprobs(c, 0, shown, len(prompt_text))))
         return {**header, "choices": choices, "usage": usage_of(outputs)}
 
-    async def _stream(self, req: CompletionRequest, header: dict, streams,
-                      holdback: int) -> AsyncIterator[str]:
+    async def _stream(self, req: CompletionRequest, header: dict, streams, holdback: int,
+                      special: frozenset[int]) -> AsyncIterator[str]:
         n = req.n
         progress: dict[int, StreamProgress] = {}
         prompt_tokens = completion_tokens = 0
         try:
-            async for i, output in merge_streams(streams):
-                for c in output.outputs:
-                    state = progress.setdefault(i * n + c.index, StreamProgress())
-                    echo = await self._prompt_text(output) if req.echo and not state.started else ""
-                    state.started = True
-                    state.text_offset += len(echo)
-                    chars_before = state.chars
-                    taken = state.take(c, holdback)
-                    if taken is None and not echo:
-                        continue
-                    text, first, end = taken or ("", state.tokens, state.tokens)
-                    offset = state.text_offset + chars_before
-                    choice = _choice(i * n + c.index, echo + text, c,
-                                     _logprobs(c, first, c.token_ids[first:end], offset))
-                    if not state.finished:
-                        choice["finish_reason"] = choice["stop_reason"] = None
-                    yield sse({**header, "choices": [choice]})
-                if output.finished:
-                    prompt_tokens += len(output.prompt_token_ids)
-                    completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+            async with contextlib.aclosing(merge_streams(streams)) as outputs:
+                async for i, output in outputs:
+                    for c in output.outputs:
+                        raise_if_aborted(c)
+                        state = progress.setdefault(i * n + c.index, StreamProgress())
+                        echo = (await self._prompt_text(output)
+                                if req.echo and not state.started else "")
+                        state.started = True
+                        state.text_offset += len(echo)
+                        chars_before = state.chars
+                        taken = state.take(c, holdback)
+                        if taken is None and not echo:
+                            continue
+                        text, first, end = taken or ("", state.tokens, state.tokens)
+                        if state.finished:
+                            end = max(first, min(end, logprob_token_count(
+                                c, special, req.skip_special_tokens)))
+                        offset = state.text_offset + chars_before
+                        choice = _choice(i * n + c.index, echo + text, c,
+                                         _logprobs(c, first, c.token_ids[first:end], offset))
+                        if not state.finished:
+                            choice["finish_reason"] = choice["stop_reason"] = None
+                        yield sse({**header, "choices": [choice]})
+                    if output.finished:
+                        prompt_tokens += len(output.prompt_token_ids)
+                        completion_tokens += sum(len(c.token_ids) for c in output.outputs)
             if req.include_usage_in_stream():
                 yield sse({**header, "choices": [], "usage": usage(prompt_tokens,
                                                                    completion_tokens)})

@@ -12,7 +12,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from spindle.engine.async_llm import AsyncLLM
-from spindle.entrypoints.openai.protocol import APIError, _Request, bad_request
+from spindle.entrypoints.openai.protocol import (APIError, Text, _Request, bad_request,
+                                                 request_aborted)
 from spindle.entrypoints.openai.serving_base import OpenAIServing, ServedModels, final_outputs
 from spindle.outputs import EmbeddingRequestOutput
 from spindle.pooling_params import PoolingParams
@@ -21,11 +22,11 @@ router = APIRouter()
 
 
 class EmbeddingRequest(_Request):
-    input: str | list[str] | list[int] | list[list[int]]
-    model: str | None = None
+    input: Text | list[Text] | list[int] | list[list[int]]
+    model: Text | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    user: str | None = None
+    user: Text | None = None
 
     def inputs(self) -> list[str | list[int]]:
         """One string or token list per embedding asked for."""
@@ -60,14 +61,15 @@ def add_embedding_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels) -
 
 @router.post("/v1/embeddings")
 async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
-    from spindle.entrypoints.openai.api_server import _request_id, _respond
+    from spindle.entrypoints.openai.api_server import serve_request
 
-    request_id = _request_id(request, "embd")
-    return await _respond(request, request_id,
-                          request.app.state.embeddings.create(body, request_id))
+    return await serve_request(request, "embd", "input", lambda request_id:
+                               request.app.state.embeddings.create(body, request_id))
 
 
 def _embedding_item(index: int, output: EmbeddingRequestOutput, encoding: str) -> dict[str, Any]:
+    if output.finish_reason == "abort":
+        raise request_aborted()
     if output.outputs is None:
         raise APIError(500, f"embedding request {output.request_id} ended without a result "
                        f"({output.finish_reason})")
