@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -33,12 +33,29 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` need CUDA: skip them, with the reason, where there is none."""
+    """Tests marked `gpu` need CUDA: skip them, with the reason, where there is none;
+    except those also marked `kernel`, which run their Triton kernels on the CPU under
+    Triton's interpreter where triton is installed (see kernel_utils)."""
     import torch
 
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        return  # (the interpreter runs Triton kernel tests on the CPU, slowly)
-    skip = pytest.mark.skip(reason="needs a CUDA device (run with -m gpu on a GPU machine)")
+    if torch.cuda.is_available():
+        return
+    has_triton = importlib.util.find_spec("triton") is not None
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run with -m gpu on a GPU machine)")
+    skip_kernel = pytest.mark.skip(reason="needs triton, for its interpreter (pip install "
+                                          "-e '.[dev]')")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if item.get_closest_marker("kernel"):
+            if not has_triton:
+                item.add_marker(skip_kernel)
+        elif item.get_closest_marker("gpu"):
+            item.add_marker(skip_gpu)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a `kernel` test without a GPU: import the kernels interpreted."""
+    if item.get_closest_marker("kernel"):
+        from kernel_utils import INTERPRETED, import_kernels_interpreted
+
+        if INTERPRETED:
+            import_kernels_interpreted()
