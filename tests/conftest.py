@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernel tests (marked `kernel`) run under Triton's interpreter.
+# Triton reads TRITON_INTERPRET when a kernel is decorated, its own library's too (tl.sum,
+# ...), and torch imports triton as soon as anything imports torch._dynamo (transformers
+# and sentence-transformers do, at collection): so it is set here, before any test
+# module is imported. CPU code paths never launch Triton kernels; it changes nothing else.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +46,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked `gpu` need CUDA: skip them, with the reason, where there is none;
     except those also marked `kernel`, which run their Triton kernels on the CPU under
     Triton's interpreter where triton is installed (see kernel_utils)."""
-    import torch
-
     if torch.cuda.is_available():
         return
     has_triton = importlib.util.find_spec("triton") is not None

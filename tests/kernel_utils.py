@@ -3,9 +3,9 @@
 On a CUDA device the kernels are compiled and the tests use their full shapes. Without
 one they run on CPU tensors under Triton's interpreter, which executes every program of
 a launch one after the other in numpy: about a thousand times slower, so the tests pick
-small shapes there (`pick`) that still take the kernels' branches. Before such a test
-runs, conftest sets TRITON_INTERPRET=1 and imports the kernel modules
-(import_kernels_interpreted).
+small shapes there (`pick`) that still take the kernels' branches. conftest sets
+TRITON_INTERPRET=1 when there is no GPU, and imports the kernel modules before such a
+test runs (import_kernels_interpreted).
 
 What the interpreter cannot check: bf16 (it truncates float32 -> bf16 instead of rounding
 and multiplies bf16 dot operands as raw integers), CUDA graphs, and the memory ordering of
@@ -38,24 +38,23 @@ def pick(gpu: T, interpreted: T) -> T:
 
 
 def import_kernels_interpreted() -> None:
-    """Turn Triton's interpreter on and import the kernel modules (idempotent).
+    """Import the kernel modules under Triton's interpreter (idempotent).
 
-    Triton reads TRITON_INTERPRET when a function is decorated, its own library's
-    (tl.sum, tl.cdiv, ...) included, and again while some of those run: so it is set
-    before triton is first imported and stays set for the rest of this process (the
-    CPU code paths never import triton; subprocesses inherit it unused). A module that
-    earlier code imported with compiled kernels cannot run on CPU tensors: that is an
-    error, not a silent skip."""
+    conftest set TRITON_INTERPRET=1 before any test module was imported: Triton reads it
+    when a function is decorated, its own library's (tl.sum, tl.cdiv, ...) included. A
+    module that was imported with compiled kernels all the same cannot run on CPU
+    tensors: that is an error, not a silent skip."""
     loaded = [name for name in ("triton.language", *KERNEL_MODULES) if name in sys.modules]
-    if loaded and os.environ.get("TRITON_INTERPRET") != "1":
+    if loaded:
         from triton import JITFunction
 
         compiled = [name for name in loaded if any(
             isinstance(obj, JITFunction) for obj in vars(sys.modules[name]).values())]
         if compiled:
-            raise RuntimeError(f"{compiled} were imported with compiled Triton kernels before "
-                               "the kernel tests: they cannot run under the interpreter (set "
-                               "TRITON_INTERPRET=1 before anything imports triton)")
-    os.environ["TRITON_INTERPRET"] = "1"
+            raise RuntimeError(f"{compiled} were imported with compiled Triton kernels: they "
+                               "cannot run under the interpreter (TRITON_INTERPRET=1 must be "
+                               "set before anything imports triton)")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the kernel tests need TRITON_INTERPRET=1 without a GPU")
     for name in KERNEL_MODULES:
         importlib.import_module(name)
