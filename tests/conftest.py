@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernel tests (marked `kernel`) run under Triton's interpreter.
+# Triton reads TRITON_INTERPRET when a kernel is decorated, its own library's too (tl.sum,
+# ...), and torch imports triton as soon as anything imports torch._dynamo (transformers
+# and sentence-transformers do, at collection): so it is set here, before any test
+# module is imported. CPU code paths never launch Triton kernels; it changes nothing else.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")
@@ -33,12 +43,27 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` need CUDA: skip them, with the reason, where there is none."""
-    import torch
-
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        return  # (the interpreter runs Triton kernel tests on the CPU, slowly)
-    skip = pytest.mark.skip(reason="needs a CUDA device (run with -m gpu on a GPU machine)")
+    """Tests marked `gpu` need CUDA: skip them, with the reason, where there is none;
+    except those also marked `kernel`, which run their Triton kernels on the CPU under
+    Triton's interpreter where triton is installed (see kernel_utils)."""
+    if torch.cuda.is_available():
+        return
+    has_triton = importlib.util.find_spec("triton") is not None
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run with -m gpu on a GPU machine)")
+    skip_kernel = pytest.mark.skip(reason="needs triton, for its interpreter (pip install "
+                                          "-e '.[dev]')")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if item.get_closest_marker("kernel"):
+            if not has_triton:
+                item.add_marker(skip_kernel)
+        elif item.get_closest_marker("gpu"):
+            item.add_marker(skip_gpu)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a `kernel` test without a GPU: import the kernels interpreted."""
+    if item.get_closest_marker("kernel"):
+        from kernel_utils import INTERPRETED, import_kernels_interpreted
+
+        if INTERPRETED:
+            import_kernels_interpreted()

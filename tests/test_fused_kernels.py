@@ -1,23 +1,25 @@
 """Fused Triton norm / rotary / SiLU kernels against the plain-torch layers they
-replace, on fresh random inputs, in float32 and bfloat16."""
+replace, on fresh random inputs, in float32 and bfloat16 (fp16 under the interpreter:
+kernel_utils)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_utils import DEVICE, HALF
 
-pytestmark = pytest.mark.gpu
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-# Triton's CPU interpreter truncates float32 -> bf16 instead of rounding: the bf16
-# cases are for the GPU.
-DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
+pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
+DTYPES = [torch.float32, HALF]
+
+
+# bf16/fp16: at most one rounding step apart where fp32 reduction orders differ.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5),
+             torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
+             torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
 def _close(out, ref, dtype):
-    # bf16: at most one rounding step apart where fp32 reduction orders differ.
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 

@@ -1,25 +1,36 @@
 """Triton paged attention and store-KV against a float64 torch reference, on fresh
 random inputs: GQA ratios, head dims 64/128, block sizes, ragged lengths, prefix
-hits, and outputs poisoned with NaN before every run."""
+hits, and outputs poisoned with NaN before every run. On a GPU in float32 and bf16;
+under Triton's interpreter (no GPU) in float32 and fp16, with small shapes
+(kernel_utils)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
+from kernel_utils import DEVICE, HALF, INTERPRETED, pick
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
 
-import os
-
-# TRITON_INTERPRET=1 runs the kernels on the CPU (slow; for developing without a GPU).
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-# Relative error bounds (METHOD.md): IEEE float32 far under 1e-3; bf16 operands 1e-3..1e-2.
+# Relative error bounds: IEEE float32 far under 1e-3; bf16 operands 1e-3..1e-2.
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
-# Triton's CPU interpreter computes bf16 dot products wrongly (it multiplies the raw
-# bits) and truncates float32 -> bf16: the bf16 cases are for the GPU.
-DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, HALF]
+# The longest decode context: a few splits of several 64-key tiles each.
+MAX_CONTEXT = pick(2000, 300)
+
+
+@pytest.fixture(autouse=True)
+def _plan_splits_for_a_small_gpu(monkeypatch):
+    """Under the interpreter, decode plans its context splits as for a GPU with 16
+    SMs (two waves of programs: 32) instead of an H200's 132, so that a handful of
+    requests takes every split count from 32 (the most) down to 1 (no merge)."""
+    if INTERPRETED:
+        from spindle.attention.backends import triton_attn
+
+        monkeypatch.setattr(triton_attn, "_TARGET_PROGRAMS", 32)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -114,18 +125,25 @@ def run_backend(case, num_heads, num_kv_heads, head_dim):
     return out, scale
 
 
-SHAPES = [  # (num_heads, num_kv_heads, head_dim)
-    (8, 8, 64), (16, 8, 128), (16, 4, 128), (32, 4, 64), (8, 1, 128)]
+SHAPES = pick(  # (num_heads, num_kv_heads, head_dim): GQA 1, 2, 4, 8
+    [(8, 8, 64), (16, 8, 128), (16, 4, 128), (32, 4, 64), (8, 1, 128)],
+    [(4, 4, 64), (4, 1, 128)])
+# (query_lens, context_lens): context = prefix hits / earlier chunks. Prefill tiles
+# hold 64 queries when a request has more than 32, else 16.
+PREFILL_LENGTHS = pick(
+    [([1, 7, 64, 130, 33, 1, 250], [0, 40, 0, 17, 300, 5, 64])],
+    [([1, 7, 70, 20], [0, 40, 17, 100]),  # 64-query tiles, the 70's second one part-full
+     ([1, 20, 3], [30, 0, 90])])  # 16-query tiles
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_lens,context_lens", PREFILL_LENGTHS)
 def test_prefill_with_prefix_hits_and_ragged_lengths(num_heads, num_kv_heads, head_dim,
-                                                     block_size, dtype):
+                                                     block_size, dtype, query_lens,
+                                                     context_lens):
     seed = hash((num_heads, num_kv_heads, head_dim, block_size, str(dtype))) % 10_000
-    query_lens = [1, 7, 64, 130, 33, 1, 250]
-    context_lens = [0, 40, 0, 17, 300, 5, 64]  # prefix hits / earlier chunks
     case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
                      dtype, seed)
     out, scale = run_backend(case, num_heads, num_kv_heads, head_dim)
@@ -137,13 +155,25 @@ def test_prefill_with_prefix_hits_and_ragged_lengths(num_heads, num_kv_heads, he
     assert torch.equal(cache_k[case["slot_mapping"]], case["k"])
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
-@pytest.mark.parametrize("block_size", [16, 32])
+# (num_heads, num_kv_heads, head_dim, block_size, batch). On a GPU every combination;
+# under the interpreter (32 programs planned) each split count from 32 down to 1, and
+# each GQA ratio and block size.
+DECODE_CASES = pick(
+    [(*shape, block_size, batch) for shape, block_size, batch
+     in itertools.product(SHAPES, [16, 32], [1, 3, 64])],
+    [(8, 1, 64, 16, 1),  # 32 splits
+     (8, 2, 128, 32, 1),  # 16
+     (4, 4, 64, 16, 1), (8, 2, 128, 16, 3),  # 8
+     (8, 1, 64, 32, 8),  # 4
+     (8, 2, 128, 16, 9),  # 2
+     (4, 4, 64, 32, 9)])  # 1: no merge
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,batch", DECODE_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch", [1, 3, 64])
 def test_decode_split_context(num_heads, num_kv_heads, head_dim, block_size, dtype, batch):
     gen = torch.Generator().manual_seed(batch * 31 + head_dim + block_size)
-    context_lens = torch.randint(0, 2000, (batch,), generator=gen).tolist()
+    context_lens = torch.randint(0, MAX_CONTEXT, (batch,), generator=gen).tolist()
     context_lens[0] = 0  # a context of just the new token
     case = make_case([1] * batch, context_lens, num_heads, num_kv_heads, head_dim, block_size,
                      dtype, seed=batch + head_dim)
@@ -218,10 +248,12 @@ def _transformed_reference_case(case, transform, rope, dtype):
     return ref
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (8, 2, 64)])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         pick([(16, 8, 128), (8, 2, 64)], [(8, 2, 64)]))
+@pytest.mark.parametrize("block_size,batch", pick(
+    list(itertools.product([16, 32], [1, 8, 40])),
+    [(16, 1), (32, 8), (16, 17)]))  # 16 splits, 2, 1 (see DECODE_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch", [1, 8, 40])
 @pytest.mark.parametrize("with_norm", [True, False])
 def test_fused_decode_with_qk_norm_rope(num_heads, num_kv_heads, head_dim, block_size, dtype,
                                         batch, with_norm):
@@ -230,7 +262,7 @@ def test_fused_decode_with_qk_norm_rope(num_heads, num_kv_heads, head_dim, block
     from spindle.attention.backends.triton_attn import TritonAttentionBackend
 
     gen = torch.Generator().manual_seed(batch * 7 + head_dim + block_size + with_norm)
-    context_lens = torch.randint(100, 2000, (batch,), generator=gen).tolist()
+    context_lens = torch.randint(100, MAX_CONTEXT, (batch,), generator=gen).tolist()
     context_lens[0] = 0  # a context of just the new token
     if batch > 2:
         context_lens[1] = 64  # the new token is alone in its split (at batch 8)
@@ -272,14 +304,15 @@ def test_fused_decode_with_qk_norm_rope(num_heads, num_kv_heads, head_dim, block
     assert torch.equal(cache_v[untouched], before[1, untouched])
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (8, 1, 64)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         pick([(16, 8, 128), (8, 1, 64)], [(8, 4, 128), (8, 1, 64)]))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_with_fused_qk_norm_rope_store(num_heads, num_kv_heads, head_dim, dtype):
     """Prefill through the backend with a QKNormRope: the rotary kernel stores k/v."""
     from spindle.attention.backends.triton_attn import TritonAttentionBackend
 
     gen = torch.Generator().manual_seed(head_dim + num_kv_heads)
-    query_lens, context_lens = [5, 1, 70], [0, 33, 16]
+    query_lens, context_lens = pick([5, 1, 70], [5, 1, 40]), [0, 33, 16]
     case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype,
                      seed=11)
     positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])

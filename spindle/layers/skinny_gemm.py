@@ -26,9 +26,6 @@ from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this
 MAX_M = 8
 _BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
 _DTYPES = (torch.bfloat16, torch.float16)
-# Triton's CPU interpreter multiplies bf16 dot operands as raw integers: it gets float32
-# operands (bf16 x bf16 products are exact in float32, as in the matrix units).
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -101,7 +98,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         m, n, k, x.stride(0), k_per_split,
         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=_BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k == split * k_per_split,
-        IEEE=x.dtype == torch.float32 or _INTERPRET,
+        # CPU tensors reach a Triton kernel only under Triton's interpreter, which
+        # multiplies bf16 dot operands as raw integers: it gets float32 operands (bf16 x
+        # bf16 products are exact in float32, as in the matrix units).
+        IEEE=x.dtype == torch.float32 or not x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*lead, n)
 
