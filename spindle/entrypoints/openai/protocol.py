@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from spindle.engine.pause import EngineUnavailableError, SleepModeUnavailableError
+from spindle.outputs import RequestFailedError
 from spindle.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -56,6 +57,10 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(501, str(exc), code="sleep_mode_unavailable")
     if isinstance(exc, EngineDeadError):
         return APIError(500, str(exc), code="engine_dead")
+    if isinstance(exc, RequestFailedError):  # this request failed alone; the engine serves on
+        if exc.bad_request:
+            return APIError(400, str(exc), param=param_of(str(exc)))
+        return APIError(500, str(exc), code="request_failed")
     if isinstance(exc, ValueError):  # the engine's and SamplingParams' validation
         return APIError(400, str(exc), param=param_of(str(exc)))
     return APIError(500, f"internal error: {exc!r}")
