@@ -1,6 +1,6 @@
 """No single request may kill the engine: seeds over the whole range torch takes, and
 a request whose preparation (in the model runner) or output processing fails is
-failed alone, with a clear error, through LLM (uni and mp TP=2 executors) and
+failed alone, with a clear error, through LLM (uni; mp with TP=2 or PP=2) and
 AsyncLLM; the engine serves the next requests unchanged.
 
 Failures are injected into a worker's model state through collective_rpc, so the
@@ -79,6 +79,8 @@ def test_fields_changed_after_creation_are_validated_again():
     pytest.param({"async_scheduling": False}, id="uni-sync"),
     pytest.param({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
                  id="mp-tp2"),
+    pytest.param({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"},
+                 id="mp-pp2"),
 ])
 def llm(request, tiny_model):
     engine = LLM(str(tiny_model(arch="llama")), **ENGINE, **request.param)

@@ -389,8 +389,10 @@ class ModelRunner:
             if added:
                 self.input_batch.remove_request(new.req_id)
             failure = RequestFailure.from_exception(e)
-            logger.warning("request %r failed alone in its preparation: %s", new.req_id,
-                           failure.message, exc_info=not failure.bad_request)
+            reporting = self.tp_group.rank == 0 and self.stage.is_last  # one log, not one a rank
+            logger.log(logging.WARNING if reporting else logging.DEBUG,
+                       "request %r failed alone in its preparation: %s", new.req_id,
+                       failure.message, exc_info=not failure.bad_request)
             return failure
         return None
 
