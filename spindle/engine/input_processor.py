@@ -82,9 +82,12 @@ class InputProcessor:
         its length in characters, before it is tokenized, when the tokenizer allows
         a sound bound (see prompt_length.py); else from its token count, before the
         ids are built."""
-        at_least = self.length_bound.min_tokens(text)
-        if at_least >= self.config.model.max_model_len:
-            raise self._too_long(at_least, f"at least {at_least} tokens ({len(text)} characters)")
+        max_len = self.config.model.max_model_len
+        if len(text) >= max_len:  # (a shorter text has a bound below max_len)
+            at_least = self.length_bound.min_tokens(text)
+            if at_least >= max_len:
+                raise self._too_long(at_least,
+                                     f"at least {at_least} tokens ({len(text)} characters)")
         return count_then_encode(self.tokenizer, text, add_special_tokens, self.check_length)
 
     def check_length(self, num_tokens: int) -> None:

@@ -25,12 +25,12 @@ from typing import Any, Callable
 
 # Normalizers that never shorten a text, and the ones that compose (shorten it by a
 # factor of at most 4, and not at all when it is ASCII).
-_NON_SHRINKING_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend"}
-_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+_NON_SHRINKING_NORMALIZERS = frozenset({"NFD", "NFKD", "Lowercase", "Prepend"})
+_COMPOSING_NORMALIZERS = frozenset({"NFC", "NFKC"})
 _MAX_COMPOSED = 4
 # Pre-tokenizers that keep every character (when their behavior is not "Removed").
-_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation",
-                           "UnicodeScripts"}
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Digits",
+                                     "Punctuation", "UnicodeScripts"})
 
 
 class PromptLengthBound:
