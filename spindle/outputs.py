@@ -1,8 +1,44 @@
-"""What a user gets back from generate(): one RequestOutput per prompt."""
+"""What a user gets back from generate(): one RequestOutput per prompt; and how a
+request that failed alone is reported (RequestFailure, RequestFailedError)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why one request failed while the engine kept serving (say, its preparation in
+    the model runner raised). bad_request: the request's own values were refused (a
+    ValueError, TypeError or OverflowError), as opposed to a fault of the engine."""
+
+    message: str
+    bad_request: bool
+
+    @classmethod
+    def from_exception(cls, error: BaseException) -> "RequestFailure":
+        bad = isinstance(error, (ValueError, TypeError, OverflowError))
+        return cls(str(error) if bad else f"{type(error).__name__}: {error}", bad)
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed alone; the engine serves on. LLM.generate / embed raise it
+    (the other requests of that call are aborted); an AsyncLLM stream raises it
+    instead of yielding the request's final output."""
+
+    def __init__(self, request_id: str, failure: RequestFailure,
+                 prompt_index: int | None = None) -> None:
+        which = f"request {request_id!r}"
+        if prompt_index is not None:
+            which += f" (prompt {prompt_index} of the call)"
+        super().__init__(f"{which} failed: {failure.message}")
+        self.request_id = request_id
+        self.prompt_index = prompt_index
+        self.failure = failure
+
+    @property
+    def bad_request(self) -> bool:
+        return self.failure.bad_request
 
 
 @dataclass
@@ -19,7 +55,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -34,6 +70,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # Set when the request failed alone (finished, its samples' finish_reason "error").
+    error: RequestFailure | None = None
 
 
 @dataclass
@@ -54,4 +92,5 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput | None
     finished: bool = True
-    finish_reason: str | None = "stop"  # "stop" | "abort"
+    finish_reason: str | None = "stop"  # "stop" | "abort" | "error"
+    error: RequestFailure | None = None  # set when the request failed alone

@@ -7,9 +7,14 @@ engines without relearning; every bad value raises ValueError naming the field.
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+# The seeds torch.Generator.manual_seed takes: a negative seed s stands for s + 2**64.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
 
 
 @dataclass
@@ -41,36 +46,44 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self._validate()
+        self.validate()
         self._all_stop_token_ids = set(self.stop_token_ids)
 
-    def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
-        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field. Run at construction, and again
+        by the engine when a request is added (the fields may change in between)."""
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(_is_real(self.temperature) and self.temperature >= 0.0, "temperature",
+               self.temperature, "a number >= 0")
+        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p,
+               "a number in (0, 1]")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
                "0 or -1 (disabled) or a positive integer")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty",
-               self.repetition_penalty, "> 0")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-               self.frequency_penalty, "in [-2, 2]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-               self.presence_penalty, "in [-2, 2]")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
+               "a number in [0, 1]")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               "repetition_penalty", self.repetition_penalty, "a number > 0")
+        _check(_is_real(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+               "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
+        _check(_is_real(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+               "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "None or an integer >= 1")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
                self.min_tokens, "an integer >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
                "logprobs", self.logprobs, "None or an integer >= 0")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-               "a list of non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(isinstance(self.stop, (list, tuple))
+               and all(isinstance(s, str) and s for s in self.stop),
+               "stop", self.stop, "a list of non-empty strings")
+        _check(isinstance(self.stop_token_ids, (list, tuple))
+               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed,
-               "None or an integer")
+        _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+               "seed", self.seed, "None or an integer in [-2**63, 2**64 - 1] (the seeds "
+               "torch.Generator takes)")
 
     @property
     def is_greedy(self) -> bool:
@@ -90,12 +103,28 @@ class SamplingParams:
         return params
 
     def for_child(self, index: int) -> "SamplingParams":
-        """Parameters of the index-th of n samples: n=1, and a distinct seed if one was set."""
+        """Parameters of the index-th of n samples: n=1, and a distinct seed if one was
+        set (seed + index, wrapping around past SEED_MAX, so it stays a seed torch takes)."""
         params = copy.copy(self)
         params.n = 1
         if self.seed is not None:
-            params.seed = self.seed + index
+            params.seed = _wrap_seed(int(self.seed) + index)
         return params
+
+
+def _wrap_seed(seed: int) -> int:
+    return seed - 2**64 if seed > SEED_MAX else seed
+
+
+def _is_int(value: object) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """A real number (numpy's too), not a bool. NaN passes here and fails every range
+    check after."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -5,27 +5,38 @@ runs its step loop; nothing else touches it. Coroutines hand work in through a
 command queue (add, abort, pause, any call) and get replies and per-request
 outputs back on their own event loop through call_soon_threadsafe. The event loop
 never waits on a step, and a step never waits on a client.
+
+Prompts are tokenized and checked before they reach the engine thread, in a few
+tokenizer threads (the engine's InputProcessor is thread-safe, and fast tokenizers
+release the GIL while they work), so a huge prompt never stalls the steps of the
+requests already running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from spindle.config import EngineArgs, EngineConfig
-from spindle.engine.llm_engine import LLMEngine, PromptType
+from spindle.engine.llm_engine import LLMEngine, ProcessedPrompt, PromptType
 from spindle.engine.pause import PauseMode
 from spindle.engine.stats import EngineStats, IterationStats, RequestTimer, StatLogger
-from spindle.outputs import RequestOutput
+from spindle.outputs import RequestFailedError, RequestOutput
+from spindle.pooling_params import PoolingParams
 from spindle.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Threads that tokenize prompts: one big prompt takes only one of them.
+TOKENIZER_THREADS = min(4, os.cpu_count() or 1)
 
 
 class EngineDeadError(RuntimeError):
@@ -83,6 +94,10 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.config: EngineConfig = engine.config
+        self._inputs = engine.input_processor
+        self._inputs.warm_up()  # before the engine thread and the tokenizer threads share it
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                  thread_name_prefix="spindle-tokenize")
         self._loop = _EngineLoop(engine)
 
     @classmethod
@@ -90,15 +105,29 @@ class AsyncLLM:
         return cls(LLMEngine.from_engine_args(args))
 
     # ---- requests -----------------------------------------------------------------
-    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+    async def add_request(self, prompt: PromptType | ProcessedPrompt,
+                          params: SamplingParams | PoolingParams | None = None,
                           request_id: str | None = None) -> RequestStream:
         """Validate and queue a request; raises ValueError for a bad one (the engine
-        keeps serving), EngineUnavailableError while paused (abort) or asleep."""
+        keeps serving), EngineUnavailableError while paused (abort) or asleep. The
+        prompt is tokenized in a tokenizer thread, not on the engine's. A request
+        that fails later, alone, makes its stream raise RequestFailedError."""
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self._loop.abort_nowait)
         arrival = time.monotonic()
-        await self._loop.call(lambda: self._loop.add(prompt, params, request_id, stream, arrival))
+        self._loop.raise_if_dead()
+        processed = await self._in_tokenizer_thread(self._inputs.process, prompt, params)
+        await self._loop.call(
+            lambda: self._loop.add(processed, params, request_id, stream, arrival))
         return stream
+
+    async def with_tokenizer(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(tokenizer) in a tokenizer thread, off the engine's thread (say, rendering
+        a chat template and tokenizing it). fn must use the tokenizer read-only."""
+        return await self._in_tokenizer_thread(fn, self._inputs.tokenizer)
+
+    async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -198,6 +227,7 @@ class AsyncLLM:
     def shutdown(self, timeout: float = 60.0) -> None:
         """Abort what is in flight, stop the workers, end the engine thread. Idempotent."""
         self._loop.stop(timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
@@ -337,8 +367,8 @@ class _EngineLoop:
         self._flush()
 
     # ---- commands ---------------------------------------------------------------------
-    def add(self, prompt: PromptType, params: SamplingParams | None, request_id: str,
-            stream: RequestStream, arrival_time: float) -> None:
+    def add(self, prompt: ProcessedPrompt, params: SamplingParams | PoolingParams | None,
+            request_id: str, stream: RequestStream, arrival_time: float) -> None:
         self.raise_if_dead()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -374,7 +404,11 @@ class _EngineLoop:
         if tracked is None:
             return
         tracked.timer.observe(output, now, self._iteration)
-        self._send(tracked.stream.loop, tracked.stream.put, output)
+        if output.error is not None:  # it failed alone: its stream raises
+            error = RequestFailedError(output.request_id, output.error)
+            self._send(tracked.stream.loop, tracked.stream.put, error)
+        else:
+            self._send(tracked.stream.loop, tracked.stream.put, output)
         if output.finished:
             del self._streams[output.request_id]
 

@@ -1,9 +1,12 @@
 """LLMEngine: text in, RequestOutputs out, one step at a time.
 
-It tokenizes and validates requests, fans n > 1 out into n core requests, steps
-the EngineCore and hands its token outputs to the OutputProcessor. Validation
-happens here, before anything reaches the scheduler, so a bad request fails alone
-with a ValueError and the engine keeps serving.
+It tokenizes and validates requests (through its InputProcessor, unless the prompt
+comes already processed), fans n > 1 out into n core requests, steps the
+EngineCore and hands its token outputs to the OutputProcessor. Validation happens
+here, before anything reaches the scheduler, so a bad request fails alone with a
+ValueError and the engine keeps serving. A request that fails later (its
+preparation in the runner, its detokenization) finishes alone with an error: its
+RequestOutput carries it (see spindle/outputs.py).
 """
 
 from __future__ import annotations
@@ -13,16 +16,16 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from spindle.config import EngineArgs, EngineConfig
 from spindle.engine.engine_core import EngineCore
+from spindle.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from spindle.engine.output_processor import OutputProcessor
 from spindle.engine.pause import PauseMode
-from spindle.engine.pooling_inputs import (POOLING_SAMPLING_PARAMS, check_pooling_params,
-                                           tokenize_for_pooling)
-from spindle.engine.prompt_embeds import is_prompt_embeds, prompt_embeds_input
+from spindle.engine.pooling_inputs import POOLING_SAMPLING_PARAMS, check_pooling_params
 from spindle.engine.request import Request
+from spindle.engine.scheduler_output import EngineCoreOutput
 from spindle.engine.tokenizer_loader import load_tokenizer
 from spindle.outputs import RequestOutput
 from spindle.pooling_params import PoolingParams
@@ -30,12 +33,7 @@ from spindle.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PromptType = Union[str, list[int], dict[str, Any]]
-
-
-class PromptTooLongError(ValueError):
-    """A prompt that leaves no room for one generated token within max_model_len
-    (servers answer it with code "context_length_exceeded")."""
+__all__ = ["LLMEngine", "PromptType", "ProcessedPrompt"]
 
 
 class LLMEngine:
@@ -49,6 +47,7 @@ class LLMEngine:
         logger.info("tokenizer loaded in %.2f s", time.perf_counter() - start)
         self.core = EngineCore(config)
         self.eos_token_ids = eos_token_ids(config, self.tokenizer)
+        self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
@@ -57,15 +56,19 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     # ---- requests ---------------------------------------------------------------
-    def add_request(self, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
+    def add_request(self, prompt: PromptType | ProcessedPrompt,
+                    params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, final_only: bool = False) -> str:
-        """Queue a request. final_only: step() reports it only once finished (offline
-        batches), instead of its cumulative output after every step (streaming)."""
-        if isinstance(params, PoolingParams) or self.config.model.task == "embed":
+        """Queue a request. prompt: text, token ids, a dict, or what
+        input_processor.process() made of one (then it is not tokenized again).
+        final_only: step() reports it only once finished (offline batches), instead of
+        its cumulative output after every step (streaming)."""
+        if self.input_processor.is_pooling(params):
             return self._add_pooling_request(prompt, params, request_id)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # (its fields may have changed since it was made)
         if params.n > self.config.scheduler.max_n:
             raise ValueError(f"SamplingParams.n must be at most max_n "
                              f"({self.config.scheduler.max_n}), got {params.n}")
@@ -74,29 +77,31 @@ class LLMEngine:
         self.core.raise_if_dead()  # a failed executor: fail now, before any state is kept
         if self.output_processor.core_request_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids, embeds = self._process_prompt(prompt)
+        processed = self.input_processor.process(prompt, params)
+        token_ids = processed.token_ids
         max_tokens = self._resolve_max_tokens(token_ids, params)
         params = params.with_eos(self.eos_token_ids)
         children = {_child_id(request_id, i, params.n): params.for_child(i) for i in range(params.n)}
         # (Placeholder ids of prompt embeddings are no tokens to show or detokenize.)
-        self.output_processor.add_request(request_id, text, token_ids if embeds is None else [],
+        self.output_processor.add_request(request_id, processed.text,
+                                          token_ids if processed.embeds is None else [],
                                           children, final_only)
         for core_id, child_params in children.items():
             self.core.add_request(Request(core_id, token_ids, child_params, max_tokens,
-                                          prompt_embeds=embeds))
+                                          prompt_embeds=processed.embeds))
         return request_id
 
-    def _add_pooling_request(self, prompt: PromptType, params: PoolingParams | None,
-                             request_id: str | None) -> str:
+    def _add_pooling_request(self, prompt: PromptType | ProcessedPrompt,
+                             params: PoolingParams | None, request_id: str | None) -> str:
         """An embedding request: truncating tokenization, one core request that pools."""
         params = check_pooling_params(self.config, params)
         request_id = request_id or str(next(self._counter))
         self.core.gate.check_accepting()
         if self.output_processor.core_request_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = tokenize_for_pooling(self.tokenizer, prompt, self.config)
-        self.output_processor.add_pooling_request(request_id, text, token_ids)
-        self.core.add_request(Request(request_id, token_ids, POOLING_SAMPLING_PARAMS, 1,
+        processed = self.input_processor.process(prompt, params)
+        self.output_processor.add_pooling_request(request_id, processed.text, processed.token_ids)
+        self.core.add_request(Request(request_id, processed.token_ids, POOLING_SAMPLING_PARAMS, 1,
                                       pooling_params=params))
         return request_id
 
@@ -110,11 +115,17 @@ class LLMEngine:
         return self.output_processor.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.core.step()
-        results, stopped = self.output_processor.process(core_outputs)
+        return self._process(self.core.step())
+
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """The user-facing outputs of the core's; tell the core what they ended."""
+        results, stopped, failed = self.output_processor.process(core_outputs)
         if stopped:
             # A stop string ended these samples: the core frees their blocks now.
             self.core.finish_requests(stopped)
+        if failed:
+            # Samples of requests that failed (a sibling sample's failure included).
+            self.core.abort_requests(failed)
         return results
 
     def can_step(self) -> bool:
@@ -124,8 +135,7 @@ class LLMEngine:
     def pause(self, mode: PauseMode | str) -> list[RequestOutput]:
         """Pause scheduling (see engine/pause.py); returns the final outputs of the
         requests that mode "abort" finished."""
-        results, _ = self.output_processor.process(self.core.pause(mode))
-        return results
+        return self._process(self.core.pause(mode))
 
     def resume(self) -> None:
         self.core.resume()
@@ -133,8 +143,7 @@ class LLMEngine:
     def sleep(self, level: int = 1, mode: PauseMode | str = PauseMode.KEEP) -> list[RequestOutput]:
         """Sleep (see EngineCore.sleep); returns the outputs of the requests that mode
         "abort" or "wait" finished."""
-        results, _ = self.output_processor.process(self.core.sleep(level, mode))
-        return results
+        return self._process(self.core.sleep(level, mode))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.core.wake_up(tags)
@@ -146,46 +155,9 @@ class LLMEngine:
         self.core.shutdown()
 
     # ---- validation ---------------------------------------------------------------
-    def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], Any]:
-        """(text, token ids, prompt embeddings or None) of a generation prompt."""
-        if is_prompt_embeds(prompt):
-            embeds, placeholder_ids = prompt_embeds_input(prompt, self.config)
-            return None, placeholder_ids, embeds
-        return (*self._tokenize(prompt), None)
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self._check_token_ids(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_token_ids(list(prompt))
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, "
-                         f"got {type(prompt).__name__}")
-
-    def _check_token_ids(self, token_ids: list[int]) -> list[int]:
-        if not token_ids:
-            raise ValueError("prompt is empty (no tokens)")
-        vocab = self.config.model.vocab_size
-        for t in token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
-        return list(token_ids)
-
     def _resolve_max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
-        max_len = self.config.model.max_model_len
-        if len(token_ids) >= max_len:
-            raise PromptTooLongError(
-                f"prompt is {len(token_ids)} tokens long, but max_model_len is {max_len}: it "
-                f"must be at most {max_len - 1} tokens to leave room for one generated token")
-        room = max_len - len(token_ids)
+        self.input_processor.check_length(len(token_ids))
+        room = self.config.model.max_model_len - len(token_ids)
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
 

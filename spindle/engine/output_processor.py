@@ -2,19 +2,23 @@
 
 It owns detokenization (incremental), stop strings (which the core cannot see,
 since it never handles text), logprob formatting and the folding of n > 1
-samples back into one RequestOutput per user request.
+samples back into one RequestOutput per user request. A request fails alone
+(RequestOutput.error) when one of its samples failed in the core, or here.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from spindle.engine.detokenizer import IncrementalDetokenizer
 from spindle.engine.pooling_output import PoolingOutputs
 from spindle.engine.scheduler_output import EngineCoreOutput, SampledLogprobs
-from spindle.outputs import CompletionOutput, Logprob, RequestOutput
+from spindle.outputs import CompletionOutput, Logprob, RequestFailure, RequestOutput
 from spindle.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +49,7 @@ class _UserRequest:
     prompt_token_ids: list[int]
     samples: dict[str, _SampleState]  # core request id -> sample
     final_only: bool = False  # report only the finished output (offline batches)
+    error: RequestFailure | None = None  # set when one of its samples failed
 
     @property
     def finished(self) -> bool:
@@ -54,7 +59,15 @@ class _UserRequest:
         ordered = sorted(self.samples.values(), key=lambda s: s.index)
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids,
-                             outputs=[s.completion() for s in ordered], finished=self.finished)
+                             outputs=[s.completion() for s in ordered], finished=self.finished,
+                             error=self.error)
+
+    def fail(self, core_id: str, failure: RequestFailure) -> None:
+        """The sample core_id failed: so does the request; its other samples end too."""
+        self.error = failure
+        for sample_id, sample in self.samples.items():
+            if sample.finish_reason is None:
+                sample.finish_reason = "error" if sample_id == core_id else "abort"
 
 
 class OutputProcessor:
@@ -92,12 +105,15 @@ class OutputProcessor:
         user = self._users.get(request_id)
         return list(user.samples) if user else []
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, outputs: list[EngineCoreOutput]
+                ) -> tuple[list[RequestOutput], list[str], list[str]]:
         """Apply one step's outputs. Returns the updated user requests' outputs (an
-        EmbeddingRequestOutput for each finished pooling request) and the core
-        request ids that hit a stop string (the core must finish them)."""
+        EmbeddingRequestOutput for each finished pooling request), the core request
+        ids that hit a stop string (the core must finish them), and the core request
+        ids of requests that failed (the core must abort those still running)."""
         touched: dict[str, _UserRequest] = {}
         stopped_by_string: list[str] = []
+        failed: list[str] = []
         pooled = []
         for out in outputs:
             if out.req_id in self.pooling:
@@ -110,8 +126,18 @@ class OutputProcessor:
             sample = user.samples[out.req_id]
             if sample.finish_reason is not None:
                 continue
-            if self._apply(sample, out):
-                stopped_by_string.append(out.req_id)
+            failure = out.error if out.finish_reason == "error" else None
+            if failure is None:
+                try:
+                    if self._apply(sample, out):
+                        stopped_by_string.append(out.req_id)
+                except Exception as e:  # this sample's text, stop strings or logprobs
+                    logger.exception("request %r failed alone in its output processing",
+                                     user_id)
+                    failure = RequestFailure(f"{type(e).__name__}: {e}", bad_request=False)
+            if failure is not None:
+                user.fail(out.req_id, failure)
+                failed.extend(user.samples)
             touched[user_id] = user
         results: list = [p for p in pooled if p is not None]
         for user in touched.values():
@@ -120,7 +146,7 @@ class OutputProcessor:
                 self._forget(user)
             elif not user.final_only:
                 results.append(user.output())
-        return results, stopped_by_string
+        return results, stopped_by_string, failed
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a user request with reason 'abort'; returns its final output."""

@@ -10,6 +10,7 @@ since a pooling request always runs whole.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from spindle.config import EngineConfig
@@ -31,7 +32,7 @@ def check_pooling_params(config: EngineConfig, params: Any) -> PoolingParams:
     if not isinstance(params, PoolingParams):
         raise ValueError(f"this engine runs task='embed': pass PoolingParams (or use "
                          f"LLM.embed()), got {type(params).__name__}")
-    return params
+    return dataclasses.replace(params)  # validated again (its fields may have changed)
 
 
 def tokenize_for_pooling(tokenizer: Any, prompt: Any, config: EngineConfig) -> tuple[str | None, list[int]]:

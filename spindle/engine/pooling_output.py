@@ -41,7 +41,7 @@ class PoolingOutputs:
         return EmbeddingRequestOutput(
             request_id=out.req_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, outputs=embedding,
-            finish_reason=out.finish_reason if embedding is None else "stop")
+            finish_reason=out.finish_reason if embedding is None else "stop", error=out.error)
 
     def abort(self, request_id: str) -> EmbeddingRequestOutput | None:
         request = self._requests.pop(request_id, None)

@@ -25,6 +25,7 @@ from spindle.engine.request import Request, RequestStatus
 from spindle.engine.scheduler_output import (CachedRequestData, EngineCoreOutput,
                                              ModelRunnerOutput, NewRequestData,
                                              SchedulerOutput)
+from spindle.outputs import RequestFailure
 
 
 class Scheduler:
@@ -343,6 +344,8 @@ class Scheduler:
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduled = scheduler_output.num_scheduled_tokens
+        if runner_output.failed_requests:
+            outputs.extend(self._finish_failed(runner_output.failed_requests))
         if runner_output.pooled_outputs:
             outputs.extend(self._finish_pooled(scheduled, runner_output))
         logprobs = runner_output.logprobs
@@ -368,6 +371,13 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
+
+    def _finish_failed(self, failures: dict[str, RequestFailure]) -> list[EngineCoreOutput]:
+        """Requests the runner could not prepare fail alone (FINISHED_ERROR)."""
+        failed = [rid for rid in failures if rid in self.requests]
+        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(req_id=rid, new_token_ids=[], finish_reason="error",
+                                 error=failures[rid]) for rid in failed]
 
     def _finish_pooled(self, scheduled: dict[str, int],
                        runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from spindle.outputs import RequestFailure
 from spindle.sampling_params import SamplingParams
 
 
@@ -83,6 +84,9 @@ class ModelRunnerOutput:
     # Per request in req_ids when the step pooled: its embedding (a list of floats),
     # None for a request that did not pool. Empty when nothing pooled.
     pooled_outputs: list[list[float] | None] = field(default_factory=list)
+    # Requests whose preparation failed this step (not in req_ids): the runner dropped
+    # them, and ignores them until they come back in finished_req_ids.
+    failed_requests: dict[str, RequestFailure] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,9 +96,10 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[SampledLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # stop token id (None for EOS) or stop string
     pooled_output: list[float] | None = None  # the embedding, for a finished pooling request
+    error: RequestFailure | None = None  # why, when finish_reason is "error"
 
     @property
     def finished(self) -> bool:

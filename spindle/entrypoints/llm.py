@@ -17,7 +17,7 @@ from spindle.engine.llm_engine import LLMEngine, PromptType
 from spindle.engine.pooling_inputs import pretokenize
 from spindle.entrypoints.chat_utils import render_chat_prompt
 from spindle.logger import configure_logging
-from spindle.outputs import EmbeddingRequestOutput, RequestOutput
+from spindle.outputs import EmbeddingRequestOutput, RequestFailedError, RequestOutput
 from spindle.pooling_params import PoolingParams
 from spindle.sampling_params import SamplingParams
 
@@ -43,7 +43,11 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order.
+
+        Bad input raises ValueError before anything runs. A request that fails while
+        it runs (RequestFailedError, naming it and the cause) fails the call: the
+        other requests are aborted, and the engine serves the next call."""
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
         return self._run(self._add_all(prompts, params), use_tqdm)
@@ -133,6 +137,10 @@ class LLM:
         try:
             while pending:
                 for out in self.engine.step():
+                    if out.error is not None and out.request_id in pending:
+                        # It failed alone; the rest of the call is aborted below.
+                        raise RequestFailedError(out.request_id, out.error,
+                                                 request_ids.index(out.request_id))
                     if out.finished and out.request_id in pending:
                         finished[out.request_id] = out
                         pending.discard(out.request_id)

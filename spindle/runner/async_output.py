@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from spindle.engine.scheduler_output import ModelRunnerOutput
+from spindle.outputs import RequestFailure
 
 if TYPE_CHECKING:
     from spindle.runner.input_batch import StepBatch
@@ -23,10 +24,12 @@ if TYPE_CHECKING:
 
 class PendingOutput:
     def __init__(self, runner: "ModelRunner | None", batch: "StepBatch | None",
-                 sampled: "SamplerOutput | None") -> None:
+                 sampled: "SamplerOutput | None",
+                 failed_requests: dict[str, RequestFailure] | None = None) -> None:
         self._runner = runner
         self._batch = batch
         self.sampled = sampled
+        self._failed_requests = failed_requests or {}  # reported with the step's tokens
         self._result: ModelRunnerOutput | None = None
         # Which row of the sampled tokens belongs to which request.
         self.sample_row: dict[str, int] = {}
@@ -67,6 +70,7 @@ class PendingOutput:
             if len(self._host) == 4:
                 logprobs = (self._host[1].tolist(), self._host[2].tolist(), self._host[3].tolist())
             self._result = self._runner._record_and_report(self._batch, token_ids, logprobs)
+            self._result.failed_requests = self._failed_requests
             self._host = []
             self._runner = self._batch = None  # no cycle keeps the runner (and its memory) alive
         return self._result

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.engine.scheduler_output import NewRequestData, SchedulerOutput
+from spindle.engine.scheduler_output import NewRequestData
 from spindle.runner.sample.metadata import SamplingMetadata
 from spindle.runner.staging import HostToDevice
 from spindle.sampling_params import SamplingParams
@@ -93,6 +93,9 @@ class InputBatch:
 
     # ---- request bookkeeping -------------------------------------------------
     def add_request(self, new: NewRequestData) -> CachedRequestState:
+        """Give a new request a row. Everything that can fail for this request alone
+        (its length, its generator) happens before the row is taken, so a failure
+        leaves the batch as it was."""
         if new.req_id in self.requests:
             raise RuntimeError(f"request {new.req_id!r} is already in the runner's batch")
         if not self._free_rows:
@@ -100,22 +103,31 @@ class InputBatch:
         if len(new.token_ids) > self.max_model_len:
             raise ValueError(f"request {new.req_id!r} has {len(new.token_ids)} tokens, "
                              f"more than max_model_len ({self.max_model_len})")
+        generator = self._generator_for(new.sampling_params)
         row = self._free_rows.pop()
-        params = new.sampling_params
-        generator = None
-        if params.seed is not None and not params.is_greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
         state = CachedRequestState(
             req_id=new.req_id, row=row, num_prompt_tokens=new.num_prompt_tokens,
-            sampling_params=params, generator=generator, block_ids=list(new.block_ids),
-            num_computed_tokens=new.num_computed_tokens, num_tokens=len(new.token_ids),
+            sampling_params=new.sampling_params, generator=generator,
+            block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+            num_tokens=len(new.token_ids),
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
             pooling_params=new.pooling_params)
-        self.token_ids[row, :len(new.token_ids)] = new.token_ids
-        self._write_block_ids(state, 0, new.block_ids)
         self.requests[new.req_id] = state
+        try:
+            self.token_ids[row, :len(new.token_ids)] = new.token_ids
+            self._write_block_ids(state, 0, new.block_ids)
+        except Exception:
+            self.remove_request(new.req_id)
+            raise
         return state
+
+    def _generator_for(self, params: SamplingParams) -> torch.Generator | None:
+        """The request's own random stream when it has a seed (greedy ones draw nothing)."""
+        if params.seed is None or params.is_greedy:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed)
+        return generator
 
     def remove_request(self, req_id: str) -> CachedRequestState | None:
         state = self.requests.pop(req_id, None)
@@ -144,11 +156,12 @@ class InputBatch:
         self.block_table[state.row, start:end] = block_ids
 
     # ---- step preparation ----------------------------------------------------
-    def prepare(self, sched: SchedulerOutput) -> StepBatch:
-        req_ids = list(sched.num_scheduled_tokens)
+    def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepBatch:
+        """The step's batch: the scheduled requests (in this order) and their token counts."""
+        req_ids = list(num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        num_scheduled = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64,
+        num_scheduled = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64,
                                     count=len(states))
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
                                    count=len(states))

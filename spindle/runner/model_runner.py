@@ -20,11 +20,12 @@ from spindle.attention.layer import Attention
 from spindle.config import EngineConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
-from spindle.engine.scheduler_output import (ModelRunnerOutput, SampledLogprobs,
-                                             SchedulerOutput)
+from spindle.engine.scheduler_output import (ModelRunnerOutput, NewRequestData,
+                                             SampledLogprobs, SchedulerOutput)
 from spindle.forward_context import forward_context
 from spindle.memory.sleep_backend import KV_CACHE, WEIGHTS
 from spindle.models.loader import checkpoint_files, iter_checkpoint, load_model
+from spindle.outputs import RequestFailure
 from spindle.platforms.interface import Platform
 from spindle.runner.async_output import PendingOutput
 from spindle.runner.cuda_graph import CudaGraphRunner
@@ -40,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 
 MemoryScope = Callable[[str], ContextManager]
+
+# Errors of this rank's memory or device, not of the request being prepared: they
+# could strike one tensor-parallel rank and not another, so they stay fatal (a
+# request failing alone must fail on every rank alike, or the ranks diverge).
+_RANK_LOCAL_ERRORS = (MemoryError, torch.OutOfMemoryError, torch.AcceleratorError)
 
 
 def flatten_cache_entries(entries: Sequence[torch.Tensor | Sequence[torch.Tensor]]
@@ -80,6 +86,9 @@ class ModelRunner:
         self.num_graph_captures = 0  # CUDA graphs captured so far (warmup and recaptures)
         self._recapture_on_wake = False
         self._last_launched: PendingOutput | None = None
+        # Requests whose preparation failed: the scheduler may still schedule them (it
+        # learns of the failure from this step's output) until it reports them finished.
+        self._dropped: set[str] = set()
         self.h2d = HostToDevice(device)
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler.max_num_seqs,
@@ -178,7 +187,7 @@ class ModelRunner:
 
     def _warmup_request(self, num_prompt: int, block_ids: list[int]) -> None:
         """A throw-away greedy request: its prefill step, then one decode step."""
-        from spindle.engine.scheduler_output import CachedRequestData, NewRequestData
+        from spindle.engine.scheduler_output import CachedRequestData
         from spindle.sampling_params import SamplingParams
 
         req = "__warmup__"
@@ -282,12 +291,13 @@ class ModelRunner:
         input whose token this step is still sampling is then fed on the device
         from this step's sampled tokens (see _feed_inflight_tokens).
         """
-        self._update_states(sched)
-        if sched.total_num_scheduled_tokens == 0:
-            return PendingOutput.ready(ModelRunnerOutput())
+        failures = self._update_states(sched)
+        scheduled = self._runnable(sched)
+        if not scheduled:
+            return PendingOutput.ready(ModelRunnerOutput(failed_requests=failures))
         state = self._require_state()
         self.h2d.new_step()
-        batch = self.input_batch.prepare(sched)
+        batch = self.input_batch.prepare(scheduled)
         feed = self._inflight_feed(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.run(batch, feed)
@@ -307,11 +317,19 @@ class ModelRunner:
             # The last stage samples and reports; this stage is free for the next batch.
             return PendingOutput.ready(ModelRunnerOutput())
         if self.pooler is not None:
-            return PendingOutput.ready(self._pool_and_report(batch, hidden))
+            output = self._pool_and_report(batch, hidden)
+            output.failed_requests = failures
+            return PendingOutput.ready(output)
         sampled = self._sample(batch, hidden)
-        pending = PendingOutput(self, batch, sampled)
+        pending = PendingOutput(self, batch, sampled, failures)
         self._last_launched = pending
         return pending
+
+    def _runnable(self, sched: SchedulerOutput) -> dict[str, int]:
+        """The step's scheduled requests and token counts, without the dropped ones."""
+        if not self._dropped:
+            return sched.num_scheduled_tokens
+        return {r: n for r, n in sched.num_scheduled_tokens.items() if r not in self._dropped}
 
     def _inflight_feed(self, batch: StepBatch):
         """A function writing, on the device, the input ids whose token the last
@@ -331,20 +349,52 @@ class ModelRunner:
 
         return feed
 
-    def _update_states(self, sched: SchedulerOutput) -> None:
+    def _update_states(self, sched: SchedulerOutput) -> dict[str, RequestFailure]:
+        """Forget finished and preempted requests, add new ones, advance cached ones.
+        Returns the new requests whose preparation failed (they are dropped)."""
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.input_batch.remove_request(req_id)
-        state = self._require_state()
+            self._dropped.discard(req_id)
+        failures = {}
         for new in sched.new_requests:
-            state.validate_request(new)
-            cached = self.input_batch.add_request(new)
-            state.preprocess_state(cached, new)
+            failure = self._add_request(new)
+            if failure is not None:
+                failures[new.req_id] = failure
+        self._dropped.update(failures)
         for cached_req in sched.cached_requests:
+            if cached_req.req_id in self._dropped:
+                continue
             self.input_batch.append_blocks(cached_req.req_id, cached_req.new_block_ids)
             if cached_req.new_token_ids:
                 self._append_step_tokens(cached_req)
             self.input_batch.requests[cached_req.req_id].num_computed_tokens = \
                 cached_req.num_computed_tokens
+        return failures
+
+    def _add_request(self, new: NewRequestData) -> RequestFailure | None:
+        """Prepare a request the runner first sees: its row, its generator, its model
+        state (prompt embeddings, ...). What goes wrong here belongs to this request
+        alone: it is dropped and reported, and the step goes on without it. Every
+        rank prepares it from the same data, so every rank fails it alike."""
+        state = self._require_state()
+        added = False
+        try:
+            state.validate_request(new)
+            cached = self.input_batch.add_request(new)
+            added = True
+            state.preprocess_state(cached, new)
+        except _RANK_LOCAL_ERRORS:
+            raise
+        except Exception as e:
+            if added:
+                self.input_batch.remove_request(new.req_id)
+            failure = RequestFailure.from_exception(e)
+            reporting = self.tp_group.rank == 0 and self.stage.is_last  # one log, not one a rank
+            logger.log(logging.WARNING if reporting else logging.DEBUG,
+                       "request %r failed alone in its preparation: %s", new.req_id,
+                       failure.message, exc_info=not failure.bad_request)
+            return failure
+        return None
 
     def _append_step_tokens(self, cached_req) -> None:
         """Pipeline parallelism: append the sampled tokens this stage has not seen

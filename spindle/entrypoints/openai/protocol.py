@@ -16,8 +16,9 @@ from typing import Annotated, Any, Literal, Sequence
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from spindle.engine.llm_engine import PromptTooLongError
+from spindle.engine.input_processor import PromptTooLongError
 from spindle.engine.pause import EngineUnavailableError, SleepModeUnavailableError
+from spindle.outputs import RequestFailedError
 from spindle.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -75,6 +76,10 @@ def api_error(exc: BaseException, prompt_param: str | None = None) -> APIError:
         return APIError(501, str(exc), code="sleep_mode_unavailable")
     if isinstance(exc, EngineDeadError):
         return APIError(500, str(exc), code="engine_dead")
+    if isinstance(exc, RequestFailedError):  # this request failed alone; the engine serves on
+        if exc.bad_request:
+            return APIError(400, str(exc), param=param_of(str(exc)))
+        return APIError(500, str(exc), code="request_failed")
     if isinstance(exc, ValueError):  # the engine's and SamplingParams' validation
         return APIError(400, str(exc), param=param_of(str(exc)))
     return APIError(500, f"internal error: {exc!r}")

@@ -26,9 +26,9 @@ class ChatServing(OpenAIServing):
         conversation = chat_messages([m.model_dump(include={"role", "content"})
                                       for m in req.messages])
         special = await self.special_token_ids() if req.logprobs else frozenset()
-        # The tokenizer belongs to the engine thread: render there.
-        prompt = await self.engine.call(lambda engine: render_chat_prompt(
-            engine.tokenizer, conversation, req.add_generation_prompt, req.chat_template))
+        # Rendered and tokenized in a tokenizer thread, not on the engine's.
+        prompt = await self.engine.with_tokenizer(lambda tokenizer: render_chat_prompt(
+            tokenizer, conversation, req.add_generation_prompt, req.chat_template))
         streams = await self.start(request_id, [prompt], params)
         created = int(time.time())
         if req.stream:
