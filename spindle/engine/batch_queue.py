@@ -16,8 +16,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from spindle.engine.scheduler import Scheduler
-from spindle.engine.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from spindle.executor.abstract import Executor
+from spindle.step_messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass

@@ -15,9 +15,9 @@ from spindle.engine.batch_queue import BatchQueue
 from spindle.engine.pause import PauseMode, SchedulingGate, SleepModeUnavailableError
 from spindle.engine.request import Request, RequestStatus
 from spindle.engine.scheduler import Scheduler
-from spindle.engine.scheduler_output import EngineCoreOutput, ModelRunnerOutput
 from spindle.engine.startup_table import format_startup_table
 from spindle.executor.abstract import Executor
+from spindle.step_messages import EngineCoreOutput, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

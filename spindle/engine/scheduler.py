@@ -22,9 +22,8 @@ from spindle.config import CacheConfig, SchedulerConfig
 from spindle.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from spindle.engine.no_kv_cache_manager import NoKVCacheManager
 from spindle.engine.request import Request, RequestStatus
-from spindle.engine.scheduler_output import (CachedRequestData, EngineCoreOutput,
-                                             ModelRunnerOutput, NewRequestData,
-                                             SchedulerOutput)
+from spindle.step_messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                   NewRequestData, SchedulerOutput)
 
 
 class Scheduler:

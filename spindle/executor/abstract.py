@@ -15,8 +15,8 @@ import logging
 from typing import Any, Callable
 
 from spindle.config import EngineConfig
-from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from spindle.executor.errors import ExecutorFailedError
+from spindle.step_messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

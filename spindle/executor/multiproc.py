@@ -39,7 +39,6 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from spindle.distributed.shm_broadcast import BroadcastRing
-from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from spindle.executor.abstract import Executor
 from spindle.executor.config_snapshot import config_for_workers
 from spindle.executor.devices import worker_device_indices
@@ -48,6 +47,7 @@ from spindle.executor.heartbeat import HeartbeatBoard
 from spindle.executor.multiproc_worker import (FAILED, READY, SHUTDOWN, RpcReply, RpcRequest,
                                                WorkerProcSpec, worker_main)
 from spindle.platforms import resolve_platform
+from spindle.step_messages import ModelRunnerOutput, SchedulerOutput
 from spindle.worker.worker import Heartbeat
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from spindle.executor.abstract import Executor
 from spindle.executor.config_snapshot import config_for_workers
 from spindle.executor.errors import ExecutorFailedError
@@ -34,6 +33,7 @@ from spindle.executor.multiproc import STEP_TIMEOUT_S, worker_threads
 from spindle.executor.multiproc_worker import FATAL_METHODS
 from spindle.executor.ray_worker import RayWorkerActor
 from spindle.platforms import resolve_platform
+from spindle.step_messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from spindle.engine.scheduler_output import SchedulerOutput
 from spindle.executor.abstract import Executor
 from spindle.executor.devices import worker_device_indices
 from spindle.platforms import resolve_platform
+from spindle.step_messages import SchedulerOutput
 from spindle.worker.worker import Worker
 
 
