@@ -296,12 +296,9 @@ def test_a_fatal_step_error_is_reported_and_the_worker_exits(tiny_model):
     llm.shutdown()
 
 
-def test_a_hung_step_times_out_naming_where_every_rank_is(tiny_model, monkeypatch):
-    import spindle.executor.multiproc as multiproc
-
-    monkeypatch.setattr(multiproc, "STEP_TIMEOUT_S", 1.0)
+def test_a_hung_step_times_out_naming_where_every_rank_is(tiny_model):
     llm = LLM(str(tiny_model(arch="llama")), device="cpu", tensor_parallel_size=2,
-              max_model_len=256)
+              max_model_len=256, step_timeout_s=1.0)
     executor = _executor(llm)
     pids = executor.worker_pids
 

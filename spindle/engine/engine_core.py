@@ -38,7 +38,7 @@ class EngineCore:
         # Async scheduling: schedule and launch step N+1 while step N runs on the device.
         pipelined = config.parallel.pipeline_parallel_size > 1
         self.async_scheduling = (config.scheduler.async_scheduling and not pipelined
-                                 and hasattr(self.executor, "execute_model_async"))
+                                 and self.executor.supports_async_scheduling)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    async_scheduling=self.async_scheduling)
         # Pipeline parallelism: up to max_concurrent_batches disjoint batches in flight.

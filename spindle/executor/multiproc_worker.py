@@ -17,6 +17,7 @@ Nothing here knows what a step computes.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -30,6 +31,8 @@ from typing import Any
 
 from spindle.config import EngineConfig
 from spindle.distributed.shm_broadcast import RingHandle, RingReader
+
+logger = logging.getLogger(__name__)
 
 READY = "ready"
 FAILED = "failed"
@@ -209,7 +212,8 @@ class WorkerProc:
         try:
             self.worker.shutdown()
         except Exception:  # exiting anyway; the executor reaps this process
-            pass
+            logger.warning("worker rank %d: shutdown raised; exiting anyway", self.rank,
+                           exc_info=True)
         if self.ring is not None:
             self.ring.close()
         self.board.close()
