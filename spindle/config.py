@@ -23,6 +23,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+WORKER_START_METHODS = ("auto", "fork", "spawn")
 TASKS = ("auto", "generate", "embed")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -62,6 +63,11 @@ class EngineArgs:
         "pipeline_parallel_size, so that no stage idles; 1: one batch at a time).")
     distributed_executor_backend: str | None = _arg(None, "uni, mp or ray (default: uni "
                                                     "for one worker, mp for more).")
+    worker_start_method: str = _arg(
+        "auto", "How the mp backend starts worker processes: fork (CPU workers only; a "
+        "script then needs no `if __name__ == '__main__':` guard), spawn (fresh "
+        "interpreters, which run the main script again: it must be guarded), or auto "
+        "(fork for CPU workers unless this process holds a CUDA context, else spawn).")
     step_timeout_s: float = _arg(900.0, "With the mp or ray backend: seconds a model step may "
                                  "take before it is taken for a hung worker; the executor "
                                  "then fails, naming where every rank is.")
@@ -200,6 +206,7 @@ class ParallelConfig:
     ray_address: str | None = None
     ray_placement_strategy: str = "PACK"
     max_concurrent_batches: int = 1
+    worker_start_method: str = "auto"
     step_timeout_s: float = 900.0
 
     @property
@@ -234,6 +241,8 @@ class ParallelConfig:
         strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
         _require(args.ray_placement_strategy in strategies, "ray_placement_strategy",
                  args.ray_placement_strategy, f"one of {strategies}")
+        _require(args.worker_start_method in WORKER_START_METHODS, "worker_start_method",
+                 args.worker_start_method, f"one of {WORKER_START_METHODS}")
         timeout = args.step_timeout_s
         _require(isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
                  and math.isfinite(timeout) and timeout > 0, "step_timeout_s", timeout,
@@ -243,6 +252,7 @@ class ParallelConfig:
                               pipeline_layer_partition=partition, ray_address=args.ray_address,
                               ray_placement_strategy=args.ray_placement_strategy,
                               max_concurrent_batches=batches,
+                              worker_start_method=args.worker_start_method,
                               step_timeout_s=float(timeout))
 
 

@@ -1,6 +1,6 @@
 """MultiProcExecutor: one worker process per device; fails fast, never hangs.
 
-Per worker process (started with multiprocessing, spawn):
+Per worker process (started with multiprocessing, by fork or spawn: start_method.py):
 - a readiness pipe: READY, or the worker's startup error (later: a fatal error);
 - a death pipe: the worker exits when it reads EOF, i.e. when this process is gone;
 - a reply pipe: replies of that rank, only when it is asked (errors always).
@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -47,6 +48,9 @@ from spindle.executor.errors import ExecutorFailedError, describe_exitcode
 from spindle.executor.heartbeat import HeartbeatBoard
 from spindle.executor.multiproc_worker import (FAILED, READY, SHUTDOWN, RpcReply, RpcRequest,
                                                WorkerProcSpec, worker_main)
+from spindle.executor.start_method import (EXIT_MAIN_SCRIPT_RERUN, main_script_rerun_error,
+                                           resolve_start_method, running_main_script_in_child,
+                                           stop_main_script_rerun, tokenizers_quiet_in_child)
 from spindle.platforms import resolve_platform
 from spindle.worker.worker import Heartbeat
 
@@ -78,9 +82,13 @@ class MultiProcExecutor(Executor):
 
     # ---- startup ------------------------------------------------------------------------
     def _init_executor(self) -> None:
+        if running_main_script_in_child():
+            stop_main_script_rerun()  # a spawned child's re-run of an unguarded script
         parallel = self.config.parallel
         platform = resolve_platform(self.config.device.device_type)
         device_indices = worker_device_indices(parallel, platform)  # raises before any process
+        self.start_method, self._start_method_reason = resolve_start_method(
+            parallel.worker_start_method, platform)
         self._state_lock = threading.Lock()  # pending calls
         self._send_lock = threading.Lock()  # ring writes in call order; closing the ring
         self._recv_lock = threading.Lock()  # one thread reads replies at a time
@@ -102,40 +110,54 @@ class MultiProcExecutor(Executor):
         self._monitor: threading.Thread | None = None
         _LIVE.add(self)
         try:
-            self._spawn_workers(device_indices)
+            self._start_workers(device_indices)
             self._wait_until_ready()
         except BaseException:
             self._closing = True
             self._teardown(grace=0.0)
-            self._close_pipes()
             _LIVE.discard(self)
+            self._close_pipes()
             raise
         self._monitor = threading.Thread(target=self._monitor_workers, daemon=True,
                                          name="spindle-mp-monitor")
         self._monitor.start()
 
-    def _spawn_workers(self, device_indices: list[int]) -> None:
-        ctx = multiprocessing.get_context("spawn")
+    def _start_workers(self, device_indices: list[int]) -> None:
+        fork = self.start_method == "fork"
+        ctx = multiprocessing.get_context(self.start_method)
         store = os.path.join(self._run_dir, "store")
         init_method = f"file://{store}" if self.world_size > 1 else None
         threads = worker_threads(self.world_size)
-        config = config_for_workers(self.config)  # workers then start without transformers
+        config = config_for_workers(self.config)  # spawned workers start without transformers
         for rank, device_index in enumerate(device_indices):
             ready_r, ready_w = ctx.Pipe(duplex=False)
             death_r, death_w = ctx.Pipe(duplex=False)
             reply_r, reply_w = ctx.Pipe(duplex=False)
+            parent_ends = [ready_r.fileno(), death_w.fileno(), reply_r.fileno()]
             spec = WorkerProcSpec(config, rank, device_index, init_method, threads,
                                   self.ring.reader_handle(rank), self.board.name, self._run_dir,
-                                  ready_w, death_r, reply_w)
+                                  ready_w, death_r, reply_w,
+                                  inherited_fds=tuple(_executor_fds() + parent_ends) if fork
+                                  else ())
             process = ctx.Process(target=worker_main, args=(spec,), daemon=True,
                                   name=f"spindle-worker-{rank}")
-            process.start()
+            with tokenizers_quiet_in_child() if fork else contextlib.nullcontext():
+                process.start()
             for child_end in (ready_w, death_r, reply_w):
                 child_end.close()  # only the child holds these now: its death reads as EOF
             self._workers.append(_WorkerHandle(rank, process, ready_r, death_w, reply_r))
         self.ring.release_reader_ends()
-        logger.info("started %d worker processes (pids %s), %d torch threads each",
-                    self.world_size, [h.process.pid for h in self._workers], threads)
+        logger.info("started %d worker processes by %s (%s; pids %s), %d torch threads each",
+                    self.world_size, self.start_method, self._start_method_reason,
+                    [h.process.pid for h in self._workers], threads)
+
+    def _open_fds(self) -> list[int]:
+        """The descriptors this executor holds in this process (a forked worker closes
+        its copies)."""
+        fds = [self._wakeup_r, self._wakeup_w] + self.ring.open_fds()
+        for h in self._workers:
+            fds += [c.fileno() for c in (h.ready_conn, h.death_conn, h.reply_conn) if not c.closed]
+        return fds
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -159,6 +181,10 @@ class MultiProcExecutor(Executor):
                         f"worker rank {h.rank} failed during startup: {status[1]}", rank=h.rank)
                 elif not h.process.is_alive() or status is None:
                     h.process.join(timeout=1.0)
+                    if h.process.exitcode == EXIT_MAIN_SCRIPT_RERUN:
+                        raise ExecutorFailedError(
+                            main_script_rerun_error(self._start_method_reason), rank=h.rank,
+                            exitcode=h.process.exitcode)
                     raise ExecutorFailedError(
                         f"worker rank {h.rank} (pid {h.process.pid}) died during startup with "
                         f"{describe_exitcode(h.process.exitcode)}", rank=h.rank,
@@ -409,8 +435,8 @@ class MultiProcExecutor(Executor):
         self._teardown(grace=SHUTDOWN_GRACE_S if clean else 0.0)
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join()
+        _LIVE.discard(self)  # before its descriptors close: a later fork must not close them
         self._close_pipes()
-        _LIVE.discard(self)
 
     def _teardown(self, grace: float) -> None:
         """Stop every worker process, then remove the shared memory and the store
@@ -522,3 +548,9 @@ def _shutdown_live_executors() -> None:
     for executor in list(_LIVE):
         executor.shutdown()
 
+
+def _executor_fds() -> list[int]:
+    """The descriptors every live executor of this process holds: what a forked
+    worker must close (a pipe reads EOF only once every copy of its other end is
+    closed)."""
+    return [fd for executor in list(_LIVE) for fd in executor._open_fds()]
