@@ -37,7 +37,7 @@ def build_model(out: Path, args) -> Path:
 
 def control_overhead(path: Path, backend: str, tp: int, steps: int) -> dict:
     from spindle import LLM
-    from spindle.engine.scheduler_output import SchedulerOutput
+    from spindle.step_messages import SchedulerOutput
 
     llm = LLM(str(path), device="cpu", max_model_len=512, tensor_parallel_size=tp,
               distributed_executor_backend=backend)

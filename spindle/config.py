@@ -9,6 +9,7 @@ the allowed values for anything out of range.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+WORKER_START_METHODS = ("auto", "fork", "spawn")
 TASKS = ("auto", "generate", "embed")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -63,6 +65,14 @@ class EngineArgs:
         "pipeline_parallel_size, so that no stage idles; 1: one batch at a time).")
     distributed_executor_backend: str | None = _arg(None, "uni, mp or ray (default: uni "
                                                     "for one worker, mp for more).")
+    worker_start_method: str = _arg(
+        "auto", "How the mp backend starts worker processes: fork (CPU workers only; a "
+        "script then needs no `if __name__ == '__main__':` guard), spawn (fresh "
+        "interpreters, which run the main script again: it must be guarded), or auto "
+        "(fork for CPU workers unless this process holds a CUDA context, else spawn).")
+    step_timeout_s: float = _arg(900.0, "With the mp or ray backend: seconds a model step may "
+                                 "take before it is taken for a hung worker; the executor "
+                                 "then fails, naming where every rank is.")
     ray_address: str | None = _arg(None, "For the ray backend: the cluster to join (default: "
                                    "RAY_ADDRESS, else a Ray instance started for this engine).")
     ray_placement_strategy: str = _arg("PACK", "For the ray backend: placement group strategy "
@@ -239,6 +249,8 @@ class ParallelConfig:
     ray_address: str | None = None
     ray_placement_strategy: str = "PACK"
     max_concurrent_batches: int = 1
+    worker_start_method: str = "auto"
+    step_timeout_s: float = 900.0
 
     @property
     def world_size(self) -> int:
@@ -272,11 +284,19 @@ class ParallelConfig:
         strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
         _require(args.ray_placement_strategy in strategies, "ray_placement_strategy",
                  args.ray_placement_strategy, f"one of {strategies}")
+        _require(args.worker_start_method in WORKER_START_METHODS, "worker_start_method",
+                 args.worker_start_method, f"one of {WORKER_START_METHODS}")
+        timeout = args.step_timeout_s
+        _require(isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                 and math.isfinite(timeout) and timeout > 0, "step_timeout_s", timeout,
+                 "a finite number of seconds > 0")
         return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                               distributed_executor_backend=backend, device_ids=ids,
                               pipeline_layer_partition=partition, ray_address=args.ray_address,
                               ray_placement_strategy=args.ray_placement_strategy,
-                              max_concurrent_batches=batches)
+                              max_concurrent_batches=batches,
+                              worker_start_method=args.worker_start_method,
+                              step_timeout_s=float(timeout))
 
 
 @dataclass(frozen=True)

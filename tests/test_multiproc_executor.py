@@ -296,12 +296,9 @@ def test_a_fatal_step_error_is_reported_and_the_worker_exits(tiny_model):
     llm.shutdown()
 
 
-def test_a_hung_step_times_out_naming_where_every_rank_is(tiny_model, monkeypatch):
-    import spindle.executor.multiproc as multiproc
-
-    monkeypatch.setattr(multiproc, "STEP_TIMEOUT_S", 1.0)
+def test_a_hung_step_times_out_naming_where_every_rank_is(tiny_model):
     llm = LLM(str(tiny_model(arch="llama")), device="cpu", tensor_parallel_size=2,
-              max_model_len=256)
+              max_model_len=256, step_timeout_s=1.0)
     executor = _executor(llm)
     pids = executor.worker_pids
 
@@ -345,27 +342,33 @@ import json, sys, time
 from spindle import LLM
 
 if __name__ == "__main__":
-    llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, max_model_len=128)
-    executor = llm.engine.core.executor
-    print(json.dumps([executor.worker_pids, executor._run_dir]), flush=True)
+    engines = [LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, max_model_len=128,
+                   worker_start_method=sys.argv[2]) for _ in range(int(sys.argv[3]))]
+    executors = [llm.engine.core.executor for llm in engines]
+    print(json.dumps([sum((e.worker_pids for e in executors), []),
+                      [e._run_dir for e in executors]]), flush=True)
     time.sleep(600)
 """
 
 
-def test_workers_exit_when_the_parent_is_killed(tiny_model, tmp_path):
+# Forked: two engines, so that a worker of the second, which copies the first one's
+# pipe ends, must close them (or the first one's workers would never read EOF).
+@pytest.mark.parametrize("start_method,engines", [("fork", 2), ("spawn", 1)])
+def test_workers_exit_when_the_parent_is_killed(tiny_model, tmp_path, start_method, engines):
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(_PARENT_SCRIPT))
-    parent = subprocess.Popen([sys.executable, str(script), str(tiny_model(arch="llama"))],
+    parent = subprocess.Popen([sys.executable, str(script), str(tiny_model(arch="llama")),
+                               start_method, str(engines)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        pids, run_dir = json.loads(parent.stdout.readline())
-        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        pids, run_dirs = json.loads(parent.stdout.readline())
+        assert len(pids) == 2 * engines and all(psutil.pid_exists(p) for p in pids)
         parent.kill()
         killed_at = time.monotonic()
         parent.wait(5)
         assert _wait_gone(pids, 5.0) == []
         print(f"workers gone {time.monotonic() - killed_at:.3f}s after the parent's SIGKILL")
-        assert not Path(run_dir).exists()  # the rendezvous store is removed too
+        assert not any(Path(d).exists() for d in run_dirs)  # the rendezvous stores too
         # Python's resource tracker unlinks the segments the dead parent registered.
         deadline = time.monotonic() + 10
         while _engine_shm(parent.pid) and time.monotonic() < deadline:

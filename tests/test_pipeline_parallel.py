@@ -1,14 +1,19 @@
-"""Pipeline parallelism: stage partition, and greedy parity with the uni executor
-for PP=2 (and PP=2 x TP=2) on the mp backend. The Ray backend: test_ray_executor.py."""
+"""Pipeline parallelism: stage partition, greedy parity with the uni executor for
+PP=2 (and PP=2 x TP=2) on the mp backend, and a stage that stops answering mid-step
+failing the executor within the step timeout. The Ray backend: test_ray_executor.py."""
 
 from __future__ import annotations
 
 import functools
+import threading
+import time
 
+import psutil
 import pytest
 
 from spindle import LLM, SamplingParams
 from spindle.distributed.pipeline import partition_layers
+from spindle.executor.errors import ExecutorFailedError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ENGINE_ARGS = dict(device="cpu", max_model_len=256, max_num_batched_tokens=32,
@@ -89,3 +94,69 @@ def test_mp_pp2_preemption_with_batches_in_flight(tiny_model):
         assert llm.engine.core.num_kv_blocks == 10
         assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == expected
         assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def hang_rank_on_step(rank: int, step: int):
+    """A function for collective_rpc that makes worker `rank` stop answering inside
+    its step-th execute_model call (its peers then wait for it in the pipeline's
+    send/recv: a hung collective). A closure, so that it travels by value."""
+    def install(worker) -> None:
+        if worker.rank != rank:
+            return
+        original, calls = worker.execute_model, []
+
+        def execute_model(sched):
+            calls.append(sched.step_id)
+            if len(calls) == step:
+                time.sleep(600)
+            return original(sched)
+
+        worker.execute_model = execute_model
+
+    return install
+
+
+def test_mp_pp2_a_stage_that_stops_answering_fails_within_the_step_timeout(tiny_model):
+    llm = LLM(str(tiny_model(arch="llama", num_layers=4)), pipeline_parallel_size=2,
+              distributed_executor_backend="mp", step_timeout_s=2.0, **ENGINE_ARGS)
+    executor = llm.engine.core.executor
+    pids = executor.worker_pids
+    executor.collective_rpc(hang_rank_on_step(rank=0, step=3))
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(prompts(), GREEDY, use_tqdm=False)
+        except BaseException as e:
+            errors.append(e)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    thread.join(60)  # without a step timeout the engine waits forever
+    assert not thread.is_alive(), "the engine is still waiting for the hung stage"
+    print(f"raised after {time.monotonic() - start:.2f}s: {errors}")
+    assert len(errors) == 1 and isinstance(errors[0], ExecutorFailedError)
+    message = str(errors[0])
+    assert "did not finish within 2s (step_timeout_s)" in message
+    assert "rank 0 in execute_model" in message  # where the hung stage is
+    assert wait_gone(pids, 10.0) == []  # the executor failed as a whole
+    with pytest.raises(ExecutorFailedError, match="did not finish within 2s"):
+        llm.generate("hello", GREEDY, use_tqdm=False)
+    llm.shutdown()
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids still running (not zombies) after waiting up to timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)

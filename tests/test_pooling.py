@@ -15,9 +15,9 @@ from spindle import LLM, PoolingParams, SamplingParams
 from spindle.config import CacheConfig, SchedulerConfig
 from spindle.engine.request import Request, RequestStatus
 from spindle.engine.scheduler import Scheduler
-from spindle.engine.scheduler_output import ModelRunnerOutput
 from spindle.pooler_config import PoolerConfig
 from spindle.runner.pool import pool_hidden_states
+from spindle.step_messages import ModelRunnerOutput
 
 POOL = PoolingParams()
 PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)

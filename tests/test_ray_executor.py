@@ -1,6 +1,7 @@
 """RayExecutor on a Ray instance started on loopback: PP=2 (and PP=2 x TP=2) greedy
-parity with the uni executor, a killed actor failing fast, shutdown releasing the
-placement group (and stopping a Ray instance the executor started itself).
+parity with the uni executor, a killed actor failing fast, a stage that stops
+answering failing within the step timeout, shutdown releasing the placement group
+(and stopping a Ray instance the executor started itself).
 Skipped where Ray is not installed (pip install 'spindle-llm[ray]')."""
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from spindle import LLM, SamplingParams  # noqa: E402
 from spindle.executor.errors import ExecutorFailedError  # noqa: E402
-from test_pipeline_parallel import ENGINE_ARGS, GREEDY, prompts, token_ids, uni_reference  # noqa: E402
+from test_pipeline_parallel import (ENGINE_ARGS, GREEDY, hang_rank_on_step, prompts,  # noqa: E402
+                                    token_ids, uni_reference)
 
 try:
     import ray
@@ -29,6 +31,21 @@ except ImportError:
 
 needs_ray = pytest.mark.skipif(ray is None, reason="Ray is not installed "
                                "(pip install 'spindle-llm[ray]')")
+
+
+def _eventually(check, timeout: float = 10.0) -> bool:
+    """Whether check() holds within timeout: callbacks and the release of the actors
+    run on the executor's failure thread, after the caller has its error."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _removed(group) -> bool:
+    return ray.util.placement_group_table(group)["state"] == "REMOVED"
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +108,8 @@ def test_killed_actor_mid_generate_fails_fast_and_releases_the_group(tiny_model,
     raised_after = time.monotonic() - killed_at["t"]
     print(f"raised {raised_after:.2f}s after the SIGKILL: {info.value}")
     assert raised_after < 5.0
-    assert info.value.rank == 1 and calls == [1]
-    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+    assert info.value.rank == 1
+    assert _eventually(lambda: calls == [1] and _removed(group))
     start = time.monotonic()
     with pytest.raises(ExecutorFailedError, match="worker rank 1"):
         llm.generate("hello", GREEDY, use_tqdm=False)
@@ -112,7 +129,33 @@ def test_check_health_detects_a_dead_actor(tiny_model, ray_local):
     with pytest.raises(ExecutorFailedError, match="worker rank 0"):
         executor.check_health(timeout=5.0)
     assert time.monotonic() - start < 5.0
-    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+    assert _eventually(lambda: _removed(group))
+    llm.shutdown()
+
+
+@needs_ray
+def test_a_stage_that_stops_answering_fails_within_the_step_timeout(tiny_model, ray_local):
+    llm = LLM(str(tiny_model(arch="llama", num_layers=4)), pipeline_parallel_size=2,
+              distributed_executor_backend="ray", step_timeout_s=2.0, **ENGINE_ARGS)
+    executor = llm.engine.core.executor
+    group = executor.placement_group
+    executor.collective_rpc(hang_rank_on_step(rank=0, step=3))
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(prompts(), GREEDY, use_tqdm=False)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    thread.join(60)  # without a step timeout the engine waits forever
+    assert not thread.is_alive(), "the engine is still waiting for the hung stage"
+    assert len(errors) == 1 and isinstance(errors[0], ExecutorFailedError), errors
+    assert "did not finish within 2s (step_timeout_s)" in str(errors[0])
+    assert "rank(s) [0, 1] did not answer" in str(errors[0])  # rank 1 waits for rank 0
+    assert _eventually(lambda: _removed(group))  # the hung actor is killed too
     llm.shutdown()
 
 

@@ -18,9 +18,8 @@ import pytest
 from spindle.config import CacheConfig, SchedulerConfig
 from spindle.engine.request import Request, RequestStatus
 from spindle.engine.scheduler import Scheduler
-from spindle.engine.scheduler_output import (ModelRunnerOutput, SampledLogprobs,
-                                             SchedulerOutput)
 from spindle.sampling_params import SamplingParams
+from spindle.step_messages import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 
 BS = 4
 EOS = 2

@@ -93,6 +93,11 @@ class BroadcastRing:
         for r in self._wakeup_read:
             r.close()
 
+    def open_fds(self) -> list[int]:
+        """The pipe descriptors this process holds (what a forked reader must close,
+        except its own wakeup end)."""
+        return [c.fileno() for c in self._wakeup_read + self._wakeup_write if not c.closed]
+
     def enqueue(self, obj: Any, timeout: float | None = None,
                 abort: Callable[[], BaseException | None] | None = None) -> None:
         self.write(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), timeout, abort)

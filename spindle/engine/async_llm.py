@@ -300,7 +300,7 @@ class _EngineLoop:
             self._commands.put(command)
 
     def _on_executor_failure(self) -> None:
-        """Called by the executor's monitor (any thread) when a worker died."""
+        """Called on the executor's failure thread when a worker died or hung."""
         self.post(lambda: self._die(RuntimeError("the executor reported a worker failure")))
 
     # ---- the loop ----------------------------------------------------------------------

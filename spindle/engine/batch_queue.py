@@ -7,23 +7,24 @@ batches disjoint by itself: a request whose sampled token is not back yet has
 nothing to compute (num_computed_tokens == num_tokens), so it is not scheduled again
 until its batch is collected. Stages other than the last never see sampled tokens:
 each batch carries the output tokens its requests feed in (attach_step_tokens).
+Each batch is sent with the executor's step timeout: a stage that stops answering
+fails the executor instead of blocking the engine.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from spindle.engine.scheduler import Scheduler
-from spindle.engine.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from spindle.executor.abstract import Executor
+from spindle.executor.abstract import Executor, LaunchedStep
+from spindle.step_messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass
 class _Launched:
     sched: SchedulerOutput
-    future: Future
+    step: LaunchedStep
     preemptions: dict[str, int]  # req_id -> its preemption count at launch
 
 
@@ -75,18 +76,16 @@ class BatchQueue:
 
     def _launch(self, sched: SchedulerOutput) -> None:
         attach_step_tokens(sched, self.scheduler)
-        future = self.executor.collective_rpc("execute_model", args=(sched,),
-                                              unique_reply_rank=self.executor.output_rank,
-                                              non_block=True)
+        step = self.executor.execute_model_async(sched)
         requests = self.scheduler.requests
         counts = {rid: requests[rid].num_preemptions for rid in sched.num_scheduled_tokens
                   if rid in requests}
-        self.inflight.append(_Launched(sched, future, counts))
+        self.inflight.append(_Launched(sched, step, counts))
         self.peak_in_flight = max(self.peak_in_flight, len(self.inflight))
 
     def _collect_oldest(self) -> list[EngineCoreOutput]:
         launched = self.inflight.popleft()
-        output = launched.future.result()
+        output = launched.step.get()
         # A request preempted (and perhaps readmitted) since its batch was launched
         # recomputes from scratch: this batch's token for it is stale.
         requests = self.scheduler.requests

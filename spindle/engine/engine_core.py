@@ -15,9 +15,9 @@ from spindle.engine.batch_queue import BatchQueue
 from spindle.engine.pause import PauseMode, SchedulingGate, SleepModeUnavailableError
 from spindle.engine.request import Request, RequestStatus
 from spindle.engine.scheduler import Scheduler
-from spindle.engine.scheduler_output import EngineCoreOutput, ModelRunnerOutput
 from spindle.engine.startup_table import format_startup_table
 from spindle.executor.abstract import Executor
+from spindle.step_messages import EngineCoreOutput, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class EngineCore:
         # Async scheduling: schedule and launch step N+1 while step N runs on the device.
         pipelined = config.parallel.pipeline_parallel_size > 1
         self.async_scheduling = (config.scheduler.async_scheduling and not pipelined
-                                 and hasattr(self.executor, "execute_model_async"))
+                                 and self.executor.supports_async_scheduling)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    async_scheduling=self.async_scheduling)
         # Pipeline parallelism: up to max_concurrent_batches disjoint batches in flight.

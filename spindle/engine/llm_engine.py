@@ -25,7 +25,7 @@ from spindle.engine.output_processor import OutputProcessor
 from spindle.engine.pause import PauseMode
 from spindle.engine.pooling_inputs import POOLING_SAMPLING_PARAMS, check_pooling_params
 from spindle.engine.request import Request
-from spindle.engine.scheduler_output import EngineCoreOutput
+from spindle.step_messages import EngineCoreOutput
 from spindle.engine.tokenizer_loader import load_tokenizer
 from spindle.outputs import RequestOutput
 from spindle.pooling_params import PoolingParams

@@ -14,9 +14,9 @@ from typing import Any
 
 from spindle.engine.detokenizer import IncrementalDetokenizer
 from spindle.engine.pooling_output import PoolingOutputs
-from spindle.engine.scheduler_output import EngineCoreOutput, SampledLogprobs
 from spindle.outputs import CompletionOutput, Logprob, RequestFailure, RequestOutput
 from spindle.sampling_params import SamplingParams
+from spindle.step_messages import EngineCoreOutput, SampledLogprobs
 
 logger = logging.getLogger(__name__)
 

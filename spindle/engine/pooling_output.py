@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spindle.engine.scheduler_output import EngineCoreOutput
 from spindle.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from spindle.step_messages import EngineCoreOutput
 
 
 @dataclass

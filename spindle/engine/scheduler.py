@@ -22,10 +22,9 @@ from spindle.config import CacheConfig, SchedulerConfig
 from spindle.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from spindle.engine.no_kv_cache_manager import NoKVCacheManager
 from spindle.engine.request import Request, RequestStatus
-from spindle.engine.scheduler_output import (CachedRequestData, EngineCoreOutput,
-                                             ModelRunnerOutput, NewRequestData,
-                                             SchedulerOutput)
 from spindle.outputs import RequestFailure
+from spindle.step_messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                   NewRequestData, SchedulerOutput)
 
 
 class Scheduler:

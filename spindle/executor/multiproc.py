@@ -1,6 +1,6 @@
 """MultiProcExecutor: one worker process per device; fails fast, never hangs.
 
-Per worker process (started with multiprocessing, spawn):
+Per worker process (started with multiprocessing, by fork or spawn: start_method.py):
 - a readiness pipe: READY, or the worker's startup error (later: a fatal error);
 - a death pipe: the worker exits when it reads EOF, i.e. when this process is gone;
 - a reply pipe: replies of that rank, only when it is asked (errors always).
@@ -13,9 +13,10 @@ Invariants:
 - every wait is on (reply pipes, worker sentinels, the executor's wakeup pipe), with
   a deadline where one applies: a worker's death wakes any waiter at once;
 - replies resolve calls strictly in call order (non_block futures too);
-- the first failure (a death, or a fatal error a worker reports) is final: every
-  pending and later call raises ExecutorFailedError naming the rank and its exit
-  code, failure callbacks run once, and the other workers are shut down;
+- the first failure (a death, a fatal error a worker reports, a step past its
+  timeout) is final (Executor._fail): every pending and later call raises
+  ExecutorFailedError naming the rank and its exit code, failure callbacks run
+  once, and the other workers are shut down;
 - shutdown: a SHUTDOWN message, a grace period, the death pipes closed, SIGTERM,
   SIGKILL; then the shared memory and the store directory are removed.
 """
@@ -23,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -39,7 +41,6 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from spindle.distributed.shm_broadcast import BroadcastRing
-from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from spindle.executor.abstract import Executor
 from spindle.executor.config_snapshot import config_for_workers
 from spindle.executor.devices import worker_device_indices
@@ -47,14 +48,15 @@ from spindle.executor.errors import ExecutorFailedError, describe_exitcode
 from spindle.executor.heartbeat import HeartbeatBoard
 from spindle.executor.multiproc_worker import (FAILED, READY, SHUTDOWN, RpcReply, RpcRequest,
                                                WorkerProcSpec, worker_main)
+from spindle.executor.start_method import (EXIT_MAIN_SCRIPT_RERUN, main_script_rerun_error,
+                                           resolve_start_method, running_main_script_in_child,
+                                           stop_main_script_rerun, tokenizers_quiet_in_child)
 from spindle.platforms import resolve_platform
 from spindle.worker.worker import Heartbeat
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 1200.0  # init_device + load_model of the slowest rank
-# A step that takes longer is taken for a hung collective and fails the executor.
-STEP_TIMEOUT_S = 900.0
 SHUTDOWN_GRACE_S = 5.0  # a clean exit after SHUTDOWN
 KILL_GRACE_S = 2.0  # after closing the death pipes, then after SIGTERM
 
@@ -75,13 +77,19 @@ class _WorkerHandle:
 
 
 class MultiProcExecutor(Executor):
+    supports_async_scheduling = True  # workers run steps in order, from the ring
+    supports_pipeline_parallel = True
+
     # ---- startup ------------------------------------------------------------------------
     def _init_executor(self) -> None:
+        if running_main_script_in_child():
+            stop_main_script_rerun()  # a spawned child's re-run of an unguarded script
         parallel = self.config.parallel
-        self.world_size = parallel.world_size
         platform = resolve_platform(self.config.device.device_type)
         device_indices = worker_device_indices(parallel, platform)  # raises before any process
-        self._state_lock = threading.Lock()  # failure, closing, pending
+        self.start_method, self._start_method_reason = resolve_start_method(
+            parallel.worker_start_method, platform)
+        self._state_lock = threading.Lock()  # pending calls
         self._send_lock = threading.Lock()  # ring writes in call order; closing the ring
         self._recv_lock = threading.Lock()  # one thread reads replies at a time
         self._teardown_lock = threading.Lock()
@@ -91,9 +99,7 @@ class MultiProcExecutor(Executor):
         self._pending: deque[_RpcFuture] = deque()
         self._by_id: dict[int, _RpcFuture] = {}
         self._call_ids = itertools.count(1)
-        self._closing = False
         self._torn_down = False
-        self._shutdown_done = threading.Event()
         # Written once (failure or shutdown) and never drained: a level-triggered flag
         # that every wait includes.
         self._wakeup_r, self._wakeup_w = os.pipe()
@@ -104,41 +110,54 @@ class MultiProcExecutor(Executor):
         self._monitor: threading.Thread | None = None
         _LIVE.add(self)
         try:
-            self._spawn_workers(device_indices)
+            self._start_workers(device_indices)
             self._wait_until_ready()
         except BaseException:
             self._closing = True
             self._teardown(grace=0.0)
-            self._close_pipes()
             _LIVE.discard(self)
-            self._shutdown_done.set()
+            self._close_pipes()
             raise
         self._monitor = threading.Thread(target=self._monitor_workers, daemon=True,
                                          name="spindle-mp-monitor")
         self._monitor.start()
 
-    def _spawn_workers(self, device_indices: list[int]) -> None:
-        ctx = multiprocessing.get_context("spawn")
+    def _start_workers(self, device_indices: list[int]) -> None:
+        fork = self.start_method == "fork"
+        ctx = multiprocessing.get_context(self.start_method)
         store = os.path.join(self._run_dir, "store")
         init_method = f"file://{store}" if self.world_size > 1 else None
         threads = worker_threads(self.world_size)
-        config = config_for_workers(self.config)  # workers then start without transformers
+        config = config_for_workers(self.config)  # spawned workers start without transformers
         for rank, device_index in enumerate(device_indices):
             ready_r, ready_w = ctx.Pipe(duplex=False)
             death_r, death_w = ctx.Pipe(duplex=False)
             reply_r, reply_w = ctx.Pipe(duplex=False)
+            parent_ends = [ready_r.fileno(), death_w.fileno(), reply_r.fileno()]
             spec = WorkerProcSpec(config, rank, device_index, init_method, threads,
                                   self.ring.reader_handle(rank), self.board.name, self._run_dir,
-                                  ready_w, death_r, reply_w)
+                                  ready_w, death_r, reply_w,
+                                  inherited_fds=tuple(_executor_fds() + parent_ends) if fork
+                                  else ())
             process = ctx.Process(target=worker_main, args=(spec,), daemon=True,
                                   name=f"spindle-worker-{rank}")
-            process.start()
+            with tokenizers_quiet_in_child() if fork else contextlib.nullcontext():
+                process.start()
             for child_end in (ready_w, death_r, reply_w):
                 child_end.close()  # only the child holds these now: its death reads as EOF
             self._workers.append(_WorkerHandle(rank, process, ready_r, death_w, reply_r))
         self.ring.release_reader_ends()
-        logger.info("started %d worker processes (pids %s), %d torch threads each",
-                    self.world_size, [h.process.pid for h in self._workers], threads)
+        logger.info("started %d worker processes by %s (%s; pids %s), %d torch threads each",
+                    self.world_size, self.start_method, self._start_method_reason,
+                    [h.process.pid for h in self._workers], threads)
+
+    def _open_fds(self) -> list[int]:
+        """The descriptors this executor holds in this process (a forked worker closes
+        its copies)."""
+        fds = [self._wakeup_r, self._wakeup_w] + self.ring.open_fds()
+        for h in self._workers:
+            fds += [c.fileno() for c in (h.ready_conn, h.death_conn, h.reply_conn) if not c.closed]
+        return fds
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -162,21 +181,16 @@ class MultiProcExecutor(Executor):
                         f"worker rank {h.rank} failed during startup: {status[1]}", rank=h.rank)
                 elif not h.process.is_alive() or status is None:
                     h.process.join(timeout=1.0)
+                    if h.process.exitcode == EXIT_MAIN_SCRIPT_RERUN:
+                        raise ExecutorFailedError(
+                            main_script_rerun_error(self._start_method_reason), rank=h.rank,
+                            exitcode=h.process.exitcode)
                     raise ExecutorFailedError(
                         f"worker rank {h.rank} (pid {h.process.pid}) died during startup with "
                         f"{describe_exitcode(h.process.exitcode)}", rank=h.rank,
                         exitcode=h.process.exitcode)
 
     # ---- calls ----------------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._execute_with_step_timeout(sched, STEP_TIMEOUT_S)
-
-    def execute_model_async(self, sched: SchedulerOutput):
-        """Send a step and return at once: with async scheduling the engine schedules
-        step N+1 while the workers compute step N (workers run steps in order, and
-        feed a step's still-unknown input tokens from the previous step's samples)."""
-        return self._launch_step(sched, STEP_TIMEOUT_S)
-
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                        args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None, non_block: bool = False) -> Any:
@@ -185,11 +199,7 @@ class MultiProcExecutor(Executor):
 
     def _submit(self, method: str | Callable, args: tuple, kwargs: dict,
                 unique_reply_rank: int | None, timeout: float | None) -> "_RpcFuture":
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(f"unique_reply_rank must be in 0..{self.world_size - 1}, "
-                             f"got {unique_reply_rank}")
-        payload = method if isinstance(method, str) else _pickle_callable(method)
-        name = method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
+        payload, name = self._prepare_call(method, unique_reply_rank)
         ranks = range(self.world_size) if unique_reply_rank is None else (unique_reply_rank,)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._send_lock:
@@ -202,7 +212,7 @@ class MultiProcExecutor(Executor):
                 self._by_id[call_id] = future
             try:
                 self.ring.enqueue(RpcRequest(call_id, payload, args, kwargs, unique_reply_rank,
-                                             label=name), abort=self._abort_reason)
+                                             label=name), abort=self._unusable)
             except BaseException:
                 with self._state_lock:
                     if self._by_id.pop(call_id, None) is not None:
@@ -358,30 +368,15 @@ class MultiProcExecutor(Executor):
                        f"{beat.last_step}, {beat.seconds_since:.1f}s before)")
         return ExecutorFailedError(message, rank=rank, exitcode=code)
 
-    def _fail(self, error: ExecutorFailedError) -> None:
-        """Record the first failure and fail every pending call at once; then, in the
-        background (no lock of any caller held), run the failure callbacks once and
-        shut the remaining workers down."""
-        with self._state_lock:
-            if self._failure is not None or self._closing:
-                return
-            self._failure = error
-            self.is_failed = True
-        logger.error("executor failed: %s", error)
+    def _on_failure(self) -> None:
+        """Fail every pending call at once, and wake every waiter."""
         try:
             os.write(self._wakeup_w, b"!")
         except OSError:
             pass  # a shutdown closed the pipes meanwhile: nobody is waiting
         self._fail_pending()
-        threading.Thread(target=self._after_failure, daemon=True,
-                         name="spindle-mp-failure").start()
 
-    def _after_failure(self) -> None:
-        for callback in self._failure_callbacks:
-            try:
-                callback()
-            except Exception:
-                logger.exception("a failure callback raised")
+    def _stop_workers(self) -> None:
         self._teardown(grace=0.0)
 
     def _fail_pending(self) -> None:
@@ -391,14 +386,6 @@ class MultiProcExecutor(Executor):
             self._by_id.clear()
         for future in pending:
             future.set_exception(self._unusable_error())
-
-    def _abort_reason(self) -> BaseException | None:
-        return self._unusable_error() if self._failure is not None or self._closing else None
-
-    def _raise_if_unusable(self) -> None:
-        error = self._abort_reason()
-        if error is not None:
-            raise error
 
     # ---- health -----------------------------------------------------------------------------
     def heartbeats(self) -> list[Heartbeat]:
@@ -415,11 +402,6 @@ class MultiProcExecutor(Executor):
             if self._final_beats is not None:
                 return list(self._final_beats)  # the board is gone: its last reading
             return [self.board.read(h.rank) for h in self._workers]
-
-    def check_health(self, timeout: float = 10.0) -> None:
-        """Raise ExecutorFailedError if the executor failed, TimeoutError (naming the
-        ranks and where they are) if a rank does not answer within timeout."""
-        self.collective_rpc("check_health", timeout=timeout)
 
     def _exited_beat(self, h: _WorkerHandle, beat: Heartbeat) -> Heartbeat:
         if beat.last_stage.startswith("exited"):
@@ -438,30 +420,23 @@ class MultiProcExecutor(Executor):
                          for b in beats if b.rank in ranks)
 
     # ---- shutdown ---------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Stop the workers and release everything. Idempotent; a second caller waits
-        for the first one to finish."""
-        with self._state_lock:
-            first = not self._closing
-            self._closing = True
-        if not first:
-            self._shutdown_done.wait(timeout=SHUTDOWN_GRACE_S + 3 * KILL_GRACE_S + 5.0)
-            return
+    def _shutdown_workers(self, clean: bool) -> None:
+        """SHUTDOWN through the ring (when clean), then _teardown; then the pipes."""
         os.write(self._wakeup_w, b"!")
-        clean = self._failure is None
         if clean:
             try:
                 with self._send_lock:
                     self.ring.enqueue(SHUTDOWN, timeout=1.0)
             except Exception:  # a full or closed ring: the signals below still work
+                logger.warning("could not send SHUTDOWN to the workers; stopping them by "
+                               "signal", exc_info=True)
                 clean = False
         self._fail_pending()
         self._teardown(grace=SHUTDOWN_GRACE_S if clean else 0.0)
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join()
+        _LIVE.discard(self)  # before its descriptors close: a later fork must not close them
         self._close_pipes()
-        _LIVE.discard(self)
-        self._shutdown_done.set()
 
     def _teardown(self, grace: float) -> None:
         """Stop every worker process, then remove the shared memory and the store
@@ -563,15 +538,6 @@ def _earliest(*deadlines: float | None) -> float | None:
     return min(present) if present else None
 
 
-def _pickle_callable(fn: Callable) -> bytes:
-    import cloudpickle
-
-    try:
-        return cloudpickle.dumps(fn)
-    except Exception as e:
-        raise TypeError(f"collective_rpc cannot send {fn!r} to the workers: {e}") from e
-
-
 # Executors still running at interpreter exit: shut down before multiprocessing's own
 # exit hook (atexit runs hooks last-registered first), so nothing is left behind.
 _LIVE: "weakref.WeakSet[MultiProcExecutor]" = weakref.WeakSet()
@@ -581,3 +547,10 @@ _LIVE: "weakref.WeakSet[MultiProcExecutor]" = weakref.WeakSet()
 def _shutdown_live_executors() -> None:
     for executor in list(_LIVE):
         executor.shutdown()
+
+
+def _executor_fds() -> list[int]:
+    """The descriptors every live executor of this process holds: what a forked
+    worker must close (a pipe reads EOF only once every copy of its other end is
+    closed)."""
+    return [fd for executor in list(_LIVE) for fd in executor._open_fds()]

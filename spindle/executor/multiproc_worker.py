@@ -7,7 +7,10 @@ only the transport differs:
 - calls arrive through the shared-memory broadcast ring, in order; a reply goes
   back on this rank's reply pipe only when this rank is asked (errors always);
 - a thread blocks on the death pipe: when the parent goes away, the process exits
-  at once, even if the main thread is stuck inside a collective;
+  at once, even if the serving thread is stuck inside a collective;
+- it serves from a fresh thread, not the process's main thread (a forked child's
+  main thread inherits torch's OpenMP pool bookkeeping without its threads; see
+  start_method.py for what else a fork copies and how it is handled);
 - an exception in execute_model or a lifecycle stage is fatal (its peers may be
   waiting in a collective that will never complete): it is reported, then the
   process exits. An exception in any other call is reported and serving goes on.
@@ -17,6 +20,7 @@ Nothing here knows what a step computes.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -30,6 +34,8 @@ from typing import Any
 
 from spindle.config import EngineConfig
 from spindle.distributed.shm_broadcast import RingHandle, RingReader
+
+logger = logging.getLogger(__name__)
 
 READY = "ready"
 FAILED = "failed"
@@ -70,7 +76,7 @@ class RpcReply:
 
 @dataclass
 class WorkerProcSpec:
-    """Everything one worker process needs; pickled once, at spawn."""
+    """Everything one worker process needs; pickled once at spawn, copied by fork."""
 
     config: EngineConfig
     rank: int
@@ -83,25 +89,50 @@ class WorkerProcSpec:
     ready_conn: Connection  # write end: READY, or FAILED and the error; later a fatal error
     death_conn: Connection  # read end: EOF when the parent is gone
     reply_conn: Connection  # write end: RpcReply
+    # Forked workers: descriptors of this process's executors that the fork copied
+    # (the parent's pipe ends); the child closes them first.
+    inherited_fds: tuple[int, ...] = ()
 
 
 def worker_main(spec: WorkerProcSpec) -> None:
-    """Entry point of a spawned worker process. Never returns."""
+    """Entry point of a worker process, forked or spawned. Never returns."""
+    _close_inherited_fds(spec)
     _exit_when_parent_dies(spec.death_conn, spec.run_dir)
     # Ctrl-C reaches the whole process group: the parent decides, workers do not die mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a fork copies the parent's handler
+    result: list[int] = []
+    serving = threading.Thread(target=lambda: result.append(_run(spec)), name="spindle-worker")
+    serving.start()
+    serving.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: destructors of communicators whose peers are gone can abort.
+    os._exit(result[0] if result else EXIT_FATAL)
+
+
+def _run(spec: WorkerProcSpec) -> int:
     try:
-        code = WorkerProc(spec).run()
+        return WorkerProc(spec).run()
     except BaseException:  # a bug of this module: still tell the executor what happened
         try:
             spec.ready_conn.send((FAILED, _error_text(spec.rank, "the worker process")))
         except OSError:
             pass
-        code = EXIT_FATAL
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: destructors of communicators whose peers are gone can abort.
-    os._exit(code)
+        return EXIT_FATAL
+
+
+def _close_inherited_fds(spec: WorkerProcSpec) -> None:
+    """Close the parent's pipe ends a fork copied: while this process held a copy of
+    its own death pipe's write end, it would never read EOF there."""
+    keep = {spec.ready_conn.fileno(), spec.death_conn.fileno(), spec.reply_conn.fileno(),
+            spec.ring.wakeup.fileno()}
+    for fd in spec.inherited_fds:
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # already closed in the parent before the fork
 
 
 class WorkerProc:
@@ -121,8 +152,10 @@ class WorkerProc:
             return EXIT_STARTUP_FAILED
         try:
             code = self._serve()
-        except EOFError:
-            return EXIT_PARENT_DIED  # the ring's writer is gone
+        except EOFError:  # the ring's writer is gone: the parent died
+            # (as the death-pipe thread does, which may lose the race to exit first)
+            shutil.rmtree(self.spec.run_dir, ignore_errors=True)
+            return EXIT_PARENT_DIED
         if code == EXIT_OK:
             self._close()  # a fatal exit skips this: peers may still be inside a collective
         return code
@@ -209,7 +242,8 @@ class WorkerProc:
         try:
             self.worker.shutdown()
         except Exception:  # exiting anyway; the executor reaps this process
-            pass
+            logger.warning("worker rank %d: shutdown raised; exiting anyway", self.rank,
+                           exc_info=True)
         if self.ring is not None:
             self.ring.close()
         self.board.close()

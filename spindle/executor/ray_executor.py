@@ -10,10 +10,10 @@ than one machine (pipeline stages across nodes).
   (CUDA_VISIBLE_DEVICES) and drives the one Ray gave it (its local rank).
 - Calls: every actor gets the call (an actor runs its calls in order); replies are
   awaited with ray.wait, so the first dead actor is seen at once, not after its peers.
-- Failure (a dead actor, a fatal step error, a step or health check that times out)
-  is final: pending and later calls raise ExecutorFailedError naming the rank, node
-  and pid; failure callbacks run once; actors are killed and the placement group
-  is removed.
+- Failure (a dead actor, a fatal step error, a step that times out) is final
+  (Executor._fail): pending and later calls raise ExecutorFailedError naming the
+  rank, node and pid; failure callbacks run once; actors are killed and the
+  placement group is removed.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from spindle.executor.abstract import Executor
 from spindle.executor.config_snapshot import config_for_workers
 from spindle.executor.errors import ExecutorFailedError
-from spindle.executor.multiproc import STEP_TIMEOUT_S, worker_threads
+from spindle.executor.multiproc import worker_threads
 from spindle.executor.multiproc_worker import FATAL_METHODS
 from spindle.executor.ray_worker import RayWorkerActor
 from spindle.platforms import resolve_platform
@@ -55,14 +54,15 @@ def import_ray():
 
 
 class RayExecutor(Executor):
+    # Off until steps overlapping through the actors' call queues are checked here.
+    supports_async_scheduling = False
+    supports_pipeline_parallel = True
+
     # ---- startup ------------------------------------------------------------------------
     def _init_executor(self) -> None:
         ray = self._ray = import_ray()
-        parallel = self.config.parallel
-        self.world_size = parallel.world_size
         self.platform = resolve_platform(self.config.device.device_type)
-        self._closed = False
-        self._lock = threading.Lock()
+        self._release_lock = threading.Lock()  # actors and placement group, against _release
         self._send_lock = threading.Lock()
         self._released = threading.Event()
         self._call_ids = itertools.count(1)
@@ -76,7 +76,7 @@ class RayExecutor(Executor):
             self._place_actors()
             self._run_on_all("init_device", "load_model", timeout=STARTUP_TIMEOUT_S)
         except BaseException:
-            self._closed = True
+            self._closing = True
             self._release()
             if self.owns_ray and ray.is_initialized():
                 ray.shutdown()
@@ -171,17 +171,10 @@ class RayExecutor(Executor):
             self.collective_rpc(method, timeout=timeout)
 
     # ---- calls ----------------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._execute_with_step_timeout(sched, STEP_TIMEOUT_S)
-
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                        args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None, non_block: bool = False) -> Any:
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(f"unique_reply_rank must be in 0..{self.world_size - 1}, "
-                             f"got {unique_reply_rank}")
-        name = method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
-        payload = method if isinstance(method, str) else _pickle_callable(method)
+        payload, name = self._prepare_call(method, unique_reply_rank)
         with self._send_lock:  # every actor receives calls in the same order
             self._raise_if_unusable()
             refs = [a.execute_method.remote(payload, tuple(args), kwargs or {})
@@ -218,7 +211,7 @@ class RayExecutor(Executor):
                     value = self._death_among(pending, rank_of, name) or value
                 if kind in ("fatal", "death"):
                     self._fail(value)
-                    raise value.copy() from None
+                    raise self._unusable_error() from None  # the first failure
                 raise value
             if not ready and left is not None and left <= 0:
                 missing = sorted(rank_of[r] for r in pending)
@@ -253,7 +246,7 @@ class RayExecutor(Executor):
                 ray.get(ref)
             except ray.exceptions.RayActorError as e:
                 return self._death_error(rank_of[ref], name, e)
-            except Exception:
+            except Exception:  # that rank's own error, not a death: keep looking
                 continue
         return None
 
@@ -265,52 +258,21 @@ class RayExecutor(Executor):
         return "; ".join(f"rank {r} on node {self.nodes[r]['ip']} pid {self.nodes[r]['pid']}"
                          for r in ranks if r < len(self.nodes)) or f"ranks {ranks}"
 
-    # ---- health and failure -----------------------------------------------------------------
-    def check_health(self, timeout: float = 10.0) -> None:
-        """Raise ExecutorFailedError if an actor is dead or does not answer within
-        timeout (the executor is then failed and its placement group released)."""
-        try:
-            self.collective_rpc("check_health", timeout=timeout)
-        except TimeoutError as e:
-            self._fail(ExecutorFailedError(f"health check failed: {e}"))
-            raise self._failure.copy() from e
-
-    def _raise_if_unusable(self) -> None:
-        if self._failure is not None:
-            raise self._failure.copy()
-        if self._closed:
-            raise RuntimeError("the executor has been shut down")
-
-    def _fail(self, error: ExecutorFailedError) -> None:
-        with self._lock:
-            if self._failure is not None or self._closed:
-                return
-            self._failure = error
-            self.is_failed = True
-        logger.error("executor failed: %s", error)
-        for callback in self._failure_callbacks:
-            try:
-                callback()
-            except Exception:
-                logger.exception("a failure callback raised")
+    # ---- failure and shutdown ---------------------------------------------------------------
+    def _stop_workers(self) -> None:
         # Peers of a dead actor may sit in a collective forever: kill them all now.
         self._release()
 
-    # ---- shutdown ---------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Stop the actors, remove the placement group, stop a Ray instance this
-        executor started. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            clean = self._failure is None
+    def _shutdown_workers(self, clean: bool) -> None:
+        """Ask the actors to shut their workers down (when clean), kill them, remove
+        the placement group, stop a Ray instance this executor started."""
         if clean and self.actors:
             try:
                 refs = [a.execute_method.remote("shutdown", (), {}) for a in self.actors]
                 self._ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_GRACE_S)
             except Exception:  # killing them below is enough
-                pass
+                logger.warning("asking the Ray actors to shut down failed; killing them",
+                               exc_info=True)
         self._release()
         self._waiter.shutdown(wait=False, cancel_futures=True)
         if self.owns_ray and self._ray.is_initialized():
@@ -318,14 +280,14 @@ class RayExecutor(Executor):
 
     def _release(self) -> None:
         """Kill every actor and remove the placement group (idempotent, any thread)."""
-        with self._lock:
+        with self._release_lock:
             actors, self.actors = self.actors, []
             group, self.placement_group = self.placement_group, None
         for actor in actors:
             try:
                 self._ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
+            except Exception:  # gone already, or Ray is shutting down
+                logger.warning("killing a Ray actor failed", exc_info=True)
         if group is not None:
             from ray.util.placement_group import remove_placement_group
 
@@ -367,12 +329,3 @@ def check_tp_groups_within_nodes(node_of_rank: list[str], tp: int) -> None:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
-
-
-def _pickle_callable(fn: Callable) -> bytes:
-    import cloudpickle
-
-    try:
-        return cloudpickle.dumps(fn)
-    except Exception as e:
-        raise TypeError(f"collective_rpc cannot send {fn!r} to the workers: {e}") from e

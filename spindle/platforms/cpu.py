@@ -13,6 +13,7 @@ class CpuPlatform(Platform):
     dist_backend = "gloo"
     default_attention_backend = "torch_sdpa"
     workers_share_device = True
+    workers_may_fork = True
 
     def is_available(self) -> bool:
         return True

@@ -17,6 +17,9 @@ class Platform(abc.ABC):
     default_attention_backend: str
     # True where every worker runs on the same device (the CPU host) instead of one each.
     workers_share_device: bool = False
+    # True where worker processes may be forked from the engine's process: their device
+    # needs no runtime state that a fork would copy broken (CUDA's does not survive one).
+    workers_may_fork: bool = False
 
     @abc.abstractmethod
     def is_available(self) -> bool:

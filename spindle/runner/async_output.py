@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spindle.engine.scheduler_output import ModelRunnerOutput
 from spindle.outputs import RequestFailure
+from spindle.step_messages import ModelRunnerOutput
 
 if TYPE_CHECKING:
     from spindle.runner.input_batch import StepBatch

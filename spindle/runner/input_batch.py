@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.engine.scheduler_output import NewRequestData
 from spindle.runner.sample.metadata import SamplingMetadata
 from spindle.runner.staging import HostToDevice
 from spindle.sampling_params import SamplingParams
+from spindle.step_messages import NewRequestData, SchedulerOutput
 
 
 @dataclass

@@ -20,8 +20,6 @@ from spindle.attention.layer import Attention
 from spindle.config import EngineConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
-from spindle.engine.scheduler_output import (ModelRunnerOutput, NewRequestData,
-                                             SampledLogprobs, SchedulerOutput)
 from spindle.forward_context import forward_context
 from spindle.memory.sleep_backend import KV_CACHE, WEIGHTS
 from spindle.models.loader import checkpoint_files, iter_checkpoint, load_model
@@ -36,6 +34,8 @@ from spindle.runner.pool import Pooler
 from spindle.runner.sample import Sampler, SamplerOutput
 from spindle.runner.sample.metadata import SamplingMetadata
 from spindle.runner.staging import HostToDevice
+from spindle.step_messages import (ModelRunnerOutput, NewRequestData, SampledLogprobs,
+                                   SchedulerOutput)
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class ModelRunner:
 
     def _warmup_request(self, num_prompt: int, block_ids: list[int]) -> None:
         """A throw-away greedy request: its prefill step, then one decode step."""
-        from spindle.engine.scheduler_output import CachedRequestData
+        from spindle.step_messages import CachedRequestData
         from spindle.sampling_params import SamplingParams
 
         req = "__warmup__"

@@ -23,8 +23,8 @@ import torch
 from spindle.config import EngineConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage, build_parallel_groups
-from spindle.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from spindle.platforms import resolve_platform
+from spindle.step_messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

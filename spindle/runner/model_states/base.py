@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from spindle.engine.scheduler_output import NewRequestData
 from spindle.runner.input_batch import CachedRequestState, StepBatch
 from spindle.runner.staging import HostToDevice
+from spindle.step_messages import NewRequestData
 
 
 class ModelState(abc.ABC):

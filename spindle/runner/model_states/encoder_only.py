@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from spindle.attention.encoder import EncoderAttentionMetadata
-from spindle.engine.scheduler_output import NewRequestData
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.base import ModelState
+from spindle.step_messages import NewRequestData
 
 
 class EncoderOnlyModelState(ModelState):

@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.engine.scheduler_output import NewRequestData
 from spindle.runner.input_batch import CachedRequestState, StepBatch
 from spindle.runner.model_states.default import DefaultModelState
 from spindle.runner.staging import HostToDevice
+from spindle.step_messages import NewRequestData
 
 EXTRA_KEY = "prompt_embeds"  # CachedRequestState.extra: the request's rows on the device
 PLACEMENT_KEY = "_prompt_embeds_placement"  # step inputs: (token indices, rows) to place
