@@ -17,6 +17,11 @@ class Platform(abc.ABC):
     default_attention_backend: str
     # True where every worker runs on the same device (the CPU host) instead of one each.
     workers_share_device: bool = False
+    # How the KV cache is sized. True: from the peak memory of a dummy forward at the
+    # step's token budget (a GPU, whose memory the engine has to itself). False: from a
+    # configured budget (cpu_kv_cache_gb); profile_run then only checks, with a small
+    # forward, that the model and the sampler run.
+    kv_cache_from_measured_peak: bool = True
 
     @abc.abstractmethod
     def is_available(self) -> bool:
@@ -51,6 +56,11 @@ class Platform(abc.ABC):
 
     def synchronize(self, device: torch.device) -> None:
         return None
+
+    def allocate_zeroed(self, shape: tuple[int, ...], dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+        """A zero-filled tensor for a large, long-lived buffer (the KV cache)."""
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def empty_cache(self) -> None:
         return None
