@@ -113,6 +113,21 @@ def test_profile_run_is_a_small_forward_on_cpu(long_model, monkeypatch):
     assert len(forwards) == 1 and forwards[0] <= 16
 
 
+def test_cpu_warmup_is_one_short_request(long_model, monkeypatch):
+    """Nothing is compiled on CPU: warmup checks the cache path with one short request
+    (prefill and decode) instead of also running a long prefill."""
+    prompts = []
+    original = ModelRunner._warmup_request
+
+    def recording(self, num_prompt, block_ids):
+        prompts.append(num_prompt)
+        return original(self, num_prompt, block_ids)
+
+    monkeypatch.setattr(ModelRunner, "_warmup_request", recording)
+    with LLM(str(long_model), device="cpu", kv_cache_memory_bytes=2**26) as llm:
+        assert prompts == [llm.config.cache.block_size]
+
+
 def test_kv_cache_ram_is_not_touched_at_allocation(long_model):
     """4 GiB of cache: allocate_kv_cache takes well under a second and almost no RSS
     (pages are zeroed by the kernel as blocks fill), and the engine still generates."""

@@ -19,6 +19,7 @@ class CpuPlatform(Platform):
     # Host RAM is shared with everything else on the machine, and a maximal dummy
     # forward costs tens of seconds on a few cores: the KV cache has a budget instead.
     kv_cache_from_measured_peak = False
+    compiles_kernels_on_first_use = False
 
     def is_available(self) -> bool:
         return True

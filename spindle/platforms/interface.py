@@ -22,6 +22,10 @@ class Platform(abc.ABC):
     # configured budget (cpu_kv_cache_gb); profile_run then only checks, with a small
     # forward, that the model and the sampler run.
     kv_cache_from_measured_peak: bool = True
+    # Whether kernels are compiled at their first launch (Triton on a GPU): warmup then
+    # runs a long prefill as well as a short one, so that no request pays for it.
+    # Elsewhere one short request (prefill and decode) checks the cache path.
+    compiles_kernels_on_first_use: bool = True
 
     @abc.abstractmethod
     def is_available(self) -> bool:

@@ -171,11 +171,15 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """Run real steps through the cache path (short and long prefill, decode), so
-        kernels are compiled before the first request; then capture CUDA graphs."""
+        kernels are compiled before the first request; then capture CUDA graphs. Where
+        nothing is compiled (CPU) the short request alone checks the path."""
         if self.num_kv_blocks < 1 or self.pooler is not None:
             return  # (pooling requests never decode: the sampling warm-up does not apply)
         block_size = self.config.cache.block_size
-        for n in (block_size, 4 * block_size):
+        lengths = (block_size, 4 * block_size)
+        if not self.platform.compiles_kernels_on_first_use:
+            lengths = lengths[:1]
+        for n in lengths:
             blocks = -(-(n + 1) // block_size)
             if n + 1 > self.config.model.max_model_len or blocks > self.num_kv_blocks:
                 break
