@@ -259,11 +259,14 @@ class Worker:
         cache, reserved = self.config.cache, self.config.memory.reserved_bytes
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-        if not self.platform.kv_cache_from_measured_peak:
-            return self._configured_kv_budget()
-        set_aside = (f"after {_human_bytes(reserved)} set aside by mm_ipc_gpu_memory_gb"
-                     if reserved else "")
-        return max(0, self._measured_kv_budget() - reserved), set_aside
+        if self.platform.kv_cache_from_measured_peak:
+            budget, how = self._measured_kv_budget(), ""
+        else:
+            budget, how = self._configured_kv_budget()
+        if not reserved:
+            return budget, how
+        set_aside = f"after {_human_bytes(reserved)} set aside by mm_ipc_gpu_memory_gb"
+        return max(0, budget - reserved), f"{how}; {set_aside}" if how else set_aside
 
     def _configured_kv_budget(self) -> tuple[int, str]:
         config = self.config
@@ -274,7 +277,7 @@ class Worker:
             space_bytes=config.cache.cpu_kv_cache_bytes,
             useful_bytes=(blocks_per_seq * config.scheduler.max_num_seqs
                           * self.kv_cache_block_bytes()),
-            available_bytes=free - config.memory.reserved_bytes, workers=sharing)
+            available_bytes=free, workers=sharing)
 
     def _measured_kv_budget(self) -> int:
         """GPU: what the utilisation target leaves after the measured peak (weights +
