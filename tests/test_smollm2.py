@@ -52,25 +52,20 @@ def llm(smollm2):
         yield engine
 
 
-def test_chat_batch_matches_transformers(llm, expected):
-    """All conversations in one batch (continuous batching, ragged prompts)."""
-    outputs = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
-                       use_tqdm=False)
-    for i, (out, (prompt_ids, new_ids)) in enumerate(zip(outputs, expected)):
-        assert out.prompt_token_ids == prompt_ids, f"conversation {i}: prompt rendered differently"
-        assert list(out.outputs[0].token_ids) == new_ids, (
-            f"conversation {i}: {out.outputs[0].text!r} differs from transformers'")
-    # A real answer, not an immediate end of sequence: the comparison means something.
-    assert all(len(new_ids) >= 5 for _, new_ids in expected)
-
-
-def test_chat_one_at_a_time_matches_transformers(llm, expected):
-    """Each conversation alone, with the answer decoded to text as transformers does."""
+def test_chat_answers_match_transformers(llm, expected):
+    """All conversations in one batch (continuous batching over ragged prompts): the
+    rendered prompts, the answer tokens and their text equal transformers'."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(llm.config.model.tokenizer)
-    for conversation, (_, new_ids) in zip(CONVERSATIONS, expected):
-        out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
-                       use_tqdm=False)[0].outputs[0]
-        assert list(out.token_ids) == new_ids
-        assert out.text == tokenizer.decode(new_ids, skip_special_tokens=True)
+    outputs = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
+                       use_tqdm=False)
+    for i, (out, (prompt_ids, new_ids)) in enumerate(zip(outputs, expected)):
+        answer = out.outputs[0]
+        assert out.prompt_token_ids == prompt_ids, f"conversation {i}: prompt rendered differently"
+        assert list(answer.token_ids) == new_ids, (
+            f"conversation {i}: {answer.text!r} differs from transformers' "
+            f"{tokenizer.decode(new_ids)!r}")
+        assert answer.text == tokenizer.decode(new_ids, skip_special_tokens=True)
+    # Real answers, not an immediate end of sequence: the comparison means something.
+    assert all(len(new_ids) >= 5 for _, new_ids in expected)
