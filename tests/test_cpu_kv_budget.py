@@ -88,6 +88,11 @@ def test_cpu_kv_cache_gb_sets_the_blocks_and_the_table_names_it(long_model):
         "freeze_gc_heap"]
 
 
+def test_a_budget_below_one_sequence_names_the_knob(tiny_model):
+    with pytest.raises(ValueError, match=r"cannot hold one sequence.*cpu_kv_cache_gb"):
+        LLM(str(tiny_model("llama")), device="cpu", max_model_len=2048, cpu_kv_cache_gb=1e-5)
+
+
 def test_profile_run_is_a_small_forward_on_cpu(long_model, monkeypatch):
     """On CPU profile_run only checks that the model and the sampler run: a forward of a
     few tokens, not one at max_num_batched_tokens (tens of seconds on a few cores)."""
