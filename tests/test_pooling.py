@@ -106,7 +106,7 @@ def make_scheduler(num_blocks: int, budget: int = 32, caching: bool = True) -> S
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64,
                             enable_chunked_prefill=True)
     cache = CacheConfig(block_size=4, enable_prefix_caching=caching, kv_cache_memory_bytes=None,
-                        gpu_memory_utilization=0.9, cpu_kv_cache_fraction=0.25)
+                        gpu_memory_utilization=0.9)
     return Scheduler(sched, cache, num_blocks)
 
 

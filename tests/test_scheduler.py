@@ -31,8 +31,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = BS, max_num_seqs: int
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked)
     cache_cfg = CacheConfig(block_size=block_size, enable_prefix_caching=caching,
-                            kv_cache_memory_bytes=None, gpu_memory_utilization=0.9,
-                            cpu_kv_cache_fraction=0.25)
+                            kv_cache_memory_bytes=None, gpu_memory_utilization=0.9)
     return Scheduler(sched_cfg, cache_cfg, num_blocks)
 
 

@@ -69,7 +69,8 @@ class EngineCore:
                 f"the KV cache budget ({available / 2**20:.1f} MiB, {num_blocks} blocks of "
                 f"{block_size} tokens) cannot hold one sequence of max_model_len="
                 f"{self.config.model.max_model_len} tokens ({needed} blocks); raise "
-                "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
+                "kv_cache_memory_bytes, gpu_memory_utilization (GPU) or cpu_kv_cache_gb (CPU), "
+                "or lower max_model_len")
         self.executor.initialize_kv_cache(num_blocks)
         return num_blocks
 

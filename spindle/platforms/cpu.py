@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import psutil
 import torch
 
@@ -14,6 +17,10 @@ class CpuPlatform(Platform):
     default_attention_backend = "torch_sdpa"
     workers_share_device = True
     workers_may_fork = True
+    # Host RAM is shared with everything else on the machine, and a maximal dummy
+    # forward costs tens of seconds on a few cores: the KV cache has a budget instead.
+    kv_cache_from_measured_peak = False
+    compiles_kernels_on_first_use = False
 
     def is_available(self) -> bool:
         return True
@@ -36,3 +43,15 @@ class CpuPlatform(Platform):
 
     def memory_in_use(self, device: torch.device) -> int:
         return psutil.Process().memory_info().rss
+
+    def allocate_zeroed(self, shape: tuple[int, ...], dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+        """Pages of a private anonymous mapping: the kernel hands them out zeroed on
+        first touch, so a cache of gigabytes costs nothing until its blocks fill
+        (torch.zeros writes every byte up front: seconds per GiB). The tensor keeps the
+        mapping alive; it is unmapped with the last tensor viewing it."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+        return torch.frombuffer(pages, dtype=dtype).view(shape)

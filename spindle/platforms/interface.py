@@ -20,6 +20,15 @@ class Platform(abc.ABC):
     # True where worker processes may be forked from the engine's process: their device
     # needs no runtime state that a fork would copy broken (CUDA's does not survive one).
     workers_may_fork: bool = False
+    # How the KV cache is sized. True: from the peak memory of a dummy forward at the
+    # step's token budget (a GPU, whose memory the engine has to itself). False: from a
+    # configured budget (cpu_kv_cache_gb); profile_run then only checks, with a small
+    # forward, that the model and the sampler run.
+    kv_cache_from_measured_peak: bool = True
+    # Whether kernels are compiled at their first launch (Triton on a GPU): warmup then
+    # runs a long prefill as well as a short one, so that no request pays for it.
+    # Elsewhere one short request (prefill and decode) checks the cache path.
+    compiles_kernels_on_first_use: bool = True
 
     @abc.abstractmethod
     def is_available(self) -> bool:
@@ -54,6 +63,11 @@ class Platform(abc.ABC):
 
     def synchronize(self, device: torch.device) -> None:
         return None
+
+    def allocate_zeroed(self, shape: tuple[int, ...], dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+        """A zero-filled tensor for a large, long-lived buffer (the KV cache)."""
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def empty_cache(self) -> None:
         return None

@@ -130,14 +130,20 @@ class ModelRunner:
                    for layer in self.attn_layers)
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
-        """A cache-less forward at the step token budget plus the sampler over
-        max_num_seqs rows: the activation peak the KV budget must leave room for."""
+    def profile_run(self, num_tokens: int | None = None) -> None:
+        """A cache-less forward plus the sampler. By default at the step token budget,
+        with the sampler over max_num_seqs rows: the activation peak a measured KV
+        budget must leave room for. With num_tokens: a forward of that many tokens
+        (at most the budget) and the sampler over its requests, which only checks that
+        the path runs."""
         state = self._require_state()
         sched = self.config.scheduler
-        num_reqs = -(-sched.max_num_batched_tokens // sched.max_model_len)
-        tokens_per_req = max(1, sched.max_num_batched_tokens // num_reqs)
+        full = num_tokens is None
+        num_tokens = min(num_tokens or sched.max_num_batched_tokens, sched.max_num_batched_tokens)
+        num_reqs = -(-num_tokens // sched.max_model_len)
+        tokens_per_req = max(1, num_tokens // num_reqs)
         num_tokens = num_reqs * tokens_per_req
+        num_rows = sched.max_num_seqs if full else num_reqs
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(tokens_per_req, device=self.device).repeat(num_reqs)
         inputs = {"input_ids": input_ids, "positions": positions}
@@ -150,9 +156,9 @@ class ModelRunner:
         elif self.pooler is not None:
             self.pooler.dummy_run(hidden, num_reqs)
         else:
-            rows = torch.arange(sched.max_num_seqs, device=self.device) % num_tokens
+            rows = torch.arange(num_rows, device=self.device) % num_tokens
             logits = state.compute_logits(hidden[rows]).float()
-            self.sampler(logits, _dummy_sampling_metadata(sched.max_num_seqs, self.device))
+            self.sampler(logits, _dummy_sampling_metadata(num_rows, self.device))
         self.platform.synchronize(self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
@@ -164,9 +170,9 @@ class ModelRunner:
         self.kv_caches = []
         with self._memory_scope(KV_CACHE):
             for layer in self.attn_layers:
-                cache = torch.zeros((2, num_blocks, block_size, layer.num_kv_heads,
-                                     layer.head_dim), dtype=self.config.model.dtype,
-                                    device=self.device)
+                cache = self.platform.allocate_zeroed(
+                    (2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim),
+                    self.config.model.dtype, self.device)
                 layer.kv_cache = cache
                 self.kv_caches.append(cache)
         return sum(c.numel() * c.element_size() for c in flatten_cache_entries(self.kv_caches))
@@ -174,11 +180,15 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """Run real steps through the cache path (short and long prefill, decode), so
-        kernels are compiled before the first request; then capture CUDA graphs."""
+        kernels are compiled before the first request; then capture CUDA graphs. Where
+        nothing is compiled (CPU) the short request alone checks the path."""
         if self.num_kv_blocks < 1 or self.pooler is not None:
             return  # (pooling requests never decode: the sampling warm-up does not apply)
         block_size = self.config.cache.block_size
-        for n in (block_size, 4 * block_size):
+        lengths = (block_size, 4 * block_size)
+        if not self.platform.compiles_kernels_on_first_use:
+            lengths = lengths[:1]
+        for n in lengths:
             blocks = -(-(n + 1) // block_size)
             if n + 1 > self.config.model.max_model_len or blocks > self.num_kv_blocks:
                 break

@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 # Decode graphs share one pool sized by the largest batch's activations: small.
 CUDA_GRAPH_MEMORY_ESTIMATE = 512 * 2**20
+# profile_run's forward where the KV budget is configured, not measured: enough tokens
+# to run every layer and the sampler, few enough to take milliseconds.
+SMOKE_FORWARD_TOKENS = 16
 
 LIFECYCLE = ("init_device", "load_model", "profile_run", "allocate_kv_cache", "warmup",
              "freeze_gc_heap")
@@ -94,16 +97,16 @@ class Worker:
             record.note = f"weights {_human_bytes(params)}"
 
     def determine_available_memory(self) -> int:
-        """Run profile_run, then return the bytes this rank can give the KV cache."""
+        """Run profile_run, then return the bytes this rank can give the KV cache.
+        Where the platform measures the KV budget (a GPU) profile_run is a forward at the
+        step's token budget; elsewhere the budget is configured and profile_run is a
+        small forward that checks the model and the sampler run."""
+        measured = self.platform.kv_cache_from_measured_peak
         with self._stage("profile_run") as record:
             self.platform.reset_peak_memory(self.device)
-            before = self.platform.memory_in_use(self.device)
-            self.runner.profile_run()
-            available = self._kv_budget(before)
-            reserved = self.config.memory.reserved_bytes
-            record.note = f"kv budget {_human_bytes(available)}" + (
-                f" (after {_human_bytes(reserved)} set aside by mm_ipc_gpu_memory_gb)"
-                if reserved else "")
+            self.runner.profile_run(None if measured else SMOKE_FORWARD_TOKENS)
+            available, how = self._kv_budget()
+            record.note = f"kv budget {_human_bytes(available)}" + (f" ({how})" if how else "")
         return available
 
     def kv_cache_block_bytes(self) -> int:
@@ -257,25 +260,36 @@ class Worker:
             getattr(self.config.model.hf_config, "num_hidden_layers", None))
         self.tp_group = TensorParallelGroup(rank=self.rank % tp, size=tp, group=group)
 
-    def _kv_budget(self, memory_before_profile: int) -> int:
-        cache = self.config.cache
+    def _kv_budget(self) -> tuple[int, str]:
+        """This rank's KV cache bytes, and how they were chosen (for the startup table)."""
+        cache, reserved = self.config.cache, self.config.memory.reserved_bytes
         if cache.kv_cache_memory_bytes is not None:
-            return cache.kv_cache_memory_bytes
-        return max(0, self._measured_kv_budget(memory_before_profile)
-                   - self.config.memory.reserved_bytes)
+            return cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        if self.platform.kv_cache_from_measured_peak:
+            budget, how = self._measured_kv_budget(), ""
+        else:
+            budget, how = self._configured_kv_budget()
+        if not reserved:
+            return budget, how
+        set_aside = f"after {_human_bytes(reserved)} set aside by mm_ipc_gpu_memory_gb"
+        return max(0, budget - reserved), f"{how}; {set_aside}" if how else set_aside
 
-    def _measured_kv_budget(self, memory_before_profile: int) -> int:
+    def _configured_kv_budget(self) -> tuple[int, str]:
+        config = self.config
+        blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
+        sharing = config.parallel.world_size if self.platform.workers_share_device else 1
+        free, _ = self.platform.mem_get_info(self.device)
+        return cpu_kv_cache_budget(
+            space_bytes=config.cache.cpu_kv_cache_bytes,
+            useful_bytes=(blocks_per_seq * config.scheduler.max_num_seqs
+                          * self.kv_cache_block_bytes()),
+            available_bytes=free, workers=sharing)
+
+    def _measured_kv_budget(self) -> int:
+        """GPU: what the utilisation target leaves after the measured peak (weights +
+        activations + sampler), memory outside torch, and the CUDA graphs to come."""
         cache = self.config.cache
         free, total = self.platform.mem_get_info(self.device)
-        if self.device.type == "cpu":
-            # More blocks than max_num_seqs full sequences can use would only cost RAM.
-            blocks_per_seq = -(-self.config.model.max_model_len // cache.block_size)
-            useful = blocks_per_seq * self.config.scheduler.max_num_seqs * self.kv_cache_block_bytes()
-            # Workers of one engine share the host's RAM: each takes its part of the fraction.
-            sharing = self.config.parallel.world_size if self.platform.workers_share_device else 1
-            return min(int(free * cache.cpu_kv_cache_fraction) // sharing, useful)
-        # GPU: what the utilisation target leaves after the measured peak (weights +
-        # activations + sampler), memory outside torch, and the CUDA graphs to come.
         peak = self.platform.peak_memory(self.device) or 0
         non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
         graphs = 0 if self.config.device.enforce_eager else CUDA_GRAPH_MEMORY_ESTIMATE
@@ -300,6 +314,22 @@ class Worker:
         self.records.append(record)
         self._next_stage += 1
         logger.debug("worker %d: %s took %.3fs", self.rank, name, record.seconds)
+
+
+def cpu_kv_cache_budget(space_bytes: int, useful_bytes: int, available_bytes: int,
+                        workers: int) -> tuple[int, str]:
+    """One worker's KV cache bytes on a host whose RAM its workers share: its part of
+    the configured space (cpu_kv_cache_gb), at most what max_num_seqs full sequences
+    can use, and at most its part of half the available RAM. Only the last depends on
+    the machine's state, and only when RAM is short; the note says which bound held."""
+    share = space_bytes // workers
+    ram_cap = max(0, available_bytes) // 2 // workers
+    flag = f"cpu_kv_cache_gb={space_bytes / 2**30:g} (--cpu-kv-cache-gb)"
+    if useful_bytes <= min(share, ram_cap):
+        return useful_bytes, f"capped at max_num_seqs x max_model_len; {flag}"
+    if ram_cap < share:
+        return ram_cap, f"capped at half of available RAM; {flag}"
+    return share, flag
 
 
 def _human_bytes(n: int) -> str:
