@@ -444,8 +444,7 @@ def _check_model_dir(model: str | os.PathLike | None) -> Path:
 
 
 def _load_hf_config(path: Path) -> Any:
-    # Plain data where that is exact; transformers' AutoConfig otherwise (hf_config.py):
-    # importing transformers costs seconds of every start.
+    # transformers' AutoConfig, imported only now (hf_config.py).
     from spindle.hf_config import load_hf_config, read_config_json
 
     raw = read_config_json(path)

@@ -1,27 +1,36 @@
 """The engine config as sent to worker processes: the HF config becomes plain data.
 
-Unpickling a transformers config object imports transformers (about 2.5 s of a
-worker's start on the CI machines). Workers read the HF config only through
-attributes (getattr), so they get a ConfigSnapshot instead: the same attribute
-values, including class-level defaults and attribute_map aliases, with nested
-configs snapshotted too, and no transformers import to load it. A config that
-spindle/hf_config.py read without transformers is a ConfigSnapshot already.
+Unpickling a transformers config object imports transformers (1 to 4 s of CPU time
+on a 2-core CPU, depending on its version: docs/benchmarks.md). Workers read the HF
+config only through attributes (getattr), so they get a ConfigSnapshot instead: the
+same attribute values, including class-level defaults and attribute_map aliases, with
+nested configs snapshotted too, and no transformers import to load it. It copies the
+attributes of whatever config object the engine holds, so it keeps no table of
+transformers' own and follows any version of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 import warnings
 from typing import Any
 
 import torch
 
 from spindle.config import EngineConfig
-from spindle.hf_config import ConfigSnapshot  # also what hf_config.load_hf_config returns
 
 __all__ = ["ConfigSnapshot", "config_for_workers", "snapshot_hf_config"]
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+class ConfigSnapshot(types.SimpleNamespace):
+    """The plain-data attributes of a transformers config (read-only by convention)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v.to_dict() if isinstance(v, ConfigSnapshot) else v
+                for k, v in vars(self).items()}
 
 
 def config_for_workers(config: EngineConfig) -> EngineConfig:
