@@ -51,7 +51,7 @@ def _children() -> set[int]:
     return pids
 
 
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
     """The pids still alive (not zombies) after waiting up to timeout seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -257,7 +257,7 @@ def test_sigkill_of_a_worker_mid_generate_fails_fast_and_leaves_nothing(tiny_mod
     assert "worker rank 1" in message and "SIGKILL" in message and "-9" in message
     assert info.value.rank == 1 and info.value.exitcode == -9
     # The rest is shut down without anyone calling shutdown(): no process, no segment.
-    assert _wait_gone(pids, 5.0) == []
+    assert wait_gone(pids, 5.0) == []
     deadline = time.monotonic() + 5
     while _engine_shm() - shm_before and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -270,7 +270,7 @@ def test_sigkill_of_a_worker_mid_generate_fails_fast_and_leaves_nothing(tiny_mod
     assert time.monotonic() - start < 0.1
     assert not llm.engine.has_unfinished_requests()
     llm.shutdown()
-    assert _wait_gone(pids, 1.0) == []
+    assert wait_gone(pids, 1.0) == []
 
 
 # ---- a fatal error inside a step ----------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_a_fatal_step_error_is_reported_and_the_worker_exits(tiny_model):
         llm.generate("hello", GREEDY, use_tqdm=False)
     print(f"raised after {time.monotonic() - start:.3f}s: {str(info.value)[:300]}")
     assert time.monotonic() - start < 2.0
-    assert _wait_gone(pids, 5.0) == []
+    assert wait_gone(pids, 5.0) == []
     llm.shutdown()
 
 
@@ -314,7 +314,7 @@ def test_a_hung_step_times_out_naming_where_every_rank_is(tiny_model):
         llm.generate("hello", GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 3.0
     assert "rank 1 in execute_model" in str(info.value)
-    assert _wait_gone(pids, 5.0) == []
+    assert wait_gone(pids, 5.0) == []
     llm.shutdown()
 
 
@@ -332,7 +332,7 @@ def test_a_corrupt_shard_fails_startup_fast_with_the_workers_message(tiny_model,
     print(f"startup failed after {elapsed:.2f}s: {str(info.value)[:200]}")
     assert elapsed < 5.0, elapsed
     assert "cannot read checkpoint shard" in str(info.value)
-    assert _wait_gone(list(_children() - before), 2.0) == []
+    assert wait_gone(list(_children() - before), 2.0) == []
     assert _engine_shm() - shm_before == set()
 
 
@@ -366,7 +366,7 @@ def test_workers_exit_when_the_parent_is_killed(tiny_model, tmp_path, start_meth
         parent.kill()
         killed_at = time.monotonic()
         parent.wait(5)
-        assert _wait_gone(pids, 5.0) == []
+        assert wait_gone(pids, 5.0) == []
         print(f"workers gone {time.monotonic() - killed_at:.3f}s after the parent's SIGKILL")
         assert not any(Path(d).exists() for d in run_dirs)  # the rendezvous stores too
         # Python's resource tracker unlinks the segments the dead parent registered.

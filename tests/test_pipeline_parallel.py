@@ -8,12 +8,12 @@ import functools
 import threading
 import time
 
-import psutil
 import pytest
 
 from spindle import LLM, SamplingParams
 from spindle.distributed.pipeline import partition_layers
 from spindle.executor.errors import ExecutorFailedError
+from test_multiproc_executor import wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ENGINE_ARGS = dict(device="cpu", max_model_len=256, max_num_batched_tokens=32,
@@ -122,20 +122,7 @@ def test_mp_pp2_a_stage_that_stops_answering_fails_within_the_step_timeout(tiny_
     executor = llm.engine.core.executor
     pids = executor.worker_pids
     executor.collective_rpc(hang_rank_on_step(rank=0, step=3))
-    errors: list[BaseException] = []
-
-    def generate() -> None:
-        try:
-            llm.generate(prompts(), GREEDY, use_tqdm=False)
-        except BaseException as e:
-            errors.append(e)
-
-    start = time.monotonic()
-    thread = threading.Thread(target=generate, daemon=True)
-    thread.start()
-    thread.join(60)  # without a step timeout the engine waits forever
-    assert not thread.is_alive(), "the engine is still waiting for the hung stage"
-    print(f"raised after {time.monotonic() - start:.2f}s: {errors}")
+    errors = generate_errors_in_thread(llm, wait=60.0)
     assert len(errors) == 1 and isinstance(errors[0], ExecutorFailedError)
     message = str(errors[0])
     assert "did not finish within 2s (step_timeout_s)" in message
@@ -146,17 +133,19 @@ def test_mp_pp2_a_stage_that_stops_answering_fails_within_the_step_timeout(tiny_
     llm.shutdown()
 
 
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """The pids still running (not zombies) after waiting up to timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
+def generate_errors_in_thread(llm: LLM, wait: float) -> list[BaseException]:
+    """Run llm.generate in a thread that must end within wait seconds (without a step
+    timeout an engine with a hung stage waits forever); what it raised."""
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(prompts(), GREEDY, use_tqdm=False)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    thread.join(wait)
+    assert not thread.is_alive(), "the engine is still waiting for the hung stage"
+    return errors

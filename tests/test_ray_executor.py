@@ -21,8 +21,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from spindle import LLM, SamplingParams  # noqa: E402
 from spindle.executor.errors import ExecutorFailedError  # noqa: E402
-from test_pipeline_parallel import (ENGINE_ARGS, GREEDY, hang_rank_on_step, prompts,  # noqa: E402
-                                    token_ids, uni_reference)
+from test_pipeline_parallel import (ENGINE_ARGS, GREEDY, generate_errors_in_thread,  # noqa: E402
+                                    hang_rank_on_step, prompts, token_ids, uni_reference)
 
 try:
     import ray
@@ -140,18 +140,7 @@ def test_a_stage_that_stops_answering_fails_within_the_step_timeout(tiny_model, 
     executor = llm.engine.core.executor
     group = executor.placement_group
     executor.collective_rpc(hang_rank_on_step(rank=0, step=3))
-    errors: list[BaseException] = []
-
-    def generate() -> None:
-        try:
-            llm.generate(prompts(), GREEDY, use_tqdm=False)
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=generate, daemon=True)
-    thread.start()
-    thread.join(60)  # without a step timeout the engine waits forever
-    assert not thread.is_alive(), "the engine is still waiting for the hung stage"
+    errors = generate_errors_in_thread(llm, wait=60.0)
     assert len(errors) == 1 and isinstance(errors[0], ExecutorFailedError), errors
     assert "did not finish within 2s (step_timeout_s)" in str(errors[0])
     assert "rank(s) [0, 1] did not answer" in str(errors[0])  # rank 1 waits for rank 0

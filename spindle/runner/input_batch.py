@@ -17,7 +17,7 @@ import torch
 from spindle.runner.sample.metadata import SamplingMetadata
 from spindle.runner.staging import HostToDevice
 from spindle.sampling_params import SamplingParams
-from spindle.step_messages import NewRequestData, SchedulerOutput
+from spindle.step_messages import NewRequestData
 
 
 @dataclass
