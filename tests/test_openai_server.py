@@ -343,3 +343,18 @@ def test_serve_flags_come_from_engine_args(capsys):
     assert (args.max_num_seqs, args.tensor_parallel_size) == (4, 2)
     assert main(["serve", "/one", "--model", "/two"]) == 2
     assert "two models given" in capsys.readouterr().err
+
+
+def test_the_server_socket_listens_before_the_serving_line_is_logged():
+    """A client that connects as soon as it reads "serving ... on" must not be refused:
+    the socket listens before the line is logged, and uvicorn accepts from its backlog."""
+    import socket
+
+    from spindle.entrypoints.openai.api_server import _bind
+
+    sock = _bind("127.0.0.1", 0)
+    try:
+        client = socket.create_connection(sock.getsockname(), timeout=5)  # refused if not listening
+        client.close()
+    finally:
+        sock.close()

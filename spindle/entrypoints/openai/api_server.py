@@ -277,13 +277,21 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
     return 0
 
 
+_LISTEN_BACKLOG = 2048  # (uvicorn's own default)
+
+
 def _bind(host: str, port: int) -> socket.socket:
-    """A listening-ready socket; port 0 lets the OS pick a free port."""
+    """A listening socket; port 0 lets the OS pick a free port.
+
+    It listens before the "serving ... on" line is logged: a client that connects as
+    soon as it reads that line waits in the backlog until uvicorn accepts, instead of
+    being refused."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(_LISTEN_BACKLOG)
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e}") from e
