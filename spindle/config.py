@@ -240,8 +240,7 @@ class CacheConfig:
         _require(0.0 < args.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  args.gpu_memory_utilization, "in (0, 1]")
         space = args.cpu_kv_cache_gb
-        _require(isinstance(space, (int, float)) and not isinstance(space, bool) and space > 0,
-                 "cpu_kv_cache_gb", space, "a number of GiB > 0")
+        _require(_is_real(space) and space > 0, "cpu_kv_cache_gb", space, "a number of GiB > 0")
         return CacheConfig(block_size=args.block_size,
                            enable_prefix_caching=bool(args.enable_prefix_caching),
                            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -297,9 +296,8 @@ class ParallelConfig:
         _require(args.worker_start_method in WORKER_START_METHODS, "worker_start_method",
                  args.worker_start_method, f"one of {WORKER_START_METHODS}")
         timeout = args.step_timeout_s
-        _require(isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-                 and math.isfinite(timeout) and timeout > 0, "step_timeout_s", timeout,
-                 "a finite number of seconds > 0")
+        _require(_is_real(timeout) and math.isfinite(timeout) and timeout > 0,
+                 "step_timeout_s", timeout, "a finite number of seconds > 0")
         return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                               distributed_executor_backend=backend, device_ids=ids,
                               pipeline_layer_partition=partition, ray_address=args.ray_address,
@@ -424,6 +422,10 @@ def _pooler_config(args: EngineArgs, model: ModelConfig, sched: SchedulerConfig)
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -3,6 +3,7 @@ request that failed alone is reported (RequestFailure, RequestFailedError)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -94,3 +95,11 @@ class EmbeddingRequestOutput:
     finished: bool = True
     finish_reason: str | None = "stop"  # "stop" | "abort" | "error"
     error: RequestFailure | None = None  # set when the request failed alone
+
+
+def finite_logprob(value: float | None) -> float | None:
+    """A logprob as JSON can carry it: -inf (a token the sampler filtered out) clamped
+    to -9999, as OpenAI servers do; None stays None, and NaN becomes None."""
+    if value is None or math.isnan(value):
+        return None
+    return max(value, -9999.0)

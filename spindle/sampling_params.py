@@ -90,6 +90,12 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def stop_holdback(self) -> int:
+        """How many trailing characters of a running sample's text could still be the
+        start of a stop string: what streaming holds back until the sample moves on."""
+        return max((len(s) for s in self.stop), default=1) - 1
+
+    @property
     def all_stop_token_ids(self) -> set[int]:
         return self._all_stop_token_ids
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +20,8 @@ from spindle.entrypoints.cli_args import (CLI_SAMPLING_DEFAULTS, SAMPLING_DEFAUL
                                           FlagError, HelpFormatter, add_engine_args,
                                           add_sampling_args, refuse_embed_task,
                                           sampling_params_from)
+
+from spindle.outputs import finite_logprob
 
 OUTPUT_FORMATS = ("text", "json")
 
@@ -140,7 +141,7 @@ def stream_request(llm: Any, engine_input: Any, params: Any, write: Callable[[st
     stop string stays back: a completed stop string is cut off the text.
     """
     engine = llm.engine
-    holdback = max((len(s) for s in params.stop), default=1) - 1
+    holdback = params.stop_holdback
     request_id = engine.add_request(engine_input, params)
     write(prefix)
     shown, final = 0, None
@@ -217,7 +218,7 @@ def json_record(prompt: str, out: Any, top: int | None) -> dict[str, Any]:
     return {"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
             "samples": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                         "cumulative_logprob": _finite(c.cumulative_logprob),
+                         "cumulative_logprob": finite_logprob(c.cumulative_logprob),
                          "logprobs": _logprobs_json(c, top)}
                         for c in out.outputs]}
 
@@ -226,14 +227,7 @@ def _logprobs_json(completion: Any, top: int | None) -> list[dict] | None:
     if top is None or completion.logprobs is None:
         return None
     return [{"token_id": token_id, "token": entry[token_id].decoded_token,
-             "logprob": _finite(entry[token_id].logprob),
+             "logprob": finite_logprob(entry[token_id].logprob),
              "top_logprobs": [{"token_id": t, "token": lp.decoded_token,
-                               "logprob": _finite(lp.logprob)} for t, lp in _top(entry, top)]}
+                               "logprob": finite_logprob(lp.logprob)} for t, lp in _top(entry, top)]}
             for token_id, entry in zip(completion.token_ids, completion.logprobs)]
-
-
-def _finite(value: float | None) -> float | None:
-    """JSON has no -inf (a token the sampler filtered out): clamp it, as OpenAI servers do."""
-    if value is None or math.isnan(value):
-        return None
-    return max(value, -9999.0)

@@ -19,11 +19,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from spindle.engine.input_processor import PromptTooLongError
 from spindle.engine.pause import EngineUnavailableError, SleepModeUnavailableError
 from spindle.outputs import RequestFailedError
-from spindle.sampling_params import SamplingParams
+from spindle.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_LOGPROBS = 20
-# The seeds torch.Generator.manual_seed takes (a negative one counts modulo 2**64).
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class APIError(Exception):

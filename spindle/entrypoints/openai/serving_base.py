@@ -208,15 +208,6 @@ def raise_if_aborted(completion: CompletionOutput) -> None:
         raise request_aborted()
 
 
-def stop_holdback(params: SamplingParams) -> int:
-    return max((len(s) for s in params.stop or ()), default=1) - 1
-
-
-def finite(logprob: float) -> float:
-    """JSON has no -inf (a token the sampler filtered out): clamp it, as OpenAI
-    servers do."""
-    return max(logprob, -9999.0)
-
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -10,10 +10,10 @@ from typing import Any, AsyncIterator
 from spindle.entrypoints.chat_utils import chat_messages, render_chat_prompt
 from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
-                                                     final_outputs, finite, logprob_token_count,
-                                                     merge_streams, raise_if_aborted, sse,
-                                                     stop_holdback, usage, usage_of)
-from spindle.outputs import CompletionOutput
+                                                     final_outputs, logprob_token_count,
+                                                     merge_streams, raise_if_aborted, sse, usage,
+                                                     usage_of)
+from spindle.outputs import CompletionOutput, finite_logprob
 
 
 class ChatServing(OpenAIServing):
@@ -34,7 +34,7 @@ class ChatServing(OpenAIServing):
         if req.stream:
             header = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                       "model": model}
-            return self._stream(req, header, streams, stop_holdback(params), special)
+            return self._stream(req, header, streams, params.stop_holdback, special)
         (output,) = await final_outputs(streams)
         k = req.top_logprobs or 0
         choices = []
@@ -108,4 +108,5 @@ def _logprobs(completion: CompletionOutput, first: int, token_ids: list[int],
 
 def _token_logprob(token: str | None, logprob: float) -> dict[str, Any]:
     token = token or ""
-    return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": finite_logprob(logprob),
+            "bytes": list(token.encode("utf-8"))}

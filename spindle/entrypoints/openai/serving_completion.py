@@ -8,10 +8,10 @@ from typing import Any, AsyncIterator
 
 from spindle.entrypoints.openai.protocol import CompletionRequest, api_error
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
-                                                     final_outputs, finite, logprob_token_count,
-                                                     merge_streams, raise_if_aborted, sse,
-                                                     stop_holdback, usage, usage_of)
-from spindle.outputs import CompletionOutput, Logprob, RequestOutput
+                                                     final_outputs, logprob_token_count,
+                                                     merge_streams, raise_if_aborted, sse, usage,
+                                                     usage_of)
+from spindle.outputs import CompletionOutput, Logprob, RequestOutput, finite_logprob
 
 
 class CompletionServing(OpenAIServing):
@@ -27,7 +27,7 @@ class CompletionServing(OpenAIServing):
         header = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                   "model": model}
         if req.stream:
-            return self._stream(req, header, streams, stop_holdback(params), special)
+            return self._stream(req, header, streams, params.stop_holdback, special)
         outputs = await final_outputs(streams)
         choices = []
         for i, output in enumerate(outputs):
@@ -104,8 +104,8 @@ def _logprobs(completion: CompletionOutput, first: int, token_ids: list[int],
         sampled: Logprob = entry[token]
         text = sampled.decoded_token or ""
         result["tokens"].append(text)
-        result["token_logprobs"].append(finite(sampled.logprob))
-        result["top_logprobs"].append({lp.decoded_token or "": finite(lp.logprob)
+        result["token_logprobs"].append(finite_logprob(sampled.logprob))
+        result["top_logprobs"].append({lp.decoded_token or "": finite_logprob(lp.logprob)
                                        for lp in entry.values()})
         result["text_offset"].append(text_offset)
         text_offset += len(text)
