@@ -17,7 +17,17 @@ from typing import Any, Iterator
 
 @dataclass
 class ForwardContext:
-    attn_metadata: Any  # spindle.attention.AttentionMetadata, or None for a cache-less run
+    """attn_metadata: one metadata object every caching layer reads, or a list with
+    one entry per cache group (spindle/cache/spec.py), indexed by a layer's
+    cache_group; None for a cache-less run."""
+
+    attn_metadata: Any
+
+    def for_group(self, group: int) -> Any:
+        """The metadata of one cache group (the one object when there is no list)."""
+        if isinstance(self.attn_metadata, (list, tuple)):
+            return self.attn_metadata[group]
+        return self.attn_metadata
 
 
 class _ContextHolder(threading.local):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from spindle.attention.backends.registry import get_backend
+from spindle.cache.spec import AttentionCacheSpec
 from spindle.forward_context import get_forward_context
 
 if TYPE_CHECKING:
@@ -28,22 +29,33 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        # A query at position p sees keys at positions > p - sliding_window (None: all).
+        self.sliding_window = sliding_window
         self.backend_name = backend
-        self.impl = get_backend(backend)(num_heads, head_dim, scale, num_kv_heads)
+        self.impl = self._make_impl(backend)
         self.kv_cache: torch.Tensor | None = None
+        # Which cache group's metadata this layer reads (set by the runner).
+        self.cache_group = 0
+
+    def _make_impl(self, backend: str | None):
+        return get_backend(backend)(self.num_heads, self.head_dim, self.scale,
+                                    self.num_kv_heads, sliding_window=self.sliding_window)
+
+    def cache_spec(self, dtype: torch.dtype) -> AttentionCacheSpec:
+        """What this layer caches: paged keys and values (spindle/cache/spec.py)."""
+        return AttentionCacheSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
 
     def use_backend(self, name: str) -> None:
         """Switch the math to another registered backend (the runner picks the
         platform's default, or the user's choice, after the model is built)."""
         self.backend_name = name
-        self.impl = get_backend(name)(self.num_heads, self.head_dim, self.scale,
-                                      self.num_kv_heads)
+        self.impl = self._make_impl(name)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 qk_transform: QKNormRope | None = None) -> torch.Tensor:
@@ -51,7 +63,7 @@ class Attention(nn.Module):
         A backend whose class sets ``fuses_qk_transform`` takes it as a keyword and
         folds it into its own kernels (Triton: one decode launch does rotary, KV store
         and attention); for any other backend it is applied here first."""
-        attn_metadata = get_forward_context().attn_metadata
+        attn_metadata = get_forward_context().for_group(self.cache_group)
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -68,4 +80,5 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, scale={self.scale:.4g}, "
+                f"sliding_window={self.sliding_window}, "
                 f"backend={type(self.impl).__name__}")

@@ -30,8 +30,12 @@ DECODE_GATHER_TOKEN_BUDGET = 1 << 15
 
 
 class TorchSDPABackend:
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
+        if sliding_window is not None:
+            raise NotImplementedError(f"{type(self).__name__} has no sliding window yet")
+        self.sliding_window = sliding_window
         self.gqa = num_heads != num_kv_heads
 
     # ---------------------------------------------------------------- entry point

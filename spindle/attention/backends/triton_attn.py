@@ -45,8 +45,12 @@ class TritonAttentionBackend:
     # forward() takes q/k un-normalised and un-rotated plus a QKNormRope, and fuses it.
     fuses_qk_transform = True
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
+        if sliding_window is not None:
+            raise NotImplementedError(f"{type(self).__name__} has no sliding window yet")
+        self.sliding_window = sliding_window
         self.gqa = num_heads // num_kv_heads
         self._counters: torch.Tensor | None = None
 

@@ -1,0 +1,189 @@
+"""Cache specs: what a layer keeps between steps, declared by the layer itself.
+
+A layer that caches something has a ``cache_spec()`` method returning one of:
+
+* ``AttentionCacheSpec``: paged keys and values, ``block_size`` tokens per block;
+  with ``sliding_window`` W, a token attends to the W newest positions only (itself
+  included), so blocks wholly before the window can be freed as decoding moves on.
+* ``MambaCacheSpec``: a fixed-size state per sequence (a state-space layer's conv
+  and SSM states): one state slot per running sequence, whatever its length.
+
+``build_cache_layout`` groups the layers. Attention layers with one spec form a kind;
+each kind's layers are cut into groups of ``group_size`` layers (the smallest kind's
+layer count), and layer j of every attention group shares tensor j: one block id then
+costs the same memory whichever group holds it, so all attention groups draw from one
+block pool and memory flows to the group that needs it. Each group keeps its own
+block table per request. Mamba layers with one spec form one group, with one state
+tensor set per layer indexed by slot.
+
+The engine sees only ``CacheGroup`` (plain data); the runner binds tensors to layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+MAMBA = "mamba"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class AttentionCacheSpec:
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    @property
+    def kind(self) -> str:
+        return FULL_ATTENTION if self.sliding_window is None else SLIDING_WINDOW
+
+    @property
+    def page_key(self) -> tuple:
+        """Layers whose pages have one shape can share a tensor."""
+        return (self.num_kv_heads, self.head_dim, self.dtype)
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def block_bytes(self, block_size: int) -> int:
+        return math.prod(self.shape(1, block_size)) * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class MambaCacheSpec:
+    """Per-sequence state tensors of one layer: shapes[i] (without the slot dimension)
+    in dtypes[i]. For Mamba2: the conv state and the SSM state."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shapes) != len(self.dtypes) or not self.shapes:
+            raise ValueError("a MambaCacheSpec needs one dtype per state shape, and a state")
+
+    kind = MAMBA
+
+    def slot_bytes(self) -> int:
+        return sum(math.prod(s) * _itemsize(d) for s, d in zip(self.shapes, self.dtypes))
+
+
+CacheSpec = AttentionCacheSpec | MambaCacheSpec
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One group of layers, as the engine's cache manager sees it (plain data)."""
+
+    kind: str  # FULL_ATTENTION | SLIDING_WINDOW | MAMBA
+    num_layers: int
+    sliding_window: int | None = None
+
+    @property
+    def is_paged(self) -> bool:
+        return self.kind != MAMBA
+
+    def blocks_for(self, num_tokens: int, block_size: int) -> int:
+        """Blocks one sequence of num_tokens tokens holds at most in this group."""
+        if self.kind == MAMBA:
+            return 0
+        full = _cdiv(num_tokens, block_size)
+        if self.sliding_window is None:
+            return full
+        # The newest token sees sliding_window positions; with the tokens of one step
+        # written before they are read, a block more may straddle the window's start.
+        return min(full, _cdiv(self.sliding_window - 1, block_size) + 1)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What the engine decided: block ids shared by the paged groups, and state slots
+    for the mamba groups (0 when the model has none)."""
+
+    num_blocks: int
+    num_state_slots: int = 0
+
+
+@dataclass
+class CacheLayout:
+    """This rank's layers by group, and what one block / one state slot costs."""
+
+    groups: list[CacheGroup]
+    group_layers: list[list[Any]]  # the layer modules of each group, in model order
+    group_specs: list[CacheSpec]
+    group_size: int = 0  # attention layers per paged group (tensors shared across groups)
+    block_size: int = 16
+    attention_page: AttentionCacheSpec | None = None
+
+    @property
+    def paged_groups(self) -> list[int]:
+        return [i for i, g in enumerate(self.groups) if g.is_paged]
+
+    @property
+    def mamba_groups(self) -> list[int]:
+        return [i for i, g in enumerate(self.groups) if not g.is_paged]
+
+    def block_bytes(self) -> int:
+        """Bytes one block id costs: a page in each of the group_size shared tensors."""
+        if self.attention_page is None:
+            return 0
+        return self.group_size * self.attention_page.block_bytes(self.block_size)
+
+    def slot_bytes(self) -> int:
+        """Bytes one state slot costs across every mamba layer."""
+        return sum(self.group_specs[g].slot_bytes() * len(self.group_layers[g])
+                   for g in self.mamba_groups)
+
+    def describe(self) -> str:
+        parts = []
+        for group, layers in zip(self.groups, self.group_layers):
+            window = f" window {group.sliding_window}" if group.sliding_window else ""
+            parts.append(f"{group.kind}{window} x{len(layers)}")
+        return ", ".join(parts) if parts else "no cache"
+
+
+def build_cache_layout(layers: Sequence[Any], block_size: int, dtype: torch.dtype) -> CacheLayout:
+    """Group the caching layers (modules with cache_spec(dtype)), in model order."""
+    specs = [(layer, layer.cache_spec(dtype)) for layer in layers]
+    specs = [(layer, spec) for layer, spec in specs if spec is not None]
+    attention: dict[AttentionCacheSpec, list[Any]] = {}
+    mamba: dict[MambaCacheSpec, list[Any]] = {}
+    for layer, spec in specs:
+        target = attention if isinstance(spec, AttentionCacheSpec) else mamba
+        target.setdefault(spec, []).append(layer)
+    layout = CacheLayout(groups=[], group_layers=[], group_specs=[], block_size=block_size)
+    if attention:
+        page_keys = {spec.page_key for spec in attention}
+        if len(page_keys) > 1:
+            raise ValueError("attention layers whose KV pages differ in shape (kv heads, head "
+                             f"dim or dtype: {sorted(map(str, page_keys))}) are not supported")
+        layout.group_size = min(len(ls) for ls in attention.values())
+        layout.attention_page = next(iter(attention))
+        for spec, ls in attention.items():
+            for start in range(0, len(ls), layout.group_size):
+                chunk = ls[start:start + layout.group_size]
+                layout.groups.append(CacheGroup(spec.kind, len(chunk), spec.sliding_window))
+                layout.group_layers.append(chunk)
+                layout.group_specs.append(spec)
+    for spec, ls in mamba.items():
+        layout.groups.append(CacheGroup(MAMBA, len(ls)))
+        layout.group_layers.append(ls)
+        layout.group_specs.append(spec)
+    return layout
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

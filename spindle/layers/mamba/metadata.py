@@ -1,0 +1,36 @@
+"""What a state-space layer needs to know about one step: how the flat batch of
+tokens splits into requests, and which state slot each request owns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MambaMetadata:
+    """Request i owns tokens query_start_loc[i]:query_start_loc[i+1] of the step (its
+    new tokens, in order) and state slot state_indices[i] of every mamba layer's state
+    tensors ([num_slots, ...]). has_initial_state[i] is False when the request starts
+    at its first token this step: its states are taken as zeros (whatever the slot
+    held before), and written at the end of the step either way.
+
+    A negative state index marks a padding row (a CUDA-graph batch padded to a
+    captured size): it reads and writes no state, and its output is finite garbage.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
+    state_indices: torch.Tensor  # [num_reqs] int32, device
+    has_initial_state: torch.Tensor  # [num_reqs] bool, device
+    max_query_len: int
+    # Host copies, for code that plans on the CPU (None inside CUDA graphs).
+    query_start_loc_cpu: torch.Tensor | None = None
+    has_initial_state_cpu: torch.Tensor | None = None
+    state_indices_cpu: torch.Tensor | None = None
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
