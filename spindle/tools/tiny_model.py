@@ -45,7 +45,11 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                  "mistral": "MistralConfig", "bamba": "BambaConfig"}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -59,14 +63,16 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
                     num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                     max_position_embeddings: int = 2048, tie_word_embeddings: bool | None = None,
                     num_shards: int = 1, dtype: str = "float32",
-                    head_dim: int | None = None, logit_std: float = TARGET_LOGIT_STD) -> Path:
+                    head_dim: int | None = None, logit_std: float = TARGET_LOGIT_STD,
+                    **config_extra: Any) -> Path:
     """Write a tiny random HF checkpoint to out_dir and return its path.
 
     tie_word_embeddings defaults to False for llama/qwen2 and True for qwen3 (like the
     small Qwen3 models). head_dim defaults to hidden_size // num_heads. logit_std sets
     the spread of the logits: larger means fewer near-ties but flatter sampling
     distributions (at 4: median top-1/top-2 gap ~0.9, ~0.1% of positions below 1e-3,
-    top-1 probability ~0.47 on average).
+    top-1 probability ~0.47 on average). config_extra: further config fields of the
+    architecture (sliding_window=8, attn_layer_indices=(1,), ...); tuples become lists.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
@@ -83,7 +89,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
                         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         intermediate_size=intermediate_size,
                         max_position_embeddings=max_position_embeddings,
-                        tie_word_embeddings=tie_word_embeddings, head_dim=head_dim)
+                        tie_word_embeddings=tie_word_embeddings, head_dim=head_dim,
+                        extra=config_extra)
     model = build_model(config, seed, logit_std)
     config.dtype = dtype  # from_config rewrote it to the build dtype
     config.save_pretrained(out)
@@ -96,18 +103,19 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
 # ---------------------------------------------------------------------- config / weights
 def _hf_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
                num_kv_heads: int, intermediate_size: int, max_position_embeddings: int,
-               tie_word_embeddings: bool, head_dim: int | None) -> Any:
+               tie_word_embeddings: bool, head_dim: int | None,
+               extra: dict[str, Any] | None = None) -> Any:
     import transformers
 
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "qwen3": transformers.Qwen3Config}[arch]
+    config_class = getattr(transformers, CONFIG_CLASSES[arch])
+    extra = {k: list(v) if isinstance(v, tuple) else v for k, v in (extra or {}).items()}
     config = config_class(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
         head_dim=head_dim or hidden_size // num_heads, rms_norm_eps=1e-6,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID, hidden_act="silu",
+        pad_token_id=PAD_ID, hidden_act="silu", **extra,
     )
     config.architectures = [ARCHITECTURES[arch]]
     return config
