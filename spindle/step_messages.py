@@ -23,7 +23,9 @@ class NewRequestData:
     token_ids: list[int]  # prompt + outputs generated so far (non-empty after preemption)
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # Per cache group: paged groups' block ids in token order, [state slot] for a state
+    # (mamba) group (spindle/engine/kv_cache_manager.py).
+    block_ids: list[list[int]]
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits)
     # Set for an embedding request: it runs its whole prompt in one step and pools.
     pooling_params: Any = None  # spindle.pooling_params.PoolingParams
@@ -37,7 +39,7 @@ class CachedRequestData:
     """A request the runner already holds: only its new blocks and progress."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per cache group, appended to its block list
     num_computed_tokens: int  # before this step's tokens
     # Pipeline parallelism only: this step's input tokens from new_token_start on that
     # are outputs (only the last stage saw them sampled); other stages append the ones

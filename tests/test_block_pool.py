@@ -32,7 +32,9 @@ def test_initial_state():
 
 def test_invalid_sizes():
     with pytest.raises(ValueError):
-        BlockPool(0)
+        BlockPool(-1)
+    empty = BlockPool(0)  # a model whose layers are all state layers has no paged blocks
+    assert empty.get_usage() == 0.0 and empty.get_new_blocks(0) == []
     pool = BlockPool(2)
     with pytest.raises(ValueError):
         pool.get_new_blocks(3)

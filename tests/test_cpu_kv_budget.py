@@ -30,7 +30,7 @@ def engine_facts(llm: LLM) -> tuple[int, int, dict[str, dict]]:
     """(KV blocks, bytes of one block, startup rows by stage) of a one-worker engine."""
     core = llm.engine.core
     rows = {row["stage"]: row for row in core.executor.lifecycle_reports()[0]}
-    return core.num_kv_blocks, core.executor.kv_cache_block_bytes()[0], rows
+    return core.num_kv_blocks, core.executor.cache_requirements()[0].block_bytes, rows
 
 
 # ---- the sizing rule ------------------------------------------------------------------

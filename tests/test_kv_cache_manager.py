@@ -16,20 +16,27 @@ def make_request(rid: str, prompt, max_tokens: int = 8) -> Request:
 
 def compute(manager: KVCacheManager, request: Request, num_new: int | None = None,
             hits=()):
-    """What the scheduler does: allocate, then count the tokens as computed."""
-    num_hit = len(hits) * manager.block_size
+    """What the scheduler does: allocate, then count the tokens as computed. The
+    manager has one (full-attention) group here: returns that group's new blocks."""
+    num_hit = len(hits[0]) * manager.block_size if hits else 0
     if num_new is None:
         num_new = request.num_tokens - request.num_computed_tokens - num_hit
     new_blocks = manager.allocate_slots(request, num_new, hits)
-    if new_blocks is not None:
-        request.num_computed_tokens += num_hit + num_new
-    return new_blocks
+    if new_blocks is None:
+        return None
+    request.num_computed_tokens += num_hit + num_new
+    return new_blocks[0]
 
 
 def admit(manager: KVCacheManager, request: Request):
-    """Prefix lookup + allocation of the whole remaining prompt."""
+    """Prefix lookup + allocation of the whole remaining prompt (group 0's blocks)."""
     hits, num_hit = manager.get_computed_blocks(request)
-    return compute(manager, request, hits=hits), hits, num_hit
+    return compute(manager, request, hits=hits), (hits[0] if hits else []), num_hit
+
+
+def ids(manager: KVCacheManager, rid: str) -> list[int]:
+    """The block ids of the one group."""
+    return manager.get_block_ids(rid)[0]
 
 
 # ----------------------------------------------------------------- hashing
@@ -69,13 +76,13 @@ def test_allocate_block_counts_and_ids():
     r = make_request("a", range(9))
     blocks = compute(m, r, 5)
     assert len(blocks) == 2
-    assert m.get_block_ids("a") == [0, 1]
+    assert ids(m, "a") == [0, 1]
     assert compute(m, r, 3) == []  # 8 tokens still fit in 2 blocks
     assert len(compute(m, r, 1)) == 1  # the 9th token needs a third block
-    assert m.get_block_ids("a") == [0, 1, 2]
+    assert ids(m, "a") == [0, 1, 2]
     assert m.num_free_blocks == 5
     assert m.usage == pytest.approx(3 / 8)
-    assert m.get_block_ids("unknown") == []
+    assert ids(m, "unknown") == []
 
 
 def test_allocate_fails_without_side_effects():
@@ -85,9 +92,9 @@ def test_allocate_fails_without_side_effects():
     b = make_request("b", range(100, 109))
     assert m.allocate_slots(b, 9) is None
     assert m.num_free_blocks == 1
-    assert m.get_block_ids("b") == []
+    assert ids(m, "b") == []
     assert m.prefix_cache_stats.requests == 1  # the failed attempt is not counted
-    assert len(m.allocate_slots(b, 4)) == 1
+    assert len(m.allocate_slots(b, 4)[0]) == 1
 
 
 def test_allocate_rejects_unknown_tokens_and_bad_args():
@@ -122,7 +129,7 @@ def test_only_blocks_full_of_computed_tokens_are_cached():
     a.append_output_token_ids([11])
     compute(m, a, 1)  # token 11 computed -> block 2 = [8, 9, 10, 11] full
     assert m.block_pool.num_cached_blocks == 3
-    assert m.block_pool.get_cached_block(a.block_hashes[2]).block_id == m.get_block_ids("a")[2]
+    assert m.block_pool.get_cached_block(a.block_hashes[2]).block_id == ids(m, "a")[2]
 
 
 # ------------------------------------------------------------- prefix hits
@@ -134,9 +141,9 @@ def test_prefix_hit_across_requests():
     b = make_request("b", list(range(8)) + [50, 51, 52])
     new_blocks, hits, num_hit = admit(m, b)
     assert num_hit == 8
-    assert [h.block_id for h in hits] == m.get_block_ids("a")[:2]
-    assert m.get_block_ids("b")[:2] == m.get_block_ids("a")[:2]
-    assert len(new_blocks) == 1 and new_blocks[0].block_id not in m.get_block_ids("a")
+    assert [h.block_id for h in hits] == ids(m, "a")[:2]
+    assert ids(m, "b")[:2] == ids(m, "a")[:2]
+    assert len(new_blocks) == 1 and new_blocks[0].block_id not in ids(m, "a")
     assert all(h.ref_cnt == 2 for h in hits)
     assert b.num_computed_tokens == 11
 
@@ -190,9 +197,9 @@ def test_free_is_tail_first_and_head_blocks_survive():
     m = KVCacheManager(3, BS)
     a = make_request("a", range(12))
     compute(m, a, 12)  # holds all 3 blocks, all cached
-    a_ids = m.get_block_ids("a")
+    a_ids = ids(m, "a")
     m.free(a)
-    assert m.num_free_blocks == 3 and m.get_block_ids("a") == []
+    assert m.num_free_blocks == 3 and ids(m, "a") == []
     # An unrelated one-block request evicts a's *last* block.
     x = make_request("x", [90, 91, 92])
     assert [b.block_id for b in compute(m, x)] == [a_ids[2]]
@@ -213,11 +220,11 @@ def test_hits_on_free_blocks_count_against_free_space():
     hits, num_hit = m.get_computed_blocks(b)
     assert num_hit == 8
     assert m.allocate_slots(b, 9, hits) is None
-    assert all(h.ref_cnt == 0 for h in hits) and m.num_free_blocks == 4
+    assert all(h.ref_cnt == 0 for h in hits[0]) and m.num_free_blocks == 4
     # Needing only 2 more fits exactly, and must not hand out the hit blocks.
     new_blocks = m.allocate_slots(b, 8, hits)
-    assert new_blocks is not None and len(new_blocks) == 2
-    assert not {x.block_id for x in new_blocks} & {h.block_id for h in hits}
+    assert new_blocks is not None and len(new_blocks[0]) == 2
+    assert not {x.block_id for x in new_blocks[0]} & {h.block_id for h in hits[0]}
     assert m.num_free_blocks == 0
 
 
@@ -227,8 +234,8 @@ def test_shared_blocks_ref_counts():
     compute(m, a)
     b = make_request("b", range(9))
     admit(m, b)
-    shared = m.get_block_ids("a")[:2]
-    assert m.get_block_ids("b")[:2] == shared
+    shared = ids(m, "a")[:2]
+    assert ids(m, "b")[:2] == shared
     assert [m.block_pool.blocks[i].ref_cnt for i in shared] == [2, 2]
     m.free(a)
     assert [m.block_pool.blocks[i].ref_cnt for i in shared] == [1, 1]
@@ -294,7 +301,7 @@ def test_concurrent_identical_prompts_keep_one_cache_entry():
     a, b = make_request("a", range(5)), make_request("b", range(5))
     compute(m, a)
     compute(m, b)  # no lookup: computes block 0 again
-    a0, b0 = (m.block_pool.blocks[m.get_block_ids(x)[0]] for x in "ab")
+    a0, b0 = (m.block_pool.blocks[ids(m, x)[0]] for x in "ab")
     assert a0.block_hash is not None and b0.block_hash is None
     m.free(b)
     m.block_pool.get_new_blocks(m.num_free_blocks)

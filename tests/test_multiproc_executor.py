@@ -126,7 +126,7 @@ def test_tp2_greedy_matches_tp1(tiny_model, arch, kwargs):
         expected = _token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
         # A second pass hits the prefix cache for whole prompts.
         assert _token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
-        tp1_block_bytes = llm.engine.core.executor.kv_cache_block_bytes()[0]
+        tp1_block_bytes = llm.engine.core.executor.cache_requirements()[0].block_bytes
         tp1_params = llm.engine.core.executor.collective_rpc(_num_params)[0]
     with LLM(path, tensor_parallel_size=2, **engine_args) as llm:
         executor = _executor(llm)
@@ -136,7 +136,8 @@ def test_tp2_greedy_matches_tp1(tiny_model, arch, kwargs):
         # Each rank holds only its shard of the weights and of the KV cache.
         kv_heads = kwargs.get("num_kv_heads", 2)
         shard = 2 if kv_heads >= 2 else 1  # one KV head is replicated, not split
-        assert executor.kv_cache_block_bytes() == [tp1_block_bytes // shard] * 2
+        assert [r.block_bytes for r in executor.cache_requirements()] == \
+            [tp1_block_bytes // shard] * 2
         rank_params = executor.collective_rpc(_num_params)
         assert all(p < 0.6 * tp1_params for p in rank_params)
 

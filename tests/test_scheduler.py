@@ -67,13 +67,15 @@ class FakeRunner:
             self.reqs.pop(rid, None)
         for nr in so.new_requests:
             assert nr.req_id not in self.reqs, "new request the runner already holds"
-            assert len(set(nr.block_ids)) == len(nr.block_ids)
-            self.reqs[nr.req_id] = RunnerState(list(nr.token_ids), list(nr.block_ids),
+            (block_ids,) = nr.block_ids  # one cache group
+            assert len(set(block_ids)) == len(block_ids)
+            self.reqs[nr.req_id] = RunnerState(list(nr.token_ids), list(block_ids),
                                                nr.num_computed_tokens)
         for cr in so.cached_requests:
             st = self.reqs[cr.req_id]
             assert st.num_computed == cr.num_computed_tokens
-            st.block_ids.extend(cr.new_block_ids)
+            (new_block_ids,) = cr.new_block_ids
+            st.block_ids.extend(new_block_ids)
             assert len(set(st.block_ids)) == len(st.block_ids)
         sent = [r.req_id for r in so.new_requests] + [r.req_id for r in so.cached_requests]
         assert sorted(sent) == sorted(so.num_scheduled_tokens)
@@ -153,7 +155,7 @@ def test_prefill_then_decode():
     (nr,) = so.new_requests
     assert nr.req_id == "a" and nr.token_ids == list(range(10, 20))
     assert nr.num_prompt_tokens == 10 and nr.num_computed_tokens == 0
-    assert nr.block_ids == [0, 1, 2]
+    assert nr.block_ids == [[0, 1, 2]]
     assert so.num_scheduled_tokens == {"a": 10} and so.cached_requests == []
     assert req.status == RequestStatus.RUNNING and sched.num_running == 1
     assert [o.new_token_ids for o in outs] == [[110]]
@@ -162,7 +164,7 @@ def test_prefill_then_decode():
     so, outs = step(sched, runner)
     (cr,) = so.cached_requests
     assert so.new_requests == []
-    assert (cr.req_id, cr.num_computed_tokens, cr.new_block_ids) == ("a", 10, [])
+    assert (cr.req_id, cr.num_computed_tokens, cr.new_block_ids) == ("a", 10, [[]])
     assert so.num_scheduled_tokens == {"a": 1}
 
     so, outs = step(sched, runner)
@@ -293,7 +295,7 @@ def test_identical_prompts_in_one_step_share_blocks():
     so, _ = step(sched, runner)
     new = {n.req_id: n for n in so.new_requests}
     assert new["b"].num_computed_tokens == 8
-    assert new["b"].block_ids[:2] == new["a"].block_ids[:2]
+    assert new["b"].block_ids[0][:2] == new["a"].block_ids[0][:2]
     assert so.num_scheduled_tokens == {"a": 9, "b": 1}
     step(sched, runner)  # the fake runner's KV check passes for both
 
@@ -438,7 +440,7 @@ def test_abort_between_schedule_and_update():
     so2 = sched.schedule()
     assert so2.finished_req_ids == {"a"}
     assert sched.schedule().finished_req_ids == set()
-    assert sched.kv_cache_manager.get_block_ids("a") == []
+    assert sched.kv_cache_manager.get_block_ids("a") == [[]]
 
 
 def test_abort_waiting_running_and_unknown():

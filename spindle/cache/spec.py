@@ -147,6 +147,9 @@ class CacheLayout:
         return sum(self.group_specs[g].slot_bytes() * len(self.group_layers[g])
                    for g in self.mamba_groups)
 
+    def requirements(self) -> "CacheRequirements":
+        return CacheRequirements(tuple(self.groups), self.block_bytes(), self.slot_bytes())
+
     def describe(self) -> str:
         parts = []
         for group, layers in zip(self.groups, self.group_layers):
@@ -187,3 +190,29 @@ def build_cache_layout(layers: Sequence[Any], block_size: int, dtype: torch.dtyp
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class CacheRequirements:
+    """What one rank's cache needs, for the engine to size it: the groups, the bytes
+    one block id costs (all paged groups share the ids) and one state slot costs."""
+
+    groups: tuple[CacheGroup, ...] = ()
+    block_bytes: int = 0
+    slot_bytes: int = 0
+
+    @property
+    def has_paged(self) -> bool:
+        return any(g.is_paged for g in self.groups)
+
+    @property
+    def has_state(self) -> bool:
+        return any(not g.is_paged for g in self.groups)
+
+    def blocks_per_sequence(self, num_tokens: int, block_size: int) -> int:
+        """Block ids one sequence of num_tokens tokens holds at most, over all groups."""
+        return sum(g.blocks_for(num_tokens, block_size) for g in self.groups)
+
+    def signature(self) -> tuple:
+        """What must agree across ranks for them to share block ids and slots."""
+        return tuple((g.kind, g.sliding_window) for g in self.groups)

@@ -48,8 +48,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -69,7 +69,7 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """Fraction of blocks held by requests, in [0, 1]."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take num_blocks from the head of the free queue, evicting their hashes.

@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Iterable
 
+from spindle.cache.spec import CacheRequirements, KVCacheConfig
 from spindle.config import EngineConfig
 from spindle.engine.batch_queue import BatchQueue
 from spindle.engine.pause import PauseMode, SchedulingGate, SleepModeUnavailableError
@@ -31,7 +32,7 @@ class EngineCore:
         start = time.perf_counter()
         self.executor = Executor.get_class(config)(config)
         try:
-            self.num_kv_blocks = self._initialize_kv_caches()
+            self.kv_config = self._initialize_kv_caches()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -39,8 +40,12 @@ class EngineCore:
         pipelined = config.parallel.pipeline_parallel_size > 1
         self.async_scheduling = (config.scheduler.async_scheduling and not pipelined
                                  and self.executor.supports_async_scheduling)
+        self.num_kv_blocks = self.kv_config.num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
-                                   async_scheduling=self.async_scheduling)
+                                   async_scheduling=self.async_scheduling,
+                                   cache_groups=self.cache_requirements.groups,
+                                   num_state_slots=self.kv_config.num_state_slots,
+                                   enable_prefix_caching=self._prefix_caching())
         # Pipeline parallelism: up to max_concurrent_batches disjoint batches in flight.
         self.batch_queue = (BatchQueue(self.scheduler, self.executor,
                                        config.parallel.max_concurrent_batches)
@@ -53,26 +58,52 @@ class EngineCore:
         logger.info("startup in %.2fs; KV cache: %d blocks of %d tokens\n%s", self.startup_seconds,
                     self.num_kv_blocks, config.cache.block_size, self.startup_table)
 
-    def _initialize_kv_caches(self) -> int:
+    def _initialize_kv_caches(self) -> KVCacheConfig:
+        """Size the cache from every rank's budget and needs, and allocate it. Every
+        rank holds the same block ids and state slots: the counts the tightest rank
+        can fit."""
         budgets = self.executor.determine_available_memory()
-        rank_block_bytes = self.executor.kv_cache_block_bytes()
-        available, block_bytes = min(budgets), max(rank_block_bytes)
-        if block_bytes == 0:  # a model without a KV cache (encoder-only)
-            self.executor.initialize_kv_cache(0)
-            return 0
-        # Every rank holds the same block ids: the blocks the tightest rank can fit.
-        num_blocks = min(b // size for b, size in zip(budgets, rank_block_bytes))
+        needs = self.executor.cache_requirements()
+        if len({n.signature() for n in needs}) > 1:
+            raise ValueError("the ranks' layers form different cache groups "
+                             f"({[n.signature() for n in needs]}): pipeline stages that "
+                             "hold different kinds of layers are not supported")
+        self.cache_requirements = needs[0]
+        kv_config = self._size_cache(budgets, needs)
+        self.executor.initialize_kv_cache(kv_config)
+        return kv_config
+
+    def _size_cache(self, budgets: list[int], needs: list[CacheRequirements]) -> KVCacheConfig:
+        if not needs[0].groups:  # a model without a cache (encoder-only)
+            return KVCacheConfig(0)
+        # One state slot per running sequence, set aside before the blocks.
+        slots = self.config.scheduler.max_num_seqs if needs[0].has_state else 0
+        left = [b - slots * n.slot_bytes for b, n in zip(budgets, needs)]
+        num_blocks = (min(b // n.block_bytes for b, n in zip(left, needs))
+                      if needs[0].has_paged else 0)
         block_size = self.config.cache.block_size
-        needed = -(-self.config.model.max_model_len // block_size)
-        if num_blocks < needed:
+        max_len = self.config.model.max_model_len
+        needed = needs[0].blocks_per_sequence(max_len, block_size)
+        if min(left) < 0 or num_blocks < needed:
+            state = (f" after {slots} state slots of {needs[0].slot_bytes / 2**20:.1f} MiB"
+                     if slots else "")
             raise ValueError(
-                f"the KV cache budget ({available / 2**20:.1f} MiB, {num_blocks} blocks of "
-                f"{block_size} tokens) cannot hold one sequence of max_model_len="
-                f"{self.config.model.max_model_len} tokens ({needed} blocks); raise "
-                "kv_cache_memory_bytes, gpu_memory_utilization (GPU) or cpu_kv_cache_gb (CPU), "
-                "or lower max_model_len")
-        self.executor.initialize_kv_cache(num_blocks)
-        return num_blocks
+                f"the KV cache budget ({min(budgets) / 2**20:.1f} MiB{state}: {max(0, num_blocks)} "
+                f"blocks of {block_size} tokens) cannot hold one sequence of max_model_len="
+                f"{max_len} tokens ({needed} blocks); raise kv_cache_memory_bytes, "
+                "gpu_memory_utilization (GPU) or cpu_kv_cache_gb (CPU), or lower max_model_len"
+                + (" or max_num_seqs" if slots else ""))
+        return KVCacheConfig(num_blocks, slots)
+
+    def _prefix_caching(self) -> bool:
+        """Prefix caching as configured, except for models with state layers: a hit
+        would need each layer's state at the hit's end, which is not kept."""
+        enabled = self.config.cache.enable_prefix_caching
+        if enabled and self.cache_requirements.has_state:
+            logger.warning("prefix caching is off: this model has state-space layers, whose "
+                           "states at block boundaries are not kept")
+            return False
+        return enabled
 
     def raise_if_dead(self) -> None:
         """Raise the executor's failure (a dead worker, naming its rank and exit code)."""

@@ -1,9 +1,19 @@
-"""Which KV cache blocks each request holds, and the prefix cache over them.
+"""Which cache blocks and state slots each request holds, per cache group, and the
+prefix cache over them.
 
-A request's token at position p lives in slot p % block_size of its block
-p // block_size. Full blocks are identified by a chained hash of their tokens (and,
-through the parent hash, of every token before them), so two requests with the
-same first k * block_size tokens can share those k blocks.
+The model's caching layers form groups (spindle/cache/spec.py). Every paged group
+(full attention, sliding window) draws block ids from one BlockPool: a block id
+costs the same memory in whichever group holds it. A request keeps one block list
+per paged group; the token at position p lives in slot p % block_size of the
+group's block p // block_size. A sliding-window group frees the blocks wholly
+before the window of the request's next token as the request moves on; their list
+entries become None (the runner never reads them; messages carry NULL_BLOCK_ID).
+A mamba group holds a fixed-size state per sequence: the request takes one state
+slot (the same slot id in every mamba layer) for as long as it runs.
+
+Full blocks are identified by a chained hash of their tokens (and, through the
+parent hash, of every token before them), separately per group, so two requests
+with the same first k * block_size tokens can share those blocks.
 
 Timing contract with the runner: a block is registered in the prefix cache as soon
 as its tokens are *scheduled* (allocate_slots for the step that computes them), not
@@ -20,11 +30,17 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
+from spindle.cache.spec import FULL_ATTENTION, CacheGroup
 from spindle.engine.block_pool import BlockPool, KVCacheBlock
 from spindle.engine.request import Request
 
 # Parent hash of a request's first block.
 ROOT_BLOCK_HASH: bytes = hashlib.sha256(b"spindle-prefix-cache-root-v1").digest()
+# The id a message carries for a block a sliding-window group freed (never read).
+NULL_BLOCK_ID = 0
+
+# Per paged group, a request's blocks in token order (None: freed, outside the window).
+GroupBlocks = list[list[KVCacheBlock | None]]
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -56,26 +72,61 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+class StateSlotPool:
+    """Fixed-size per-sequence states (mamba groups): one slot per running request."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        if not self._free:
+            raise ValueError("no free state slot")
+        return self._free.pop()
+
+    def give_back(self, slot: int) -> None:
+        self._free.append(slot)
+
+
 class KVCacheManager:
-    """Allocates blocks to requests and maintains the prefix cache.
+    """Allocates blocks and state slots to requests and maintains the prefix cache.
 
     Invariants:
-      * _req_blocks[rid] holds exactly cdiv(tokens allocated for, block_size) blocks,
-        in token order; the first _num_hashed[rid] of them are full of computed
-        tokens and have been offered to the prefix cache.
+      * _req_blocks[rid][g] holds exactly cdiv(tokens allocated for, block_size)
+        entries for paged group g, in token order; entries of a sliding-window group
+        wholly before the window of the request's next token are None (freed). The
+        first _num_hashed[rid] entries of each group are full of computed tokens and
+        have been offered to the prefix cache (freed ones before that).
+      * A request with state groups holds one slot (_req_slot[rid]) while it holds
+        anything at all.
       * request.block_hashes[i] == hash of full block i of request.all_token_ids
         (only maintained when caching is enabled; extended lazily whenever the
         manager looks at the request — token ids are append-only, so earlier
         hashes never change).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 groups: Sequence[CacheGroup] | None = None, num_state_slots: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.groups = list(groups) if groups is not None else [CacheGroup(FULL_ATTENTION, 1)]
+        self.paged = [i for i, g in enumerate(self.groups) if g.is_paged]
+        self.stateful = [i for i, g in enumerate(self.groups) if not g.is_paged]
+        if self.stateful and num_state_slots < 1:
+            raise ValueError("a model with state (mamba) layers needs num_state_slots >= 1")
+        if self.stateful and enable_caching:
+            # Prefix hits need the layers' states at the hit's end; none are kept yet.
+            raise ValueError("prefix caching is not supported for models with state layers")
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.slots = StateSlotPool(num_state_slots if self.stateful else 0)
+        self._req_blocks: dict[str, GroupBlocks] = {}
+        self._req_slot: dict[str, int] = {}
         self._num_hashed: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -92,42 +143,73 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        """Whether a sequence of num_tokens tokens fits in the whole cache."""
-        return _cdiv(num_tokens, self.block_size) <= self.num_blocks
+        """Whether one sequence of num_tokens tokens fits in the whole cache."""
+        needed = sum(self.groups[g].blocks_for(num_tokens, self.block_size) for g in self.paged)
+        return needed <= self.num_blocks
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest chain of cached full blocks that prefixes request's tokens,
-        and the number of tokens they cover.
+    # ---------------------------------------------------------------- prefix hits
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """The longest cached prefix of request's tokens that every group can serve,
+        as blocks per paged group, and the number of tokens it covers.
 
         At most (num_tokens - 1) tokens are reported as hits: when every token
         hits, the last block is dropped so the last token still goes through the
-        model (its logits are needed to sample). Does not take references: pass
-        the blocks to allocate_slots(). ([], 0) without caching or for a request
-        that already has computed tokens.
+        model (its logits are needed to sample). A sliding-window group needs only
+        the blocks within the window of the first recomputed token (the others are
+        None). Does not take references: pass the blocks to allocate_slots().
+        ([], 0) without caching or for a request that already has computed tokens.
         """
         if not self.enable_caching or request.num_computed_tokens > 0:
             return [], 0
         self._update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        for g in self.paged:
+            if self.groups[g].sliding_window is None:
+                num_blocks = min(num_blocks, self._cached_chain_length(request, g, num_blocks))
+        while num_blocks > 0:
+            hits = [self._hit_blocks(request, g, num_blocks) for g in self.paged]
+            if all(h is not None for h in hits):
+                return hits, num_blocks * self.block_size
+            num_blocks -= 1
+        return [], 0
+
+    def _cached_chain_length(self, request: Request, group: int, limit: int) -> int:
+        for i, block_hash in enumerate(request.block_hashes[:limit]):
+            if self.block_pool.get_cached_block(self._group_key(block_hash, group)) is None:
+                return i
+        return limit
+
+    def _hit_blocks(self, request: Request, group: int,
+                    num_blocks: int) -> list[KVCacheBlock | None] | None:
+        """Group's blocks for a hit of num_blocks blocks; None if one it needs is gone."""
+        first_needed = self._first_needed_block(group, num_blocks * self.block_size)
+        blocks: list[KVCacheBlock | None] = [None] * first_needed
+        for block_hash in request.block_hashes[first_needed:num_blocks]:
+            block = self.block_pool.get_cached_block(self._group_key(block_hash, group))
             if block is None:
-                break
+                return None
             blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+        return blocks
 
+    def _first_needed_block(self, group: int, position: int) -> int:
+        """The first block a token at position (and every later one) reads in group."""
+        window = self.groups[group].sliding_window
+        if window is None:
+            return 0
+        return max(0, position - window + 1) // self.block_size
+
+    # ---------------------------------------------------------------- allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVCacheBlock] = ()
-                       ) -> list[KVCacheBlock] | None:
-        """Make request hold enough blocks for
-        request.num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens
-        tokens, where new_computed_blocks are prefix hits from get_computed_blocks()
-        (only for a request holding no blocks yet; request.num_computed_tokens must
-        not include them yet).
+                       new_computed_blocks: GroupBlocks = ()) -> GroupBlocks | None:
+        """Make request hold enough blocks (per paged group) for
+        request.num_computed_tokens + hit tokens + num_new_tokens tokens, and a state
+        slot where the model has state groups; new_computed_blocks are prefix hits from
+        get_computed_blocks() (only for a request holding nothing yet;
+        request.num_computed_tokens must not include them yet).
 
-        Returns the newly allocated blocks (hits excluded; possibly []), or None
-        and changes nothing when too few blocks are free.
+        Returns the newly allocated blocks per paged group (hits excluded; possibly
+        empty lists), or None and changes nothing (beyond freeing blocks that left a
+        window) when too few blocks or slots are free.
 
         Then registers in the prefix cache every block made full by the tokens up to
         request.num_computed_tokens + hits + num_new_tokens: those tokens are either
@@ -138,54 +220,104 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         rid = request.request_id
         is_new = rid not in self._req_blocks
-        held = self._req_blocks.get(rid, [])
         if new_computed_blocks and not is_new:
             raise ValueError(f"request {rid} already holds blocks: prefix hits can only "
                              "be taken at admission")
-        num_hit_tokens = len(new_computed_blocks) * self.block_size
-        total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        hits = list(new_computed_blocks) or [[] for _ in self.paged]
+        num_hit_tokens = len(hits[0]) * self.block_size if hits else 0
+        start = request.num_computed_tokens + num_hit_tokens
+        total = start + num_new_tokens
         if total > request.num_tokens + request.num_output_placeholders:
             raise ValueError(f"request {rid}: cannot allocate for {total} tokens, it has "
                              f"only {request.num_tokens} known tokens")
         known = min(total, request.num_tokens)  # only known token ids are ever hashed
-        if not is_new and not new_computed_blocks and self._holds_enough(rid, held, total, known):
-            return []  # the common decode step: room in the last block, nothing to cache
-        num_needed = max(0, _cdiv(total, self.block_size) - len(held) - len(new_computed_blocks))
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed + num_revived > self.block_pool.num_free_blocks:
+        held = self._req_blocks.get(rid)
+        if held is not None:
+            self._free_outside_windows(rid, held, start)
+            if self._holds_enough(rid, held, total, known):
+                return [[] for _ in self.paged]  # the common decode step
+        lengths = [len(h) for h in held] if held is not None else [len(h) for h in hits]
+        num_needed = [max(0, _cdiv(total, self.block_size) - n) for n in lengths]
+        num_revived = sum(1 for group in hits for b in group if b is not None and b.ref_cnt == 0)
+        if sum(num_needed) + num_revived > self.block_pool.num_free_blocks:
+            return None
+        if is_new and self.stateful and self.slots.num_free < 1:
             return None
 
         if is_new:
-            self._record_admission(request, num_hit_tokens)
-        self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_needed)
-        blocks = self._req_blocks.setdefault(rid, [])
-        blocks.extend(new_computed_blocks)
-        blocks.extend(new_blocks)
-        if is_new:
-            self._num_hashed[rid] = len(new_computed_blocks)
+            self._admit(request, hits, num_hit_tokens)
+        blocks = self._req_blocks[rid]
+        new_blocks = []
+        for i, n in enumerate(num_needed):
+            fresh = self.block_pool.get_new_blocks(n)
+            blocks[i].extend(fresh)
+            new_blocks.append(fresh)
         self._cache_full_blocks(request, known // self.block_size)
         return new_blocks
 
-    def _holds_enough(self, rid: str, held: list[KVCacheBlock], total: int, known: int) -> bool:
+    def _admit(self, request: Request, hits: GroupBlocks, num_hit_tokens: int) -> None:
+        rid = request.request_id
+        self._record_admission(request, num_hit_tokens)
+        for group in hits:
+            self.block_pool.touch(b for b in group if b is not None)
+        self._req_blocks[rid] = [list(group) for group in hits]
+        self._num_hashed[rid] = num_hit_tokens // self.block_size
+        if self.stateful:
+            self._req_slot[rid] = self.slots.take()
+
+    def _free_outside_windows(self, rid: str, held: GroupBlocks, position: int) -> None:
+        """Free the sliding-window blocks no token from position on will read."""
+        for i, g in enumerate(self.paged):
+            blocks = held[i]
+            first_needed = min(self._first_needed_block(g, position), len(blocks))
+            freed = [b for b in blocks[:first_needed] if b is not None]
+            if freed:
+                for j in range(first_needed):
+                    blocks[j] = None
+                self.block_pool.free_blocks(reversed(freed))
+
+    def _holds_enough(self, rid: str, held: GroupBlocks, total: int, known: int) -> bool:
         """Whether held blocks cover total tokens and no block newly became full."""
-        if _cdiv(total, self.block_size) > len(held):
+        if any(_cdiv(total, self.block_size) > len(blocks) for blocks in held):
             return False
         return not self.enable_caching or known // self.block_size <= self._num_hashed.get(rid, 0)
 
     def free(self, request: Request) -> None:
-        """Release every block of request, tail first (its last blocks are evicted
-        first). No-op for a request holding none."""
-        blocks = self._req_blocks.pop(request.request_id, None)
-        self._num_hashed.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        """Release every block and the state slot of request, tail first (its last
+        blocks are evicted first). No-op for a request holding none."""
+        rid = request.request_id
+        groups = self._req_blocks.pop(rid, None)
+        self._num_hashed.pop(rid, None)
+        slot = self._req_slot.pop(rid, None)
+        if slot is not None:
+            self.slots.give_back(slot)
+        for blocks in groups or ():
+            self.block_pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """Per group: the block ids of a paged group (NULL_BLOCK_ID where freed), or
+        [slot] for a state group; empty lists for a request holding nothing."""
+        held = self._req_blocks.get(request_id)
+        out: list[list[int]] = []
+        paged = iter(held or [[] for _ in self.paged])
+        for group in self.groups:
+            if group.is_paged:
+                out.append([NULL_BLOCK_ID if b is None else b.block_id for b in next(paged)])
+            else:
+                slot = self._req_slot.get(request_id)
+                out.append([] if slot is None else [slot])
+        return out
+
+    def new_block_ids(self, new_blocks: GroupBlocks) -> list[list[int]]:
+        """allocate_slots()'s result as ids per group (state groups: none new)."""
+        paged = iter(new_blocks)
+        return [[b.block_id for b in next(paged)] if group.is_paged else []
+                for group in self.groups]
 
     def get_num_blocks(self, request_id: str) -> int:
-        return len(self._req_blocks.get(request_id, ()))
+        """Blocks request holds in all paged groups (freed ones not counted)."""
+        return sum(1 for blocks in self._req_blocks.get(request_id, ())
+                   for b in blocks if b is not None)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash; False (nothing done) while any block is held."""
@@ -206,10 +338,19 @@ class KVCacheManager:
         if num_full_blocks <= start:
             return
         self._update_block_hashes(request)
-        blocks = self._req_blocks[rid]
-        self.block_pool.cache_full_blocks(blocks[start:num_full_blocks],
-                                          request.block_hashes[start:num_full_blocks])
+        hashes = request.block_hashes[start:num_full_blocks]
+        for i, g in enumerate(self.paged):
+            pairs = [(b, self._group_key(h, g))
+                     for b, h in zip(self._req_blocks[rid][i][start:num_full_blocks], hashes)
+                     if b is not None]
+            if pairs:
+                self.block_pool.cache_full_blocks([b for b, _ in pairs], [k for _, k in pairs])
         self._num_hashed[rid] = num_full_blocks
+
+    @staticmethod
+    def _group_key(block_hash: bytes, group: int) -> bytes:
+        """A block's prefix-cache key in group (the plain hash in group 0)."""
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes to cover every full block of its tokens."""

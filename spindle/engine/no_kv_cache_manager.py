@@ -39,7 +39,10 @@ class NoKVCacheManager:
     def free(self, request: Request) -> None:
         return None
 
-    def get_block_ids(self, request_id: str) -> list[int]:
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        return []
+
+    def new_block_ids(self, new_blocks) -> list[list[int]]:
         return []
 
     def get_num_blocks(self, request_id: str) -> int:

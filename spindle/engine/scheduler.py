@@ -16,8 +16,9 @@ are reported.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from typing import Iterable, Sequence
 
+from spindle.cache.spec import CacheGroup
 from spindle.config import CacheConfig, SchedulerConfig
 from spindle.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from spindle.engine.no_kv_cache_manager import NoKVCacheManager
@@ -57,7 +58,9 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_kv_blocks: int, async_scheduling: bool = False) -> None:
+                 num_kv_blocks: int, async_scheduling: bool = False,
+                 cache_groups: Sequence[CacheGroup] | None = None,
+                 num_state_slots: int = 0, enable_prefix_caching: bool | None = None) -> None:
         if num_kv_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0, got {num_kv_blocks}")
         self.scheduler_config = scheduler_config
@@ -66,11 +69,14 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
-        # 0 blocks: the model has no KV cache (encoder-only).
+        if enable_prefix_caching is None:
+            enable_prefix_caching = cache_config.enable_prefix_caching
+        # No blocks and no state slots: the model has no cache (encoder-only).
         self.kv_cache_manager = (
-            KVCacheManager(num_kv_blocks, cache_config.block_size,
-                           cache_config.enable_prefix_caching)
-            if num_kv_blocks > 0 else NoKVCacheManager(cache_config.block_size))
+            KVCacheManager(num_kv_blocks, cache_config.block_size, enable_prefix_caching,
+                           cache_groups, num_state_slots)
+            if num_kv_blocks > 0 or num_state_slots > 0
+            else NoKVCacheManager(cache_config.block_size))
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -215,7 +221,7 @@ class Scheduler:
                 break  # request preempted itself: nothing after it is left
             out.cached_requests.append(CachedRequestData(
                 req_id=request.request_id,
-                new_block_ids=[b.block_id for b in new_blocks],
+                new_block_ids=self.kv_cache_manager.new_block_ids(new_blocks),
                 num_computed_tokens=request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new

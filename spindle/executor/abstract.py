@@ -28,6 +28,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, ClassVar
 
+from spindle.cache.spec import CacheRequirements, KVCacheConfig
 from spindle.config import EngineConfig
 from spindle.executor.errors import ExecutorFailedError
 from spindle.step_messages import ModelRunnerOutput, SchedulerOutput
@@ -139,12 +140,12 @@ class Executor(abc.ABC):
     def determine_available_memory(self) -> list[int]:
         return self.collective_rpc("determine_available_memory")
 
-    def kv_cache_block_bytes(self) -> list[int]:
-        return self.collective_rpc("kv_cache_block_bytes")
+    def cache_requirements(self) -> list[CacheRequirements]:
+        return self.collective_rpc("cache_requirements")
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         """allocate_kv_cache, warmup and freeze_gc_heap on every worker, in that order."""
-        self.collective_rpc("allocate_kv_cache", args=(num_blocks,))
+        self.collective_rpc("allocate_kv_cache", args=(kv_config,))
         self.collective_rpc("warmup")
         self.collective_rpc("freeze_gc_heap")
 

@@ -1,22 +1,27 @@
 """CUDA graphs for decode steps: capture once per batch size, replay every step.
 
-All static buffers live here, sized for the largest captured batch. A decode batch
-of B requests is padded to the next captured size P: padding rows get slot -1 (the
-store-KV kernel skips them) and sequence length 0 (attention writes zeros), so
-they touch no real cache entry and produce finite garbage that nobody reads.
-Graphs are captured largest first into one memory pool, which the smaller graphs
-then reuse.
+All static buffers live here, sized for the largest captured batch: the step's
+token ids, positions and sequence lengths, and per cache group what its layers
+read (a paged group: block table and slots; a state group: the state slots). A
+decode batch of B requests is padded to the next captured size P: padding rows get
+slot -1 (the store-KV kernel skips them), sequence length 0 (attention writes
+zeros) and state slot -1 (state layers skip them), so they touch no real cache
+entry and produce finite garbage that nobody reads. Graphs are captured largest
+first into one memory pool, which the smaller graphs then reuse.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from typing import Sequence
 
 import torch
 
 from spindle.attention.metadata import AttentionMetadata
+from spindle.cache.spec import FULL_ATTENTION, CacheGroup
 from spindle.forward_context import forward_context
+from spindle.layers.mamba.metadata import MambaMetadata
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.base import ModelState
 
@@ -36,26 +41,37 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+# Rows of the pinned host array staged each step (then one row per paged group's slots).
+_INPUT_IDS, _POSITIONS, _SEQ_LENS, _STATE_SLOTS, _HAS_STATE, _FIRST_SLOTS = range(6)
+
+
 class CudaGraphRunner:
     def __init__(self, state: ModelState, max_batch: int, max_blocks_per_req: int,
-                 device: torch.device) -> None:
+                 device: torch.device, groups: Sequence[CacheGroup] = ()) -> None:
         self.state = state
         self.device = device
+        self.groups = list(groups) or [CacheGroup(FULL_ATTENTION, 1)]
+        self.num_paged = sum(g.is_paged for g in self.groups)
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((n, max_blocks_per_req), dtype=torch.int32, device=device)
+        self.slot_mappings = [torch.full((n,), -1, dtype=torch.int64, device=device)
+                              for _ in range(self.num_paged)]
+        self.block_tables = [torch.zeros((n, max_blocks_per_req), dtype=torch.int32,
+                                         device=device) for _ in range(self.num_paged)]
+        self.state_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
+        self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
         # Pinned host mirrors of the per-step inputs (one H2D copy per buffer per step),
         # two sets used in turn: with async scheduling a step is staged while the
         # previous step's copies may still be queued (see runner/staging.py).
-        self._host_sets = [(torch.zeros((4, n), dtype=torch.int64, pin_memory=True),
-                            torch.zeros((n, max_blocks_per_req), dtype=torch.int32,
-                                        pin_memory=True)) for _ in range(2)]
+        self._host_sets = [
+            (torch.zeros((_FIRST_SLOTS + self.num_paged, n), dtype=torch.int64, pin_memory=True),
+             torch.zeros((max(1, self.num_paged), n, max_blocks_per_req), dtype=torch.int32,
+                         pin_memory=True)) for _ in range(2)]
         self._runs = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -96,27 +112,48 @@ class CudaGraphRunner:
         self._runs += 1
         host_t, tables_t = self._host_sets[self._runs % 2]
         host = host_t.numpy()
-        host[0, :num] = batch.input_ids
-        host[1, :num] = batch.positions
-        host[2, :num] = batch.slot_mapping
-        host[2, num:size] = -1
-        host[3, :num] = batch.seq_lens
-        host[3, num:size] = 0
-        cols = batch.block_tables.shape[1]
-        tables_t.numpy()[:num, :cols] = batch.block_tables
-        self.input_ids[:size].copy_(host_t[0, :size], non_blocking=True)
-        self.positions[:size].copy_(host_t[1, :size], non_blocking=True)
-        self.slot_mapping[:size].copy_(host_t[2, :size], non_blocking=True)
-        self.seq_lens[:size].copy_(host_t[3, :size], non_blocking=True)
-        self.block_tables[:num, :cols].copy_(tables_t[:num, :cols], non_blocking=True)
+        host[_INPUT_IDS, :num] = batch.input_ids
+        host[_POSITIONS, :num] = batch.positions
+        host[_SEQ_LENS, :num] = batch.seq_lens
+        host[_SEQ_LENS, num:size] = 0
+        if batch.state_slots is not None:
+            host[_STATE_SLOTS, :num] = batch.state_slots
+            host[_HAS_STATE, :num] = batch.num_computed > 0
+        host[_STATE_SLOTS, num:size] = -1
+        cols = batch.block_tables[0].shape[1] if self.num_paged else 0
+        for g in range(self.num_paged):
+            host[_FIRST_SLOTS + g, :num] = batch.slot_mappings[g]
+            host[_FIRST_SLOTS + g, num:size] = -1
+            tables_t.numpy()[g, :num, :cols] = batch.block_tables[g]
+        self.input_ids[:size].copy_(host_t[_INPUT_IDS, :size], non_blocking=True)
+        self.positions[:size].copy_(host_t[_POSITIONS, :size], non_blocking=True)
+        self.seq_lens[:size].copy_(host_t[_SEQ_LENS, :size], non_blocking=True)
+        if batch.state_slots is not None:
+            self.state_slots[:size].copy_(host_t[_STATE_SLOTS, :size], non_blocking=True)
+            self.has_initial_state[:size].copy_(host_t[_HAS_STATE, :size], non_blocking=True)
+        for g in range(self.num_paged):
+            self.slot_mappings[g][:size].copy_(host_t[_FIRST_SLOTS + g, :size], non_blocking=True)
+            self.block_tables[g][:num, :cols].copy_(tables_t[g, :num, :cols], non_blocking=True)
+
+    def _metadata(self, size: int) -> AttentionMetadata | MambaMetadata | list:
+        """Per cache group, metadata over the static buffers (padded to size)."""
+        metadata, table = [], 0
+        for group in self.groups:
+            if group.is_paged:
+                metadata.append(AttentionMetadata(
+                    num_reqs=size, num_tokens=size, query_start_loc=self.query_start_loc[:size + 1],
+                    seq_lens=self.seq_lens[:size], block_tables=self.block_tables[table][:size],
+                    slot_mapping=self.slot_mappings[table][:size], max_query_len=1,
+                    max_seq_len=self.block_tables[table].shape[1]))
+                table += 1
+            else:
+                metadata.append(MambaMetadata(
+                    num_reqs=size, num_tokens=size, query_start_loc=self.query_start_loc[:size + 1],
+                    state_indices=self.state_slots[:size],
+                    has_initial_state=self.has_initial_state[:size], max_query_len=1))
+        return metadata[0] if len(metadata) == 1 else metadata
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata(
-            num_reqs=size, num_tokens=size, query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size], max_query_len=1,
-            max_seq_len=self.block_tables.shape[1])
-        with forward_context(meta):
+        with forward_context(self._metadata(size)):
             return self.state.forward({"input_ids": self.input_ids[:size],
                                        "positions": self.positions[:size]})
-

@@ -9,7 +9,7 @@ the model architecture.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ class CachedRequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per cache group (a state group: [slot])
     num_computed_tokens: int
     num_tokens: int  # known tokens: prompt + outputs so far
     # Tokens being sampled by launched steps whose results have not been read back:
@@ -52,8 +52,9 @@ class StepBatch:
     seq_lens: np.ndarray  # [B] context length after this step
     positions: np.ndarray  # [T]
     input_ids: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T]
-    block_tables: np.ndarray  # [B, max_blocks]
+    slot_mappings: list[np.ndarray]  # per paged cache group: [T]
+    block_tables: list[np.ndarray]  # per paged cache group: [B, max_blocks]
+    state_slots: np.ndarray | None  # [B] state slot of each request (models with state groups)
     token_req_index: np.ndarray  # [T] which request each token belongs to
     sampling_mask: np.ndarray  # [B] bool: request reaches its last known token and samples
     logits_indices: np.ndarray  # [S] token index whose hidden state is sampled (S = mask.sum())
@@ -77,7 +78,8 @@ class InputBatch:
     """Rows of per-request host state, and step preparation over them."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
-                 vocab_size: int, device: torch.device) -> None:
+                 vocab_size: int, device: torch.device,
+                 group_is_paged: Sequence[bool] = (True,)) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -85,11 +87,20 @@ class InputBatch:
         self.device = device
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
-        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.set_cache_groups(group_is_paged)
         self.requests: dict[str, CachedRequestState] = {}
         self._metadata_key: tuple | None = None
         self._metadata: SamplingMetadata | None = None
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def set_cache_groups(self, group_is_paged: Sequence[bool]) -> None:
+        """One block table per paged cache group; one state slot per row for models
+        with state groups (every state group shares the slot id)."""
+        self.group_is_paged = list(group_is_paged)
+        self.block_tables = [np.zeros((self.max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+                             for paged in self.group_is_paged if paged]
+        self.has_state = not all(self.group_is_paged)
+        self.state_slot = np.full(self.max_num_reqs, -1, dtype=np.int32)
 
     # ---- request bookkeeping -------------------------------------------------
     def add_request(self, new: NewRequestData) -> CachedRequestState:
@@ -108,14 +119,15 @@ class InputBatch:
         state = CachedRequestState(
             req_id=new.req_id, row=row, num_prompt_tokens=new.num_prompt_tokens,
             sampling_params=new.sampling_params, generator=generator,
-            block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+            block_ids=[[] for _ in self.group_is_paged],
+            num_computed_tokens=new.num_computed_tokens,
             num_tokens=len(new.token_ids),
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
             pooling_params=new.pooling_params)
         self.requests[new.req_id] = state
         try:
             self.token_ids[row, :len(new.token_ids)] = new.token_ids
-            self._write_block_ids(state, 0, new.block_ids)
+            self.append_blocks(new.req_id, new.block_ids)
         except Exception:
             self.remove_request(new.req_id)
             raise
@@ -135,10 +147,23 @@ class InputBatch:
             self._free_rows.append(state.row)
         return state
 
-    def append_blocks(self, req_id: str, new_block_ids: list[int]) -> None:
+    def append_blocks(self, req_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
+        """Append new block ids per cache group (a state group's list is its slot)."""
+        if len(new_block_ids) != len(self.group_is_paged):
+            if not any(new_block_ids):
+                return  # (a model without a cache gets no lists at all)
+            raise RuntimeError(f"request {req_id!r}: block ids for {len(new_block_ids)} cache "
+                               f"groups, the model has {len(self.group_is_paged)}")
         state = self.requests[req_id]
-        self._write_block_ids(state, len(state.block_ids), new_block_ids)
-        state.block_ids.extend(new_block_ids)
+        table = 0
+        for group, (ids, paged) in enumerate(zip(new_block_ids, self.group_is_paged)):
+            if paged:
+                self._write_block_ids(state, self.block_tables[table],
+                                      len(state.block_ids[group]), ids)
+                table += 1
+            elif ids:
+                self.state_slot[state.row] = ids[0]
+            state.block_ids[group].extend(ids)
 
     def append_token(self, state: CachedRequestState, token_id: int) -> None:
         state.num_inflight = max(0, state.num_inflight - 1)
@@ -148,12 +173,13 @@ class InputBatch:
         state.num_tokens += 1
         state.output_token_ids.append(token_id)
 
-    def _write_block_ids(self, state: CachedRequestState, start: int, block_ids: list[int]) -> None:
+    def _write_block_ids(self, state: CachedRequestState, table: np.ndarray, start: int,
+                         block_ids: Sequence[int]) -> None:
         end = start + len(block_ids)
         if end > self.max_blocks_per_req:
             raise RuntimeError(f"request {state.req_id!r} needs {end} KV blocks, more than "
                                f"max_model_len allows ({self.max_blocks_per_req})")
-        self.block_table[state.row, start:end] = block_ids
+        table[state.row, start:end] = block_ids
 
     # ---- step preparation ----------------------------------------------------
     def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepBatch:
@@ -181,8 +207,9 @@ class InputBatch:
             bad = req_ids[int(np.argmax(seq_lens > num_known))]
             raise RuntimeError(f"request {bad!r} was scheduled past its known tokens")
         block_index = positions // self.block_size
-        slot_mapping = (self.block_table[token_rows, block_index].astype(np.int64) * self.block_size
-                        + positions % self.block_size)
+        offsets_in_block = positions % self.block_size
+        slot_mappings = [table[token_rows, block_index].astype(np.int64) * self.block_size
+                         + offsets_in_block for table in self.block_tables]
         # Input positions at or past the host-known tokens hold tokens still in flight.
         inflight_dst = np.flatnonzero(positions >= num_host[token_req_index])
         num_block_cols = max(1, int(-(-seq_lens.max() // self.block_size))) if len(states) else 1
@@ -190,8 +217,10 @@ class InputBatch:
         return StepBatch(
             req_ids=req_ids, rows=rows, num_scheduled=num_scheduled, num_computed=num_computed,
             query_start_loc=query_start_loc, seq_lens=seq_lens, positions=positions,
-            input_ids=self.token_ids[token_rows, positions], slot_mapping=slot_mapping,
-            block_tables=self.block_table[rows, :num_block_cols], token_req_index=token_req_index,
+            input_ids=self.token_ids[token_rows, positions], slot_mappings=slot_mappings,
+            block_tables=[table[rows, :num_block_cols] for table in self.block_tables],
+            state_slots=self.state_slot[rows] if self.has_state else None,
+            token_req_index=token_req_index,
             sampling_mask=sampling_mask, logits_indices=query_start_loc[1:][sampling_mask] - 1,
             inflight_dst=inflight_dst, requests=states)
 

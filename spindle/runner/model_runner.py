@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from spindle.attention.layer import Attention
+from spindle.cache.spec import CacheLayout, CacheRequirements, KVCacheConfig, build_cache_layout
 from spindle.config import EngineConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
@@ -81,6 +82,8 @@ class ModelRunner:
         # One entry per attention layer: a tensor, or a list of them (hybrid state).
         self.kv_caches: list[torch.Tensor | list[torch.Tensor]] = []
         self.num_kv_blocks = 0
+        self.kv_config = KVCacheConfig(0)
+        self.cache_layout = CacheLayout([], [], [])
         self._memory_scope: MemoryScope = lambda tag: contextlib.nullcontext()
         self.graph_runner: CudaGraphRunner | None = None
         self.num_graph_captures = 0  # CUDA graphs captured so far (warmup and recaptures)
@@ -115,19 +118,32 @@ class ModelRunner:
         for layer in self.attn_layers:
             if layer.backend_name != backend:
                 layer.use_backend(backend)
+        self._group_cache_layers()
+
+    def _group_cache_layers(self) -> None:
+        """Group the layers that declare a cache spec (spindle/cache/spec.py) and tell
+        each layer, the model state and the input batch what the groups are. The
+        runner keeps no cache layout of its own: the specs decide it."""
+        if not self._require_state().needs_kv_cache:
+            self.cache_layout = CacheLayout([], [], [])
+            return
+        layers = [m for m in self._require_model().modules() if hasattr(m, "cache_spec")]
+        self.cache_layout = build_cache_layout(layers, self.config.cache.block_size,
+                                               self.config.model.dtype)
+        for group, members in enumerate(self.cache_layout.group_layers):
+            for layer in members:
+                layer.cache_group = group
+        self.state.cache_groups = list(self.cache_layout.groups)
+        self.input_batch.set_cache_groups([g.is_paged for g in self.cache_layout.groups])
 
     @property
     def needs_kv_cache(self) -> bool:
-        return self._require_state().needs_kv_cache and bool(self.attn_layers)
+        return self._require_state().needs_kv_cache and bool(self.cache_layout.groups)
 
-    def kv_cache_block_bytes(self) -> int:
-        """Bytes one KV block takes across all of this rank's attention layers."""
-        if not self.needs_kv_cache:
-            return 0
-        block_size = self.config.cache.block_size
-        elem = torch.empty((), dtype=self.config.model.dtype).element_size()
-        return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * elem
-                   for layer in self.attn_layers)
+    def cache_requirements(self) -> CacheRequirements:
+        """This rank's cache groups and what a block id / a state slot costs here."""
+        self._require_state()
+        return self.cache_layout.requirements()
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int | None = None) -> None:
@@ -161,20 +177,33 @@ class ModelRunner:
             self.sampler(logits, _dummy_sampling_metadata(num_rows, self.device))
         self.platform.synchronize(self.device)
 
-    def allocate_kv_cache(self, num_blocks: int) -> int:
-        """Allocate num_blocks KV blocks per attention layer; returns bytes allocated."""
-        self.num_kv_blocks = num_blocks
+    def allocate_kv_cache(self, config: KVCacheConfig) -> int:
+        """Allocate the cache the engine sized: for the paged groups, group_size
+        tensors of config.num_blocks pages (layer j of every paged group uses tensor
+        j); for each state layer, its state tensors with config.num_state_slots slots.
+        Returns the bytes allocated."""
+        self.kv_config = config
+        self.num_kv_blocks = config.num_blocks
         if not self.needs_kv_cache:
             return 0
-        block_size = self.config.cache.block_size
+        layout, dtype = self.cache_layout, self.config.model.dtype
         self.kv_caches = []
         with self._memory_scope(KV_CACHE):
-            for layer in self.attn_layers:
-                cache = self.platform.allocate_zeroed(
-                    (2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim),
-                    self.config.model.dtype, self.device)
-                layer.kv_cache = cache
-                self.kv_caches.append(cache)
+            if layout.attention_page is not None:
+                shared = [self.platform.allocate_zeroed(
+                    layout.attention_page.shape(config.num_blocks, layout.block_size), dtype,
+                    self.device) for _ in range(layout.group_size)]
+                self.kv_caches.extend(shared)
+                for g in layout.paged_groups:
+                    for j, layer in enumerate(layout.group_layers[g]):
+                        layer.kv_cache = shared[j]
+            for g in layout.mamba_groups:
+                spec = layout.group_specs[g]
+                for layer in layout.group_layers[g]:
+                    layer.kv_cache = [self.platform.allocate_zeroed(
+                        (config.num_state_slots, *shape), state_dtype, self.device)
+                        for shape, state_dtype in zip(spec.shapes, spec.dtypes)]
+                    self.kv_caches.append(layer.kv_cache)
         return sum(c.numel() * c.element_size() for c in flatten_cache_entries(self.kv_caches))
 
     @torch.inference_mode()
@@ -182,20 +211,30 @@ class ModelRunner:
         """Run real steps through the cache path (short and long prefill, decode), so
         kernels are compiled before the first request; then capture CUDA graphs. Where
         nothing is compiled (CPU) the short request alone checks the path."""
-        if self.num_kv_blocks < 1 or self.pooler is not None:
+        if not self.needs_kv_cache or self.pooler is not None:
             return  # (pooling requests never decode: the sampling warm-up does not apply)
         block_size = self.config.cache.block_size
         lengths = (block_size, 4 * block_size)
         if not self.platform.compiles_kernels_on_first_use:
             lengths = lengths[:1]
+        groups = self.cache_layout.groups
+        num_paged = sum(g.is_paged for g in groups)
         for n in lengths:
             blocks = -(-(n + 1) // block_size)
-            if n + 1 > self.config.model.max_model_len or blocks > self.num_kv_blocks:
+            if n + 1 > self.config.model.max_model_len or blocks * num_paged > self.num_kv_blocks:
                 break
-            self._warmup_request(n, list(range(blocks)))
+            # Distinct blocks per paged group (groups share tensors); state slot 0.
+            block_ids, start = [], 0
+            for group in groups:
+                if group.is_paged:
+                    block_ids.append(list(range(start, start + blocks)))
+                    start += blocks
+                else:
+                    block_ids.append([0])
+            self._warmup_request(n, block_ids)
         self._capture_cuda_graphs()
 
-    def _warmup_request(self, num_prompt: int, block_ids: list[int]) -> None:
+    def _warmup_request(self, num_prompt: int, block_ids: list[list[int]]) -> None:
         """A throw-away greedy request: its prefill step, then one decode step."""
         from spindle.step_messages import CachedRequestData
         from spindle.sampling_params import SamplingParams
@@ -207,8 +246,9 @@ class ModelRunner:
             num_scheduled_tokens={req: num_prompt}, total_num_scheduled_tokens=num_prompt)
         self.execute_model(prefill)
         # (new_token_ids: what pipeline stages other than the last did not sample)
-        decode = SchedulerOutput(cached_requests=[CachedRequestData(req, [], num_prompt, [0],
-                                                                    num_prompt)],
+        no_blocks = [[] for _ in block_ids]
+        decode = SchedulerOutput(cached_requests=[CachedRequestData(req, no_blocks, num_prompt,
+                                                                    [0], num_prompt)],
                                  num_scheduled_tokens={req: 1}, total_num_scheduled_tokens=1)
         self.execute_model(decode)
         self.input_batch.remove_request(req)
@@ -219,7 +259,8 @@ class ModelRunner:
                 or not self.needs_kv_cache or self.stage.size > 1):
             return
         self.graph_runner = CudaGraphRunner(state, self.config.device.max_cudagraph_batch_size,
-                                            self.input_batch.max_blocks_per_req, self.device)
+                                            self.input_batch.max_blocks_per_req, self.device,
+                                            self.cache_layout.groups)
         self.graph_runner.capture()
         self.num_graph_captures += len(self.graph_runner.graphs)
 
@@ -283,9 +324,10 @@ class ModelRunner:
         the pool and the cache), so the memory is free for whoever comes next."""
         self.graph_runner = None
         self._last_launched = None
-        for layer in self.attn_layers:
-            layer.kv_cache = None
-        self.kv_caches = []  # (hybrid list entries included)
+        for members in self.cache_layout.group_layers:
+            for layer in members:
+                layer.kv_cache = None
+        self.kv_caches = []  # (state layers' list entries included)
         self.attn_layers = []
         self.model = self.state = self.pooler = None
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
+from spindle.cache.spec import CacheLayout, CacheRequirements, KVCacheConfig
 from spindle.config import EngineConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage, build_parallel_groups
@@ -109,13 +110,13 @@ class Worker:
             record.note = f"kv budget {_human_bytes(available)}" + (f" ({how})" if how else "")
         return available
 
-    def kv_cache_block_bytes(self) -> int:
-        return self.runner.kv_cache_block_bytes()
+    def cache_requirements(self) -> CacheRequirements:
+        return self.runner.cache_requirements()
 
-    def allocate_kv_cache(self, num_blocks: int) -> int:
+    def allocate_kv_cache(self, config: KVCacheConfig) -> int:
         with self._stage("allocate_kv_cache") as record:
-            allocated = self.runner.allocate_kv_cache(num_blocks)
-            record.note = f"{num_blocks} blocks, {_human_bytes(allocated)}"
+            allocated = self.runner.allocate_kv_cache(config)
+            record.note = describe_cache(config, self.runner.cache_layout, allocated)
         return allocated
 
     def warmup(self) -> None:
@@ -276,14 +277,19 @@ class Worker:
 
     def _configured_kv_budget(self) -> tuple[int, str]:
         config = self.config
-        blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
         sharing = config.parallel.world_size if self.platform.workers_share_device else 1
         free, _ = self.platform.mem_get_info(self.device)
         return cpu_kv_cache_budget(
             space_bytes=config.cache.cpu_kv_cache_bytes,
-            useful_bytes=(blocks_per_seq * config.scheduler.max_num_seqs
-                          * self.kv_cache_block_bytes()),
+            useful_bytes=self.cache_requirements_bytes(config.scheduler.max_num_seqs),
             available_bytes=free, workers=sharing)
+
+    def cache_requirements_bytes(self, num_seqs: int) -> int:
+        """Bytes num_seqs sequences of max_model_len tokens use at most."""
+        req = self.cache_requirements()
+        blocks = req.blocks_per_sequence(self.config.model.max_model_len,
+                                         self.config.cache.block_size)
+        return num_seqs * (blocks * req.block_bytes + req.slot_bytes)
 
     def _measured_kv_budget(self) -> int:
         """GPU: what the utilisation target leaves after the measured peak (weights +
@@ -330,6 +336,14 @@ def cpu_kv_cache_budget(space_bytes: int, useful_bytes: int, available_bytes: in
     if ram_cap < share:
         return ram_cap, f"capped at half of available RAM; {flag}"
     return share, flag
+
+
+def describe_cache(config: KVCacheConfig, layout: CacheLayout, allocated: int) -> str:
+    """The allocate_kv_cache row's note: sizes, then the groups."""
+    parts = [f"{config.num_blocks} blocks"]
+    if config.num_state_slots:
+        parts.append(f"{config.num_state_slots} state slots")
+    return f"{', '.join(parts)}, {_human_bytes(allocated)}; groups: {layout.describe()}"
 
 
 def _human_bytes(n: int) -> str:

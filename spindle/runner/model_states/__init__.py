@@ -17,6 +17,7 @@ _STATES = {
     "decoder": "spindle.runner.model_states.default:DefaultModelState",
     "decoder+prompt_embeds": "spindle.runner.model_states.prompt_embeds:PromptEmbedsState",
     "encoder": "spindle.runner.model_states.encoder_only:EncoderOnlyModelState",
+    "hybrid": "spindle.runner.model_states.mamba_hybrid:MambaHybridModelState",
 }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spindle.cache.spec import FULL_ATTENTION, CacheGroup
 from spindle.runner.input_batch import CachedRequestState, StepBatch
 from spindle.runner.staging import HostToDevice
 from spindle.step_messages import NewRequestData
@@ -42,6 +43,14 @@ class ModelState(abc.ABC):
         self.device = device
         # Stage step inputs through h2d.put(array, dtype): pinned, non-blocking copies.
         self.h2d = h2d or HostToDevice(device)
+        # The model's cache groups (spindle/cache/spec.py), set by the runner once it
+        # has grouped the caching layers.
+        self.cache_groups: list[CacheGroup] = []
+
+    def groups(self) -> list[CacheGroup]:
+        """The cache groups whose metadata prepare_attn builds (one full-attention
+        group until the runner says otherwise)."""
+        return self.cache_groups or [CacheGroup(FULL_ATTENTION, 1)]
 
     @classmethod
     def check_config(cls, config: Any) -> None:

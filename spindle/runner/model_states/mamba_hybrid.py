@@ -1,0 +1,61 @@
+"""MambaHybridModelState: decoders whose layers mix attention and state-space (Mamba2)
+mixers, fed token ids.
+
+Attention layers read the paged KV cache as in DefaultModelState. A state-space layer
+keeps a fixed-size state per sequence (conv state + SSM state) in the slot its
+request holds (spindle/cache/spec.py, MambaCacheSpec); its metadata says which slot
+each request owns and whether the request starts from zeros this step (its first
+token) or from the state its earlier steps left (chunked prefill, decode). A
+preempted request comes back with nothing computed, so it starts from zeros again
+and recomputes its state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from spindle.cache.spec import CacheGroup
+from spindle.layers.mamba.metadata import MambaMetadata
+from spindle.runner.input_batch import StepBatch
+from spindle.runner.model_states.default import DefaultModelState
+
+
+class MambaHybridModelState(DefaultModelState):
+    needs_kv_cache = True
+    supports_cuda_graphs = True
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        if config.parallel.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 is not supported for hybrid "
+                             "(state-space) models")
+
+    def state_metadata(self, batch: StepBatch, group: CacheGroup, common: dict) -> MambaMetadata:
+        if batch.state_slots is None:
+            raise RuntimeError("a step of a hybrid model without state slots")
+        has_initial = batch.num_computed > 0
+        return MambaMetadata(
+            num_reqs=batch.num_reqs, num_tokens=batch.num_tokens,
+            query_start_loc=common["query_start_loc"],
+            state_indices=self.h2d.put(batch.state_slots, torch.int32),
+            has_initial_state=self.h2d.put(has_initial, torch.bool),
+            max_query_len=common["max_query_len"],
+            query_start_loc_cpu=common["query_start_loc_cpu"],
+            has_initial_state_cpu=torch.from_numpy(has_initial),
+            state_indices_cpu=torch.from_numpy(np.ascontiguousarray(batch.state_slots)))
+
+    def dummy_state_metadata(self, group: CacheGroup, query_start_loc: torch.Tensor,
+                             tokens_per_req: int) -> MambaMetadata:
+        """The profiling forward runs without states (the layers' caches are None)."""
+        num_reqs = len(query_start_loc) - 1
+        slots = torch.full((num_reqs,), -1, dtype=torch.int32)
+        no_state = torch.zeros(num_reqs, dtype=torch.bool)
+        return MambaMetadata(
+            num_reqs=num_reqs, num_tokens=num_reqs * tokens_per_req,
+            query_start_loc=query_start_loc.to(self.device),
+            state_indices=slots.to(self.device), has_initial_state=no_state.to(self.device),
+            max_query_len=tokens_per_req, query_start_loc_cpu=query_start_loc,
+            has_initial_state_cpu=no_state, state_indices_cpu=slots)

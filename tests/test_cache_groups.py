@@ -1,0 +1,195 @@
+"""Cache specs and groups: how layers group, and how the cache manager allocates, frees
+and shares blocks and state slots per group."""
+
+import pytest
+import torch
+
+from spindle.cache.spec import (FULL_ATTENTION, MAMBA, SLIDING_WINDOW, AttentionCacheSpec,
+                                CacheGroup, MambaCacheSpec, build_cache_layout)
+from spindle.engine.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
+from spindle.engine.request import Request
+from spindle.sampling_params import SamplingParams
+
+BS = 4
+
+
+class FakeLayer:
+    def __init__(self, spec):
+        self.spec = spec
+
+    def cache_spec(self, dtype):
+        return self.spec
+
+
+def attn(window=None, heads=2):
+    return FakeLayer(AttentionCacheSpec(heads, 8, torch.float32, window))
+
+
+def mamba():
+    return FakeLayer(MambaCacheSpec(((6, 3), (2, 4, 5)), (torch.float32, torch.float32)))
+
+
+def make_request(rid, prompt, max_tokens=64):
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+def schedule(manager, request, num_new, hits=()):
+    """What the scheduler does: allocate, then count the tokens as computed."""
+    num_hit = len(hits[0]) * manager.block_size if hits else 0
+    new = manager.allocate_slots(request, num_new, hits)
+    if new is not None:
+        request.num_computed_tokens += num_hit + num_new
+    return new
+
+
+# ------------------------------------------------------------------ layouts
+
+def test_layers_with_one_spec_form_one_group():
+    layers = [attn(), attn(), attn()]
+    layout = build_cache_layout(layers, BS, torch.float32)
+    assert [g.kind for g in layout.groups] == [FULL_ATTENTION]
+    assert layout.group_size == 3 and layout.group_layers == [layers]
+    # One block id: a page in each of the three layers' tensors.
+    assert layout.block_bytes() == 3 * 2 * BS * 2 * 8 * 4
+
+
+def test_mixed_attention_kinds_form_equal_groups_sharing_tensors():
+    full = [attn(), attn()]
+    sliding = [attn(8) for _ in range(4)]
+    layers = [full[0], sliding[0], sliding[1], full[1], sliding[2], sliding[3]]
+    layout = build_cache_layout(layers, BS, torch.float32)
+    assert [(g.kind, g.num_layers) for g in layout.groups] == [
+        (FULL_ATTENTION, 2), (SLIDING_WINDOW, 2), (SLIDING_WINDOW, 2)]
+    assert layout.group_layers == [full, sliding[:2], sliding[2:]]
+    assert layout.group_size == 2  # every block id costs two pages, whichever group holds it
+    assert layout.block_bytes() == 2 * 2 * BS * 2 * 8 * 4
+
+
+def test_mamba_layers_form_a_state_group():
+    layers = [mamba(), attn(), mamba(), mamba()]
+    layout = build_cache_layout(layers, BS, torch.float32)
+    assert [g.kind for g in layout.groups] == [FULL_ATTENTION, MAMBA]
+    assert layout.slot_bytes() == 3 * (6 * 3 + 2 * 4 * 5) * 4
+    req = layout.requirements()
+    assert req.has_paged and req.has_state
+
+
+def test_attention_pages_of_different_shapes_are_refused():
+    with pytest.raises(ValueError, match="differ in shape"):
+        build_cache_layout([attn(heads=2), attn(8, heads=4)], BS, torch.float32)
+
+
+def test_blocks_a_sliding_sequence_needs_are_bounded():
+    group = CacheGroup(SLIDING_WINDOW, 1, sliding_window=8)
+    assert group.blocks_for(4, BS) == 1
+    assert group.blocks_for(1000, BS) == 3  # the window's 8 positions straddle 3 blocks
+    assert CacheGroup(FULL_ATTENTION, 1).blocks_for(1000, BS) == 250
+
+
+# ------------------------------------------------------------ sliding window
+
+def sliding_manager(num_blocks=64, window=8, caching=False):
+    groups = [CacheGroup(FULL_ATTENTION, 1), CacheGroup(SLIDING_WINDOW, 1, sliding_window=window)]
+    return KVCacheManager(num_blocks, BS, caching, groups)
+
+
+def test_sliding_group_frees_blocks_behind_the_window():
+    m = sliding_manager(window=8)
+    r = make_request("a", range(10))
+    schedule(m, r, 10)
+    assert [len(ids) for ids in m.get_block_ids("a")] == [3, 3]
+    held_after_prefill = m.num_free_blocks
+    for token in range(40):  # decode 40 tokens
+        r.append_output_token_ids([token])
+        schedule(m, r, 1)
+    full, sliding = m.get_block_ids("a")
+    assert len(full) == len(sliding) == 13  # 50 tokens
+    # The next token (position 50) reads positions 43..50: blocks 10..12 only.
+    live = [b for b in sliding if b != NULL_BLOCK_ID]
+    assert sliding[:10] == [NULL_BLOCK_ID] * 10 and len(live) == 3
+    # The full group grew by 10 blocks; the sliding group freed as many as it took.
+    assert m.num_free_blocks == held_after_prefill - 10
+    assert m.get_num_blocks("a") == 13 + 3
+    m.free(r)
+    assert m.num_free_blocks == 64
+
+
+def test_a_sliding_only_model_holds_a_bounded_number_of_blocks():
+    m = KVCacheManager(16, BS, False, [CacheGroup(SLIDING_WINDOW, 2, sliding_window=6)])
+    r = make_request("a", range(7), max_tokens=500)
+    schedule(m, r, 7)
+    for token in range(300):
+        r.append_output_token_ids([token])
+        assert schedule(m, r, 1) is not None
+        assert m.get_num_blocks("a") <= 3
+    assert m.can_ever_fit(10_000)
+
+
+def test_prefix_hits_need_only_the_window_blocks_of_a_sliding_group():
+    m = sliding_manager(window=8, caching=True)
+    a = make_request("a", range(21))
+    schedule(m, a, 21)  # 5 full blocks cached in both groups
+    b = make_request("b", list(range(20)) + [99, 98])
+    hits, num_hit = m.get_computed_blocks(b)
+    assert num_hit == 20
+    full_hits, sliding_hits = hits
+    assert [h.block_id for h in full_hits] == m.get_block_ids("a")[0][:5]
+    # Position 20 reads 13..20: blocks 3 and 4 of the sliding group, not 0..2.
+    assert sliding_hits[:3] == [None] * 3
+    assert [h.block_id for h in sliding_hits[3:]] == m.get_block_ids("a")[1][3:5]
+    schedule(m, b, 2, hits)
+    assert m.get_block_ids("b")[1][:3] == [NULL_BLOCK_ID] * 3
+
+
+def test_a_sliding_hit_shrinks_until_its_window_blocks_are_cached():
+    m = sliding_manager(window=8, caching=True)
+    a = make_request("a", range(21))
+    schedule(m, a, 21)
+    # Evict a's sliding block 4 from the prefix cache (it is freed, then reused).
+    a.append_output_token_ids([0] * 12)
+    for _ in range(3):  # move a's window past blocks 3 and 4 ...
+        schedule(m, a, 4)
+    m.free(a)
+    m.block_pool.get_new_blocks(m.num_free_blocks)  # ... and reuse every free block
+    assert m.get_computed_blocks(make_request("b", range(22))) == ([], 0)
+
+
+# --------------------------------------------------------------- state slots
+
+def hybrid_manager(num_blocks=32, slots=2):
+    groups = [CacheGroup(FULL_ATTENTION, 1), CacheGroup(MAMBA, 3)]
+    return KVCacheManager(num_blocks, BS, False, groups, num_state_slots=slots)
+
+
+def test_each_running_request_holds_one_state_slot():
+    m = hybrid_manager(slots=2)
+    a, b, c = (make_request(x, range(6)) for x in "abc")
+    assert schedule(m, a, 6) is not None and schedule(m, b, 3) is not None
+    assert m.get_block_ids("a")[1] != m.get_block_ids("b")[1]
+    assert len(m.get_block_ids("a")[1]) == 1
+    # A chunk later the slot stays: the state group gets no new ids.
+    slot_b = m.get_block_ids("b")[1]
+    assert m.new_block_ids(schedule(m, b, 3))[1] == [] and m.get_block_ids("b")[1] == slot_b
+    # No slot is left for c: nothing is taken.
+    free_blocks = m.num_free_blocks
+    assert schedule(m, c, 6) is None and m.num_free_blocks == free_blocks
+    m.free(a)  # finished or preempted: the slot returns
+    assert schedule(m, c, 6) is not None
+    assert len(m.get_block_ids("c")[1]) == 1  # (a's slot, back in the pool)
+
+
+def test_state_layers_refuse_prefix_caching_without_snapshots():
+    groups = [CacheGroup(FULL_ATTENTION, 1), CacheGroup(MAMBA, 3)]
+    with pytest.raises(ValueError, match="prefix caching"):
+        KVCacheManager(8, BS, True, groups, num_state_slots=2)
+    with pytest.raises(ValueError, match="num_state_slots"):
+        KVCacheManager(8, BS, False, groups, num_state_slots=0)
+
+
+def test_a_model_of_state_layers_only_needs_no_blocks():
+    m = KVCacheManager(0, BS, False, [CacheGroup(MAMBA, 4)], num_state_slots=3)
+    r = make_request("a", range(50))
+    assert schedule(m, r, 50) == []
+    (slot,), = m.get_block_ids("a")
+    assert slot in range(3)
+    assert m.can_ever_fit(10**6)
