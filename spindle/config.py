@@ -49,6 +49,11 @@ class EngineArgs:
                                              "worker (default: on GPU, measured from free "
                                              "memory; on CPU, cpu_kv_cache_gb).")
     gpu_memory_utilization: float = _arg(0.9, "Fraction of GPU memory the engine may use.")
+    state_snapshot_slots: int | None = _arg(
+        None, "Models with state-space layers, with prefix caching: state slots kept as "
+        "prefix-cache entries (each layer's state at a block boundary), beside one per "
+        "running sequence (default: max_num_seqs, within a quarter of the cache budget; "
+        "0 turns prefix caching off for such models).")
     cpu_kv_cache_gb: float = _arg(
         DEFAULT_CPU_KV_CACHE_GB, "On CPU: GiB of RAM for the KV cache, shared by the "
         "engine's workers; capped by what max_num_seqs sequences of max_model_len tokens "
@@ -226,6 +231,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
     cpu_kv_cache_gb: float = DEFAULT_CPU_KV_CACHE_GB
+    state_snapshot_slots: int | None = None
 
     @property
     def cpu_kv_cache_bytes(self) -> int:
@@ -241,7 +247,10 @@ class CacheConfig:
                  args.gpu_memory_utilization, "in (0, 1]")
         space = args.cpu_kv_cache_gb
         _require(_is_real(space) and space > 0, "cpu_kv_cache_gb", space, "a number of GiB > 0")
-        return CacheConfig(block_size=args.block_size,
+        snapshots = args.state_snapshot_slots
+        _require(snapshots is None or (isinstance(snapshots, int) and snapshots >= 0),
+                 "state_snapshot_slots", snapshots, "None or an integer >= 0")
+        return CacheConfig(block_size=args.block_size, state_snapshot_slots=snapshots,
                            enable_prefix_caching=bool(args.enable_prefix_caching),
                            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                            gpu_memory_utilization=args.gpu_memory_utilization,

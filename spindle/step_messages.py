@@ -60,6 +60,11 @@ class SchedulerOutput:
     # preempted ones (they return later as NewRequestData).
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # State-slot copies (src, dst) of state (mamba) layers: prefix-cache snapshots
+    # into the running slots of requests admitted with a hit, before the forward;
+    # running slots into new snapshots, after it.
+    state_copies_before: list[tuple[int, int]] = field(default_factory=list)
+    state_copies_after: list[tuple[int, int]] = field(default_factory=list)
     step_id: int = 0
 
     @property

@@ -6,7 +6,7 @@ import torch
 
 from spindle.cache.spec import (FULL_ATTENTION, MAMBA, SLIDING_WINDOW, AttentionCacheSpec,
                                 CacheGroup, MambaCacheSpec, build_cache_layout)
-from spindle.engine.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
+from spindle.engine.kv_cache_manager import NO_HIT, NULL_BLOCK_ID, KVCacheManager
 from spindle.engine.request import Request
 from spindle.sampling_params import SamplingParams
 
@@ -33,9 +33,9 @@ def make_request(rid, prompt, max_tokens=64):
     return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), max_tokens)
 
 
-def schedule(manager, request, num_new, hits=()):
+def schedule(manager, request, num_new, hits=NO_HIT):
     """What the scheduler does: allocate, then count the tokens as computed."""
-    num_hit = len(hits[0]) * manager.block_size if hits else 0
+    num_hit = hits.num_tokens
     new = manager.allocate_slots(request, num_new, hits)
     if new is not None:
         request.num_computed_tokens += num_hit + num_new
@@ -132,7 +132,7 @@ def test_prefix_hits_need_only_the_window_blocks_of_a_sliding_group():
     b = make_request("b", list(range(20)) + [99, 98])
     hits, num_hit = m.get_computed_blocks(b)
     assert num_hit == 20
-    full_hits, sliding_hits = hits
+    full_hits, sliding_hits = hits.blocks
     assert [h.block_id for h in full_hits] == m.get_block_ids("a")[0][:5]
     # Position 20 reads 13..20: blocks 3 and 4 of the sliding group, not 0..2.
     assert sliding_hits[:3] == [None] * 3
@@ -151,7 +151,7 @@ def test_a_sliding_hit_shrinks_until_its_window_blocks_are_cached():
         schedule(m, a, 4)
     m.free(a)
     m.block_pool.get_new_blocks(m.num_free_blocks)  # ... and reuse every free block
-    assert m.get_computed_blocks(make_request("b", range(22))) == ([], 0)
+    assert m.get_computed_blocks(make_request("b", range(22)))[1] == 0
 
 
 # --------------------------------------------------------------- state slots
@@ -178,12 +178,76 @@ def test_each_running_request_holds_one_state_slot():
     assert len(m.get_block_ids("c")[1]) == 1  # (a's slot, back in the pool)
 
 
-def test_state_layers_refuse_prefix_caching_without_snapshots():
+def test_state_layers_need_slots():
     groups = [CacheGroup(FULL_ATTENTION, 1), CacheGroup(MAMBA, 3)]
-    with pytest.raises(ValueError, match="prefix caching"):
-        KVCacheManager(8, BS, True, groups, num_state_slots=2)
     with pytest.raises(ValueError, match="num_state_slots"):
         KVCacheManager(8, BS, False, groups, num_state_slots=0)
+
+
+def caching_hybrid_manager(slots=4, num_blocks=32):
+    groups = [CacheGroup(FULL_ATTENTION, 1), CacheGroup(MAMBA, 3)]
+    return KVCacheManager(num_blocks, BS, True, groups, num_state_slots=slots)
+
+
+def test_a_step_ending_at_a_block_boundary_snapshots_the_state():
+    m = caching_hybrid_manager()
+    a = make_request("a", range(11))
+    # A prefill chunk is cut at the last block boundary it crosses: 11 -> 8 tokens.
+    assert m.align_chunk(a, 0, 11) == 8
+    assert m.align_chunk(a, 8, 3) == 3  # the rest: nothing to cut
+    assert m.align_chunk(a, 8, 1) == 1
+    schedule(m, a, 8)
+    (running,) = m.get_block_ids("a")[1]
+    before, after = m.take_state_copies()
+    assert before == [] and len(after) == 1 and after[0][0] == running
+    snapshot = after[0][1]
+    assert snapshot != running
+    schedule(m, a, 3)  # ends at 11: no boundary, no snapshot
+    assert m.take_state_copies() == ([], [])
+    # A request with the same first 8 tokens hits them, and starts from the snapshot.
+    m.release_held_snapshots()
+    b = make_request("b", list(range(8)) + [50, 51, 52])
+    hit, num_hit = m.get_computed_blocks(b)
+    assert num_hit == 8 and hit.snapshot.block_id == snapshot
+    schedule(m, b, 3, hit)
+    (b_slot,) = m.get_block_ids("b")[1]
+    assert b_slot not in (running, snapshot)
+    assert m.take_state_copies() == ([(snapshot, b_slot)], [])
+    assert m.prefix_cache_stats.hits == 8
+
+
+def test_no_hit_without_a_snapshot_at_the_boundary():
+    m = caching_hybrid_manager()
+    a = make_request("a", range(6))
+    schedule(m, a, 6)  # one step to 6: no boundary reached at a step's end
+    assert m.take_state_copies() == ([], [])
+    b = make_request("b", list(range(6)) + [9, 9, 9])
+    assert m.get_computed_blocks(b)[1] == 0  # block 0 is cached, but no state at 4
+
+
+def test_a_request_preempted_in_its_snapshot_step_leaves_no_snapshot():
+    m = caching_hybrid_manager()
+    a = make_request("a", range(9))
+    schedule(m, a, 8)
+    m.free(a)  # preempted before the step ran
+    assert m.take_state_copies() == ([], [])
+    m.release_held_snapshots()
+    assert m.get_computed_blocks(make_request("b", range(9)))[1] == 0
+
+
+def test_snapshots_are_evicted_for_running_requests():
+    m = caching_hybrid_manager(slots=2)
+    a = make_request("a", range(5))
+    schedule(m, a, 4)  # a's running slot + one snapshot: both slots used
+    assert len(m.take_state_copies()[1]) == 1
+    m.release_held_snapshots()
+    m.free(a)
+    b, c = make_request("b", [7] * 5), make_request("c", [8] * 5)
+    assert schedule(m, b, 1) is not None and schedule(m, c, 1) is not None  # evicts it
+    assert m.get_computed_blocks(make_request("d", range(5)))[1] == 0
+    assert m.reset_prefix_cache() is False  # slots held
+    m.free(b), m.free(c)
+    assert m.reset_prefix_cache() is True
 
 
 def test_a_model_of_state_layers_only_needs_no_blocks():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from spindle.engine.kv_cache_manager import (ROOT_BLOCK_HASH, KVCacheManager,
+from spindle.engine.kv_cache_manager import (NO_HIT, ROOT_BLOCK_HASH, KVCacheManager,
                                              hash_block_tokens)
 from spindle.engine.request import Request
 from spindle.sampling_params import SamplingParams
@@ -15,10 +15,10 @@ def make_request(rid: str, prompt, max_tokens: int = 8) -> Request:
 
 
 def compute(manager: KVCacheManager, request: Request, num_new: int | None = None,
-            hits=()):
+            hits=NO_HIT):
     """What the scheduler does: allocate, then count the tokens as computed. The
     manager has one (full-attention) group here: returns that group's new blocks."""
-    num_hit = len(hits[0]) * manager.block_size if hits else 0
+    num_hit = hits.num_tokens if hits else 0
     if num_new is None:
         num_new = request.num_tokens - request.num_computed_tokens - num_hit
     new_blocks = manager.allocate_slots(request, num_new, hits)
@@ -31,7 +31,7 @@ def compute(manager: KVCacheManager, request: Request, num_new: int | None = Non
 def admit(manager: KVCacheManager, request: Request):
     """Prefix lookup + allocation of the whole remaining prompt (group 0's blocks)."""
     hits, num_hit = manager.get_computed_blocks(request)
-    return compute(manager, request, hits=hits), (hits[0] if hits else []), num_hit
+    return compute(manager, request, hits=hits), (hits.blocks[0] if hits else []), num_hit
 
 
 def ids(manager: KVCacheManager, rid: str) -> list[int]:
@@ -107,7 +107,7 @@ def test_allocate_rejects_unknown_tokens_and_bad_args():
     compute(m, r, 4)
     other = make_request("b", range(5))
     hits, _ = m.get_computed_blocks(other)
-    assert len(hits) == 1
+    assert len(hits.blocks[0]) == 1
     with pytest.raises(ValueError):
         m.allocate_slots(r, 1, hits)  # hits only at admission
 
@@ -157,7 +157,7 @@ def test_partial_block_prefix_does_not_hit():
     assert num_hit == 4
     # Shares 3 tokens: not even one full block.
     c = make_request("c", [0, 1, 2, 99, 4, 5, 6, 7])
-    assert m.get_computed_blocks(c) == ([], 0)
+    assert m.get_computed_blocks(c)[1] == 0
 
 
 def test_same_block_tokens_after_different_prefix_do_not_hit():
@@ -165,7 +165,7 @@ def test_same_block_tokens_after_different_prefix_do_not_hit():
     a = make_request("a", [1, 1, 1, 1, 5, 6, 7, 8, 0])
     compute(m, a)
     b = make_request("b", [2, 2, 2, 2, 5, 6, 7, 8, 0])
-    assert m.get_computed_blocks(b) == ([], 0)
+    assert m.get_computed_blocks(b)[1] == 0
     assert a.block_hashes[1] != b.block_hashes[1]
 
 
@@ -182,7 +182,7 @@ def test_all_tokens_hit_recomputes_last_block():
     _, num_hit = m.get_computed_blocks(c)
     assert num_hit == 12
     # A one-block prompt never hits.
-    assert m.get_computed_blocks(make_request("d", range(4))) == ([], 0)
+    assert m.get_computed_blocks(make_request("d", range(4)))[1] == 0
 
 
 def test_no_lookup_once_tokens_are_computed():
@@ -190,7 +190,7 @@ def test_no_lookup_once_tokens_are_computed():
     compute(m, make_request("a", range(12)))
     b = make_request("b", range(12))
     b.num_computed_tokens = 4
-    assert m.get_computed_blocks(b) == ([], 0)
+    assert m.get_computed_blocks(b)[1] == 0
 
 
 def test_free_is_tail_first_and_head_blocks_survive():
@@ -220,11 +220,11 @@ def test_hits_on_free_blocks_count_against_free_space():
     hits, num_hit = m.get_computed_blocks(b)
     assert num_hit == 8
     assert m.allocate_slots(b, 9, hits) is None
-    assert all(h.ref_cnt == 0 for h in hits[0]) and m.num_free_blocks == 4
+    assert all(h.ref_cnt == 0 for h in hits.blocks[0]) and m.num_free_blocks == 4
     # Needing only 2 more fits exactly, and must not hand out the hit blocks.
     new_blocks = m.allocate_slots(b, 8, hits)
     assert new_blocks is not None and len(new_blocks[0]) == 2
-    assert not {x.block_id for x in new_blocks[0]} & {h.block_id for h in hits[0]}
+    assert not {x.block_id for x in new_blocks[0]} & {h.block_id for h in hits.blocks[0]}
     assert m.num_free_blocks == 0
 
 
@@ -278,7 +278,7 @@ def test_reset_prefix_cache():
     assert m.get_computed_blocks(make_request("b", range(9)))[1] == 8
     m.free(a)
     assert m.reset_prefix_cache() is True
-    assert m.get_computed_blocks(make_request("c", range(9))) == ([], 0)
+    assert m.get_computed_blocks(make_request("c", range(9)))[1] == 0
 
 
 def test_caching_disabled():
@@ -286,7 +286,7 @@ def test_caching_disabled():
     a = make_request("a", range(9))
     compute(m, a)
     b = make_request("b", range(9))
-    assert m.get_computed_blocks(b) == ([], 0)
+    assert m.get_computed_blocks(b)[1] == 0
     assert a.block_hashes == [] and m.block_pool.num_cached_blocks == 0
     assert m.prefix_cache_stats.queries == 0
     m.free(a)
@@ -322,4 +322,4 @@ def test_lookup_stops_at_the_first_miss_even_if_later_blocks_are_cached():
     assert pool.get_cached_block(a.block_hashes[0]) is None
     assert pool.get_cached_block(a.block_hashes[1]) is a1
     b = make_request("b", range(13))
-    assert m.get_computed_blocks(b) == ([], 0)
+    assert m.get_computed_blocks(b)[1] == 0

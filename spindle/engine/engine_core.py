@@ -74,10 +74,14 @@ class EngineCore:
         return kv_config
 
     def _size_cache(self, budgets: list[int], needs: list[CacheRequirements]) -> KVCacheConfig:
+        self.num_state_snapshots = 0
         if not needs[0].groups:  # a model without a cache (encoder-only)
             return KVCacheConfig(0)
-        # One state slot per running sequence, set aside before the blocks.
-        slots = self.config.scheduler.max_num_seqs if needs[0].has_state else 0
+        # One state slot per running sequence, and the prefix cache's snapshots, set
+        # aside before the blocks.
+        self.num_state_snapshots = self._state_snapshots(budgets, needs)
+        slots = (self.config.scheduler.max_num_seqs + self.num_state_snapshots
+                 if needs[0].has_state else 0)
         left = [b - slots * n.slot_bytes for b, n in zip(budgets, needs)]
         num_blocks = (min(b // n.block_bytes for b, n in zip(left, needs))
                       if needs[0].has_paged else 0)
@@ -95,13 +99,25 @@ class EngineCore:
                 + (" or max_num_seqs" if slots else ""))
         return KVCacheConfig(num_blocks, slots)
 
+    def _state_snapshots(self, budgets: list[int], needs: list[CacheRequirements]) -> int:
+        """State slots kept as prefix-cache snapshots: state_snapshot_slots, by default
+        max_num_seqs within a quarter of the tightest rank's budget."""
+        cache = self.config.cache
+        if not (needs[0].has_state and cache.enable_prefix_caching):
+            return 0
+        if cache.state_snapshot_slots is not None:
+            return cache.state_snapshot_slots
+        fit = min(b // 4 // max(1, n.slot_bytes) for b, n in zip(budgets, needs))
+        return min(self.config.scheduler.max_num_seqs, fit)
+
     def _prefix_caching(self) -> bool:
-        """Prefix caching as configured, except for models with state layers: a hit
-        would need each layer's state at the hit's end, which is not kept."""
+        """Prefix caching as configured; a model with state layers needs snapshot slots
+        for it (a hit needs each layer's state at the hit's end)."""
         enabled = self.config.cache.enable_prefix_caching
-        if enabled and self.cache_requirements.has_state:
-            logger.warning("prefix caching is off: this model has state-space layers, whose "
-                           "states at block boundaries are not kept")
+        if enabled and self.cache_requirements.has_state and not self.num_state_snapshots:
+            logger.warning("prefix caching is off: this model has state-space layers and "
+                           "no state snapshot slots (state_snapshot_slots=0, or none fit "
+                           "in a quarter of the cache budget)")
             return False
         return enabled
 

@@ -11,6 +11,18 @@ entries become None (the runner never reads them; messages carry NULL_BLOCK_ID).
 A mamba group holds a fixed-size state per sequence: the request takes one state
 slot (the same slot id in every mamba layer) for as long as it runs.
 
+Prefix caching with state groups: a hit at position p needs every state layer's
+state after p tokens. Slots of a second kind, snapshots, keep them: when a step ends
+a request's computation at a block boundary (the scheduler aligns prefill chunks to
+boundaries, see align_chunk), the request's state is copied into a snapshot slot
+registered under that boundary's block hash. Running slots and snapshots share one
+pool of state slots; snapshots no request holds are evictable, least recently used
+first, like free cached blocks. A request admitted with a hit copies the snapshot
+into its own running slot before its first step. The copies travel in the
+SchedulerOutput (state_copies_before / state_copies_after); a snapshot slot is held
+until the next schedule(), so no step can reuse it before its copy has run (steps
+run in order on the device).
+
 Full blocks are identified by a chained hash of their tokens (and, through the
 parent hash, of every token before them), separately per group, so two requests
 with the same first k * block_size tokens can share those blocks.
@@ -27,7 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from spindle.cache.spec import FULL_ATTENTION, CacheGroup
@@ -72,24 +84,20 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-class StateSlotPool:
-    """Fixed-size per-sequence states (mamba groups): one slot per running request."""
+@dataclass
+class PrefixHit:
+    """A prefix-cache hit: per paged group its blocks (None where a sliding window
+    needs none), the state snapshot serving the state groups, and its tokens."""
 
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+    blocks: GroupBlocks = field(default_factory=list)
+    snapshot: KVCacheBlock | None = None
+    num_tokens: int = 0
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def __bool__(self) -> bool:
+        return self.num_tokens > 0
 
-    def take(self) -> int:
-        if not self._free:
-            raise ValueError("no free state slot")
-        return self._free.pop()
 
-    def give_back(self, slot: int) -> None:
-        self._free.append(slot)
+NO_HIT = PrefixHit()
 
 
 class KVCacheManager:
@@ -119,15 +127,17 @@ class KVCacheManager:
         self.stateful = [i for i, g in enumerate(self.groups) if not g.is_paged]
         if self.stateful and num_state_slots < 1:
             raise ValueError("a model with state (mamba) layers needs num_state_slots >= 1")
-        if self.stateful and enable_caching:
-            # Prefix hits need the layers' states at the hit's end; none are kept yet.
-            raise ValueError("prefix caching is not supported for models with state layers")
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.slots = StateSlotPool(num_state_slots if self.stateful else 0)
+        # Running slots and snapshots (spindle/engine/kv_cache_manager.py docstring).
+        self.state_pool = BlockPool(num_state_slots if self.stateful else 0, enable_caching)
         self._req_blocks: dict[str, GroupBlocks] = {}
-        self._req_slot: dict[str, int] = {}
+        self._req_slot: dict[str, KVCacheBlock] = {}
         self._num_hashed: dict[str, int] = {}
+        self._state_copies_before: list[tuple[int, int]] = []
+        # request id -> (running slot id, snapshot), copied after the step being scheduled
+        self._state_copies_after: dict[str, tuple[int, KVCacheBlock]] = {}
+        self._held_snapshots: list[KVCacheBlock] = []  # until the next schedule()
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -148,30 +158,38 @@ class KVCacheManager:
         return needed <= self.num_blocks
 
     # ---------------------------------------------------------------- prefix hits
-    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+    def get_computed_blocks(self, request: Request) -> tuple[PrefixHit, int]:
         """The longest cached prefix of request's tokens that every group can serve,
-        as blocks per paged group, and the number of tokens it covers.
+        and the number of tokens it covers.
 
         At most (num_tokens - 1) tokens are reported as hits: when every token
         hits, the last block is dropped so the last token still goes through the
         model (its logits are needed to sample). A sliding-window group needs only
         the blocks within the window of the first recomputed token (the others are
-        None). Does not take references: pass the blocks to allocate_slots().
-        ([], 0) without caching or for a request that already has computed tokens.
+        None); state groups need a snapshot at the hit's end. Does not take
+        references: pass the hit to allocate_slots(). (NO_HIT, 0) without caching or
+        for a request that already has computed tokens.
         """
         if not self.enable_caching or request.num_computed_tokens > 0:
-            return [], 0
+            return NO_HIT, 0
         self._update_block_hashes(request)
         num_blocks = (request.num_tokens - 1) // self.block_size
         for g in self.paged:
             if self.groups[g].sliding_window is None:
                 num_blocks = min(num_blocks, self._cached_chain_length(request, g, num_blocks))
         while num_blocks > 0:
-            hits = [self._hit_blocks(request, g, num_blocks) for g in self.paged]
-            if all(h is not None for h in hits):
-                return hits, num_blocks * self.block_size
+            snapshot = self._snapshot_at(request, num_blocks) if self.stateful else None
+            if snapshot is not None or not self.stateful:
+                blocks = [self._hit_blocks(request, g, num_blocks) for g in self.paged]
+                if all(b is not None for b in blocks):
+                    hit = PrefixHit(blocks, snapshot, num_blocks * self.block_size)
+                    return hit, hit.num_tokens
             num_blocks -= 1
-        return [], 0
+        return NO_HIT, 0
+
+    def _snapshot_at(self, request: Request, num_blocks: int) -> KVCacheBlock | None:
+        key = self._group_key(request.block_hashes[num_blocks - 1], self.stateful[0])
+        return self.state_pool.get_cached_block(key)
 
     def _cached_chain_length(self, request: Request, group: int, limit: int) -> int:
         for i, block_hash in enumerate(request.block_hashes[:limit]):
@@ -200,12 +218,14 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: GroupBlocks = ()) -> GroupBlocks | None:
+                       hit: PrefixHit = NO_HIT) -> GroupBlocks | None:
         """Make request hold enough blocks (per paged group) for
         request.num_computed_tokens + hit tokens + num_new_tokens tokens, and a state
-        slot where the model has state groups; new_computed_blocks are prefix hits from
+        slot where the model has state groups; hit is a prefix hit from
         get_computed_blocks() (only for a request holding nothing yet;
-        request.num_computed_tokens must not include them yet).
+        request.num_computed_tokens must not include them yet). When the tokens up
+        to the end of this step end at a block boundary, state groups also keep a
+        snapshot there (prefix caching).
 
         Returns the newly allocated blocks per paged group (hits excluded; possibly
         empty lists), or None and changes nothing (beyond freeing blocks that left a
@@ -220,11 +240,11 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         rid = request.request_id
         is_new = rid not in self._req_blocks
-        if new_computed_blocks and not is_new:
+        if hit and not is_new:
             raise ValueError(f"request {rid} already holds blocks: prefix hits can only "
                              "be taken at admission")
-        hits = list(new_computed_blocks) or [[] for _ in self.paged]
-        num_hit_tokens = len(hits[0]) * self.block_size if hits else 0
+        hits = hit.blocks if hit else [[] for _ in self.paged]
+        num_hit_tokens = hit.num_tokens
         start = request.num_computed_tokens + num_hit_tokens
         total = start + num_new_tokens
         if total > request.num_tokens + request.num_output_placeholders:
@@ -235,17 +255,20 @@ class KVCacheManager:
         if held is not None:
             self._free_outside_windows(rid, held, start)
             if self._holds_enough(rid, held, total, known):
+                self._snapshot_state(request, total)
                 return [[] for _ in self.paged]  # the common decode step
         lengths = [len(h) for h in held] if held is not None else [len(h) for h in hits]
         num_needed = [max(0, _cdiv(total, self.block_size) - n) for n in lengths]
         num_revived = sum(1 for group in hits for b in group if b is not None and b.ref_cnt == 0)
         if sum(num_needed) + num_revived > self.block_pool.num_free_blocks:
             return None
-        if is_new and self.stateful and self.slots.num_free < 1:
-            return None
+        if is_new and self.stateful:
+            revived = hit.snapshot is not None and hit.snapshot.ref_cnt == 0
+            if self.state_pool.num_free_blocks < 1 + revived:
+                return None
 
         if is_new:
-            self._admit(request, hits, num_hit_tokens)
+            self._admit(request, hit)
         blocks = self._req_blocks[rid]
         new_blocks = []
         for i, n in enumerate(num_needed):
@@ -253,17 +276,66 @@ class KVCacheManager:
             blocks[i].extend(fresh)
             new_blocks.append(fresh)
         self._cache_full_blocks(request, known // self.block_size)
+        self._snapshot_state(request, total)
         return new_blocks
 
-    def _admit(self, request: Request, hits: GroupBlocks, num_hit_tokens: int) -> None:
+    def _admit(self, request: Request, hit: PrefixHit) -> None:
         rid = request.request_id
-        self._record_admission(request, num_hit_tokens)
-        for group in hits:
+        self._record_admission(request, hit.num_tokens)
+        blocks = hit.blocks if hit else [[] for _ in self.paged]
+        for group in blocks:
             self.block_pool.touch(b for b in group if b is not None)
-        self._req_blocks[rid] = [list(group) for group in hits]
-        self._num_hashed[rid] = num_hit_tokens // self.block_size
+        self._req_blocks[rid] = [list(group) for group in blocks]
+        self._num_hashed[rid] = hit.num_tokens // self.block_size
         if self.stateful:
-            self._req_slot[rid] = self.slots.take()
+            if hit.snapshot is not None:
+                self.state_pool.touch([hit.snapshot])  # held until its copy has run
+                self._held_snapshots.append(hit.snapshot)
+            (slot,) = self.state_pool.get_new_blocks(1)
+            self._req_slot[rid] = slot
+            if hit.snapshot is not None:
+                self._state_copies_before.append((hit.snapshot.block_id, slot.block_id))
+
+    def _snapshot_state(self, request: Request, total: int) -> None:
+        """Keep the request's state after `total` tokens as a prefix-cache entry when
+        that is a block boundary of known tokens not kept yet (best effort: skipped
+        when no slot is free)."""
+        if (not self.stateful or not self.enable_caching or total % self.block_size
+                or total > request.num_tokens or total == 0):
+            return
+        self._update_block_hashes(request)
+        key = self._group_key(request.block_hashes[total // self.block_size - 1],
+                              self.stateful[0])
+        if self.state_pool.get_cached_block(key) is not None or self.state_pool.num_free_blocks < 1:
+            return
+        (snapshot,) = self.state_pool.get_new_blocks(1)
+        self.state_pool.cache_full_blocks([snapshot], [key])
+        self._held_snapshots.append(snapshot)  # its copy runs after this step
+        self._state_copies_after[request.request_id] = (
+            self._req_slot[request.request_id].block_id, snapshot)
+
+    def align_chunk(self, request: Request, start: int, num_new: int) -> int:
+        """With state snapshots, end a chunk of several tokens at the last block
+        boundary it crosses (the state is kept at the end of a step only), unless
+        that leaves nothing to compute; the rest follows in the next step."""
+        if not (self.stateful and self.enable_caching) or num_new <= 1:
+            return num_new
+        aligned = (start + num_new) // self.block_size * self.block_size
+        return aligned - start if aligned > start else num_new
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The state-slot copies (src, dst) of the step being scheduled: before its
+        forward (snapshot -> running slot) and after it (running slot -> snapshot)."""
+        after = [(src, snapshot.block_id) for src, snapshot in self._state_copies_after.values()]
+        before = self._state_copies_before
+        self._state_copies_before, self._state_copies_after = [], {}
+        return before, after
+
+    def release_held_snapshots(self) -> None:
+        """At the start of a schedule(): the copies of earlier steps come first on
+        the device, so their snapshot slots may be reused from now on."""
+        held, self._held_snapshots = self._held_snapshots, []
+        self.state_pool.free_blocks(held)
 
     def _free_outside_windows(self, rid: str, held: GroupBlocks, position: int) -> None:
         """Free the sliding-window blocks no token from position on will read."""
@@ -290,7 +362,12 @@ class KVCacheManager:
         self._num_hashed.pop(rid, None)
         slot = self._req_slot.pop(rid, None)
         if slot is not None:
-            self.slots.give_back(slot)
+            self.state_pool.free_blocks([slot])
+        pending = self._state_copies_after.pop(rid, None)
+        if pending is not None:
+            # Preempted in the step that was to take its snapshot: the step will not
+            # compute its tokens, so the snapshot would hold a wrong state.
+            self.state_pool.uncache(pending[1])
         for blocks in groups or ():
             self.block_pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
@@ -305,7 +382,7 @@ class KVCacheManager:
                 out.append([NULL_BLOCK_ID if b is None else b.block_id for b in next(paged)])
             else:
                 slot = self._req_slot.get(request_id)
-                out.append([] if slot is None else [slot])
+                out.append([] if slot is None else [slot.block_id])
         return out
 
     def new_block_ids(self, new_blocks: GroupBlocks) -> list[list[int]]:
@@ -320,8 +397,12 @@ class KVCacheManager:
                    for b in blocks if b is not None)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block hash; False (nothing done) while any block is held."""
-        return self.block_pool.reset_prefix_cache()
+        """Drop every cached block hash and state snapshot; False (nothing done) while
+        any block or slot is held."""
+        self.release_held_snapshots()
+        if self.state_pool.num_free_blocks != self.state_pool.num_blocks:
+            return False
+        return self.block_pool.reset_prefix_cache() and self.state_pool.reset_prefix_cache()
 
     def _record_admission(self, request: Request, num_hit_tokens: int) -> None:
         if not self.enable_caching:

@@ -8,9 +8,7 @@ uses it when the engine found zero KV blocks to allocate, so its budget logic
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from spindle.engine.kv_cache_manager import PrefixCacheStats
+from spindle.engine.kv_cache_manager import NO_HIT, PrefixCacheStats
 from spindle.engine.request import Request
 
 
@@ -27,11 +25,19 @@ class NoKVCacheManager:
     def can_ever_fit(self, num_tokens: int) -> bool:
         return True
 
-    def get_computed_blocks(self, request: Request) -> tuple[list, int]:
-        return [], 0
+    def get_computed_blocks(self, request: Request):
+        return NO_HIT, 0
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence = ()) -> list:
+    def align_chunk(self, request: Request, start: int, num_new: int) -> int:
+        return num_new
+
+    def take_state_copies(self) -> tuple[list, list]:
+        return [], []
+
+    def release_held_snapshots(self) -> None:
+        return None
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit=NO_HIT) -> list:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         return []

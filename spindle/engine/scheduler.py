@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 
 from spindle.cache.spec import CacheGroup
 from spindle.config import CacheConfig, SchedulerConfig
-from spindle.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from spindle.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixCacheStats
 from spindle.engine.no_kv_cache_manager import NoKVCacheManager
 from spindle.engine.request import Request, RequestStatus
 from spindle.outputs import RequestFailure
@@ -169,6 +169,7 @@ class Scheduler:
         max_num_reqs caps the requests of this step (pipeline parallelism splits the
         requests between the batches in flight)."""
         out = SchedulerOutput()
+        self.kv_cache_manager.release_held_snapshots()
         self._step_cap = max_num_reqs if max_num_reqs is not None else self.max_num_seqs
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -182,6 +183,7 @@ class Scheduler:
                     == request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # its next token is being sampled
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.state_copies_before, out.state_copies_after = self.kv_cache_manager.take_state_copies()
         out.preempted_req_ids |= self._preempted_outside
         self._preempted_outside = set()
         out.finished_req_ids = self._finished_req_ids
@@ -212,7 +214,8 @@ class Scheduler:
                 self._finish_unfittable(request)
                 continue
             if self._chunkable(request):
-                num_new = min(num_new, budget)
+                num_new = self.kv_cache_manager.align_chunk(
+                    request, request.num_computed_tokens, min(num_new, budget))
             elif num_new > budget:
                 index += 1
                 continue
@@ -247,7 +250,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.num_scheduled_tokens) < self._step_cap):
             request = self.waiting[0]
-            hits, num_hit_tokens = [], 0
+            hits, num_hit_tokens = NO_HIT, 0
             if request.num_computed_tokens == 0 and not request.is_pooling:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
@@ -256,7 +259,8 @@ class Scheduler:
                 self._finish_unfittable(request)
                 continue
             if self._chunkable(request):
-                num_new = min(num_new, budget)
+                num_new = self.kv_cache_manager.align_chunk(
+                    request, request.num_computed_tokens + num_hit_tokens, min(num_new, budget))
             elif num_new > budget:
                 break
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits)

@@ -351,6 +351,7 @@ class ModelRunner:
         self.h2d.new_step()
         batch = self.input_batch.prepare(scheduled)
         feed = self._inflight_feed(batch)
+        self._copy_state_slots(sched.state_copies_before)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.run(batch, feed)
         else:
@@ -364,6 +365,7 @@ class ModelRunner:
                 hidden = state.forward(inputs)
             if not self.stage.is_last:
                 self.stage.send(hidden)
+        self._copy_state_slots(sched.state_copies_after)
         self.input_batch.advance(batch)
         if not self.stage.is_last:
             # The last stage samples and reports; this stage is free for the next batch.
@@ -376,6 +378,19 @@ class ModelRunner:
         pending = PendingOutput(self, batch, sampled, failures)
         self._last_launched = pending
         return pending
+
+    def _copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
+        """Copy state slots (src, dst) in every state layer: prefix-cache snapshots
+        (spindle/engine/kv_cache_manager.py). Queued on the device in step order."""
+        if not copies:
+            return
+        src = self.h2d.put([c[0] for c in copies], torch.int64)
+        dst = self.h2d.put([c[1] for c in copies], torch.int64)
+        layout = self.cache_layout
+        for g in layout.mamba_groups:
+            for layer in layout.group_layers[g]:
+                for tensor in layer.kv_cache:
+                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def _runnable(self, sched: SchedulerOutput) -> dict[str, int]:
         """The step's scheduled requests and token counts, without the dropped ones."""
