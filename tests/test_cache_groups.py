@@ -82,7 +82,10 @@ def test_attention_pages_of_different_shapes_are_refused():
 def test_blocks_a_sliding_sequence_needs_are_bounded():
     group = CacheGroup(SLIDING_WINDOW, 1, sliding_window=8)
     assert group.blocks_for(4, BS) == 1
-    assert group.blocks_for(1000, BS) == 3  # the window's 8 positions straddle 3 blocks
+    assert group.blocks_for(1000, BS) == 250  # a one-step prefill writes all 1000
+    # Steps of one token: the window's 8 positions straddle at most 3 blocks.
+    assert group.blocks_for(1000, BS, step_tokens=1) == 3
+    assert group.blocks_for(1000, BS, step_tokens=8) == 5
     assert CacheGroup(FULL_ATTENTION, 1).blocks_for(1000, BS) == 250
 
 
@@ -115,7 +118,8 @@ def test_sliding_group_frees_blocks_behind_the_window():
 
 
 def test_a_sliding_only_model_holds_a_bounded_number_of_blocks():
-    m = KVCacheManager(16, BS, False, [CacheGroup(SLIDING_WINDOW, 2, sliding_window=6)])
+    m = KVCacheManager(16, BS, False, [CacheGroup(SLIDING_WINDOW, 2, sliding_window=6)],
+                       max_step_tokens=8)
     r = make_request("a", range(7), max_tokens=500)
     schedule(m, r, 7)
     for token in range(300):

@@ -96,16 +96,18 @@ class CacheGroup:
     def is_paged(self) -> bool:
         return self.kind != MAMBA
 
-    def blocks_for(self, num_tokens: int, block_size: int) -> int:
-        """Blocks one sequence of num_tokens tokens holds at most in this group."""
+    def blocks_for(self, num_tokens: int, block_size: int, step_tokens: int | None = None) -> int:
+        """Blocks one sequence of num_tokens tokens holds at most in this group, when a
+        step computes at most step_tokens of its tokens (None: all at once)."""
         if self.kind == MAMBA:
             return 0
         full = _cdiv(num_tokens, block_size)
         if self.sliding_window is None:
             return full
-        # The newest token sees sliding_window positions; with the tokens of one step
-        # written before they are read, a block more may straddle the window's start.
-        return min(full, _cdiv(self.sliding_window - 1, block_size) + 1)
+        # A step's tokens are all written, and its first token reads the
+        # sliding_window - 1 positions before it; a block more may straddle the start.
+        step = num_tokens if step_tokens is None else min(step_tokens, num_tokens)
+        return min(full, _cdiv(self.sliding_window - 1 + step, block_size) + 1)
 
 
 @dataclass(frozen=True)
@@ -209,9 +211,11 @@ class CacheRequirements:
     def has_state(self) -> bool:
         return any(not g.is_paged for g in self.groups)
 
-    def blocks_per_sequence(self, num_tokens: int, block_size: int) -> int:
-        """Block ids one sequence of num_tokens tokens holds at most, over all groups."""
-        return sum(g.blocks_for(num_tokens, block_size) for g in self.groups)
+    def blocks_per_sequence(self, num_tokens: int, block_size: int,
+                            step_tokens: int | None = None) -> int:
+        """Block ids one sequence of num_tokens tokens holds at most, over all groups,
+        when a step computes at most step_tokens of its tokens."""
+        return sum(g.blocks_for(num_tokens, block_size, step_tokens) for g in self.groups)
 
     def signature(self) -> tuple:
         """What must agree across ranks for them to share block ids and slots."""

@@ -87,7 +87,8 @@ class EngineCore:
                       if needs[0].has_paged else 0)
         block_size = self.config.cache.block_size
         max_len = self.config.model.max_model_len
-        needed = needs[0].blocks_per_sequence(max_len, block_size)
+        needed = needs[0].blocks_per_sequence(max_len, block_size,
+                                              self.config.scheduler.max_num_batched_tokens)
         if min(left) < 0 or num_blocks < needed:
             state = (f" after {slots} state slots of {needs[0].slot_bytes / 2**20:.1f} MiB"
                      if slots else "")

@@ -118,10 +118,14 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 groups: Sequence[CacheGroup] | None = None, num_state_slots: int = 0) -> None:
+                 groups: Sequence[CacheGroup] | None = None, num_state_slots: int = 0,
+                 max_step_tokens: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        # Most tokens one step computes for a request (what a sliding-window group must
+        # hold at once beside its window).
+        self.max_step_tokens = max_step_tokens
         self.groups = list(groups) if groups is not None else [CacheGroup(FULL_ATTENTION, 1)]
         self.paged = [i for i, g in enumerate(self.groups) if g.is_paged]
         self.stateful = [i for i, g in enumerate(self.groups) if not g.is_paged]
@@ -154,7 +158,8 @@ class KVCacheManager:
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether one sequence of num_tokens tokens fits in the whole cache."""
-        needed = sum(self.groups[g].blocks_for(num_tokens, self.block_size) for g in self.paged)
+        needed = sum(self.groups[g].blocks_for(num_tokens, self.block_size, self.max_step_tokens)
+                     for g in self.paged)
         return needed <= self.num_blocks
 
     # ---------------------------------------------------------------- prefix hits

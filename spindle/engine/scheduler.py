@@ -74,7 +74,8 @@ class Scheduler:
         # No blocks and no state slots: the model has no cache (encoder-only).
         self.kv_cache_manager = (
             KVCacheManager(num_kv_blocks, cache_config.block_size, enable_prefix_caching,
-                           cache_groups, num_state_slots)
+                           cache_groups, num_state_slots,
+                           max_step_tokens=scheduler_config.max_num_batched_tokens)
             if num_kv_blocks > 0 or num_state_slots > 0
             else NoKVCacheManager(cache_config.block_size))
         self.requests: dict[str, Request] = {}

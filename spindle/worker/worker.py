@@ -288,7 +288,8 @@ class Worker:
         """Bytes num_seqs sequences of max_model_len tokens use at most."""
         req = self.cache_requirements()
         blocks = req.blocks_per_sequence(self.config.model.max_model_len,
-                                         self.config.cache.block_size)
+                                         self.config.cache.block_size,
+                                         self.config.scheduler.max_num_batched_tokens)
         return num_seqs * (blocks * req.block_bytes + req.slot_bytes)
 
     def _measured_kv_budget(self) -> int:

@@ -1,0 +1,122 @@
+"""Hybrid models (Mamba2 layers beside attention: Bamba) end to end against the
+oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
+random checkpoints, in float32 on CPU, under the regimes that cut the work
+differently (chunked prefill, prefix-cache hits served by state snapshots,
+preemption, async scheduling off), tensor parallelism and sleep mode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from spindle import LLM, SamplingParams
+from test_generate_vs_hf import hf_greedy
+
+MAX_NEW = 12
+LOGPROB_TOL = 1e-4
+PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 70]
+SHAPES = {
+    "default": {},
+    "groups2": dict(num_layers=3, mamba_n_groups=2, mamba_chunk_size=8),
+    "odd-heads": dict(hidden_size=48, num_layers=4, attn_layer_indices=(0, 3), mamba_n_heads=3,
+                      mamba_n_groups=3, mamba_d_state=8, mamba_chunk_size=4, mamba_d_conv=3),
+}
+
+
+def prompts_for(seed: int, shared_prefix: int = 0, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(vocab) for _ in range(max(1, n - shared_prefix))]
+            for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    cache = {}
+
+    def get(shape: str, shared_prefix: int = 0):
+        key = (shape, shared_prefix)
+        if key not in cache:
+            path = tiny_model("bamba", **SHAPES[shape])
+            prompts = prompts_for(seed=len(cache) + 1, shared_prefix=shared_prefix)
+            cache[key] = (path, prompts, hf_greedy(path, prompts, MAX_NEW))
+        return cache[key]
+
+    return get
+
+
+def generate(path, prompts, repeat: int = 1, **engine_kwargs):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    kwargs = dict(dtype="float32", device="cpu", max_model_len=256, seed=0)
+    kwargs.update(engine_kwargs)
+    with LLM(str(path), **kwargs) as llm:
+        runs = [llm.generate(prompts, params, use_tqdm=False) for _ in range(repeat)]
+        core = llm.engine.core
+        stats = (core.scheduler.num_preemptions, core.scheduler.prefix_cache_stats.hits,
+                 core.kv_config)
+    return [[(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                        o.outputs[0].token_ids)])
+             for o in outputs] for outputs in runs], stats
+
+
+def assert_equal(expected, got):
+    for (hf_tokens, hf_lps), (tokens, lps) in zip(expected, got):
+        assert list(tokens) == hf_tokens
+        assert max(abs(a - b) for a, b in zip(hf_lps, lps)) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_equals_transformers(reference, shape):
+    path, prompts, expected = reference(shape)
+    (got,), (_, _, kv) = generate(path, prompts)
+    assert kv.num_state_slots > 0
+    assert_equal(expected, got)
+
+
+def test_small_chunked_prefill_budget_carries_the_state(reference):
+    path, prompts, expected = reference("groups2")
+    (got,), _ = generate(path, prompts, max_num_batched_tokens=8, max_num_seqs=4)
+    assert_equal(expected, got)
+
+
+def test_preemption_recomputes_the_state(reference):
+    path, prompts, expected = reference("default")
+    # Room for about one long sequence at a time: requests preempt each other.
+    (got,), (preemptions, _, _) = generate(path, prompts, block_size=4,
+                                          kv_cache_memory_bytes=60_000, max_num_seqs=4)
+    assert preemptions > 0
+    assert_equal(expected, got)
+
+
+def test_prefix_hits_start_from_state_snapshots(reference):
+    path, prompts, expected = reference("default", shared_prefix=20)
+    (first, second), (_, hits, kv) = generate(path, prompts, repeat=2, block_size=4)
+    assert hits > 0
+    assert_equal(expected, first)
+    assert_equal(expected, second)
+
+
+def test_without_async_scheduling(reference):
+    path, prompts, expected = reference("odd-heads")
+    (got,), _ = generate(path, prompts, async_scheduling=False)
+    assert_equal(expected, got)
+
+
+def test_tensor_parallel_equals_transformers(reference):
+    path, prompts, expected = reference("groups2")
+    (got,), _ = generate(path, prompts, tensor_parallel_size=2)
+    assert_equal(expected, got)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_keep_the_output(reference, level):
+    path, prompts, expected = reference("default")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(str(path), dtype="float32", device="cpu", max_model_len=256,
+             enable_sleep_mode=True) as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.sleep(level=level)
+        llm.wake_up()
+        after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert before == after == [tokens for tokens, _ in expected]
