@@ -38,14 +38,16 @@ ATTENTION_GROUP, MAMBA_GROUP = 0, 1
 
 # Shapes (make_tiny_model keywords): the default tiny Bamba; n_groups 2 with chunks
 # shorter than the prompts; odd head and group counts (3), a conv of width 3, biases on
-# in/out projections and attention, no conv bias, a tied head, two attention layers.
+# in/out projections and attention, no conv bias, a tied head, two attention layers and
+# a time_step_limit that clamps (transformers' full forward clamps; its generate()'s
+# single-step update does not, so only this shape stays off the generate() check).
 SHAPES = {
     "default": {},
     "g2-chunk8": dict(num_layers=3, mamba_n_groups=2, mamba_chunk_size=8),
     "h3g3-odd": dict(hidden_size=48, num_layers=4, attn_layer_indices=(0, 3), mamba_n_heads=3,
                      mamba_n_groups=3, mamba_d_state=8, mamba_chunk_size=4, mamba_d_conv=3,
                      mamba_conv_bias=False, mamba_proj_bias=True, attention_bias=True,
-                     tie_word_embeddings=True),
+                     tie_word_embeddings=True, time_step_limit=(0.002, 0.05)),
 }
 
 
