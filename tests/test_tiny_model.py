@@ -12,6 +12,7 @@ from spindle.tools.tiny_model import (CHAT_TEMPLATE, EOS_ID, IM_END_ID, SPECIAL_
                                       add_cli_arguments, run_cli)
 
 ARCHS = ["llama", "qwen2", "qwen3"]
+HYBRID_ARCHS = ["bamba"]  # checked for sound logits only (no tokenizer class of their own)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -94,7 +95,7 @@ def test_deterministic_and_sharding_preserves_weights(tiny_model, tmp_path):
     assert not torch.equal(other_seed["lm_head.weight"], reference["lm_head.weight"])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + HYBRID_ARCHS)
 def test_logits_have_no_near_ties(tiny_model, arch):
     """Greedy decoding is robust to float32 noise: logits spread over a few units and
     the top-1/top-2 gap, over 200 random positions, is essentially never tiny.
@@ -120,7 +121,7 @@ def test_logits_have_no_near_ties(tiny_model, arch):
     assert gaps.min().item() > 1e-5
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + HYBRID_ARCHS)
 def test_greedy_output_is_not_one_repeated_token(tiny_model, arch):
     model, tokenizer = hf_load(tiny_model(arch))
     prompt = tokenizer("import heapq\n\ndef merge(", return_tensors="pt")["input_ids"]
@@ -129,6 +130,26 @@ def test_greedy_output_is_not_one_repeated_token(tiny_model, arch):
     new = out[0, prompt.shape[1]:].tolist()
     assert len(new) == 24
     assert len(set(new)) >= 6, new
+
+
+def test_bamba_ssm_parameters_are_random_per_head(tiny_model):
+    """A_log, D and dt_bias (ones / log(1..H) in transformers' init) get per-head random
+    values in Mamba's ranges, not NaN from rescaling a constant."""
+    from safetensors.torch import load_file
+
+    path = tiny_model("bamba")
+    config = json.loads((path / "config.json").read_text())
+    assert config["mamba_n_heads"] == 4 and config["mamba_d_head"] == 32
+    assert config["attn_layer_indices"] == [1]
+    state = load_file(path / "model.safetensors")
+    A = -torch.exp(state["model.layers.0.mamba.A_log"])
+    D = state["model.layers.0.mamba.D"]
+    step = torch.nn.functional.softplus(state["model.layers.0.mamba.dt_bias"])
+    for values in (A, D, step):
+        assert torch.isfinite(values).all() and values.unique().numel() == 4
+    assert ((-16 <= A) & (A <= -1)).all()
+    assert ((0.5 <= D) & (D <= 1.5)).all()
+    assert ((1e-3 * 0.999 <= step) & (step <= 0.1 * 1.001)).all()
 
 
 def test_cli(tmp_path):

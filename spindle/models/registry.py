@@ -12,6 +12,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "spindle.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
+    "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",
     "BertModel": "spindle.models.bert:BertModel",
     "RobertaModel": "spindle.models.bert:RobertaModel",
     "XLMRobertaModel": "spindle.models.bert:XLMRobertaModel",
@@ -23,7 +24,8 @@ def supported_architectures() -> list[str]:
 
 
 def model_kind(model_class: type) -> str:
-    """What a model class declares it is: "decoder" (the default) or "encoder"."""
+    """What a model class declares it is: "decoder" (the default), "encoder" or
+    "hybrid" (state-space layers beside attention)."""
     return getattr(model_class, "model_kind", "decoder")
 
 

@@ -1,4 +1,5 @@
-"""Make tiny, real Hugging Face checkpoints (Llama, Qwen2, Qwen3) for tests and demos.
+"""Make tiny, real Hugging Face checkpoints (Llama, Qwen2, Qwen3, Mistral, Bamba) for
+tests and demos.
 
 The checkpoint is what transformers itself builds and loads: config.json,
 generation_config.json, safetensors weights (optionally sharded with an index),
@@ -14,7 +15,8 @@ gets sharp and the residual stream depends on the context, not only on the last
 token) and the LM head is scaled so logits have a std of about ``logit_std``
 (default ``TARGET_LOGIT_STD``).
 Norm weights and biases are randomised too, so that a loader mixing them up fails
-tests instead of passing on all-ones / all-zeros tensors.
+tests instead of passing on all-ones / all-zeros tensors; so are the per-head
+parameters of Mamba2 layers (A_log, D, dt_bias), around Mamba's own init.
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_config_extra(arch: str, num_layers: int) -> dict[str, Any]:
+    """Config fields an architecture needs to be tiny (config_extra overrides them).
+    Bamba's own defaults (128 SSM heads, state 256) do not fit a 64-wide model: here 4
+    heads of 2 * hidden / 4 features, state 16, chunks of 16 tokens, and attention in
+    the middle layer."""
+    if arch == "bamba":
+        return {"mamba_n_heads": 4, "mamba_n_groups": 1, "mamba_d_state": 16,
+                "mamba_chunk_size": 16, "attn_layer_indices": (num_layers // 2,)}
+    return {}
 WEIGHT_STD = 0.2
 TARGET_LOGIT_STD = 4.0
 
@@ -90,7 +103,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
                         intermediate_size=intermediate_size,
                         max_position_embeddings=max_position_embeddings,
                         tie_word_embeddings=tie_word_embeddings, head_dim=head_dim,
-                        extra=config_extra)
+                        extra={**default_config_extra(arch, num_layers), **config_extra})
     model = build_model(config, seed, logit_std)
     config.dtype = dtype  # from_config rewrote it to the build dtype
     config.save_pretrained(out)
@@ -134,6 +147,8 @@ def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD) -> 
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * _randn_like(param, generator))
+            elif name.endswith(SSM_PARAMETERS):
+                param.copy_(_ssm_parameter(name, param, generator))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * _randn_like(param, generator))
             else:  # linear / embedding weights, transformers' N(0, initializer_range)
@@ -144,6 +159,25 @@ def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD) -> 
         head = model.get_output_embeddings().weight
         head.mul_(head_std / head.std())
     return model
+
+
+# Per-head parameters of Mamba2 layers, initialised as ones / log(1..H) by transformers:
+# rescaling them by their std (0 for ones) would give NaN.
+SSM_PARAMETERS = (".A_log", ".D", ".dt_bias")
+
+
+def _ssm_parameter(name: str, param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Mamba's own init, randomised per head: A = -exp(A_log) in [-16, -1]; dt_bias the
+    inverse softplus of a step log-uniform in [1e-3, 1e-1]; D around 1. Per-step decays
+    then range from ~0.2 to ~1, so some heads remember the whole prompt and others only
+    the last few tokens."""
+    uniform = torch.rand(param.shape, generator=generator, dtype=param.dtype)
+    if name.endswith(".A_log"):
+        return torch.log(1.0 + 15.0 * uniform)
+    if name.endswith(".dt_bias"):
+        step = torch.exp(math.log(1e-3) + uniform * (math.log(1e-1) - math.log(1e-3)))
+        return step + torch.log(-torch.expm1(-step))
+    return 0.5 + uniform  # D
 
 
 def _randn_like(param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

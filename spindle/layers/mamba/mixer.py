@@ -1,0 +1,267 @@
+"""The Mamba2 mixer (Bamba's ``mamba`` block): in_proj -> causal conv1d -> SSD scan ->
+gated RMSNorm -> out_proj, tensor-parallel, over per-sequence state slots.
+
+Tensor parallelism splits the SSM heads across ranks, and with them every per-head
+piece: the gate, x and dt parts of in_proj, x's conv channels, A_log, D, dt_bias, the
+norm weight and out_proj's input (row parallel). The B/C groups are split too when
+there are at least as many as ranks; otherwise each group is replicated on
+tp_size / n_groups consecutive ranks, whose heads all read it. The gated RMSNorm
+normalises over the whole intermediate size, so its sum of squares is all-reduced.
+
+The layer knows nothing of the runner: it reads its step's MambaMetadata from the
+forward context (``for_group(self.cache_group)``) and its states from ``kv_cache``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spindle.cache.spec import MambaCacheSpec
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.forward_context import get_forward_context
+from spindle.layers.linear import (RowParallelLinear, apply_linear, copy_checked, divide,
+                                   new_split_counters, set_weight_loader)
+from spindle.layers.mamba import ops as torch_ops
+from spindle.layers.mamba.metadata import MambaMetadata
+
+# (first row in the full checkpoint tensor, number of rows) of one piece this rank holds.
+RowPiece = tuple[int, int]
+
+
+class MambaMixer(nn.Module):
+    """forward(hidden_states [T, hidden]) -> [T, hidden] for the step's flat batch.
+
+    ``kv_cache`` is None (the memory-profiling forward: every request starts from zero
+    states and nothing is stored) or [conv_state [S, C, K-1], ssm_state [S, H, P, N]]
+    with this rank's C conv channels and H heads, assigned by the runner.
+    """
+
+    def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, n_groups: int,
+                 state_size: int, conv_kernel: int, chunk_size: int, eps: float,
+                 time_step_limit: tuple[float, float], conv_bias: bool, proj_bias: bool,
+                 tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        if conv_kernel < 2:
+            raise ValueError(f"mamba_d_conv must be >= 2, got {conv_kernel}")
+        if num_heads % n_groups != 0:
+            raise ValueError(f"mamba_n_heads ({num_heads}) must be a multiple of "
+                             f"mamba_n_groups ({n_groups})")
+        tp, rank = tp_group.size, tp_group.rank
+        self.tp_group = tp_group
+        self.num_heads = divide(num_heads, tp, "mamba_n_heads")  # rank-local from here
+        self.n_groups, first_group = local_groups(n_groups, tp, rank)
+        self.head_dim = head_dim
+        self.state_size = state_size
+        self.conv_kernel = conv_kernel
+        self.chunk_size = chunk_size
+        self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
+        self.intermediate = self.num_heads * head_dim
+        self.group_width = self.n_groups * state_size
+        self.conv_channels = self.intermediate + 2 * self.group_width
+
+        full_inter, full_groups = num_heads * head_dim, n_groups * state_size
+        x_rows = (rank * self.intermediate, self.intermediate)
+        b_rows = (first_group * state_size, self.group_width)
+        c_rows = (full_groups + first_group * state_size, self.group_width)
+        head_rows = [(rank * self.num_heads, self.num_heads)]
+        # Checkpoint in_proj rows: [gate | x | B | C | dt]; conv channels: [x | B | C].
+        conv_rows = [x_rows, _shift(b_rows, full_inter), _shift(c_rows, full_inter)]
+        in_rows = ([x_rows] + [_shift(r, full_inter) for r in conv_rows]
+                   + [_shift(head_rows[0], 2 * full_inter + 2 * full_groups)])
+        self.in_proj = RowPiecesLinear(hidden_size, in_rows, bias=proj_bias)
+        self.conv1d = DepthwiseConvWeights(conv_rows, conv_kernel, bias=conv_bias)
+        self.A_log = _sharded_parameter(head_rows)
+        self.D = _sharded_parameter(head_rows)
+        self.dt_bias = _sharded_parameter(head_rows)
+        self.norm = GatedRMSNorm(self.intermediate, full_inter, eps, tp_group, [x_rows])
+        self.out_proj = RowParallelLinear(full_inter, hidden_size, bias=proj_bias,
+                                          tp_group=tp_group)
+        self.kv_cache: list[torch.Tensor] | None = None
+        self.cache_group = 0  # which cache group's metadata this layer reads (the runner sets it)
+
+    def cache_spec(self, dtype: torch.dtype) -> MambaCacheSpec:
+        """Per sequence: the conv state [C, K-1] and the SSM state [H, P, N], both in the
+        model's dtype."""
+        return MambaCacheSpec(
+            shapes=((self.conv_channels, self.conv_kernel - 1),
+                    (self.num_heads, self.head_dim, self.state_size)),
+            dtypes=(dtype, dtype))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        md = self._metadata(num_tokens, hidden_states.device)
+        ops = _ops_for(hidden_states)
+        gate, xbc, dt = self.in_proj(hidden_states).split(
+            [self.intermediate, self.conv_channels, self.num_heads], dim=-1)
+        conv_state, ssm_state = self.kv_cache if self.kv_cache is not None else (None, None)
+        decode = self.kv_cache is not None and md.is_pure_decode and _all_continuing(md)
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+        if decode:
+            xbc = ops.causal_conv1d_decode(xbc, weight, bias, conv_state, md.state_indices)
+        else:
+            xbc = ops.causal_conv1d_prefill(xbc, weight, bias, conv_state, md)
+        x, B, C = xbc.split([self.intermediate, self.group_width, self.group_width], dim=-1)
+        x = x.reshape(num_tokens, self.num_heads, self.head_dim)
+        B = B.reshape(num_tokens, self.n_groups, self.state_size)
+        C = C.reshape(num_tokens, self.n_groups, self.state_size)
+        A = -torch.exp(self.A_log.float())
+        if decode:
+            y = ops.ssd_decode(x, dt, A, B, C, self.D, self.dt_bias, self.time_step_limit,
+                               ssm_state, md.state_indices)
+        else:
+            y = ops.ssd_prefill(x, dt, A, B, C, self.D, self.dt_bias, self.time_step_limit,
+                                self.chunk_size, ssm_state, md)
+        y = self.norm(y.reshape(num_tokens, self.intermediate), gate)
+        return self.out_proj(y)
+
+    def _metadata(self, num_tokens: int, device: torch.device) -> MambaMetadata:
+        md = get_forward_context().for_group(self.cache_group)
+        if md is None:
+            if self.kv_cache is not None:
+                raise ValueError("a mamba layer with states needs MambaMetadata in the "
+                                 "forward context")
+            return single_sequence_metadata(num_tokens, device)
+        if not isinstance(md, MambaMetadata):
+            raise TypeError(f"mamba layer (cache group {self.cache_group}) found "
+                            f"{type(md).__name__} in the forward context, not MambaMetadata")
+        return md
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, head_dim={self.head_dim}, groups={self.n_groups}, "
+                f"state={self.state_size}, conv={self.conv_kernel}, chunk={self.chunk_size} "
+                f"(per rank), tp_size={self.tp_group.size}")
+
+
+class RowPiecesLinear(nn.Module):
+    """A column-parallel linear layer whose rank-local rows are pieces of the full
+    checkpoint weight (any rows, in order), so that replicated and sharded
+    sub-projections can share one matmul."""
+
+    def __init__(self, input_size: int, rows: Sequence[RowPiece], bias: bool) -> None:
+        super().__init__()
+        output_size = sum(n for _, n in rows)
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        set_weight_loader(self.weight, rows_loader(rows))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            set_weight_loader(self.bias, rows_loader(rows))
+        else:
+            self.register_parameter("bias", None)
+        self.register_buffer("split_counters", new_split_counters(output_size), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_linear(x, self.weight, self.bias, self.split_counters)
+
+
+class DepthwiseConvWeights(nn.Module):
+    """The conv1d's weight [C, K] and bias [C] (this rank's channels); checkpoints store
+    the weight as nn.Conv1d's [C, 1, K]."""
+
+    def __init__(self, rows: Sequence[RowPiece], kernel: int, bias: bool) -> None:
+        super().__init__()
+        channels = sum(n for _, n in rows)
+        self.weight = nn.Parameter(torch.empty(channels, kernel), requires_grad=False)
+        set_weight_loader(self.weight, rows_loader(rows, squeeze_dim=1))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(channels), requires_grad=False)
+            set_weight_loader(self.bias, rows_loader(rows))
+        else:
+            self.register_parameter("bias", None)
+
+
+class GatedRMSNorm(nn.Module):
+    """y = weight * rmsnorm(x * silu(gate)) (Mamba2's norm with the gate applied first),
+    in float32, with the mean square over the full width of all ranks."""
+
+    def __init__(self, local_size: int, full_size: int, eps: float,
+                 tp_group: TensorParallelGroup, rows: Sequence[RowPiece]) -> None:
+        super().__init__()
+        self.full_size = full_size
+        self.variance_epsilon = eps
+        self.tp_group = tp_group
+        self.weight = nn.Parameter(torch.ones(local_size), requires_grad=False)
+        set_weight_loader(self.weight, rows_loader(rows))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float() * F.silu(gate.float())
+        square_sum = self.tp_group.all_reduce(h.pow(2).sum(-1, keepdim=True))
+        h = h * torch.rsqrt(square_sum / self.full_size + self.variance_epsilon)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+def local_groups(n_groups: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """(groups this rank holds, index of its first group): split when tp_size divides
+    n_groups, else each group replicated on tp_size / n_groups consecutive ranks."""
+    if n_groups % tp_size == 0:
+        local = n_groups // tp_size
+        return local, rank * local
+    if tp_size % n_groups == 0:
+        return 1, rank // (tp_size // n_groups)
+    raise ValueError(f"mamba_n_groups ({n_groups}) and the tensor parallel size ({tp_size}) "
+                     "must divide one another")
+
+
+def single_sequence_metadata(num_tokens: int, device: torch.device) -> MambaMetadata:
+    """All tokens as one request with no state (a forward run without metadata)."""
+    starts = torch.tensor([0, num_tokens], dtype=torch.int32)
+    slots = torch.tensor([-1], dtype=torch.int32)
+    fresh = torch.tensor([False])
+    return MambaMetadata(num_reqs=1, num_tokens=num_tokens, query_start_loc=starts.to(device),
+                         state_indices=slots.to(device), has_initial_state=fresh.to(device),
+                         max_query_len=num_tokens, query_start_loc_cpu=starts,
+                         has_initial_state_cpu=fresh, state_indices_cpu=slots)
+
+
+def rows_loader(rows: Sequence[RowPiece], squeeze_dim: int | None = None) -> Callable:
+    """A weight_loader copying the given rows of the full checkpoint tensor."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"this parameter takes no shard id, got {shard_id!r}")
+        if squeeze_dim is not None:
+            if loaded.dim() != param.dim() + 1 or loaded.shape[squeeze_dim] != 1:
+                raise ValueError(f"expected a conv weight [channels, 1, kernel], checkpoint "
+                                 f"tensor gives {tuple(loaded.shape)}")
+            loaded = loaded.squeeze(squeeze_dim)
+        end = max(start + n for start, n in rows)
+        if loaded.shape[0] < end:
+            raise ValueError(f"checkpoint tensor has {loaded.shape[0]} rows, this rank's "
+                             f"pieces need {end}")
+        copy_checked(param.data, torch.cat([loaded.narrow(0, s, n) for s, n in rows]))
+
+    return load
+
+
+def _sharded_parameter(rows: Sequence[RowPiece]) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(sum(n for _, n in rows)), requires_grad=False)
+    set_weight_loader(param, rows_loader(rows))
+    return param
+
+
+def _shift(piece: RowPiece, offset: int) -> RowPiece:
+    return piece[0] + offset, piece[1]
+
+
+def _all_continuing(md: MambaMetadata) -> bool:
+    """Whether every request continues from its stored state. The decode ops always
+    read the state; a request at its first token needs the prefill ops, which start it
+    from zeros. (Without host copies, inside a CUDA graph, the runner vouches for it.)"""
+    if md.has_initial_state_cpu is None:
+        return True
+    continuing = md.has_initial_state_cpu
+    if md.state_indices_cpu is not None:
+        continuing = continuing | (md.state_indices_cpu < 0)  # padding rows touch no state
+    return bool(continuing.all())
+
+
+def _ops_for(x: torch.Tensor):
+    """The torch ops on CPU, the Triton kernels (same signatures) on CUDA."""
+    if x.is_cuda:
+        from spindle.layers.mamba import triton_ops
+
+        return triton_ops
+    return torch_ops

@@ -1,0 +1,259 @@
+"""BambaForCausalLM: Mamba2 layers with a few attention layers among them (IBM's Bamba;
+the pattern of the Granite 4 hybrids).
+
+Every decoder layer is pre-norm with a SwiGLU MLP; its mixer is either a Mamba2 block
+(spindle/layers/mamba/mixer.py) or grouped-query attention, the latter at the indices
+``attn_layer_indices``. Bamba's attention rotates only the first half of each head
+(partial_rotary_factor 0.5, fixed by transformers' BambaConfig).
+
+Caching is declared by the layers themselves: Attention layers page keys and values,
+mixers keep a conv state and an SSM state per sequence; the runner groups them by
+cache spec and sets each layer's ``cache_group``. Parameter names follow the HF
+checkpoint, except the merged qkv_proj and gate_up_proj.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from spindle.attention import Attention
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
+from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
+from spindle.layers.mamba.mixer import MambaMixer
+from spindle.layers.norm import RMSNorm
+from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
+from spindle.models.llama import LlamaMLP, MissingLayer, _to_param_name, head_dim_of
+from spindle.models.weights import load_named_weights
+
+# transformers' BambaConfig forces it for every Bamba checkpoint.
+BAMBA_PARTIAL_ROTARY_FACTOR = 0.5
+
+
+def check_supported_config(hf_config: Any) -> None:
+    """Reject config features this implementation would silently get wrong."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    inter = int(getattr(hf_config, "mamba_expand", 2) * hf_config.hidden_size)
+    heads, head_dim = hf_config.mamba_n_heads, mamba_head_dim(hf_config)
+    if heads * head_dim != inter:
+        raise ValueError(f"mamba_n_heads ({heads}) * mamba_d_head ({head_dim}) must equal "
+                         f"mamba_expand * hidden_size ({inter})")
+    for index in attention_layer_indices(hf_config):
+        if not 0 <= index < hf_config.num_hidden_layers:
+            raise ValueError(f"attn_layer_indices holds {index}, outside the model's "
+                             f"{hf_config.num_hidden_layers} layers")
+    low, high = time_step_limit(hf_config)
+    if not 0.0 <= low <= high:
+        raise ValueError(f"time_step_limit must be (low, high) with 0 <= low <= high, "
+                         f"got {(low, high)}")
+
+
+def attention_layer_indices(hf_config: Any) -> set[int]:
+    return set(getattr(hf_config, "attn_layer_indices", None) or [])
+
+
+def mamba_head_dim(hf_config: Any) -> int:
+    head_dim = getattr(hf_config, "mamba_d_head", "auto")
+    if head_dim == "auto":  # as BambaConfig resolves it
+        inter = int(getattr(hf_config, "mamba_expand", 2) * hf_config.hidden_size)
+        return inter // hf_config.mamba_n_heads
+    return int(head_dim)
+
+
+def time_step_limit(hf_config: Any) -> tuple[float, float]:
+    """(low, high) clamp of the discretized dt; read from a config object or from raw
+    config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
+    limit = getattr(hf_config, "time_step_limit", None)
+    if limit is None:
+        return 0.0, math.inf
+    return tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in limit)
+
+
+def rotary_dim(hf_config: Any) -> int:
+    params = rope_parameters_from_config(hf_config)
+    factor = params.get("partial_rotary_factor", BAMBA_PARTIAL_ROTARY_FACTOR)
+    return int(head_dim_of(hf_config) * factor)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] features of each head of x [T, H, D], keep the rest."""
+    dim = cos.shape[-1]
+    return torch.cat([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
+
+
+class BambaAttention(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(hf_config)
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            hf_config.hidden_size, self.head_dim, hf_config.num_attention_heads,
+            hf_config.num_key_value_heads, bias=bias, tp_group=tp_group)
+        self.num_heads = self.qkv_proj.num_heads  # rank-local
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim,
+                                        hf_config.hidden_size, bias=bias, tp_group=tp_group)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        q = apply_partial_rotary(q.reshape(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_partial_rotary(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
+        return self.o_proj(out)
+
+
+def make_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> MambaMixer:
+    return MambaMixer(
+        hidden_size=hf_config.hidden_size, num_heads=hf_config.mamba_n_heads,
+        head_dim=mamba_head_dim(hf_config), n_groups=getattr(hf_config, "mamba_n_groups", 1),
+        state_size=hf_config.mamba_d_state, conv_kernel=getattr(hf_config, "mamba_d_conv", 4),
+        chunk_size=hf_config.mamba_chunk_size, eps=hf_config.rms_norm_eps,
+        time_step_limit=time_step_limit(hf_config),
+        conv_bias=bool(getattr(hf_config, "mamba_conv_bias", True)),
+        proj_bias=bool(getattr(hf_config, "mamba_proj_bias", False)), tp_group=tp_group)
+
+
+class BambaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, is_attention: bool, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.is_attention = is_attention
+        if is_attention:
+            self.self_attn = BambaAttention(hf_config, tp_group)
+        else:
+            self.mamba = make_mixer(hf_config, tp_group)
+        self.feed_forward = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
+                                     bool(getattr(hf_config, "mlp_bias", False)), tp_group)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+        self.pre_ff_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block, residual carried separately (the next norm does the add)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.is_attention:
+            hidden_states = self.self_attn(hidden_states, cos, sin)
+        else:
+            hidden_states = self.mamba(hidden_states)
+        hidden_states, residual = self.pre_ff_layernorm(hidden_states, residual)
+        return self.feed_forward(hidden_states), residual
+
+
+class BambaModel(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage) -> None:
+        super().__init__()
+        self.stage = stage
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if stage.is_first or (stage.is_last and tied):
+            self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size,
+                                                       hf_config.hidden_size, tp_group=tp_group)
+        else:
+            self.embed_tokens = None
+        attention = attention_layer_indices(hf_config)
+        self.layers = nn.ModuleList(
+            BambaDecoderLayer(hf_config, i in attention, tp_group) if stage.owns_layer(i)
+            else MissingLayer() for i in range(hf_config.num_hidden_layers))
+        self.final_layernorm = (RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+                                if stage.is_last else None)
+        params = dict(rope_parameters_from_config(hf_config))
+        params.pop("partial_rotary_factor", None)  # the table is built for the rotated part only
+        self.rotary_emb = RotaryEmbedding(rotary_dim(hf_config),
+                                          hf_config.max_position_embeddings, params)
+
+    def own_layers(self) -> list[BambaDecoderLayer]:
+        return [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: IntermediateTensors | None = None,
+                ) -> torch.Tensor | IntermediateTensors:
+        if self.stage.is_first:
+            if (input_ids is None) == (inputs_embeds is None):
+                raise ValueError("pass exactly one of input_ids and inputs_embeds")
+            hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
+        else:
+            if intermediate_tensors is None:
+                raise ValueError(f"pipeline stage {self.stage.rank} needs the previous "
+                                 "stage's intermediate_tensors")
+            hidden_states = intermediate_tensors.hidden_states
+            residual = intermediate_tensors.residual
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        for layer in self.own_layers():
+            hidden_states, residual = layer(hidden_states, residual, cos, sin)
+        if not self.stage.is_last:
+            return IntermediateTensors(hidden_states, residual)
+        hidden_states, _ = self.final_layernorm(hidden_states, residual)
+        return hidden_states
+
+
+class BambaForCausalLM(nn.Module):
+    model_kind = "hybrid"
+    supports_pipeline_parallel = True
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage | None = None) -> None:
+        super().__init__()
+        check_supported_config(hf_config)
+        self.config = hf_config
+        self.tp_group = tp_group
+        self.stage = stage or PipelineStage.single()
+        self.model = BambaModel(hf_config, tp_group, self.stage)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = None
+        if self.stage.is_last:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                          tp_group=tp_group)
+            if self.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: IntermediateTensors | None = None,
+                ) -> torch.Tensor | IntermediateTensors:
+        """-> final-normed hidden states [T, hidden] (IntermediateTensors on a stage
+        other than the last)."""
+        return self.model(input_ids, positions, inputs_embeds, intermediate_tensors)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab_size], the full vocabulary on every rank."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into this rank's parameters (see
+        LlamaForCausalLM.load_weights)."""
+        return load_named_weights(
+            self, weights,
+            lambda hf_name: None if self._skip_checkpoint_tensor(hf_name) else _to_param_name(hf_name))
+
+    def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
+        if "rotary_emb." in hf_name:
+            return True
+        if hf_name == "lm_head.weight":
+            return self.tie_word_embeddings or self.lm_head is None
+        if hf_name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is None
+        if hf_name.startswith("model.final_layernorm."):
+            return self.model.final_layernorm is None
+        if hf_name.startswith("model.layers."):
+            return not self.stage.owns_layer(int(hf_name.split(".")[2]))
+        return False
