@@ -206,11 +206,13 @@ def test_a_step_ending_at_a_block_boundary_snapshots_the_state():
     assert before == [] and len(after) == 1 and after[0][0] == running
     snapshot = after[0][1]
     assert snapshot != running
+    b = make_request("b", list(range(8)) + [50, 51, 52])
+    # Not in the step that writes it: that step's copies run after its forward.
+    assert m.get_computed_blocks(b)[1] == 0
+    m.release_held_snapshots()  # the next schedule()
     schedule(m, a, 3)  # ends at 11: no boundary, no snapshot
     assert m.take_state_copies() == ([], [])
     # A request with the same first 8 tokens hits them, and starts from the snapshot.
-    m.release_held_snapshots()
-    b = make_request("b", list(range(8)) + [50, 51, 52])
     hit, num_hit = m.get_computed_blocks(b)
     assert num_hit == 8 and hit.snapshot.block_id == snapshot
     schedule(m, b, 3, hit)

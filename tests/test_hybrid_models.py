@@ -82,9 +82,10 @@ def test_small_chunked_prefill_budget_carries_the_state(reference):
 
 def test_preemption_recomputes_the_state(reference):
     path, prompts, expected = reference("default")
-    # Room for about one long sequence at a time: requests preempt each other.
-    (got,), (preemptions, _, _) = generate(path, prompts, block_size=4,
-                                          kv_cache_memory_bytes=60_000, max_num_seqs=4)
+    # Room for about two long sequences at a time: requests preempt each other.
+    (got,), (preemptions, _, kv) = generate(path, prompts, block_size=4, max_model_len=96,
+                                           kv_cache_memory_bytes=100_000, max_num_seqs=4)
+    assert kv.num_blocks < 2 * 24
     assert preemptions > 0
     assert_equal(expected, got)
 

@@ -153,11 +153,6 @@ class BlockPool:
         self._cached.clear()
         return True
 
-    def uncache(self, block: KVCacheBlock) -> None:
-        """Drop block's registration in the prefix cache (its content is not what its
-        hash says)."""
-        self._evict(block)
-
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

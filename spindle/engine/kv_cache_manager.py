@@ -19,9 +19,11 @@ registered under that boundary's block hash. Running slots and snapshots share o
 pool of state slots; snapshots no request holds are evictable, least recently used
 first, like free cached blocks. A request admitted with a hit copies the snapshot
 into its own running slot before its first step. The copies travel in the
-SchedulerOutput (state_copies_before / state_copies_after); a snapshot slot is held
-until the next schedule(), so no step can reuse it before its copy has run (steps
-run in order on the device).
+SchedulerOutput (state_copies_before / state_copies_after). A new snapshot is
+registered, and a snapshot read by a hit released, only at the next schedule():
+steps run in order on the device, so from then on every copy of the earlier step
+comes before anything a later step does (a request admitted in the same step must
+not copy a snapshot that step has yet to write).
 
 Full blocks are identified by a chained hash of their tokens (and, through the
 parent hash, of every token before them), separately per group, so two requests
@@ -139,8 +141,11 @@ class KVCacheManager:
         self._req_slot: dict[str, KVCacheBlock] = {}
         self._num_hashed: dict[str, int] = {}
         self._state_copies_before: list[tuple[int, int]] = []
-        # request id -> (running slot id, snapshot), copied after the step being scheduled
-        self._state_copies_after: dict[str, tuple[int, KVCacheBlock]] = {}
+        # request id -> (running slot id, snapshot, its key), copied after the step
+        # being scheduled; registered in the prefix cache at the next schedule(), once
+        # the copy comes before anything a later step does.
+        self._state_copies_after: dict[str, tuple[int, KVCacheBlock, bytes]] = {}
+        self._pending_snapshots: list[tuple[KVCacheBlock, bytes]] = []
         self._held_snapshots: list[KVCacheBlock] = []  # until the next schedule()
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -311,13 +316,13 @@ class KVCacheManager:
         self._update_block_hashes(request)
         key = self._group_key(request.block_hashes[total // self.block_size - 1],
                               self.stateful[0])
-        if self.state_pool.get_cached_block(key) is not None or self.state_pool.num_free_blocks < 1:
+        taken = any(k == key for _, _, k in self._state_copies_after.values())
+        if (taken or self.state_pool.get_cached_block(key) is not None
+                or self.state_pool.num_free_blocks < 1):
             return
         (snapshot,) = self.state_pool.get_new_blocks(1)
-        self.state_pool.cache_full_blocks([snapshot], [key])
-        self._held_snapshots.append(snapshot)  # its copy runs after this step
         self._state_copies_after[request.request_id] = (
-            self._req_slot[request.request_id].block_id, snapshot)
+            self._req_slot[request.request_id].block_id, snapshot, key)
 
     def align_chunk(self, request: Request, start: int, num_new: int) -> int:
         """With state snapshots, end a chunk of several tokens at the last block
@@ -331,16 +336,22 @@ class KVCacheManager:
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The state-slot copies (src, dst) of the step being scheduled: before its
         forward (snapshot -> running slot) and after it (running slot -> snapshot)."""
-        after = [(src, snapshot.block_id) for src, snapshot in self._state_copies_after.values()]
+        after = [(src, snapshot.block_id) for src, snapshot, _ in self._state_copies_after.values()]
+        self._pending_snapshots.extend((snapshot, key) for _, snapshot, key
+                                       in self._state_copies_after.values())
         before = self._state_copies_before
         self._state_copies_before, self._state_copies_after = [], {}
         return before, after
 
     def release_held_snapshots(self) -> None:
         """At the start of a schedule(): the copies of earlier steps come first on
-        the device, so their snapshot slots may be reused from now on."""
+        the device, so the snapshots they wrote may serve hits from now on, and the
+        snapshots they read may be reused."""
+        pending, self._pending_snapshots = self._pending_snapshots, []
+        for snapshot, key in pending:
+            self.state_pool.cache_full_blocks([snapshot], [key])
         held, self._held_snapshots = self._held_snapshots, []
-        self.state_pool.free_blocks(held)
+        self.state_pool.free_blocks(held + [snapshot for snapshot, _ in pending])
 
     def _free_outside_windows(self, rid: str, held: GroupBlocks, position: int) -> None:
         """Free the sliding-window blocks no token from position on will read."""
@@ -371,8 +382,8 @@ class KVCacheManager:
         pending = self._state_copies_after.pop(rid, None)
         if pending is not None:
             # Preempted in the step that was to take its snapshot: the step will not
-            # compute its tokens, so the snapshot would hold a wrong state.
-            self.state_pool.uncache(pending[1])
+            # compute its tokens, so the snapshot is dropped unregistered.
+            self.state_pool.free_blocks([pending[1]])
         for blocks in groups or ():
             self.block_pool.free_blocks(b for b in reversed(blocks) if b is not None)
 

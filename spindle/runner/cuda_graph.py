@@ -78,6 +78,11 @@ class CudaGraphRunner:
         self.pool = None
 
     def can_run(self, batch: StepBatch) -> bool:
+        """A decode batch of at most the largest size. With state layers, none of its
+        requests may be at its first token: the captured state update always starts
+        from the stored state (a first token starts from zeros, eagerly)."""
+        if batch.state_slots is not None and not batch.num_computed.all():
+            return False
         return (batch.num_tokens == batch.num_reqs and batch.num_reqs <= self.max_batch
                 and bool(self.graphs))
 
