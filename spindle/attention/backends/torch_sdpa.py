@@ -20,13 +20,15 @@ output.
 Sliding window W (transformers' semantics, checked against transformers 5.17's
 masking_utils: ``sliding_window_causal_mask_function(W)`` is ``causal_mask_function``
 (kv_idx <= q_idx) and ``sliding_window_overlay(W)`` (kv_idx > q_idx - W), on absolute
-positions, the cache's included): a query at context position p sees the W keys at
-positions p - W < k <= p, itself included. Only keys inside some query's window are
-ever gathered: a request's range starts at max(0, first_query_position - W + 1). The
-blocks wholly before it may already be freed and their block-table entries stale
-(another request's data, or NaN), and masking alone would not keep their values out.
-Windowed prefill attends in chunks of queries, each over its own key range, so the
-explicit mask stays chunk x (chunk + W) however long the prompt.
+positions, the cache's included; its flash-attention path agrees, window_size=(W - 1,
+W - 1), and so does DynamicSlidingWindowLayer, which keeps the last W - 1 tokens): a
+query at context position p sees the W keys at positions p - W < k <= p, itself
+included. Only keys inside some query's window are ever gathered: a request's range
+starts at max(0, first_query_position - W + 1). The blocks wholly before it may already
+be freed and their block-table entries stale (another request's data, or NaN), and
+masking alone would not keep their values out. Windowed prefill attends in chunks of
+queries, each over its own key range, so the explicit mask stays chunk x (chunk + W)
+however long the prompt.
 """
 
 from __future__ import annotations
