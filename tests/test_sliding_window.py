@@ -66,8 +66,8 @@ def reference(tiny_model):
 
 def generate(path, prompts, **engine_kwargs):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=256, seed=0,
-              **engine_kwargs)
+    kwargs = dict(dtype="float32", device="cpu", max_model_len=256, seed=0)
+    llm = LLM(str(path), **{**kwargs, **engine_kwargs})
     try:
         return llm.generate(prompts, params, use_tqdm=False)
     finally:
@@ -100,6 +100,18 @@ def test_mistral_without_window_matches_transformers(tiny_model):
     rng = random.Random(3)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (30, 5)]
     assert_matches(generate(path, prompts, block_size=4), hf_greedy(path, prompts, MAX_NEW))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mistral-w8", "qwen2-w12-3layers"])
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_greedy_matches_transformers_past_the_window(reference, name, enforce_eager):
+    """The Triton kernels' windows end to end (small prefill chunks; decode captured in
+    CUDA graphs unless eager), in float32 against transformers on the CPU."""
+    path, prompts, expected = reference(name)
+    outputs = generate(path, prompts, device="cuda", block_size=8, max_num_batched_tokens=16,
+                       enforce_eager=enforce_eager)
+    assert_matches(outputs, expected)
 
 
 # ----------------------------------------------------------------------------- windows
