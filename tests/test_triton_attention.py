@@ -2,7 +2,10 @@
 random inputs: GQA ratios, head dims 64/128, block sizes, ragged lengths, prefix
 hits, and outputs poisoned with NaN before every run. On a GPU in float32 and bf16;
 under Triton's interpreter (no GPU) in float32 and fp16, with small shapes
-(kernel_utils)."""
+(kernel_utils). Sliding windows: the Triton kernels and the torch_sdpa backend against
+the reference with an explicit window mask, with the block-table entries of blocks
+wholly before each request's window pointing at a NaN-filled block (a cache manager
+frees those blocks, so the entries are stale): any read of one would show."""
 
 from __future__ import annotations
 
@@ -69,8 +72,9 @@ def make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block
         query_lens=query_lens, context_lens=context_lens, block_size=block_size)
 
 
-def reference(case, scale):
-    """float64 attention of each request's queries over its (cache + new) context."""
+def reference(case, scale, window=None):
+    """float64 attention of each request's queries over its (cache + new) context; with
+    a window W, query at position p sees keys p - W < k <= p only."""
     q, kv = case["q"].double(), case["kv_cache"].double().clone()
     bs = case["block_size"]
     flat_k = kv[0].reshape(-1, *kv.shape[3:])
@@ -87,7 +91,10 @@ def reference(case, scale):
         values = flat_v[slots].repeat_interleave(gqa, 1)
         qi = q[start:start + ql]  # [Q, H, D]
         scores = torch.einsum("qhd,shd->hqs", qi, keys) * scale
-        visible = pos[None, :] <= (cl + torch.arange(ql, device=DEVICE))[:, None]
+        query_pos = (cl + torch.arange(ql, device=DEVICE))[:, None]
+        visible = pos[None, :] <= query_pos
+        if window is not None:
+            visible &= pos[None, :] > query_pos - window
         scores = scores.masked_fill(~visible[None], float("-inf"))
         outs.append(torch.einsum("hqs,shd->qhd", scores.softmax(-1), values))
         start += ql
@@ -105,7 +112,23 @@ def meta_for(case):
         max_seq_len=max(q + c for q, c in zip(case["query_lens"], case["context_lens"])))
 
 
-def run_backend(case, num_heads, num_kv_heads, head_dim):
+def poison_blocks_before_window(case, window) -> int:
+    """Point every block-table entry of a block wholly before its request's window (the
+    window of the request's first new token) at an added NaN-filled block, as stale
+    entries of freed blocks may point anywhere. Returns how many entries were poisoned.
+    Call after reference()."""
+    kv = case["kv_cache"]
+    nan_block = kv.shape[1]
+    case["kv_cache"] = torch.cat([kv, torch.full_like(kv[:, :1], float("nan"))], dim=1)
+    poisoned = 0
+    for i, context_len in enumerate(case["context_lens"]):
+        stale = max(0, context_len - window + 1) // case["block_size"]
+        case["block_tables"][i, :stale] = nan_block
+        poisoned += stale
+    return poisoned
+
+
+def run_backend(case, num_heads, num_kv_heads, head_dim, window=None):
     """What the backend does for one step without a q/k transform: decode (one launch
     that stores k/v and attends) or store + prefill."""
     from spindle.attention.backends.triton_attn import (decode_attention, prefill_attention,
@@ -117,11 +140,11 @@ def run_backend(case, num_heads, num_kv_heads, head_dim):
     if meta.max_query_len == 1:
         counters = split_counters(DEVICE)
         decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta, scale, out,
-                         counters)
+                         counters, sliding_window=window)
         assert not counters.any(), "the last split must leave its counter at zero"
     else:
         store_kv(case["k"], case["v"], case["kv_cache"], case["slot_mapping"])
-        prefill_attention(case["q"], case["kv_cache"], meta, scale, out)
+        prefill_attention(case["q"], case["kv_cache"], meta, scale, out, sliding_window=window)
     return out, scale
 
 
@@ -369,3 +392,107 @@ def test_fused_decode_graph_replays_with_new_lengths(batch):
         assert not out.isnan().any()
         assert rel_err(out, ref) < REL_TOL[dtype], f"replay {replay}"
     assert not backend._counters.any()
+
+
+# ---------------------------------------------------------------------- sliding window
+# (query_lens, context_lens, window): windows below one key tile, across tiles, of 1
+# (a token sees itself only), and longer than some contexts. Prefill query tiles hold
+# 64 queries when a request has more than 32 (the 70's second tile starts its keys
+# 64 positions later than its first), else 16.
+WINDOW_PREFILL = pick(
+    [([1, 7, 64, 130, 33, 1, 250], [0, 40, 0, 17, 300, 5, 64], w) for w in (1, 13, 100, 260)],
+    [([1, 7, 70, 20], [0, 40, 17, 100], 8),
+     ([1, 7, 70, 20], [0, 40, 17, 100], 37),
+     ([3, 20, 1], [90, 0, 64], 1)])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_lens,context_lens,window", WINDOW_PREFILL)
+def test_prefill_sliding_window_reads_only_the_window(num_heads, num_kv_heads, head_dim,
+                                                      block_size, dtype, query_lens,
+                                                      context_lens, window):
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     dtype, seed=window + block_size + head_dim)
+    ref, _, _ = reference(case, head_dim ** -0.5, window)
+    assert poison_blocks_before_window(case, window) > 0
+    out, _ = run_backend(case, num_heads, num_kv_heads, head_dim, window)
+    assert not out.isnan().any(), "a block before the window was read, or a row not written"
+    assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, batch): split counts 32, 8 and 1 under
+# the interpreter (see DECODE_CASES); windows shorter and longer than one split.
+WINDOW_DECODE = pick(
+    [(*shape, block_size, batch) for shape, block_size, batch
+     in itertools.product(SHAPES, [8, 16], [1, 3, 64])],
+    [(8, 1, 64, 16, 1), (8, 2, 128, 8, 3), (4, 4, 64, 16, 9)])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,batch", WINDOW_DECODE)
+@pytest.mark.parametrize("window", [1, 37, 150])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_sliding_window_reads_only_the_window(num_heads, num_kv_heads, head_dim,
+                                                     block_size, batch, window, dtype):
+    gen = torch.Generator().manual_seed(batch * 31 + window + block_size)
+    context_lens = torch.randint(window, MAX_CONTEXT, (batch,), generator=gen).tolist()
+    context_lens[0] = MAX_CONTEXT - 1  # the longest context: the most stale blocks
+    if batch > 1:
+        context_lens[1] = 0  # a context of just the new token
+    case = make_case([1] * batch, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     dtype, seed=batch + window)
+    ref, _, _ = reference(case, head_dim ** -0.5, window)
+    assert poison_blocks_before_window(case, window) > 0
+    out, _ = run_backend(case, num_heads, num_kv_heads, head_dim, window)
+    assert not out.isnan().any(), "a block before the window was read, or a row not written"
+    assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+# A mixed step (decodes, a prefill after a long context, a first chunk longer than the
+# window) and a pure decode step, through each backend's forward.
+BACKEND_STEPS = [([1, 7, 70, 1, 20], [50, 40, 17, 0, 100]), ([1, 1, 1], [60, 5, 33])]
+
+
+@pytest.mark.parametrize("backend_name", ["triton", "torch_sdpa"])
+@pytest.mark.parametrize("query_lens,context_lens", BACKEND_STEPS)
+@pytest.mark.parametrize("window", [1, 12])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_sliding_window_step(monkeypatch, backend_name, query_lens, context_lens,
+                                     window, dtype):
+    """Backend.forward with sliding_window (store + attend), stale blocks poisoned.
+    torch_sdpa attends windowed prefill in query chunks: made small here, so that the
+    70- and 20-token prefills cross several."""
+    from spindle.attention.backends import torch_sdpa
+    from spindle.attention.backends.registry import get_backend
+
+    monkeypatch.setattr(torch_sdpa, "WINDOW_QUERY_CHUNK", 16)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 8
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     dtype, seed=window + len(query_lens))
+    ref, _, _ = reference(case, head_dim ** -0.5, window)
+    assert poison_blocks_before_window(case, window) > 0
+    backend = get_backend(backend_name)(num_heads, head_dim, head_dim ** -0.5, num_kv_heads,
+                                        sliding_window=window)
+    out = backend.forward(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case))
+    assert not out.isnan().any(), "a block before the window was read"
+    assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("backend_name", ["triton", "torch_sdpa"])
+@pytest.mark.parametrize("window", [1, 12, 100])
+def test_backend_sliding_window_without_cache(monkeypatch, backend_name, window):
+    """The cache-less forward (memory profiling) honours the window too: prompts
+    attending among themselves equal the reference over an empty context."""
+    from spindle.attention.backends import torch_sdpa
+    from spindle.attention.backends.registry import get_backend
+
+    monkeypatch.setattr(torch_sdpa, "WINDOW_QUERY_CHUNK", 16)
+    num_heads, num_kv_heads, head_dim = 4, 2, 64
+    case = make_case([30, 1, 50], [0, 0, 0], num_heads, num_kv_heads, head_dim, 16,
+                     torch.float32, seed=window)
+    ref, _, _ = reference(case, head_dim ** -0.5, window)
+    backend = get_backend(backend_name)(num_heads, head_dim, head_dim ** -0.5, num_kv_heads,
+                                        sliding_window=window)
+    out = backend.forward(case["q"], case["k"], case["v"], None, meta_for(case))
+    assert rel_err(out, ref) < REL_TOL[torch.float32]

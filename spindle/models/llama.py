@@ -1,12 +1,17 @@
-"""Llama-family decoder models: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+"""Llama-family decoder models: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM.
 
-The three share one implementation; they differ only in attention details, captured
-by AttentionOptions:
+They share one implementation; they differ only in attention details, captured by
+AttentionOptions, and in which layers attend within a sliding window (sliding_windows):
 
-* Llama: q/k/v/o bias = config.attention_bias (False in practice);
+* Llama: q/k/v/o bias = config.attention_bias (False in practice); no window;
+* Mistral: no bias; every layer has the window config.sliding_window (null: none);
 * Qwen2: q/k/v bias always, o_proj without;
 * Qwen3: bias = config.attention_bias, plus a per-head RMSNorm on q and k (q_norm,
   k_norm) applied before the rotary embedding; head_dim is explicit in the config.
+* Qwen2 and Qwen3: the layers config.layer_types names "sliding_attention" have the
+  window config.sliding_window, which transformers sets to null unless
+  use_sliding_window; without layer_types, layers from max_window_layers on slide.
 
 Tokens of all requests of a step arrive flattened ([T] ids, [T] positions); attention
 finds how they split into requests in the forward context (see spindle.attention).
@@ -50,9 +55,43 @@ def check_supported_config(hf_config: Any) -> None:
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    if "sliding_attention" in layer_types or getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention layers are not supported")
+
+
+def checked_window(window: Any) -> int | None:
+    """config.sliding_window as a layer's window: a positive integer, or None."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config sliding_window must be a positive integer or null, "
+                         f"got {window!r}")
+    return window
+
+
+def qwen_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Per-layer windows of a Qwen2/Qwen3 config, as transformers 5.17 derives them:
+    Qwen2Config/Qwen3Config set sliding_window to None unless use_sliding_window, and
+    default layer_types to "sliding_attention" for layers i >= max_window_layers when a
+    window is left (else "full_attention"); Qwen2Attention then uses sliding_window on
+    its layer iff layer_types[i] == "sliding_attention"."""
+    num_layers = hf_config.num_hidden_layers
+    use_window = bool(getattr(hf_config, "use_sliding_window", False))
+    window = checked_window(getattr(hf_config, "sliding_window", None)) if use_window else None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        first_sliding = getattr(hf_config, "max_window_layers", num_layers)
+        layer_types = ["sliding_attention" if window is not None and i >= first_sliding
+                       else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise ValueError(f"config layer_types has {len(layer_types)} entries for "
+                         f"{num_layers} layers")
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"config layer_types {unknown} are not supported (only "
+                         "'full_attention' and 'sliding_attention')")
+    if "sliding_attention" in layer_types and window is None:
+        raise ValueError("config layer_types names sliding_attention layers but there is no "
+                         "window (sliding_window is null or use_sliding_window is false)")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 class LlamaMLP(nn.Module):
@@ -71,7 +110,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
-                 tp_group: TensorParallelGroup) -> None:
+                 tp_group: TensorParallelGroup, sliding_window: int | None = None) -> None:
         super().__init__()
         hidden_size = hf_config.hidden_size
         self.head_dim = head_dim_of(hf_config)
@@ -88,7 +127,7 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads)
+                              self.num_kv_heads, sliding_window=sliding_window)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
@@ -122,10 +161,10 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
-                 tp_group: TensorParallelGroup) -> None:
+                 tp_group: TensorParallelGroup, sliding_window: int | None = None) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
-        self.self_attn = LlamaAttention(hf_config, options, tp_group)
+        self.self_attn = LlamaAttention(hf_config, options, tp_group, sliding_window)
         self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
                             getattr(hf_config, "mlp_bias", False), tp_group)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
@@ -148,8 +187,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
-                 tp_group: TensorParallelGroup, stage: PipelineStage | None = None) -> None:
+                 tp_group: TensorParallelGroup, stage: PipelineStage | None = None,
+                 sliding_windows: list[int | None] | None = None) -> None:
+        """sliding_windows: each layer's window (None: full attention; default all)."""
         super().__init__()
+        windows = sliding_windows or [None] * hf_config.num_hidden_layers
         self.stage = stage = stage or PipelineStage.single()
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         # A pipeline stage builds only what it runs (layer indices stay global, so
@@ -160,7 +202,7 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, options, tp_group) if stage.owns_layer(i)
+            LlamaDecoderLayer(hf_config, options, tp_group, windows[i]) if stage.owns_layer(i)
             else MissingLayer() for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps) if stage.is_last else None
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
@@ -232,7 +274,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.tp_group = tp_group
         self.stage = stage or PipelineStage.single()
-        self.model = LlamaModel(hf_config, self.attention_options(hf_config), tp_group, self.stage)
+        self.model = LlamaModel(hf_config, self.attention_options(hf_config), tp_group,
+                                self.stage, self.sliding_windows(hf_config))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = None
         if self.stage.is_last:
@@ -245,6 +288,12 @@ class LlamaForCausalLM(nn.Module):
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
         bias = bool(getattr(hf_config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    @classmethod
+    def sliding_windows(cls, hf_config: Any) -> list[int | None]:
+        """Each layer's sliding window (None: full attention). transformers' Llama has
+        none (its attention ignores sliding-window config fields)."""
+        return [None] * hf_config.num_hidden_layers
 
     # ------------------------------------------------------------------ inference
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
@@ -291,10 +340,27 @@ class LlamaForCausalLM(nn.Module):
         return False
 
 
+class MistralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=False, o_bias=False, qk_norm=False)
+
+    @classmethod
+    def sliding_windows(cls, hf_config: Any) -> list[int | None]:
+        """transformers' Mistral: config.sliding_window (null: none) on every layer (it
+        ignores layer_types; Ministral is the architecture that alternates)."""
+        window = checked_window(getattr(hf_config, "sliding_window", None))
+        return [window] * hf_config.num_hidden_layers
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
         return AttentionOptions(qkv_bias=True, o_bias=False, qk_norm=False)
+
+    @classmethod
+    def sliding_windows(cls, hf_config: Any) -> list[int | None]:
+        return qwen_sliding_windows(hf_config)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -302,3 +368,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
         bias = bool(getattr(hf_config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+    @classmethod
+    def sliding_windows(cls, hf_config: Any) -> list[int | None]:
+        return qwen_sliding_windows(hf_config)

@@ -10,6 +10,7 @@ import importlib
 
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "spindle.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "spindle.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
     "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",

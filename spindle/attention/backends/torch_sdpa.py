@@ -12,9 +12,23 @@ Attending, for the requests of one step:
 * prefill requests (several new tokens, possibly after a cached prefix or an earlier
   chunk) run one SDPA call each, causal with the offset context_len - query_len.
 
-Padding positions of the batched gather read slot 0 of the request's own context (a
-slot that holds real data) instead of uninitialised cache memory, because masked-out
-scores still multiply their values: NaN garbage there would leak into the output.
+Padding positions of the batched gather read the first slot of the request's own
+context (a slot that holds real data) instead of uninitialised cache memory, because
+masked-out scores still multiply their values: NaN garbage there would leak into the
+output.
+
+Sliding window W (transformers' semantics, checked against transformers 5.17's
+masking_utils: ``sliding_window_causal_mask_function(W)`` is ``causal_mask_function``
+(kv_idx <= q_idx) and ``sliding_window_overlay(W)`` (kv_idx > q_idx - W), on absolute
+positions, the cache's included; its flash-attention path agrees, window_size=(W - 1,
+W - 1), and so does DynamicSlidingWindowLayer, which keeps the last W - 1 tokens): a
+query at context position p sees the W keys at positions p - W < k <= p, itself
+included. Only keys inside some query's window are ever gathered: a request's range
+starts at max(0, first_query_position - W + 1). The blocks wholly before it may already
+be freed and their block-table entries stale (another request's data, or NaN), and
+masking alone would not keep their values out. Windowed prefill attends in chunks of
+queries, each over its own key range, so the explicit mask stays chunk x (chunk + W)
+however long the prompt.
 """
 
 from __future__ import annotations
@@ -27,14 +41,16 @@ from spindle.attention.metadata import AttentionMetadata
 
 # Most context tokens gathered at once by the batched decode path (per K and per V).
 DECODE_GATHER_TOKEN_BUDGET = 1 << 15
+# Queries per SDPA call of windowed prefill (each call gathers chunk + W - 1 keys).
+WINDOW_QUERY_CHUNK = 512
 
 
 class TorchSDPABackend:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
-        if sliding_window is not None:
-            raise NotImplementedError(f"{type(self).__name__} has no sliding window yet")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window
         self.gqa = num_heads != num_kv_heads
 
@@ -96,39 +112,75 @@ class TorchSDPABackend:
         else:
             bounds, _ = _host_lists(md)
             causal = md.causal
+        self._check_window_is_causal(causal)
         out = torch.zeros_like(q)  # rows of padding tokens (if any) stay finite
         for start, end in zip(bounds[:-1], bounds[1:]):
-            if end > start:
+            if end <= start:
+                continue
+            if self.sliding_window is not None and end - start > self.sliding_window:
+                out[start:end] = self._attend_window(q[start:end], k[start:end], v[start:end],
+                                                     first_query_pos=0, first_key_pos=0)
+            else:
                 out[start:end] = self._sdpa(q[start:end], k[start:end], v[start:end],
                                             is_causal=causal)
         return out
 
     def _prefill(self, q, key_cache, value_cache, block_size, md, i, query_start, seq_lens, out):
         start, end = query_start[i], query_start[i + 1]
-        query_len, seq_len = end - start, seq_lens[i]
-        positions = torch.arange(seq_len, device=q.device)
-        slots = md.block_tables[i].to(torch.int64)[positions // block_size] * block_size \
-            + positions % block_size
-        keys, values = key_cache[slots].to(q.dtype), value_cache[slots].to(q.dtype)
+        seq_len = seq_lens[i]
+        first_query_pos = seq_len - (end - start)  # context position of the first new token
+        table = md.block_tables[i].to(torch.int64)
+        self._check_window_is_causal(md.causal)
+        if self.sliding_window is not None and seq_len > self.sliding_window:
+            first_key_pos = max(0, first_query_pos - self.sliding_window + 1)
+            keys, values = _gather(key_cache, value_cache, table, block_size, first_key_pos,
+                                   seq_len, q.dtype)
+            out[start:end] = self._attend_window(q[start:end], keys, values, first_query_pos,
+                                                 first_key_pos)
+            return
+        keys, values = _gather(key_cache, value_cache, table, block_size, 0, seq_len, q.dtype)
         mask = None
         causal = md.causal
-        if causal and query_len != seq_len:
-            # Query j sits at context position seq_len - query_len + j.
-            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-            mask = positions[None, :] <= query_pos[:, None]
+        if causal and first_query_pos > 0:
+            mask = _visibility_mask(first_query_pos, seq_len, 0, None, q.device)
             causal = False
         out[start:end] = self._sdpa(q[start:end], keys, values, is_causal=causal, mask=mask)
 
+    def _attend_window(self, q, keys, values, first_query_pos: int, first_key_pos: int
+                       ) -> torch.Tensor:
+        """Sliding-window causal attention of q [L, H, D] (context positions
+        first_query_pos...) over keys/values [S, H_kv, D] (positions first_key_pos... up
+        to the last query's), in chunks of WINDOW_QUERY_CHUNK queries, each over the keys
+        its window can reach."""
+        window = self.sliding_window
+        out = torch.empty_like(q)
+        for a in range(0, q.shape[0], WINDOW_QUERY_CHUNK):
+            b = min(q.shape[0], a + WINDOW_QUERY_CHUNK)
+            lo, hi = first_query_pos + a, first_query_pos + b  # query positions [lo, hi)
+            key_lo = max(first_key_pos, lo - window + 1)
+            rows = slice(key_lo - first_key_pos, hi - first_key_pos)
+            mask = _visibility_mask(lo, hi, key_lo, window, q.device)
+            out[a:b] = self._sdpa(q[a:b], keys[rows], values[rows], is_causal=False, mask=mask)
+        return out
+
     def _decode(self, q, key_cache, value_cache, block_size, md, reqs, query_start, seq_lens, out):
-        for group in _group_by_length(reqs, seq_lens, DECODE_GATHER_TOKEN_BUDGET):
-            max_len = max(seq_lens[i] for i in group)
+        window = self.sliding_window
+        # Keys each decode query reads: its whole context, or the last W positions of it.
+        spans = seq_lens if window is None else [min(n, window) for n in seq_lens]
+        for group in _group_by_length(reqs, spans, DECODE_GATHER_TOKEN_BUDGET):
+            max_span = max(spans[i] for i in group)
             req_idx = torch.tensor(group, dtype=torch.int64, device=q.device)
             tok_idx = torch.tensor([query_start[i] for i in group], dtype=torch.int64,
                                    device=q.device)
             lens = md.seq_lens[req_idx].to(torch.int64)
-            positions = torch.arange(max_len, device=q.device)[None, :]
-            valid = positions < lens[:, None]  # [B, S]
-            positions = torch.where(valid, positions, 0)  # padding reads position 0
+            positions = torch.arange(max_span, device=q.device)[None, :]
+            if window is None:
+                valid = positions < lens[:, None]  # [B, S]
+                positions = torch.where(valid, positions, 0)  # padding reads position 0
+            else:
+                first = (lens - window).clamp_(min=0)[:, None]  # the window's first position
+                valid = positions < (lens[:, None] - first)
+                positions = first + torch.where(valid, positions, 0)  # padding reads `first`
             blocks = md.block_tables[req_idx].to(torch.int64).gather(1, positions // block_size)
             slots = blocks * block_size + positions % block_size
             # [B, S, H_kv, D] -> [B, H_kv, S, D]
@@ -139,6 +191,10 @@ class TorchSDPABackend:
                 queries, keys, values, attn_mask=valid[:, None, None, :], scale=self.scale,
                 enable_gqa=self.gqa)
             out[tok_idx] = attn.squeeze(2)
+
+    def _check_window_is_causal(self, causal: bool) -> None:
+        if self.sliding_window is not None and not causal:
+            raise ValueError("sliding-window attention is causal; got non-causal metadata")
 
     def _sdpa(self, q, k, v, is_causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence: q [L, H, D], k/v [S, H_kv, D], mask [L, S] bool or None -> [L, H, D]."""
@@ -156,14 +212,36 @@ def _host_lists(md: AttentionMetadata) -> tuple[list[int], list[int]]:
     return query_start.tolist(), seq_lens.tolist()
 
 
-def _group_by_length(reqs: list[int], seq_lens: list[int], token_budget: int) -> list[list[int]]:
-    """Split reqs into groups, sorted by context length, whose padded size
-    (len(group) * longest context) stays within token_budget (a group holds at least one)."""
+def _gather(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+            block_size: int, first: int, end: int, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [end - first, H_kv, D] of one request's context positions
+    [first, end), through its block table (no other position is read)."""
+    positions = torch.arange(first, end, device=key_cache.device)
+    slots = block_table[positions // block_size] * block_size + positions % block_size
+    return key_cache[slots].to(dtype), value_cache[slots].to(dtype)
+
+
+def _visibility_mask(first_query_pos: int, end: int, first_key_pos: int, window: int | None,
+                     device: torch.device) -> torch.Tensor:
+    """[L, S] bool: query at position p (first_query_pos <= p < end) sees key k
+    (first_key_pos <= k < end) iff k <= p, and p - window < k when window is given."""
+    query_pos = torch.arange(first_query_pos, end, device=device)[:, None]
+    key_pos = torch.arange(first_key_pos, end, device=device)[None, :]
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask
+
+
+def _group_by_length(reqs: list[int], spans: list[int], token_budget: int) -> list[list[int]]:
+    """Split reqs into groups, sorted by span (keys read per request), whose padded size
+    (len(group) * longest span) stays within token_budget (a group holds at least one)."""
     groups: list[list[int]] = []
     current: list[int] = []
-    for i in sorted(reqs, key=lambda r: seq_lens[r]):
-        # Sorted ascending, so seq_lens[i] is the group's longest context if i joins.
-        if current and (len(current) + 1) * seq_lens[i] > token_budget:
+    for i in sorted(reqs, key=lambda r: spans[r]):
+        # Sorted ascending, so spans[i] is the group's longest span if i joins.
+        if current and (len(current) + 1) * spans[i] > token_budget:
             groups.append(current)
             current = []
         current.append(i)

@@ -22,6 +22,14 @@ Kernels:
   batch size: the kernel can be captured in CUDA graphs and replayed for any
   sequence lengths.
 
+Sliding window W (the layer's ``sliding_window``; transformers' semantics, see
+torch_sdpa): a query at position p sees keys p - W < k <= p. Both kernels start
+reading a request's context at the window's start (prefill: the window of the tile's
+first query; decode: seq_len - W) and never load a position before it, so block-table
+entries of blocks wholly before the window may be stale. The window is a launch
+argument, the grid unchanged (CUDA-graph safe); without one (SLIDING=False) the
+kernels compile exactly as before.
+
 Cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (see
 AttentionMetadata). Float32 models use IEEE dot products (not TF32), so that a
 float32 run stays comparable with transformers.
@@ -48,8 +56,8 @@ class TritonAttentionBackend:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
-        if sliding_window is not None:
-            raise NotImplementedError(f"{type(self).__name__} has no sliding window yet")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window
         self.gqa = num_heads // num_kv_heads
         self._counters: torch.Tensor | None = None
@@ -68,19 +76,22 @@ class TritonAttentionBackend:
             if qk_transform is not None:
                 qk_transform.apply_(q, k)
             return TorchSDPABackend(self.num_heads, self.head_dim, self.scale,
-                                    self.num_kv_heads).forward(q, k, v, None, attn_metadata)
+                                    self.num_kv_heads, self.sliding_window
+                                    ).forward(q, k, v, None, attn_metadata)
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
         out = torch.empty_like(q)
         if attn_metadata.max_query_len == 1:
             decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
-                             self._split_counters(q.device), qk_transform)
+                             self._split_counters(q.device), qk_transform,
+                             sliding_window=self.sliding_window)
             return out
         if qk_transform is None:
             store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
         else:
             qk_transform.apply_(q, k, v, kv_cache, attn_metadata.slot_mapping)
-        prefill_attention(q, kv_cache, attn_metadata, self.scale, out)
+        prefill_attention(q, kv_cache, attn_metadata, self.scale, out,
+                          sliding_window=self.sliding_window)
         return out
 
     def _split_counters(self, device: torch.device) -> torch.Tensor:
@@ -129,7 +140,10 @@ def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
 
 # ---------------------------------------------------------------------- prefill
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor) -> None:
+                      scale: float, out: torch.Tensor, sliding_window: int | None = None
+                      ) -> None:
+    """Causal attention of every request's new tokens over its context (the new tokens'
+    k/v already stored), within sliding_window positions when given."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     block_m = 64 if meta.max_query_len > 32 else 16
@@ -138,22 +152,23 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[grid](
         q, key_cache, value_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-        scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2),
         GQA=num_heads // num_kv_heads, PAGE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        SLIDING=sliding_window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
+        num_stages=2)
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr,
-                    query_start_ptr, seq_lens_ptr, scale,
+                    query_start_ptr, seq_lens_ptr, scale, window,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
                     c_stride_b, c_stride_t, c_stride_h,
                     GQA: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    SLIDING: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
     req = tl.program_id(1)
     head = tl.program_id(2)
@@ -179,7 +194,10 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
     # The last query of this tile sees context positions up to context_len + its index.
     kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
     row_limit = context_len + offs_m
-    for start in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if SLIDING:  # the first query of this tile sees positions from here on
+        kv_start = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0)
+    for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
         k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + req * bt_stride,
@@ -187,8 +205,13 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
                              c_stride_b, c_stride_t, c_stride_h, PAGE)
         scores = _dot(q, tl.trans(k), IEEE) * scale
         visible = (offs_n[None, :] <= row_limit[:, None]) & n_valid[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > row_limit[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE)
+        # With a window, a row past the request's queries may see no key of a tile.
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE, EMPTY_ROWS=SLIDING)
+    if SLIDING:  # (rows past the request's queries may have seen no key; not stored)
+        l_i = _nonzero(l_i)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * o_stride_t
              + head * o_stride_h + offs_d[None, :],
@@ -212,11 +235,13 @@ def split_counters(device: torch.device | str) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                      out: torch.Tensor, counters: torch.Tensor,
-                     qk_transform: QKNormRope | None = None) -> None:
+                     qk_transform: QKNormRope | None = None,
+                     sliding_window: int | None = None) -> None:
     """One query token per request: q [B, H, D], this step's k/v [B, H_kv, D] -> out
     [B, H, D], in one launch. Stores k/v into the cache slots meta.slot_mapping
     (negative: padding, skipped); applies qk_transform to q and k first when given
-    (q and k themselves are left as they are). counters: see split_counters.
+    (q and k themselves are left as they are). counters: see split_counters. With
+    sliding_window W, each request attends to (and reads) only its last W positions.
 
     The grid depends only on B, H and H_kv (never on sequence lengths): CUDA-graph
     safe. A padding row (sequence length 0) gets zeros."""
@@ -242,7 +267,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
         rope.sin_cache if rope else q, rope.q_weight if has_norm else q,
         rope.k_weight if has_norm else q, rope.eps if rope else 0.0,
-        part_out, part_lse, out, counters, scale,
+        part_out, part_lse, out, counters, scale, sliding_window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -250,29 +275,34 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         GQA=gqa, BLOCK_G=max(16, triton.next_power_of_2(gqa)), PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
         SPLITS=splits, ROPE=rope is not None, HAS_NORM=has_norm,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        SLIDING=sliding_window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
+        num_stages=2)
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                    block_tables_ptr, seq_lens_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-                   eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, scale,
+                   eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, scale, window,
                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                    o_stride_t, o_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h,
                    cs_stride,
                    GQA: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLITS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   SLIDING: tl.constexpr, IEEE: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_reqs = tl.num_programs(0)
     num_heads = tl.num_programs(1) * GQA
     seq_len = tl.load(seq_lens_ptr + req)
-    # Split the context in BLOCK_N-aligned ranges derived from this request's length.
-    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    first = 0  # the first context position the query sees
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    # Split the range in BLOCK_N-sized pieces derived from this request's length.
+    span = seq_len - first
+    per_split = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
     end = tl.minimum(seq_len, start + per_split)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -308,7 +338,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
         tl.debug_barrier()
         counter = counters_ptr + req * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            used_splits = tl.cdiv(seq_len, tl.maximum(per_split, 1))
+            used_splits = tl.cdiv(span, tl.maximum(per_split, 1))
             _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_reqs,
                           num_heads, used_splits, o_stride_t, o_stride_h,
                           GQA, HEAD_DIM, BLOCK_D, SPLITS)
@@ -365,7 +395,7 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                              c_stride_b, c_stride_t, c_stride_h, PAGE)
         scores = _dot(q, tl.trans(k), IEEE) * scale
         scores = tl.where(n_valid[None, :], scores, float("-inf"))
-        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE)
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE, EMPTY_ROWS=False)
 
     if (start < end) & (end == seq_len):  # this split holds the new token
         if slot >= 0:
@@ -434,13 +464,18 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(m_i, l_i, acc, scores, v, IEEE: tl.constexpr):
-    """Online softmax: fold a tile of scores [M, N] (masked: -inf; every row's running
-    max or the tile must hold a finite score) and its values [N, D] into the running
-    max m_i [M], sum l_i [M] and unnormalised output acc [M, D]."""
+def _softmax_step(m_i, l_i, acc, scores, v, IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+    """Online softmax: fold a tile of scores [M, N] (masked: -inf) and its values [N, D]
+    into the running max m_i [M], sum l_i [M] and unnormalised output acc [M, D].
+    Unless EMPTY_ROWS, every row's running max or the tile must hold a finite score;
+    with it, a row with neither stays (-inf, 0, 0) instead of turning NaN."""
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.exp(scores - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
+    if EMPTY_ROWS:
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.exp(scores - m_new_safe[:, None])
+    alpha = tl.exp(m_i - m_new_safe)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
 
 
