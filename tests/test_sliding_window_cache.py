@@ -41,3 +41,32 @@ def test_a_cache_smaller_than_one_sequence_serves_long_generations(tiny_model):
     # Prefill chunks of 8 tokens after 7 window positions straddle at most 5 blocks;
     # a decode step's token and its window at most 3.
     assert max(held) <= 5 and max(held[-50:]) <= 3 and len(held) > 2 * max_new - 10
+
+
+def test_prefix_hits_and_preemption_with_sliding_layers(tiny_model):
+    """Qwen2 with one full and one sliding layer: the second pass over prompts sharing
+    a prefix hits blocks of both groups (the sliding group only within the window),
+    and a small cache preempts; the tokens stay transformers'."""
+    path = tiny_model("qwen2", num_layers=2, use_sliding_window=True, sliding_window=WINDOW,
+                      max_window_layers=1)
+    rng = random.Random(4)
+    prefix = [rng.randrange(512) for _ in range(24)]
+    prompts = [prefix + [rng.randrange(512) for _ in range(n)] for n in (1, 5, 9, 14)]
+    max_new = 30
+    expected = [t for t, _ in hf_greedy(path, prompts, max_new)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    block_bytes = 1 * 2 * BLOCK * 2 * 16 * 4  # one layer per group (shared tensors)
+    with LLM(str(path), dtype="float32", device="cpu", max_model_len=128, block_size=BLOCK,
+             kv_cache_memory_bytes=40 * block_bytes, max_num_batched_tokens=16,
+             max_num_seqs=4) as llm:
+        core = llm.engine.core
+        assert [g.kind for g in core.cache_requirements.groups] == ["full_attention",
+                                                                   "sliding_window"]
+        first = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                      use_tqdm=False)]
+        second = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                       use_tqdm=False)]
+        scheduler = core.scheduler
+        hits, preemptions = scheduler.prefix_cache_stats.hits, scheduler.num_preemptions
+    assert first == second == expected
+    assert hits > 0 and preemptions > 0

@@ -1,0 +1,158 @@
+"""GPU throughput of a hybrid (Mamba2 + attention) model: a ~1B-parameter
+Bamba-shaped random bf16 checkpoint on the "nano" workload, and batch-1 decode.
+
+The roofline counts what every decode step must read at least once: all weights, the
+attention KV of every live sequence (only the attention layers have one), and every
+live sequence's Mamba state (conv + SSM state of each Mamba layer; the step also
+writes it back, which the bound leaves out, so the bound is generous). The copy
+bandwidth is measured in the same run.
+
+    python benchmarks/hybrid_throughput.py [--json out.json] [--num-seqs 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import (StepTimer, copy_bandwidth, nano_workload,  # noqa: E402
+                        write_wordlevel_tokenizer)
+
+BAMBA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=4096, num_hidden_layers=20,
+                num_attention_heads=16, num_key_value_heads=4, attn_layer_indices=[4, 10, 16],
+                mamba_n_heads=64, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+                mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, tie_word_embeddings=False,
+                max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+                pad_token_id=2)
+
+
+def write_bamba_checkpoint(out: Path, shape: dict) -> Path:
+    """transformers' own BambaForCausalLM with its random init, in bf16."""
+    from transformers import AutoModelForCausalLM, BambaConfig
+
+    config = BambaConfig(**shape)
+    config.architectures = ["BambaForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    write_wordlevel_tokenizer(out, shape["vocab_size"])
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def state_bytes_per_sequence(shape: dict) -> int:
+    inner = shape["mamba_expand"] * shape["hidden_size"]
+    conv_dim = inner + 2 * shape["mamba_n_groups"] * shape["mamba_d_state"]
+    per_layer = (conv_dim * (shape["mamba_d_conv"] - 1)
+                 + shape["mamba_n_heads"] * shape["mamba_d_head"] * shape["mamba_d_state"])
+    mamba_layers = shape["num_hidden_layers"] - len(shape["attn_layer_indices"])
+    return mamba_layers * per_layer * 2
+
+
+def kv_bytes_per_token(shape: dict) -> int:
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    return len(shape["attn_layer_indices"]) * 2 * shape["num_key_value_heads"] * head_dim * 2
+
+
+def roofline_seconds(prompts, outputs, weight_bytes, kv_per_token, state_per_seq, bandwidth):
+    total = 0
+    for step in range(1, max(outputs) + 1):
+        live = [(p, o) for p, o in zip(prompts, outputs) if o >= step]
+        context = sum(len(p) + step for p, _ in live)
+        total += weight_bytes + context * kv_per_token + len(live) * state_per_seq
+    return total / bandwidth
+
+
+def run(args) -> dict:
+    import transformers
+    import triton
+
+    from spindle import LLM, SamplingParams
+
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "triton": triton.__version__, "shape": BAMBA_1B}
+    bandwidth = copy_bandwidth()
+    result["copy_bandwidth_TBps"] = bandwidth / 1e12
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_bamba_checkpoint(Path(tmp) / "bamba-1b-shape", BAMBA_1B)
+        start = time.perf_counter()
+        llm = LLM(str(path), dtype="bfloat16", max_model_len=4096, max_num_seqs=args.num_seqs,
+                  enable_prefix_caching=False, enforce_eager=args.enforce_eager)
+        result["startup_s"] = time.perf_counter() - start
+        result["startup_table"] = llm.engine.core.startup_table
+        runner = llm.engine.core.executor.worker.runner
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        result["weight_bytes"] = weight_bytes
+        result["params_b"] = sum(p.numel() for p in runner.model.parameters()) / 1e9
+        kv_per_token, state_per_seq = kv_bytes_per_token(BAMBA_1B), state_bytes_per_sequence(BAMBA_1B)
+        result.update(kv_bytes_per_token=kv_per_token, state_bytes_per_seq=state_per_seq)
+
+        prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
+        greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+        llm.generate([prompt], greedy(8), use_tqdm=False)
+        t0 = time.perf_counter()
+        llm.generate([prompt], greedy(1), use_tqdm=False)
+        t1 = time.perf_counter()
+        llm.generate([prompt], greedy(257), use_tqdm=False)
+        t2 = time.perf_counter()
+        result["batch1_tok_s"] = 256 / ((t2 - t1) - (t1 - t0))
+        result["batch1_bound_tok_s"] = bandwidth / (weight_bytes + state_per_seq
+                                                    + 768 * kv_per_token)
+
+        prompts, outputs = nano_workload(args.num_seqs)
+        params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
+        llm.generate(prompts[:16], params[:16], use_tqdm=False)  # warm-up call
+        timer = StepTimer(llm.engine)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        floor = roofline_seconds(prompts, outputs, weight_bytes, kv_per_token, state_per_seq,
+                                 bandwidth)
+        result.update(nano_output_tokens=produced, nano_seconds=seconds,
+                      nano_tok_s=produced / seconds, roofline_s=floor,
+                      roofline_tok_s=produced / floor, ratio_to_roofline=floor / seconds,
+                      steps=timer.steps, execute_s=timer.execute,
+                      host_s=timer.host - timer.execute)
+        llm.shutdown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    result = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    print(result["startup_table"])
+    rows = [("parameters (B)", f"{result['params_b']:.2f}"),
+            ("startup (s)", f"{result['startup_s']:.1f}"),
+            ("copy bandwidth (TB/s)", f"{result['copy_bandwidth_TBps']:.2f}"),
+            ("batch-1 decode (tok/s)", f"{result['batch1_tok_s']:.0f}"),
+            ("batch-1 bound (tok/s)", f"{result['batch1_bound_tok_s']:.0f}"),
+            ("nano (tok/s)", f"{result['nano_tok_s']:.0f}"),
+            ("nano roofline (tok/s)", f"{result['roofline_tok_s']:.0f}"),
+            ("ratio to roofline", f"{result['ratio_to_roofline']:.2f}"),
+            ("steps / host s / execute s",
+             f"{result['steps']} / {result['host_s']:.1f} / {result['execute_s']:.1f}")]
+    print(f"{'hybrid (Bamba ~1B shape), bf16':<32}{'value':>14}")
+    for name, value in rows:
+        print(f"{name:<32}{value:>14}")
+
+
+if __name__ == "__main__":
+    main()
