@@ -246,7 +246,9 @@ def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     num_chunks, chunk_start, chunk_len, req_chunks = _chunk_table(md, chunk_size, x.device)
     dev = dict(device=x.device, dtype=torch.float32)
     dt_out = torch.empty((num_chunks, num_heads, chunk_size), **dev)
-    decay = torch.empty((num_chunks, num_heads, chunk_size), **dev)  # cumulative dt * A
+    # Cumulative dt * A within each chunk, in float64: see _chunk_decay_kernel.
+    decay = torch.empty((num_chunks, num_heads, chunk_size), device=x.device,
+                        dtype=torch.float64)
     cb = torch.empty((num_chunks, num_groups, chunk_size, chunk_size), **dev)
     states = torch.empty((num_chunks, num_heads, head_dim, state_size), **dev)
     block_m = max(16, min(64, triton.next_power_of_2(chunk_size) // 4))
@@ -351,7 +353,14 @@ def _chunk_decay_kernel(dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, decay_ptr, chunk
                         CHUNK: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr):
     """Per (chunk, head block): dt_out[c, h, t] (0 past the chunk's end) and decay[c, h,
     t] = sum over the chunk's tokens s <= t of dt[s] * A[h] (so the last entry is the
-    whole chunk's decay, whatever its length)."""
+    whole chunk's decay, whatever its length).
+
+    The scan weighs token s at token t by exp(decay[t] - decay[s]). A chunk's decay runs
+    to a few hundred (dt * A about -1 a token over 256 tokens), where float32 values are
+    1e-5 apart, which every weight inherits; kept in float64 and subtracted before the
+    exp, a difference is exact to float32 rounding. (Measured on random inputs, chunk
+    256: half the float32 output error, 1.3e-6 instead of 2.9e-6 of the largest value,
+    and an eighth of the final state's.)"""
     chunk = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_t = tl.arange(0, BLOCK_L)
@@ -364,7 +373,7 @@ def _chunk_decay_kernel(dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, decay_ptr, chunk
     bias = tl.load(dt_bias_ptr + offs_h, mask=h_valid, other=0.0)
     dt = tl.where(mask, _softplus_dt(raw, bias[None, :], dt_min, dt_max), 0.0)
     a = tl.load(A_ptr + offs_h, mask=h_valid, other=0.0).to(tl.float32)
-    decay = tl.cumsum(dt * a[None, :], 0)
+    decay = tl.cumsum((dt * a[None, :]).to(tl.float64), 0)
     rows = (chunk.to(tl.int64) * num_heads + offs_h[None, :]) * CHUNK + offs_t[:, None]
     out_mask = (offs_t < CHUNK)[:, None] & h_valid[None, :]
     tl.store(dt_out_ptr + rows, dt, mask=out_mask)
@@ -440,7 +449,7 @@ def _chunk_state_kernel(x_ptr, B_ptr, dt_ptr, decay_ptr, states_ptr, chunk_start
                     mask=k_valid[:, None] & n_valid[None, :], other=0.0)
         dt = tl.load(dt_ptr + row + offs_k, mask=k_valid, other=0.0)
         decay = tl.load(decay_ptr + row + offs_k, mask=k_valid, other=0.0)
-        weight = tl.where(k_valid, tl.exp(decay_end - decay) * dt, 0.0)
+        weight = tl.where(k_valid, tl.exp((decay_end - decay).to(tl.float32)) * dt, 0.0)
         acc += _dot(x, (b.to(tl.float32) * weight[:, None]).to(x.dtype), IEEE)
     base = states_ptr + (chunk.to(tl.int64) * tl.num_programs(1) + head) * head_dim * state_size
     tl.store(base + offs_p[:, None] * state_size + offs_n[None, :], acc,
@@ -476,7 +485,8 @@ def _state_passing_kernel(states_ptr, decay_ptr, ssm_state_ptr, req_chunks_ptr,
         ptrs = states_ptr + row * size + offs
         own = tl.load(ptrs, mask=valid, other=0.0)
         tl.store(ptrs, state, mask=valid)
-        state = tl.exp(tl.load(decay_ptr + row * CHUNK + CHUNK - 1)) * state + own
+        chunk_decay = tl.load(decay_ptr + row * CHUNK + CHUNK - 1).to(tl.float32)
+        state = tl.exp(chunk_decay) * state + own
     if HAS_STATE:
         tl.store(slot_ptrs, state.to(ssm_state_ptr.dtype.element_ty), mask=valid & has_slot)
 
@@ -507,7 +517,7 @@ def _chunk_scan_kernel(x_ptr, C_ptr, D_ptr, dt_ptr, decay_ptr, cb_ptr, states_pt
     m_valid = offs_m < length
     p_valid = offs_p < head_dim
     row = (chunk.to(tl.int64) * num_heads + head) * CHUNK
-    decay_m = tl.load(decay_ptr + row + offs_m, mask=m_valid, other=0.0)
+    decay_m = tl.load(decay_ptr + row + offs_m, mask=m_valid, other=0.0)  # float64
 
     # From the chunk's start state [P, N].
     acc = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
@@ -520,9 +530,12 @@ def _chunk_scan_kernel(x_ptr, C_ptr, D_ptr, dt_ptr, decay_ptr, cb_ptr, states_pt
         state_t = tl.load(state_base + offs_p[None, :] * state_size + (n + offs_n)[:, None],
                           mask=n_valid[:, None] & p_valid[None, :], other=0.0)
         acc += _dot(c, state_t.to(c.dtype), IEEE)
-    acc = acc * tl.exp(decay_m)[:, None]
+    acc = acc * tl.exp(decay_m.to(tl.float32))[:, None]
 
-    # Within the chunk, causally.
+    # Within the chunk, causally. Decays relative to the tile's first token (float64
+    # differences, then float32): a pair's float32 gap is then exact to rounding.
+    tile_start = tl.load(decay_ptr + row + m_tile * BLOCK_M)
+    rel_m = (decay_m - tile_start).to(tl.float32)
     cb_base = cb_ptr + ((chunk.to(tl.int64) * (num_heads // HEADS_PER_GROUP) + group)
                         * CHUNK) * CHUNK
     for k in range(0, (m_tile + 1) * BLOCK_M, BLOCK_M):
@@ -531,10 +544,11 @@ def _chunk_scan_kernel(x_ptr, C_ptr, D_ptr, dt_ptr, decay_ptr, cb_ptr, states_pt
         cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :],
                      mask=m_valid[:, None] & k_valid[None, :], other=0.0)
         dt_k = tl.load(dt_ptr + row + offs_k, mask=k_valid, other=0.0)
-        decay_k = tl.load(decay_ptr + row + offs_k, mask=k_valid, other=0.0)
-        causal = (offs_k[None, :] <= offs_m[:, None]) & k_valid[None, :]
-        # decay_m - decay_k <= 0 where causal; elsewhere exp(0), then zeroed.
-        gap = tl.where(causal, decay_m[:, None] - decay_k[None, :], 0.0)
+        rel_k = (tl.load(decay_ptr + row + offs_k, mask=k_valid, other=0.0)
+                 - tile_start).to(tl.float32)
+        causal = (offs_k[None, :] <= offs_m[:, None]) & k_valid[None, :] & m_valid[:, None]
+        # rel_m - rel_k <= 0 where causal; elsewhere exp(0), then zeroed.
+        gap = tl.where(causal, rel_m[:, None] - rel_k[None, :], 0.0)
         weight = tl.where(causal, cb * tl.exp(gap) * dt_k[None, :], 0.0)
         x_k = tl.load(x_ptr + (start + offs_k)[:, None] * x_stride_t + head * x_stride_h
                       + offs_p[None, :] * x_stride_p,
