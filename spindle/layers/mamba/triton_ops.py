@@ -441,16 +441,16 @@ def _chunk_state_kernel(x_ptr, B_ptr, dt_ptr, decay_ptr, states_ptr, chunk_start
     for k in range(0, length, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_valid = offs_k < length
-        x = tl.load(x_ptr + (start + offs_k)[None, :] * x_stride_t + head * x_stride_h
-                    + offs_p[:, None] * x_stride_p,
-                    mask=p_valid[:, None] & k_valid[None, :], other=0.0)
+        x = tl.load(x_ptr + (start + offs_k)[:, None] * x_stride_t + head * x_stride_h
+                    + offs_p[None, :] * x_stride_p,
+                    mask=k_valid[:, None] & p_valid[None, :], other=0.0)
         b = tl.load(B_ptr + (start + offs_k)[:, None] * b_stride_t + group * b_stride_g
                     + offs_n[None, :] * b_stride_n,
                     mask=k_valid[:, None] & n_valid[None, :], other=0.0)
         dt = tl.load(dt_ptr + row + offs_k, mask=k_valid, other=0.0)
         decay = tl.load(decay_ptr + row + offs_k, mask=k_valid, other=0.0)
         weight = tl.where(k_valid, tl.exp((decay_end - decay).to(tl.float32)) * dt, 0.0)
-        acc += _dot(x, (b.to(tl.float32) * weight[:, None]).to(x.dtype), IEEE)
+        acc += _dot(tl.trans(x), (b.to(tl.float32) * weight[:, None]).to(x.dtype), IEEE)
     base = states_ptr + (chunk.to(tl.int64) * tl.num_programs(1) + head) * head_dim * state_size
     tl.store(base + offs_p[:, None] * state_size + offs_n[None, :], acc,
              mask=p_valid[:, None] & n_valid[None, :])
@@ -527,9 +527,9 @@ def _chunk_scan_kernel(x_ptr, C_ptr, D_ptr, dt_ptr, decay_ptr, cb_ptr, states_pt
         c = tl.load(C_ptr + (start + offs_m)[:, None] * c_stride_t + group * c_stride_g
                     + (n + offs_n)[None, :] * c_stride_n,
                     mask=m_valid[:, None] & n_valid[None, :], other=0.0)
-        state_t = tl.load(state_base + offs_p[None, :] * state_size + (n + offs_n)[:, None],
-                          mask=n_valid[:, None] & p_valid[None, :], other=0.0)
-        acc += _dot(c, state_t.to(c.dtype), IEEE)
+        state = tl.load(state_base + offs_p[:, None] * state_size + (n + offs_n)[None, :],
+                        mask=p_valid[:, None] & n_valid[None, :], other=0.0)
+        acc += _dot(c, tl.trans(state.to(c.dtype)), IEEE)
     acc = acc * tl.exp(decay_m.to(tl.float32))[:, None]
 
     # Within the chunk, causally. Decays relative to the tile's first token (float64
