@@ -453,6 +453,37 @@ def test_prefill_then_decodes_equal_one_prefill():
     _close(dev["state"][1], dev_all["state"][1], torch.float32)
 
 
+def test_prefill_padding_tokens_are_not_read_and_give_zeros():
+    """Token rows past md.num_tokens (a padded batch): never read (NaN there changes
+    nothing), zeros out, the requests' rows as without them."""
+    from spindle.layers.mamba.triton_ops import causal_conv1d_prefill, ssd_prefill
+
+    lens, pad = [3, 6], 4
+    md = _metadata(lens, [0, 1], [True, False])
+    _, x, weight, bias, state = _conv_case(sum(lens) + pad, 20, 4, torch.float32, seed=2)
+    x, weight, bias, state, state_ref = _to_device(x, weight, bias, state, state)
+    x[sum(lens):] = float("nan")
+    out = causal_conv1d_prefill(x, weight, bias, state, md)
+    ref = causal_conv1d_prefill(x[:sum(lens)], weight, bias, state_ref, md)
+    assert torch.equal(out[:sum(lens)], ref) and torch.equal(state, state_ref)
+    assert not out[sum(lens):].any()
+
+    heads, groups, head_dim, state_size = 2, 1, 4, 8
+    case = _ssd_case(sum(lens) + pad, heads, groups, head_dim, state_size, torch.float32, 4)
+    dev = {k: v.to(DEVICE, copy=True) for k, v in case.items()}
+    dev["conv_out"][sum(lens):] = float("nan")
+    dev["proj"][sum(lens):] = float("nan")
+    dv = _ssd_views(dev, heads, groups, head_dim, state_size)
+    limit, t = (0.0, float("inf")), sum(lens)
+    ssm_ref = dev["state"].clone()
+    y = ssd_prefill(dv["x"], dv["dt"], dev["A"], dv["B"], dv["C"], dev["D"], dev["dt_bias"],
+                    limit, 4, dev["state"], md)
+    y_ref = ssd_prefill(dv["x"][:t], dv["dt"][:t], dev["A"], dv["B"][:t], dv["C"][:t],
+                        dev["D"], dev["dt_bias"], limit, 4, ssm_ref, md)
+    assert torch.equal(y[:t], y_ref) and torch.equal(dev["state"], ssm_ref)
+    assert not y[t:].any()
+
+
 def test_bad_inputs_are_named():
     from spindle.layers.mamba.triton_ops import causal_conv1d_decode, ssd_decode
 

@@ -7,7 +7,8 @@ Layout: token-major packed batches (request i owns tokens query_start_loc[i]:[i+
 MambaMetadata). Inputs may be strided views (slices of a projection output); only the
 last dimension of x, B and C is expected to be contiguous for speed, not correctness.
 A negative state index marks a padding row: it reads no state (zeros), writes none,
-and its output is finite.
+and its output is finite. Prefill inputs may end in padding tokens past md.num_tokens,
+which no request owns: they are never read, and their outputs are zeros.
 
 * ``causal_conv1d_prefill`` / ``causal_conv1d_decode``: out[t] = act(bias +
   sum_k w[k] * in[t - (K-1) + k]) over the request's history (its conv state: the last
@@ -48,7 +49,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     inputs of history + new tokens. conv_state None: zero history, nothing stored."""
     num_tokens, channels = x.shape
     width = _check_conv(x, weight, bias, conv_state, activation)
-    out = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
+    out = _output(num_tokens, (channels,), x, md)
     if md.num_reqs == 0:
         return out
     has_state = conv_state is not None
@@ -240,7 +241,7 @@ def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     _check_ssd(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    out = _output(num_tokens, (num_heads, head_dim), x, md)
     if md.num_reqs == 0:
         return out
     num_chunks, chunk_start, chunk_len, req_chunks = _chunk_table(md, chunk_size, x.device)
@@ -630,6 +631,18 @@ def _ssd_decode_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, s
 
 
 # ---------------------------------------------------------------------- shared
+def _output(num_tokens: int, row_shape: tuple[int, ...], x: torch.Tensor,
+            md: MambaMetadata) -> torch.Tensor:
+    """A prefill output [num_tokens, *row_shape]. Rows past md.num_tokens (padding
+    tokens that no request owns, which no program writes) are zeros."""
+    if md.num_tokens > num_tokens:
+        raise ValueError(f"the metadata has {md.num_tokens} tokens, the input {num_tokens}")
+    out = torch.empty((num_tokens, *row_shape), dtype=x.dtype, device=x.device)
+    if md.num_tokens < num_tokens:
+        out[md.num_tokens:].zero_()
+    return out
+
+
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     """Float32 operands as IEEE float32 (not TF32), so a float32 model stays
