@@ -200,9 +200,9 @@ def compare(name: str, shape: str, ops, make, layer: Layer, iters: int, graph: b
                    rel_diff(after_triton[1], layer.ssm_state))
     triton_us = timer(make(ops["triton"]), iters)
     if "torch" in ops:
-        torch_us = timer(make(ops["torch"]), iters)
-        if torch_us is None:  # not capturable: eager, launch gaps included
-            torch_us = time_eager_us(make(ops["torch"]), iters)
+        # The plain-torch ops sync with the host (they are the CPU path): timed eagerly,
+        # launch gaps included. (A failed capture leaves torch's RNG unusable.)
+        torch_us = time_eager_us(make(ops["torch"]), iters)
     speedup = torch_us / triton_us if torch_us else None
     gbs = moved / triton_us / 1e3 if moved else None
     return name, shape, triton_us, torch_us, speedup, gbs, diff
