@@ -73,6 +73,22 @@ def roofline_seconds(prompts, outputs, weight_bytes, kv_per_token, state_per_seq
     return total / bandwidth
 
 
+def profile_kernels(fn):
+    """fn() under torch's profiler: the GPU time of each kernel name, descending, and
+    the total (compared with the wall time it says how busy the GPU was)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time_total / 1e6
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    return out, {"gpu_busy_s": sum(totals.values()), "top": ranked[:15]}
+
+
 def run(args) -> dict:
     import transformers
     import triton
@@ -115,7 +131,11 @@ def run(args) -> dict:
         llm.generate(prompts[:16], params[:16], use_tqdm=False)  # warm-up call
         timer = StepTimer(llm.engine)
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        if args.profile:
+            outs, result["kernels"] = profile_kernels(lambda: llm.generate(prompts, params,
+                                                                         use_tqdm=False))
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         floor = roofline_seconds(prompts, outputs, weight_bytes, kv_per_token, state_per_seq,
@@ -134,6 +154,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the nano run's kernels (slows it down)")
     args = parser.parse_args()
     result = run(args)
     if args.json:
@@ -149,6 +171,10 @@ def main() -> None:
             ("ratio to roofline", f"{result['ratio_to_roofline']:.2f}"),
             ("steps / host s / execute s",
              f"{result['steps']} / {result['host_s']:.1f} / {result['execute_s']:.1f}")]
+    if "kernels" in result:
+        print(f"GPU busy {result['kernels']['gpu_busy_s']:.2f} s of {result['nano_seconds']:.2f} s")
+        for name, secs in result["kernels"]["top"]:
+            print(f"{secs:8.3f} s  {name[:90]}")
     print(f"{'hybrid (Bamba ~1B shape), bf16':<32}{'value':>14}")
     for name, value in rows:
         print(f"{name:<32}{value:>14}")
