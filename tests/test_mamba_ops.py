@@ -420,3 +420,51 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d_prefill(conv_x, p.conv_weight, p.conv_bias, conv_state, md,
                               activation="gelu")
+
+
+# ----------------------------------------------------------- mixed steps, split
+
+def _metadata(lens, has_initial, slots):
+    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(lens), 0)
+    has_initial = torch.tensor(has_initial)
+    slots = torch.tensor(slots, dtype=torch.int32)
+    return MambaMetadata(num_reqs=len(lens), num_tokens=int(qsl[-1]), query_start_loc=qsl,
+                         state_indices=slots, has_initial_state=has_initial,
+                         max_query_len=max(lens), query_start_loc_cpu=qsl,
+                         has_initial_state_cpu=has_initial, state_indices_cpu=slots)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_mixed_step_splits_into_decode_rows_and_prefills(first):
+    from spindle.layers.mamba.mixer import decode_prefill_split
+
+    if first:  # decodes first (the usual order): slices
+        lens, init, slots = [1, 1, 3, 1, 2], [True, True, False, False, True], [4, 0, 2, 3, 1]
+    else:
+        lens, init, slots = [3, 1, 2, 1], [True, True, False, True], [4, 0, 2, 3]
+    md = _metadata(lens, init, slots)
+    split = decode_prefill_split(md)
+    assert decode_prefill_split(md) is split  # made once per step
+    assert split.contiguous is first
+    tokens = torch.arange(md.num_tokens * 2, dtype=torch.float32).reshape(md.num_tokens, 2)
+    decode_rows = [i for i, (n, h) in enumerate(zip(lens, init)) if n == 1 and h]
+    starts = md.query_start_loc_cpu.tolist()
+    assert split.take_decode(tokens)[:, 0].tolist() == [2.0 * starts[i] for i in decode_rows]
+    assert split.decode_slots.tolist() == [slots[i] for i in decode_rows]
+    pre = split.prefill_md
+    prefill_rows = [i for i in range(len(lens)) if i not in decode_rows]
+    assert pre.state_indices.tolist() == [slots[i] for i in prefill_rows]
+    assert pre.has_initial_state.tolist() == [init[i] for i in prefill_rows]
+    assert (pre.query_start_loc[1:] - pre.query_start_loc[:-1]).tolist() == \
+        [lens[i] for i in prefill_rows]
+    # Taking both parts and merging them back gives the step's rows in order.
+    merged = split.merge(split.take_decode(tokens), split.take_prefill(tokens))
+    assert torch.equal(merged, tokens)
+
+
+def test_a_step_that_is_not_mixed_is_not_split():
+    from spindle.layers.mamba.mixer import decode_prefill_split
+
+    assert decode_prefill_split(_metadata([1, 1], [True, True], [0, 1])) is None
+    assert decode_prefill_split(_metadata([3, 2], [False, True], [0, 1])) is None

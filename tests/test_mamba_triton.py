@@ -559,3 +559,28 @@ def test_decode_graph_replays_with_new_inputs_and_slots(batch):
                                                                          eager_states[1])
         padded = perm < 0
         assert out[padded].isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_gated_rms_norm_equals_torch(dtype):
+    from spindle.distributed.parallel_state import TensorParallelGroup
+    from spindle.layers.mamba.mixer import GatedRMSNorm
+    from spindle.layers.mamba.triton_ops import gated_rms_norm
+
+    torch.manual_seed(11)
+    width = pick(4096, 96)
+    x = torch.randn(7, width, device=DEVICE).to(dtype)
+    gate = torch.randn(7, 2 * width, device=DEVICE).to(dtype)[:, :width]  # a strided view
+    norm = GatedRMSNorm(width, width, 1e-5, TensorParallelGroup(rank=0, size=1, group=None),
+                        [(0, width)]).to(DEVICE)
+    norm.weight.data.copy_(1.0 + 0.2 * torch.randn(width))
+    expected = norm.weight.float() * _torch_gated_rms(x.float(), gate.float(), 1e-5)
+    got = gated_rms_norm(x, gate, norm.weight.to(dtype), 1e-5)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
+def _torch_gated_rms(x, gate, eps):
+    h = x * F.silu(gate)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

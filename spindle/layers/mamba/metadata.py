@@ -3,7 +3,8 @@ tokens splits into requests, and which state slot each request owns."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,10 @@ class MambaMetadata:
     query_start_loc_cpu: torch.Tensor | None = None
     has_initial_state_cpu: torch.Tensor | None = None
     state_indices_cpu: torch.Tensor | None = None
+    # What the layers derive from this step's metadata once and share (the SSD scan's
+    # chunk table, the split of a mixed step): one metadata object serves every layer
+    # of its group in one forward, and lives for that step only.
+    derived: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_pure_decode(self) -> bool:

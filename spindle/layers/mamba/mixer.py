@@ -97,26 +97,57 @@ class MambaMixer(nn.Module):
         ops = _ops_for(hidden_states)
         gate, xbc, dt = self.in_proj(hidden_states).split(
             [self.intermediate, self.conv_channels, self.num_heads], dim=-1)
-        conv_state, ssm_state = self.kv_cache if self.kv_cache is not None else (None, None)
-        decode = self.kv_cache is not None and md.is_pure_decode and _all_continuing(md)
-        weight, bias = self.conv1d.weight, self.conv1d.bias
-        if decode:
-            xbc = ops.causal_conv1d_decode(xbc, weight, bias, conv_state, md.state_indices)
+        if self.kv_cache is not None and md.is_pure_decode and _all_continuing(md):
+            y = self._decode(ops, xbc, dt, md.state_indices)
         else:
-            xbc = ops.causal_conv1d_prefill(xbc, weight, bias, conv_state, md)
-        x, B, C = xbc.split([self.intermediate, self.group_width, self.group_width], dim=-1)
-        x = x.reshape(num_tokens, self.num_heads, self.head_dim)
-        B = B.reshape(num_tokens, self.n_groups, self.state_size)
-        C = C.reshape(num_tokens, self.n_groups, self.state_size)
-        A = -torch.exp(self.A_log.float())
-        if decode:
-            y = ops.ssd_decode(x, dt, A, B, C, self.D, self.dt_bias, self.time_step_limit,
-                               ssm_state, md.state_indices)
-        else:
-            y = ops.ssd_prefill(x, dt, A, B, C, self.D, self.dt_bias, self.time_step_limit,
-                                self.chunk_size, ssm_state, md)
+            split = decode_prefill_split(md) if self.kv_cache is not None else None
+            if split is None:
+                y = self._prefill(ops, xbc, dt, md)
+            else:
+                y = self._mixed(ops, xbc, dt, split)
         y = self.norm(y.reshape(num_tokens, self.intermediate), gate)
         return self.out_proj(y)
+
+    def _decode(self, ops, xbc: torch.Tensor, dt: torch.Tensor,
+                state_indices: torch.Tensor) -> torch.Tensor:
+        """One token per request, each continuing its stored state."""
+        conv_state, ssm_state = self.kv_cache
+        xbc = ops.causal_conv1d_decode(xbc, self.conv1d.weight, self.conv1d.bias, conv_state,
+                                       state_indices)
+        x, B, C = self._split_xbc(xbc)
+        return ops.ssd_decode(x, dt, self._A(), B, C, self.D, self.dt_bias,
+                              self.time_step_limit, ssm_state, state_indices)
+
+    def _prefill(self, ops, xbc: torch.Tensor, dt: torch.Tensor,
+                 md: MambaMetadata) -> torch.Tensor:
+        """Any number of tokens per request: causal conv1d and the chunked SSD scan."""
+        conv_state, ssm_state = self.kv_cache if self.kv_cache is not None else (None, None)
+        xbc = ops.causal_conv1d_prefill(xbc, self.conv1d.weight, self.conv1d.bias,
+                                        conv_state, md)
+        x, B, C = self._split_xbc(xbc)
+        return ops.ssd_prefill(x, dt, self._A(), B, C, self.D, self.dt_bias,
+                               self.time_step_limit, self.chunk_size, ssm_state, md)
+
+    def _mixed(self, ops, xbc: torch.Tensor, dt: torch.Tensor,
+               split: "DecodePrefillSplit") -> torch.Tensor:
+        """A step mixing decodes and prefills: the decode rows take the decode ops (a
+        prefill op would give each of them a whole chunk of work and scratch), the
+        others the prefill ops."""
+        decoded = self._decode(ops, split.take_decode(xbc), split.take_decode(dt),
+                               split.decode_slots)
+        prefilled = self._prefill(ops, split.take_prefill(xbc), split.take_prefill(dt),
+                                  split.prefill_md)
+        return split.merge(decoded, prefilled)
+
+    def _split_xbc(self, xbc: torch.Tensor):
+        num_tokens = xbc.shape[0]
+        x, B, C = xbc.split([self.intermediate, self.group_width, self.group_width], dim=-1)
+        return (x.reshape(num_tokens, self.num_heads, self.head_dim),
+                B.reshape(num_tokens, self.n_groups, self.state_size),
+                C.reshape(num_tokens, self.n_groups, self.state_size))
+
+    def _A(self) -> torch.Tensor:
+        return -torch.exp(self.A_log.float())
 
     def _metadata(self, num_tokens: int, device: torch.device) -> MambaMetadata:
         md = get_forward_context().for_group(self.cache_group)
@@ -187,6 +218,10 @@ class GatedRMSNorm(nn.Module):
         set_weight_loader(self.weight, rows_loader(rows))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.tp_group.size == 1:
+            from spindle.layers.mamba import triton_ops
+
+            return triton_ops.gated_rms_norm(x, gate, self.weight, self.variance_epsilon)
         h = x.float() * F.silu(gate.float())
         square_sum = self.tp_group.all_reduce(h.pow(2).sum(-1, keepdim=True))
         h = h * torch.rsqrt(square_sum / self.full_size + self.variance_epsilon)
@@ -244,6 +279,78 @@ def _sharded_parameter(rows: Sequence[RowPiece]) -> nn.Parameter:
 
 def _shift(piece: RowPiece, offset: int) -> RowPiece:
     return piece[0] + offset, piece[1]
+
+
+class DecodePrefillSplit:
+    """A mixed step's tokens cut into decode rows (one token, continuing its state) and
+    the rest. When the decode rows come first (the scheduler serves running requests
+    before admitting new ones) both parts are slices; otherwise index gathers."""
+
+    def __init__(self, md: MambaMetadata, decode: torch.Tensor) -> None:
+        qsl = md.query_start_loc_cpu.to(torch.int64)
+        lens = qsl[1:] - qsl[:-1]
+        decode_tokens = qsl[:-1][decode]
+        prefill = ~decode
+        prefill_lens = lens[prefill]
+        prefill_tokens = torch.repeat_interleave(qsl[:-1][prefill], prefill_lens) + (
+            torch.arange(int(prefill_lens.sum())) - torch.repeat_interleave(
+                torch.cumsum(prefill_lens, 0) - prefill_lens, prefill_lens))
+        self.num_tokens = md.num_tokens
+        self.num_decode = int(decode.sum())
+        self.contiguous = bool((decode_tokens == torch.arange(self.num_decode)).all())
+        prefill_qsl = torch.zeros(len(prefill_lens) + 1, dtype=torch.int32)
+        torch.cumsum(prefill_lens, 0, out=prefill_qsl[1:])
+        slots = md.state_indices_cpu
+        host = torch.cat([slots[decode].to(torch.int64), prefill_qsl.to(torch.int64),
+                          slots[prefill].to(torch.int64), decode_tokens, prefill_tokens])
+        device = md.query_start_loc.device
+        if device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        parts = dev.split([self.num_decode, len(prefill_qsl), int(prefill.sum()),
+                           self.num_decode, len(prefill_tokens)])
+        self.decode_slots = parts[0].to(torch.int32)
+        self._decode_index, self._prefill_index = parts[3], parts[4]
+        has_initial = md.has_initial_state_cpu[prefill]
+        self.prefill_md = MambaMetadata(
+            num_reqs=int(prefill.sum()), num_tokens=len(prefill_tokens),
+            query_start_loc=parts[1].to(torch.int32), state_indices=parts[2].to(torch.int32),
+            has_initial_state=has_initial.to(device, non_blocking=True),
+            max_query_len=int(prefill_lens.max()), query_start_loc_cpu=prefill_qsl,
+            has_initial_state_cpu=has_initial, state_indices_cpu=slots[prefill])
+
+    def take_decode(self, t: torch.Tensor) -> torch.Tensor:
+        return t[:self.num_decode] if self.contiguous else t.index_select(0, self._decode_index)
+
+    def take_prefill(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.num_decode:] if self.contiguous else t.index_select(0, self._prefill_index)
+
+    def merge(self, decoded: torch.Tensor, prefilled: torch.Tensor) -> torch.Tensor:
+        if self.contiguous:
+            return torch.cat([decoded, prefilled])
+        out = decoded.new_empty((self.num_tokens, *decoded.shape[1:]))
+        out.index_copy_(0, self._decode_index, decoded)
+        out.index_copy_(0, self._prefill_index, prefilled)
+        return out
+
+
+def decode_prefill_split(md: MambaMetadata) -> DecodePrefillSplit | None:
+    """The split of a step mixing decode rows and prefills (kept in md.derived for the
+    step's other layers); None when the step is not mixed or has no host copies."""
+    if "decode_prefill_split" not in md.derived:
+        md.derived["decode_prefill_split"] = _make_split(md)
+    return md.derived["decode_prefill_split"]
+
+
+def _make_split(md: MambaMetadata) -> DecodePrefillSplit | None:
+    if (md.query_start_loc_cpu is None or md.has_initial_state_cpu is None
+            or md.state_indices_cpu is None):
+        return None
+    lens = md.query_start_loc_cpu[1:] - md.query_start_loc_cpu[:-1]
+    decode = (lens == 1) & md.has_initial_state_cpu & (md.state_indices_cpu >= 0)
+    if not decode.any() or bool(decode.all()):
+        return None
+    return DecodePrefillSplit(md, decode)
 
 
 def _all_continuing(md: MambaMetadata) -> bool:

@@ -293,7 +293,16 @@ def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
 def _chunk_table(md: MambaMetadata, chunk_size: int, device: torch.device):
     """(number of chunks, chunk_start [n], chunk_len [n], req_chunks [R + 1]) on the
     device, int32: chunk c covers tokens chunk_start[c] + [0, chunk_len[c]) and request
-    i owns chunks req_chunks[i]:req_chunks[i + 1], in order. One host-to-device copy."""
+    i owns chunks req_chunks[i]:req_chunks[i + 1], in order. Made once per step (kept in
+    md.derived for the step's other layers), with one non-blocking host-to-device copy
+    from pinned memory: a pageable copy would wait for the device to drain."""
+    key = f"chunk_table/{chunk_size}/{device}"
+    if key not in md.derived:
+        md.derived[key] = _make_chunk_table(md, chunk_size, device)
+    return md.derived[key]
+
+
+def _make_chunk_table(md: MambaMetadata, chunk_size: int, device: torch.device):
     qsl = md.query_start_loc_cpu if md.query_start_loc_cpu is not None \
         else md.query_start_loc.cpu()
     qsl = qsl.to(torch.int64)
@@ -306,7 +315,9 @@ def _chunk_table(md: MambaMetadata, chunk_size: int, device: torch.device):
     offset = (torch.arange(num_chunks) - req_chunks[owner]) * chunk_size
     chunk_start = qsl[owner] + offset
     chunk_len = torch.clamp(lens[owner] - offset, max=chunk_size)
-    table = torch.cat([chunk_start, chunk_len, req_chunks]).to(torch.int32).to(device)
+    table = torch.cat([chunk_start, chunk_len, req_chunks]).to(torch.int32)
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
     return (num_chunks, table[:num_chunks], table[num_chunks:2 * num_chunks],
             table[2 * num_chunks:])
 
@@ -650,3 +661,37 @@ def _dot(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
+
+
+# ---------------------------------------------------------------- gated RMSNorm
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x * silu(gate)) over each row of x [T, W] (the whole width on
+    this rank: one tensor-parallel rank, or a model without TP), in float32, returned in
+    x's dtype. One launch instead of torch's eight."""
+    num_tokens, width = x.shape
+    if gate.shape != x.shape or weight.shape != (width,):
+        raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    block = triton.next_power_of_2(width)
+    _gated_rms_norm_kernel[(num_tokens,)](
+        x, gate, weight, out, width, x.stride(0), gate.stride(0), out.stride(0), float(eps),
+        BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, width, x_stride, g_stride, o_stride,
+                           eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    valid = offs < width
+    x = tl.load(x_ptr + row * x_stride + offs, mask=valid, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * g_stride + offs, mask=valid, other=0.0).to(tl.float32)
+    h = x * (g * tl.sigmoid(g))
+    h = h * tl.rsqrt(tl.sum(h * h, 0) / width + eps)
+    w = tl.load(w_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * o_stride + offs, (w * h).to(out_ptr.dtype.element_ty), mask=valid)
