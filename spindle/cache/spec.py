@@ -22,7 +22,7 @@ The engine sees only ``CacheGroup`` (plain data); the runner binds tensors to la
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch

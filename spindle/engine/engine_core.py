@@ -55,8 +55,12 @@ class EngineCore:
         self.gate = SchedulingGate()  # pause / sleep state (engine/pause.py)
         self.startup_seconds = time.perf_counter() - start
         self.startup_table = format_startup_table(self.executor.lifecycle_reports())
-        logger.info("startup in %.2fs; KV cache: %d blocks of %d tokens\n%s", self.startup_seconds,
-                    self.num_kv_blocks, config.cache.block_size, self.startup_table)
+        slots = (f", {self.kv_config.num_state_slots} state slots "
+                 f"({self.num_state_snapshots} for prefix-cache snapshots)"
+                 if self.kv_config.num_state_slots else "")
+        logger.info("startup in %.2fs; KV cache: %d blocks of %d tokens%s\n%s",
+                    self.startup_seconds, self.num_kv_blocks, config.cache.block_size, slots,
+                    self.startup_table)
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
         """Size the cache from every rank's budget and needs, and allocate it. Every
