@@ -222,6 +222,37 @@ def test_a_step_ending_at_a_block_boundary_snapshots_the_state():
     assert m.prefix_cache_stats.hits == 8
 
 
+@pytest.mark.parametrize("token_known", [True, False])
+def test_a_decode_snapshot_whose_token_is_in_flight_registers_once_it_is_known(token_known):
+    """Async scheduling: the step computing position 7 is scheduled while its input
+    token (the prefill's output) is still being sampled. The snapshot after it (8
+    tokens) is taken then, and offered to the prefix cache at the next schedule(), by
+    which the token is known (else it is dropped)."""
+    m = caching_hybrid_manager()
+    a = make_request("a", range(7))
+    schedule(m, a, 7)
+    m.take_state_copies()
+    a.num_output_placeholders = 1  # position 7's token is being sampled
+    m.release_held_snapshots()
+    schedule(m, a, 1)
+    before, after = m.take_state_copies()
+    assert before == [] and len(after) == 1
+    free_slots = m.state_pool.num_free_blocks
+    if token_known:
+        a.num_output_placeholders = 0
+        a.append_output_token_ids([42])
+    m.release_held_snapshots()  # the next schedule()
+    assert m.state_pool.num_free_blocks == free_slots + 1  # held until now either way
+    if token_known:  # that step also registers the block of the now known token
+        a.num_output_placeholders = 1
+        schedule(m, a, 1)
+    probe = make_request("p", list(range(7)) + [42, 9])
+    hit, num_hit = m.get_computed_blocks(probe)
+    assert num_hit == (8 if token_known else 0)
+    if token_known:
+        assert hit.snapshot.block_id == after[0][1]
+
+
 def test_no_hit_without_a_snapshot_at_the_boundary():
     m = caching_hybrid_manager()
     a = make_request("a", range(6))

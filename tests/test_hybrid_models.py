@@ -121,3 +121,23 @@ def test_sleep_and_wake_keep_the_output(reference, level):
         llm.wake_up()
         after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert before == after == [tokens for tokens, _ in expected]
+
+
+def test_a_follow_up_turn_hits_the_state_its_decode_left(tiny_model):
+    """A second turn (first prompt + answer + more) hits past the first prompt: the
+    decode steps left snapshots at block boundaries (with async scheduling, whose
+    decode inputs are registered once sampled); its tokens stay transformers'."""
+    path = tiny_model("bamba")
+    first = prompts_for(seed=9)[4]  # 17 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(str(path), dtype="float32", device="cpu", max_model_len=256, block_size=4) as llm:
+        assert llm.engine.core.async_scheduling
+        answer = list(llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids)
+        second = first + answer + [5, 6, 7]
+        stats = llm.engine.core.scheduler.prefix_cache_stats
+        hits_before = stats.hits
+        got = list(llm.generate([second], params, use_tqdm=False)[0].outputs[0].token_ids)
+        hit = stats.hits - hits_before
+    # 17 + 12 = 29 tokens went through the model; the state at 28 was kept.
+    assert hit == 28
+    assert got == hf_greedy(path, [second], MAX_NEW)[0][0]

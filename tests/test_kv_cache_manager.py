@@ -323,3 +323,21 @@ def test_lookup_stops_at_the_first_miss_even_if_later_blocks_are_cached():
     assert pool.get_cached_block(a.block_hashes[1]) is a1
     b = make_request("b", range(13))
     assert m.get_computed_blocks(b)[1] == 0
+
+
+def test_free_offers_the_block_finished_by_an_in_flight_token():
+    """Async scheduling: the block holding a request's last computed token was scheduled
+    while that token was being sampled, so it could not be hashed then; free() hashes
+    it once the token is known, and a follow-up turn hits the whole history."""
+    m = KVCacheManager(8, BS)
+    a = make_request("a", range(7))
+    compute(m, a)  # block 0 full and cached; block 1 holds 3 tokens
+    a.num_output_placeholders = 1  # the token at position 7 is being sampled...
+    compute(m, a, 1)  # ...and fed to the step computing position 7
+    assert m.block_pool.num_cached_blocks == 1  # block 1's last token is unknown
+    a.num_output_placeholders = 0
+    a.append_output_token_ids([42])  # sampled; the request then finishes
+    m.free(a)
+    assert m.block_pool.num_cached_blocks == 2
+    follow_up = make_request("c", list(range(7)) + [42, 1, 2, 3])
+    assert m.get_computed_blocks(follow_up)[1] == 8

@@ -141,11 +141,12 @@ class KVCacheManager:
         self._req_slot: dict[str, KVCacheBlock] = {}
         self._num_hashed: dict[str, int] = {}
         self._state_copies_before: list[tuple[int, int]] = []
-        # request id -> (running slot id, snapshot, its key), copied after the step
-        # being scheduled; registered in the prefix cache at the next schedule(), once
-        # the copy comes before anything a later step does.
-        self._state_copies_after: dict[str, tuple[int, KVCacheBlock, bytes]] = {}
-        self._pending_snapshots: list[tuple[KVCacheBlock, bytes]] = []
+        # request id -> (running slot id, snapshot, the request, its tokens at the
+        # snapshot), copied after the step being scheduled; registered in the prefix
+        # cache at the next schedule(), once the copy comes before anything a later
+        # step does and the tokens it covers are known (see _register_snapshot).
+        self._state_copies_after: dict[str, tuple[int, KVCacheBlock, Request, int]] = {}
+        self._pending_snapshots: list[tuple[KVCacheBlock, Request, int]] = []
         self._held_snapshots: list[KVCacheBlock] = []  # until the next schedule()
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -308,21 +309,40 @@ class KVCacheManager:
 
     def _snapshot_state(self, request: Request, total: int) -> None:
         """Keep the request's state after `total` tokens as a prefix-cache entry when
-        that is a block boundary of known tokens not kept yet (best effort: skipped
-        when no slot is free)."""
+        that is a block boundary not kept yet (best effort: skipped when no slot is
+        free). Its last token may still be being sampled (async scheduling feeds it
+        to this step on the device): the entry is registered once it is known."""
         if (not self.stateful or not self.enable_caching or total % self.block_size
-                or total > request.num_tokens or total == 0):
+                or total == 0):
             return
-        self._update_block_hashes(request)
-        key = self._group_key(request.block_hashes[total // self.block_size - 1],
-                              self.stateful[0])
-        taken = any(k == key for _, _, k in self._state_copies_after.values())
-        if (taken or self.state_pool.get_cached_block(key) is not None
-                or self.state_pool.num_free_blocks < 1):
+        if total <= request.num_tokens:
+            self._update_block_hashes(request)
+            key = self._snapshot_key(request, total)
+            if self.state_pool.get_cached_block(key) is not None or any(
+                    t <= r.num_tokens and self._snapshot_key(r, t) == key
+                    for _, _, r, t in self._state_copies_after.values()):
+                return
+        if self.state_pool.num_free_blocks < 1:
             return
         (snapshot,) = self.state_pool.get_new_blocks(1)
         self._state_copies_after[request.request_id] = (
-            self._req_slot[request.request_id].block_id, snapshot, key)
+            self._req_slot[request.request_id].block_id, snapshot, request, total)
+
+    def _snapshot_key(self, request: Request, total: int) -> bytes:
+        """The prefix-cache key of the state after request's first total tokens."""
+        return self._group_key(request.block_hashes[total // self.block_size - 1],
+                               self.stateful[0])
+
+    def _register_snapshot(self, snapshot: KVCacheBlock, request: Request, total: int) -> None:
+        """Offer a written snapshot to the prefix cache, when the tokens it covers are
+        all known by now (a request that stopped may have sampled no more), and no
+        other snapshot holds the same state."""
+        if total > request.num_tokens:
+            return
+        self._update_block_hashes(request)
+        key = self._snapshot_key(request, total)
+        if self.state_pool.get_cached_block(key) is None:
+            self.state_pool.cache_full_blocks([snapshot], [key])
 
     def align_chunk(self, request: Request, start: int, num_new: int) -> int:
         """With state snapshots, end a chunk of several tokens at the last block
@@ -336,8 +356,9 @@ class KVCacheManager:
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The state-slot copies (src, dst) of the step being scheduled: before its
         forward (snapshot -> running slot) and after it (running slot -> snapshot)."""
-        after = [(src, snapshot.block_id) for src, snapshot, _ in self._state_copies_after.values()]
-        self._pending_snapshots.extend((snapshot, key) for _, snapshot, key
+        after = [(src, snapshot.block_id) for src, snapshot, _, _
+                 in self._state_copies_after.values()]
+        self._pending_snapshots.extend((snapshot, request, total) for _, snapshot, request, total
                                        in self._state_copies_after.values())
         before = self._state_copies_before
         self._state_copies_before, self._state_copies_after = [], {}
@@ -348,10 +369,10 @@ class KVCacheManager:
         the device, so the snapshots they wrote may serve hits from now on, and the
         snapshots they read may be reused."""
         pending, self._pending_snapshots = self._pending_snapshots, []
-        for snapshot, key in pending:
-            self.state_pool.cache_full_blocks([snapshot], [key])
+        for snapshot, request, total in pending:
+            self._register_snapshot(snapshot, request, total)
         held, self._held_snapshots = self._held_snapshots, []
-        self.state_pool.free_blocks(held + [snapshot for snapshot, _ in pending])
+        self.state_pool.free_blocks(held + [snapshot for snapshot, _, _ in pending])
 
     def _free_outside_windows(self, rid: str, held: GroupBlocks, position: int) -> None:
         """Free the sliding-window blocks no token from position on will read."""
@@ -372,8 +393,16 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release every block and the state slot of request, tail first (its last
-        blocks are evicted first). No-op for a request holding none."""
+        blocks are evicted first). No-op for a request holding none.
+
+        Blocks its computed tokens filled are offered to the prefix cache first: under
+        async scheduling the last block's final token was still being sampled when
+        that block was scheduled, so it could not be hashed then (a follow-up turn
+        would miss it)."""
         rid = request.request_id
+        if rid in self._req_blocks:
+            computed = min(request.num_computed_tokens, request.num_tokens)
+            self._cache_full_blocks(request, computed // self.block_size)
         groups = self._req_blocks.pop(rid, None)
         self._num_hashed.pop(rid, None)
         slot = self._req_slot.pop(rid, None)
