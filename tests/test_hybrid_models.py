@@ -141,3 +141,29 @@ def test_a_follow_up_turn_hits_the_state_its_decode_left(tiny_model):
     # 17 + 12 = 29 tokens went through the model; the state at 28 was kept.
     assert hit == 28
     assert got == hf_greedy(path, [second], MAX_NEW)[0][0]
+
+
+def test_no_snapshot_slots_turns_prefix_caching_off_with_a_warning(reference):
+    import logging
+
+    path, prompts, expected = reference("default")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    engine_logger = logging.getLogger("spindle.engine.engine_core")  # ("spindle" does not
+    engine_logger.addHandler(handler)                               # propagate to root)
+    try:
+        (first, second), (_, hits, kv) = generate(path, prompts, repeat=2,
+                                                  state_snapshot_slots=0)
+    finally:
+        engine_logger.removeHandler(handler)
+    assert hits == 0 and kv.num_state_slots == 256  # one per sequence (max_num_seqs)
+    assert any("prefix caching is off" in r.getMessage() for r in records)
+    assert_equal(expected, first)
+    assert_equal(expected, second)
+
+
+def test_a_bad_snapshot_count_is_refused(reference):
+    path, _, _ = reference("default")
+    with pytest.raises(ValueError, match="state_snapshot_slots"):
+        LLM(str(path), device="cpu", state_snapshot_slots=-1)
