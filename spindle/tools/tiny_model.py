@@ -60,7 +60,8 @@ PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def default_config_extra(arch: str, num_layers: int) -> dict[str, Any]:
+def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
+                         hidden_size: int = 64) -> dict[str, Any]:
     """Config fields an architecture needs to be tiny (config_extra overrides them).
     Bamba's own defaults (128 SSM heads, state 256) do not fit a 64-wide model: here 4
     heads of 2 * hidden / 4 features, state 16, chunks of 16 tokens, and attention in
@@ -68,9 +69,9 @@ def default_config_extra(arch: str, num_layers: int) -> dict[str, Any]:
     if arch == "bamba":
         return {"mamba_n_heads": 4, "mamba_n_groups": 1, "mamba_d_state": 16,
                 "mamba_chunk_size": 16, "attn_layer_indices": (num_layers // 2,)}
-    if arch == "mamba2":  # the same mixer shape; no attention at all
-        return {"num_heads": 4, "head_dim": 32, "n_groups": 1, "state_size": 16,
-                "chunk_size": 16}
+    if arch == "mamba2":  # no attention: num_heads are the SSM heads, of 2 * hidden / heads
+        return {"num_heads": num_heads, "head_dim": 2 * hidden_size // num_heads,
+                "n_groups": 1, "state_size": 16, "chunk_size": 16}
     return {}
 WEIGHT_STD = 0.2
 TARGET_LOGIT_STD = 4.0
@@ -108,7 +109,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
                         intermediate_size=intermediate_size,
                         max_position_embeddings=max_position_embeddings,
                         tie_word_embeddings=tie_word_embeddings, head_dim=head_dim,
-                        extra={**default_config_extra(arch, num_layers), **config_extra})
+                        extra={**default_config_extra(arch, num_layers, num_heads, hidden_size),
+                               **config_extra})
     model = build_model(config, seed, logit_std)
     config.dtype = dtype  # from_config rewrote it to the build dtype
     config.save_pretrained(out)
