@@ -1,5 +1,6 @@
-"""Hybrid models (Mamba2 layers beside attention: Bamba) end to end against the
-oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
+"""Models with state-space layers (Bamba: Mamba2 layers beside attention; Mamba2:
+nothing but state-space layers, so a cache of state slots and no paged blocks) end to
+end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
 random checkpoints, in float32 on CPU, under the regimes that cut the work
 differently (chunked prefill, prefix-cache hits served by state snapshots,
 preemption, async scheduling off), tensor parallelism and sleep mode."""
@@ -17,11 +18,21 @@ MAX_NEW = 12
 LOGPROB_TOL = 1e-4
 PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 70]
 SHAPES = {
-    "default": {},
-    "groups2": dict(num_layers=3, mamba_n_groups=2, mamba_chunk_size=8),
-    "odd-heads": dict(hidden_size=48, num_layers=4, attn_layer_indices=(0, 3), mamba_n_heads=3,
-                      mamba_n_groups=3, mamba_d_state=8, mamba_chunk_size=4, mamba_d_conv=3),
+    "bamba": {
+        "default": {},
+        "groups2": dict(num_layers=3, mamba_n_groups=2, mamba_chunk_size=8),
+        "odd-heads": dict(hidden_size=48, num_layers=4, attn_layer_indices=(0, 3),
+                          mamba_n_heads=3, mamba_n_groups=3, mamba_d_state=8,
+                          mamba_chunk_size=4, mamba_d_conv=3),
+    },
+    "mamba2": {
+        "default": {},
+        "groups2": dict(num_layers=3, n_groups=2, chunk_size=8),
+        "odd-heads": dict(hidden_size=48, num_layers=3, num_heads=3, n_groups=3,
+                          state_size=8, chunk_size=4, conv_kernel=3, tie_word_embeddings=True),
+    },
 }
+ARCHS = list(SHAPES)
 
 
 def prompts_for(seed: int, shared_prefix: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -35,10 +46,10 @@ def prompts_for(seed: int, shared_prefix: int = 0, vocab: int = 512) -> list[lis
 def reference(tiny_model):
     cache = {}
 
-    def get(shape: str, shared_prefix: int = 0):
-        key = (shape, shared_prefix)
+    def get(arch: str, shape: str, shared_prefix: int = 0):
+        key = (arch, shape, shared_prefix)
         if key not in cache:
-            path = tiny_model("bamba", **SHAPES[shape])
+            path = tiny_model(arch, **SHAPES[arch][shape])
             prompts = prompts_for(seed=len(cache) + 1, shared_prefix=shared_prefix)
             cache[key] = (path, prompts, hf_greedy(path, prompts, MAX_NEW))
         return cache[key]
@@ -66,22 +77,26 @@ def assert_equal(expected, got):
         assert max(abs(a - b) for a, b in zip(hf_lps, lps)) < LOGPROB_TOL
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_greedy_equals_transformers(reference, shape):
-    path, prompts, expected = reference(shape)
+@pytest.mark.parametrize("arch,shape", [(a, s) for a in ARCHS for s in SHAPES[a]])
+def test_greedy_equals_transformers(reference, arch, shape):
+    path, prompts, expected = reference(arch, shape)
     (got,), (_, _, kv) = generate(path, prompts)
     assert kv.num_state_slots > 0
+    assert (kv.num_blocks > 0) == (arch != "mamba2")  # Mamba2 has nothing paged
     assert_equal(expected, got)
 
 
-def test_small_chunked_prefill_budget_carries_the_state(reference):
-    path, prompts, expected = reference("groups2")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_small_chunked_prefill_budget_carries_the_state(reference, arch):
+    path, prompts, expected = reference(arch, "groups2")
     (got,), _ = generate(path, prompts, max_num_batched_tokens=8, max_num_seqs=4)
     assert_equal(expected, got)
 
 
 def test_preemption_recomputes_the_state(reference):
-    path, prompts, expected = reference("default")
+    """(Bamba only: a model with nothing paged never runs out of cache, its state
+    slots are sized for max_num_seqs running sequences.)"""
+    path, prompts, expected = reference("bamba", "default")
     # Room for about two long sequences at a time: requests preempt each other.
     (got,), (preemptions, _, kv) = generate(path, prompts, block_size=4, max_model_len=96,
                                            kv_cache_memory_bytes=100_000, max_num_seqs=4)
@@ -90,29 +105,32 @@ def test_preemption_recomputes_the_state(reference):
     assert_equal(expected, got)
 
 
-def test_prefix_hits_start_from_state_snapshots(reference):
-    path, prompts, expected = reference("default", shared_prefix=20)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_hits_start_from_state_snapshots(reference, arch):
+    path, prompts, expected = reference(arch, "default", shared_prefix=20)
     (first, second), (_, hits, kv) = generate(path, prompts, repeat=2, block_size=4)
     assert hits > 0
     assert_equal(expected, first)
     assert_equal(expected, second)
 
 
-def test_without_async_scheduling(reference):
-    path, prompts, expected = reference("odd-heads")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_without_async_scheduling(reference, arch):
+    path, prompts, expected = reference(arch, "odd-heads")
     (got,), _ = generate(path, prompts, async_scheduling=False)
     assert_equal(expected, got)
 
 
-def test_tensor_parallel_equals_transformers(reference):
-    path, prompts, expected = reference("groups2")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensor_parallel_equals_transformers(reference, arch):
+    path, prompts, expected = reference(arch, "groups2")
     (got,), _ = generate(path, prompts, tensor_parallel_size=2)
     assert_equal(expected, got)
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_sleep_and_wake_keep_the_output(reference, level):
-    path, prompts, expected = reference("default")
+@pytest.mark.parametrize("arch,level", [("bamba", 1), ("bamba", 2), ("mamba2", 2)])
+def test_sleep_and_wake_keep_the_output(reference, arch, level):
+    path, prompts, expected = reference(arch, "default")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     with LLM(str(path), dtype="float32", device="cpu", max_model_len=256,
              enable_sleep_mode=True) as llm:

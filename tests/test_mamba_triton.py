@@ -584,3 +584,27 @@ def test_gated_rms_norm_equals_torch(dtype):
 def _torch_gated_rms(x, gate, eps):
     h = x * F.silu(gate)
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_group_wise_gated_rms_norm_equals_torch(dtype):
+    """The mean square per group (NemotronH's norm): groups of 96 in a 4 * 96 width on a
+    GPU (a block of 128, partly masked), of 12 in 36 under the interpreter."""
+    from spindle.distributed.parallel_state import TensorParallelGroup
+    from spindle.layers.mamba.mixer import GatedRMSNorm
+    from spindle.layers.mamba.triton_ops import gated_rms_norm
+
+    torch.manual_seed(12)
+    group, groups = pick((96, 4), (12, 3))
+    width = group * groups
+    x = torch.randn(7, width).to(dtype)
+    gate = torch.randn(7, 2 * width).to(dtype)[:, :width]  # a strided view
+    norm = GatedRMSNorm(width, width, 1e-5, TensorParallelGroup(rank=0, size=1, group=None),
+                        [(0, width)], group_size=group)
+    norm.weight.data.copy_(1.0 + 0.2 * torch.randn(width))
+    expected = norm(x.float(), gate.float())  # the torch path (CPU tensors)
+    got = gated_rms_norm(x.to(DEVICE), gate.to(DEVICE), norm.weight.to(DEVICE, dtype), 1e-5,
+                         group)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float().cpu(), expected, atol=tol, rtol=tol)

@@ -14,6 +14,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
     "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",
+    "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
     "BertModel": "spindle.models.bert:BertModel",
     "RobertaModel": "spindle.models.bert:RobertaModel",
     "XLMRobertaModel": "spindle.models.bert:XLMRobertaModel",

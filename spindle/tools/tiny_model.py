@@ -1,4 +1,4 @@
-"""Make tiny, real Hugging Face checkpoints (Llama, Qwen2, Qwen3, Mistral, Bamba) for
+"""Make tiny, real Hugging Face checkpoints (Llama, Qwen2, Qwen3, Mistral, Bamba, Mamba2) for
 tests and demos.
 
 The checkpoint is what transformers itself builds and loads: config.json,
@@ -49,16 +49,19 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "bamba": "BambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
 }
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "mistral": "MistralConfig", "bamba": "BambaConfig"}
+                  "mistral": "MistralConfig", "bamba": "BambaConfig",
+                  "mamba2": "Mamba2Config"}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def default_config_extra(arch: str, num_layers: int) -> dict[str, Any]:
+def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
+                         hidden_size: int = 64) -> dict[str, Any]:
     """Config fields an architecture needs to be tiny (config_extra overrides them).
     Bamba's own defaults (128 SSM heads, state 256) do not fit a 64-wide model: here 4
     heads of 2 * hidden / 4 features, state 16, chunks of 16 tokens, and attention in
@@ -66,6 +69,9 @@ def default_config_extra(arch: str, num_layers: int) -> dict[str, Any]:
     if arch == "bamba":
         return {"mamba_n_heads": 4, "mamba_n_groups": 1, "mamba_d_state": 16,
                 "mamba_chunk_size": 16, "attn_layer_indices": (num_layers // 2,)}
+    if arch == "mamba2":  # no attention: num_heads are the SSM heads, of 2 * hidden / heads
+        return {"num_heads": num_heads, "head_dim": 2 * hidden_size // num_heads,
+                "n_groups": 1, "state_size": 16, "chunk_size": 16}
     return {}
 WEIGHT_STD = 0.2
 TARGET_LOGIT_STD = 4.0
@@ -103,7 +109,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
                         intermediate_size=intermediate_size,
                         max_position_embeddings=max_position_embeddings,
                         tie_word_embeddings=tie_word_embeddings, head_dim=head_dim,
-                        extra={**default_config_extra(arch, num_layers), **config_extra})
+                        extra={**default_config_extra(arch, num_layers, num_heads, hidden_size),
+                               **config_extra})
     model = build_model(config, seed, logit_std)
     config.dtype = dtype  # from_config rewrote it to the build dtype
     config.save_pretrained(out)
@@ -122,14 +129,16 @@ def _hf_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int,
 
     config_class = getattr(transformers, CONFIG_CLASSES[arch])
     extra = {k: list(v) if isinstance(v, tuple) else v for k, v in (extra or {}).items()}
-    config = config_class(
+    fields = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
         head_dim=head_dim or hidden_size // num_heads, rms_norm_eps=1e-6,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID, hidden_act="silu", **extra,
+        pad_token_id=PAD_ID, hidden_act="silu",
     )
+    # An architecture's own meaning of a field wins (Mamba2's head_dim is its SSM heads').
+    config = config_class(**{**fields, **extra})
     config.architectures = [ARCHITECTURES[arch]]
     return config
 
@@ -145,7 +154,7 @@ def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD) -> 
     head_std = logit_std / math.sqrt(config.hidden_size)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(NORM_WEIGHTS):
                 param.copy_(1.0 + 0.2 * _randn_like(param, generator))
             elif name.endswith(SSM_PARAMETERS):
                 param.copy_(_ssm_parameter(name, param, generator))
@@ -161,6 +170,8 @@ def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD) -> 
     return model
 
 
+# Norm weights (initialised as ones): "norm_f" is the final norm of Mamba2 / NemotronH.
+NORM_WEIGHTS = ("norm.weight", "norm_f.weight")
 # Per-head parameters of Mamba2 layers, initialised as ones / log(1..H) by transformers:
 # rescaling them by their std (0 for ones) would give NaN.
 SSM_PARAMETERS = (".A_log", ".D", ".dt_bias")

@@ -285,12 +285,23 @@ class Worker:
             available_bytes=free, workers=sharing)
 
     def cache_requirements_bytes(self, num_seqs: int) -> int:
-        """Bytes num_seqs sequences of max_model_len tokens use at most."""
+        """Bytes num_seqs sequences of max_model_len tokens use at most, with the state
+        slots the prefix cache may keep as snapshots beside them (a model with state
+        layers and nothing paged would otherwise get no room for any)."""
         req = self.cache_requirements()
         blocks = req.blocks_per_sequence(self.config.model.max_model_len,
                                          self.config.cache.block_size,
                                          self.config.scheduler.max_num_batched_tokens)
-        return num_seqs * (blocks * req.block_bytes + req.slot_bytes)
+        snapshots = self._most_state_snapshots(num_seqs) if req.has_state else 0
+        return num_seqs * (blocks * req.block_bytes + req.slot_bytes) + snapshots * req.slot_bytes
+
+    def _most_state_snapshots(self, num_seqs: int) -> int:
+        """The most snapshot slots the engine takes: state_snapshot_slots, by default at
+        most one per sequence (EngineCore._state_snapshots)."""
+        cache = self.config.cache
+        if not cache.enable_prefix_caching:
+            return 0
+        return cache.state_snapshot_slots if cache.state_snapshot_slots is not None else num_seqs
 
     def _measured_kv_budget(self) -> int:
         """GPU: what the utilisation target leaves after the measured peak (weights +

@@ -6,7 +6,8 @@ piece: the gate, x and dt parts of in_proj, x's conv channels, A_log, D, dt_bias
 norm weight and out_proj's input (row parallel). The B/C groups are split too when
 there are at least as many as ranks; otherwise each group is replicated on
 tp_size / n_groups consecutive ranks, whose heads all read it. The gated RMSNorm
-normalises over the whole intermediate size, so its sum of squares is all-reduced.
+normalises over the whole intermediate size (its sum of squares all-reduced), or per
+group of ``norm_group_size`` features, which each rank holds whole.
 
 The layer knows nothing of the runner: it reads its step's MambaMetadata from the
 forward context (``for_group(self.cache_group)``) and its states from ``kv_cache``.
@@ -43,7 +44,7 @@ class MambaMixer(nn.Module):
     def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, n_groups: int,
                  state_size: int, conv_kernel: int, chunk_size: int, eps: float,
                  time_step_limit: tuple[float, float], conv_bias: bool, proj_bias: bool,
-                 tp_group: TensorParallelGroup) -> None:
+                 tp_group: TensorParallelGroup, norm_group_size: int | None = None) -> None:
         super().__init__()
         if conv_kernel < 2:
             raise ValueError(f"mamba_d_conv must be >= 2, got {conv_kernel}")
@@ -77,7 +78,8 @@ class MambaMixer(nn.Module):
         self.A_log = _sharded_parameter(head_rows)
         self.D = _sharded_parameter(head_rows)
         self.dt_bias = _sharded_parameter(head_rows)
-        self.norm = GatedRMSNorm(self.intermediate, full_inter, eps, tp_group, [x_rows])
+        self.norm = GatedRMSNorm(self.intermediate, full_inter, eps, tp_group, [x_rows],
+                                 group_size=norm_group_size)
         self.out_proj = RowParallelLinear(full_inter, hidden_size, bias=proj_bias,
                                           tp_group=tp_group)
         self.kv_cache: list[torch.Tensor] | None = None
@@ -206,23 +208,38 @@ class DepthwiseConvWeights(nn.Module):
 
 class GatedRMSNorm(nn.Module):
     """y = weight * rmsnorm(x * silu(gate)) (Mamba2's norm with the gate applied first),
-    in float32, with the mean square over the full width of all ranks."""
+    in float32. The mean square is over groups of ``group_size`` consecutive features
+    (NemotronH: intermediate / n_groups), or with group_size None over the full width of
+    all ranks (Bamba, transformers' Mamba2). A group never straddles two ranks: each
+    rank holds whole groups, so only the full-width norm all-reduces."""
 
     def __init__(self, local_size: int, full_size: int, eps: float,
-                 tp_group: TensorParallelGroup, rows: Sequence[RowPiece]) -> None:
+                 tp_group: TensorParallelGroup, rows: Sequence[RowPiece],
+                 group_size: int | None = None) -> None:
         super().__init__()
+        if group_size is not None and (group_size <= 0 or local_size % group_size != 0):
+            raise ValueError(f"the gated norm's group size ({group_size}) must divide this "
+                             f"rank's width ({local_size} of {full_size}): n_groups must be "
+                             "a multiple of the tensor parallel size")
         self.full_size = full_size
+        self.group_size = group_size
         self.variance_epsilon = eps
         self.tp_group = tp_group
         self.weight = nn.Parameter(torch.ones(local_size), requires_grad=False)
         set_weight_loader(self.weight, rows_loader(rows))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.tp_group.size == 1:
+        if x.is_cuda and (self.tp_group.size == 1 or self.group_size is not None):
             from spindle.layers.mamba import triton_ops
 
-            return triton_ops.gated_rms_norm(x, gate, self.weight, self.variance_epsilon)
+            return triton_ops.gated_rms_norm(x, gate, self.weight, self.variance_epsilon,
+                                             self.group_size)
         h = x.float() * F.silu(gate.float())
+        if self.group_size is not None:
+            grouped = h.unflatten(-1, (-1, self.group_size))
+            grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True)
+                                            + self.variance_epsilon)
+            return (self.weight.float() * grouped.flatten(-2)).to(x.dtype)
         square_sum = self.tp_group.all_reduce(h.pow(2).sum(-1, keepdim=True))
         h = h * torch.rsqrt(square_sum / self.full_size + self.variance_epsilon)
         return (self.weight.float() * h).to(x.dtype)

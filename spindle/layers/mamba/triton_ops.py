@@ -665,33 +665,38 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 # ---------------------------------------------------------------- gated RMSNorm
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                   eps: float) -> torch.Tensor:
-    """weight * rmsnorm(x * silu(gate)) over each row of x [T, W] (the whole width on
-    this rank: one tensor-parallel rank, or a model without TP), in float32, returned in
-    x's dtype. One launch instead of torch's eight."""
+                   eps: float, group_size: int | None = None) -> torch.Tensor:
+    """weight * rmsnorm(x * silu(gate)) over each row of x [T, W], the mean square taken
+    per group of group_size consecutive features (None: the whole width on this rank,
+    one tensor-parallel rank or a model without TP), in float32, returned in x's dtype.
+    One launch instead of torch's eight."""
     num_tokens, width = x.shape
     if gate.shape != x.shape or weight.shape != (width,):
         raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)}, "
                          f"weight {tuple(weight.shape)}")
+    group_size = width if group_size is None else group_size
+    if group_size <= 0 or width % group_size != 0:
+        raise ValueError(f"gated_rms_norm: group_size {group_size} does not divide the "
+                         f"width {width}")
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    block = triton.next_power_of_2(width)
-    _gated_rms_norm_kernel[(num_tokens,)](
-        x, gate, weight, out, width, x.stride(0), gate.stride(0), out.stride(0), float(eps),
-        BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    block = triton.next_power_of_2(group_size)
+    _gated_rms_norm_kernel[(num_tokens, width // group_size)](
+        x, gate, weight, out, group_size, x.stride(0), gate.stride(0), out.stride(0),
+        float(eps), BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, width, x_stride, g_stride, o_stride,
-                           eps, BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, group_size, x_stride, g_stride,
+                           o_stride, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    valid = offs < width
+    offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
+    valid = tl.arange(0, BLOCK) < group_size
     x = tl.load(x_ptr + row * x_stride + offs, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * g_stride + offs, mask=valid, other=0.0).to(tl.float32)
     h = x * (g * tl.sigmoid(g))
-    h = h * tl.rsqrt(tl.sum(h * h, 0) / width + eps)
+    h = h * tl.rsqrt(tl.sum(h * h, 0) / group_size + eps)
     w = tl.load(w_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * o_stride + offs, (w * h).to(out_ptr.dtype.element_ty), mask=valid)
