@@ -10,6 +10,8 @@ from spindle import LLM, SamplingParams
 from test_generate_vs_hf import hf_greedy
 from test_hybrid_models import MAX_NEW, SHAPES, prompts_for
 
+BAMBA = SHAPES["bamba"]
+
 pytestmark = pytest.mark.gpu
 
 LOGPROB_TOL = 1e-3  # float32 on the GPU: other reduction orders than the CPU's
@@ -32,10 +34,10 @@ def check(expected, outputs):
         assert max(abs(a - b) for a, b in zip(lps, got)) < LOGPROB_TOL
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", list(BAMBA))
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
-    path = tiny_model("bamba", **SHAPES[shape])
+    path = tiny_model("bamba", **BAMBA[shape])
     prompts = prompts_for(seed=5)
     expected = hf_greedy(path, prompts, MAX_NEW)
     (outputs,), graphs, _ = run_cuda(path, prompts, enforce_eager=enforce_eager)
@@ -44,7 +46,7 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
 
 
 def test_cuda_chunked_prefill_and_prefix_hits(tiny_model):
-    path = tiny_model("bamba", **SHAPES["groups2"])
+    path = tiny_model("bamba", **BAMBA["groups2"])
     prompts = prompts_for(seed=6, shared_prefix=24)
     expected = hf_greedy(path, prompts, MAX_NEW)
     runs, _, hits = run_cuda(path, prompts, repeat=2, block_size=8, max_num_batched_tokens=32)
@@ -61,7 +63,7 @@ def test_cumem_sleep_keeps_states_addresses_graphs_and_output(tiny_model):
     whatever the model; seen with Qwen3 too.)"""
     from spindle.memory.sleep_backend import KV_CACHE, WEIGHTS
 
-    path = tiny_model("bamba", **SHAPES["groups2"])
+    path = tiny_model("bamba", **BAMBA["groups2"])
     prompts = prompts_for(seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     with LLM(str(path), dtype="float32", device="cuda", max_model_len=256,

@@ -164,7 +164,7 @@ def test_a_follow_up_turn_hits_the_state_its_decode_left(tiny_model):
 def test_no_snapshot_slots_turns_prefix_caching_off_with_a_warning(reference):
     import logging
 
-    path, prompts, expected = reference("default")
+    path, prompts, expected = reference("bamba", "default")
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -182,6 +182,6 @@ def test_no_snapshot_slots_turns_prefix_caching_off_with_a_warning(reference):
 
 
 def test_a_bad_snapshot_count_is_refused(reference):
-    path, _, _ = reference("default")
+    path, _, _ = reference("bamba", "default")
     with pytest.raises(ValueError, match="state_snapshot_slots"):
         LLM(str(path), device="cpu", state_snapshot_slots=-1)
