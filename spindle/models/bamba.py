@@ -23,12 +23,13 @@ from torch import nn
 from spindle.attention import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
-from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
 from spindle.layers.mamba.mixer import MambaMixer
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
 from spindle.models.llama import LlamaMLP, MissingLayer, _to_param_name, head_dim_of
+from spindle.models.causal_lm import DecoderForCausalLM
 from spindle.models.weights import load_named_weights
 
 # transformers' BambaConfig forces it for every Bamba checkpoint.
@@ -203,7 +204,7 @@ class BambaModel(nn.Module):
         return hidden_states
 
 
-class BambaForCausalLM(nn.Module):
+class BambaForCausalLM(DecoderForCausalLM):
     model_kind = "hybrid"
     supports_pipeline_parallel = True
 
@@ -215,28 +216,7 @@ class BambaForCausalLM(nn.Module):
         self.tp_group = tp_group
         self.stage = stage or PipelineStage.single()
         self.model = BambaModel(hf_config, tp_group, self.stage)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = None
-        if self.stage.is_last:
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
-                                          tp_group=tp_group)
-            if self.tie_word_embeddings:
-                self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate_tensors: IntermediateTensors | None = None,
-                ) -> torch.Tensor | IntermediateTensors:
-        """-> final-normed hidden states [T, hidden] (IntermediateTensors on a stage
-        other than the last)."""
-        return self.model(input_ids, positions, inputs_embeds, intermediate_tensors)
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab_size], the full vocabulary on every rank."""
-        return self.lm_head.compute_logits(hidden_states)
+        self.build_lm_head(hf_config, tp_group)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this rank's parameters (see

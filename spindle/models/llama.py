@@ -31,11 +31,12 @@ from spindle.attention import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.layers.activation import SiluAndMul
-from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary
+from spindle.models.causal_lm import DecoderForCausalLM
 from spindle.models.weights import load_named_weights
 
 
@@ -264,7 +265,7 @@ def _to_param_name(hf_name: str) -> tuple[str, Any]:
     return hf_name, None
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderForCausalLM):
     supports_pipeline_parallel = True
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
@@ -276,13 +277,7 @@ class LlamaForCausalLM(nn.Module):
         self.stage = stage or PipelineStage.single()
         self.model = LlamaModel(hf_config, self.attention_options(hf_config), tp_group,
                                 self.stage, self.sliding_windows(hf_config))
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = None
-        if self.stage.is_last:
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
-                                          tp_group=tp_group)
-            if self.tie_word_embeddings:
-                self.lm_head.tie_to(self.model.embed_tokens)
+        self.build_lm_head(hf_config, tp_group)
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
@@ -296,21 +291,6 @@ class LlamaForCausalLM(nn.Module):
         return [None] * hf_config.num_hidden_layers
 
     # ------------------------------------------------------------------ inference
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate_tensors: IntermediateTensors | None = None,
-                ) -> torch.Tensor | IntermediateTensors:
-        """-> final-normed hidden states [T, hidden] (IntermediateTensors on a stage
-        other than the last)."""
-        return self.model(input_ids, positions, inputs_embeds, intermediate_tensors)
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab_size], the full vocabulary on every rank."""
-        return self.lm_head.compute_logits(hidden_states)
-
     # ------------------------------------------------------------------ loading
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this rank's parameters.

@@ -1,0 +1,46 @@
+"""What every decoder's outer class shares: the inner model (``self.model``) run over a
+step's flat tokens, its embedding, and the LM head that the last pipeline stage holds
+(tied to the embedding when the config says so)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
+from spindle.layers.embedding import ParallelLMHead
+
+
+class DecoderForCausalLM(nn.Module):
+    """Subclasses build ``self.model`` (with ``embed_tokens``), then call build_lm_head."""
+
+    model: nn.Module
+    lm_head: ParallelLMHead | None
+    stage: PipelineStage
+
+    def build_lm_head(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = None
+        if self.stage.is_last:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                          tp_group=tp_group)
+            if self.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: IntermediateTensors | None = None,
+                ) -> torch.Tensor | IntermediateTensors:
+        """-> final-normed hidden states [T, hidden] (IntermediateTensors on a stage
+        other than the last)."""
+        return self.model(input_ids, positions, inputs_embeds, intermediate_tensors)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab_size], the full vocabulary on every rank."""
+        return self.lm_head.compute_logits(hidden_states)
