@@ -86,3 +86,67 @@ def test_cumem_allocator_without_sleep_mode_serves_the_engine(tiny_model):
         assert segments.mapped_bytes("weights") > 0 and segments.mapped_bytes("kv_cache") >= 1 << 28
         assert len(outputs(llm)) == len(PROMPTS)
     assert not segments.segments  # shutdown gave every segment back
+
+
+# Run in a fresh interpreter: the defect these guard against is a segfault, which would
+# take pytest down with it. Engine A outlives its use in two ways (dropped without
+# shutdown(), or a weight tensor kept past it); engine B then sleeps, wakes and shuts
+# down, which empties torch's cache, and with it whatever A's pools still held.
+_TWO_ENGINES = r"""
+import gc, json, sys
+import torch
+from spindle import LLM, SamplingParams
+
+path, how = sys.argv[1], sys.argv[2]
+params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+def engine():
+    return LLM(path, device="cuda", enable_sleep_mode=True, kv_cache_memory_bytes=1 << 28,
+               max_num_seqs=8)
+
+def tokens(llm):
+    return [o.outputs[0].token_ids for o in llm.generate([[5, 9, 13] * 5], params,
+                                                         use_tqdm=False)]
+
+def used():
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+torch.cuda.init()
+baseline = used()
+a = engine()
+expected = tokens(a)
+kept = None
+if how == "dropped":
+    a.sleep(1)  # (its weights' host copies and unmapped segments go with it)
+    del a
+else:
+    kept = next(a.engine.core.executor.worker.runner.model.parameters())
+    a.shutdown()
+    del a
+gc.collect()
+b = engine()
+b.sleep(1)
+b.wake_up()
+same = tokens(b) == expected
+b.shutdown()
+del b, kept
+gc.collect()
+torch.cuda.empty_cache()
+print(json.dumps({"same": same, "left_mib": (used() - baseline) / 2**20}))
+"""
+
+
+@pytest.mark.parametrize("how", ["dropped", "tensor_kept"])
+def test_an_engine_outliving_its_use_does_not_crash_the_next_one(tiny_model, how):
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _TWO_ENGINES, str(tiny_model("qwen3")), how],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["same"]
+    # Both engines' pools went back to the driver (a few MiB of context state may stay).
+    assert report["left_mib"] < 64, report

@@ -10,7 +10,9 @@ therefore stay valid across sleep. One pool per tag ("weights", "kv_cache").
 
 Layers: DriverVirtualMemory (the driver calls, through cuda-python), TaggedSegments
 (which segment belongs to which tag and what state it is in; testable without a
-GPU), CuMemAllocator (the torch side) and CuMemSleepBackend (the sleep backend).
+GPU), _SegmentServer (the C callbacks, which must outlive the engine while torch holds
+its segments), CuMemAllocator (the torch side) and CuMemSleepBackend (the sleep
+backend).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
@@ -198,42 +201,42 @@ class TaggedSegments:
                 if s.tag in tags and (s.handle is not None) == mapped]
 
 
-class CuMemAllocator:
-    """The torch side: one MemPool per tag, all served by TaggedSegments."""
+class _SegmentServer:
+    """The two C callbacks torch's caching allocator calls for the pools' segments, and
+    the segment table they serve.
 
-    def __init__(self, device: torch.device, vm: VirtualMemory | None = None) -> None:
-        self.device = device
-        self.segments = TaggedSegments(vm or DriverVirtualMemory(device.index or 0))
-        self._tag: str | None = None
-        # The callbacks must outlive every pool that may call them: they live as long
-        # as this object, and close() frees the pools first.
-        self._malloc_cb = _MALLOC_FN(self._malloc)
-        self._free_cb = _FREE_FN(self._free)
-        self._torch_allocator = torch._C._cuda_customAllocator(
-            ctypes.cast(self._malloc_cb, ctypes.c_void_p).value,
-            ctypes.cast(self._free_cb, ctypes.c_void_p).value)
-        self.pools: dict[str, Any] = {}
+    torch may call them for as long as it holds a segment of the pools, and that can
+    be after the engine is gone: an LLM dropped without shutdown() is collected in any
+    order (its pools before its tensors), and a tensor kept past shutdown frees its
+    segment at some later empty_cache(). A callback Python has freed by then is a jump
+    into freed memory (a segfault in the next empty_cache, of this engine or another).
+    So servers stay referenced from _SERVING, apart from the allocator that made them,
+    until their allocator is gone and every segment is back.
+    """
 
-    @contextlib.contextmanager
-    def use_pool(self, tag: str) -> Iterator[None]:
-        """Allocations on this thread inside the block come from tag's pool."""
-        _check_tags([tag])
-        if tag not in self.pools:
-            self.pools[tag] = torch.cuda.MemPool(self._torch_allocator)
-        previous, self._tag = self._tag, tag
-        try:
-            with torch.cuda.use_mem_pool(self.pools[tag], device=self.device):
-                yield
-        finally:
-            self._tag = previous
+    def __init__(self, segments: TaggedSegments) -> None:
+        self.segments = segments
+        self.tag: str | None = None  # the pool allocating now (CuMemAllocator.use_pool)
+        self.owner_gone = False
+        self.malloc_cb = _MALLOC_FN(self._malloc)
+        self.free_cb = _FREE_FN(self._free)
+
+    def addresses(self) -> tuple[int, int]:
+        return (ctypes.cast(self.malloc_cb, ctypes.c_void_p).value,
+                ctypes.cast(self.free_cb, ctypes.c_void_p).value)
+
+    @property
+    def retired(self) -> bool:
+        """True once torch can no longer call in: the owner is gone, no segment left."""
+        return self.owner_gone and not self.segments.segments
 
     def _malloc(self, size: int, device: int, stream: int) -> int | None:
         try:
-            if self._tag is None:
+            if self.tag is None:
                 raise RuntimeError("an allocation reached the cumem allocator outside use_pool()")
-            return self.segments.allocate(size, self._tag)
+            return self.segments.allocate(size, self.tag)
         except Exception:  # an exception cannot cross into C++: torch sees a null pointer
-            logger.exception("cumem allocator: cannot allocate %d bytes for %r", size, self._tag)
+            logger.exception("cumem allocator: cannot allocate %d bytes for %r", size, self.tag)
             return None
 
     def _free(self, ptr: int, size: int, device: int, stream: int) -> None:
@@ -242,15 +245,57 @@ class CuMemAllocator:
         except Exception:
             logger.exception("cumem allocator: cannot free %#x", ptr or 0)
 
+
+# Servers whose callbacks torch may still call (see _SegmentServer). A retired one is
+# dropped when the next allocator is made, never from inside a callback.
+_SERVING: set[_SegmentServer] = set()
+
+
+class CuMemAllocator:
+    """The torch side: one MemPool per tag, all served by TaggedSegments."""
+
+    def __init__(self, device: torch.device, vm: VirtualMemory | None = None) -> None:
+        self.device = device
+        _SERVING.difference_update([s for s in _SERVING if s.retired])
+        self._server = _SegmentServer(TaggedSegments(vm or DriverVirtualMemory(device.index or 0)))
+        _SERVING.add(self._server)
+        weakref.finalize(self, _mark_owner_gone, self._server)
+        self._torch_allocator = torch._C._cuda_customAllocator(*self._server.addresses())
+        self.pools: dict[str, Any] = {}
+
+    @property
+    def segments(self) -> TaggedSegments:
+        return self._server.segments
+
+    @contextlib.contextmanager
+    def use_pool(self, tag: str) -> Iterator[None]:
+        """Allocations on this thread inside the block come from tag's pool."""
+        _check_tags([tag])
+        if tag not in self.pools:
+            self.pools[tag] = torch.cuda.MemPool(self._torch_allocator)
+        server = self._server
+        previous, server.tag = server.tag, tag
+        try:
+            with torch.cuda.use_mem_pool(self.pools[tag], device=self.device):
+                yield
+        finally:
+            server.tag = previous
+
     def close(self) -> None:
         """Drop the pools and let torch give their segments back (call once nothing
-        allocated from them is alive); logs segments that outlive it."""
+        allocated from them is alive); logs segments that outlive it (torch frees them
+        later, through the callbacks that _SERVING keeps)."""
         self.pools.clear()
         gc.collect()
         torch.cuda.empty_cache()
+        _mark_owner_gone(self._server)
         if self.segments.segments:
             logger.warning("cumem allocator: %d segment(s), %.1f MiB, still in use at close",
                            len(self.segments.segments), self.segments.reserved_bytes() / 2**20)
+
+
+def _mark_owner_gone(server: _SegmentServer) -> None:
+    server.owner_gone = True
 
 
 class CuMemSleepBackend(SleepModeBackend):
