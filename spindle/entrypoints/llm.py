@@ -8,6 +8,7 @@ the features spindle has.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -32,6 +33,11 @@ class LLM:
                             f"known: {sorted(_ENGINE_FIELDS - {'model'})}")
         configure_logging()
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        # An LLM dropped without shutdown() still stops its workers and gives the device
+        # memory back (freeze_gc_heap hid the engine's cycles from the collector).
+        # At interpreter exit the executors' own exit hooks stop the workers instead.
+        self._shutdown = weakref.finalize(self, self.engine.shutdown)
+        self._shutdown.atexit = False
 
     @property
     def config(self):
@@ -111,7 +117,7 @@ class LLM:
         return self.engine.core.executor.heartbeats()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self._shutdown()  # (once: a second call, or the finalizer after it, does nothing)
 
     def __enter__(self) -> "LLM":
         return self
