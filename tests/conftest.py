@@ -32,6 +32,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     cache: dict[tuple, Path] = {}
 
     def factory(arch: str = "llama", **kwargs: Any) -> Path:
+        _skip_if_oracle_lacks_grouped_norm(arch, kwargs)
         key = (arch, tuple(sorted(kwargs.items())))
         if key not in cache:
             label = "-".join([arch] + [f"{k}{v}" for k, v in sorted(kwargs.items())])
@@ -40,6 +41,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return cache[key]
 
     return factory
+
+
+def _skip_if_oracle_lacks_grouped_norm(arch: str, kwargs: dict) -> None:
+    """Bamba and Mamba2 with several B/C groups normalise each group's features on their
+    own (the reference mamba_ssm does; transformers since 5.23). An older transformers
+    normalises the whole width, so it is no oracle for such a checkpoint."""
+    import transformers
+    from packaging.version import Version
+
+    groups = kwargs.get("mamba_n_groups" if arch == "bamba" else "n_groups", 1)
+    if arch in ("bamba", "mamba2") and groups > 1 \
+            and Version(transformers.__version__) < Version("5.23"):
+        pytest.skip(f"transformers {transformers.__version__} normalises {arch}'s gated norm "
+                    "over all groups at once; the oracle for n_groups > 1 needs >= 5.23")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -25,7 +25,7 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
-from spindle.layers.mamba.mixer import MambaMixer
+from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
 from spindle.models.llama import LlamaMLP, MissingLayer, _to_param_name, head_dim_of
@@ -115,9 +115,11 @@ class BambaAttention(nn.Module):
 
 
 def make_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> MambaMixer:
+    n_groups, head_dim = getattr(hf_config, "mamba_n_groups", 1), mamba_head_dim(hf_config)
     return MambaMixer(
         hidden_size=hf_config.hidden_size, num_heads=hf_config.mamba_n_heads,
-        head_dim=mamba_head_dim(hf_config), n_groups=getattr(hf_config, "mamba_n_groups", 1),
+        head_dim=head_dim, n_groups=n_groups,
+        norm_group_size=norm_group_size(hf_config.mamba_n_heads, head_dim, n_groups),
         state_size=hf_config.mamba_d_state, conv_kernel=getattr(hf_config, "mamba_d_conv", 4),
         chunk_size=hf_config.mamba_chunk_size, eps=hf_config.rms_norm_eps,
         time_step_limit=time_step_limit(hf_config),

@@ -25,7 +25,7 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from spindle.layers.mamba.mixer import MambaMixer
+from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
 from spindle.layers.norm import RMSNorm
 from spindle.models.weights import load_named_weights
 
@@ -72,6 +72,8 @@ class Mamba2Block(nn.Module):
         self.mixer = MambaMixer(
             hidden_size=hf_config.hidden_size, num_heads=hf_config.num_heads,
             head_dim=hf_config.head_dim, n_groups=hf_config.n_groups,
+            norm_group_size=norm_group_size(hf_config.num_heads, hf_config.head_dim,
+                                            hf_config.n_groups),
             state_size=hf_config.state_size, conv_kernel=hf_config.conv_kernel,
             chunk_size=hf_config.chunk_size, eps=hf_config.layer_norm_epsilon,
             time_step_limit=time_step_limit(hf_config),

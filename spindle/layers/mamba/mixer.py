@@ -6,8 +6,8 @@ piece: the gate, x and dt parts of in_proj, x's conv channels, A_log, D, dt_bias
 norm weight and out_proj's input (row parallel). The B/C groups are split too when
 there are at least as many as ranks; otherwise each group is replicated on
 tp_size / n_groups consecutive ranks, whose heads all read it. The gated RMSNorm
-normalises over the whole intermediate size (its sum of squares all-reduced), or per
-group of ``norm_group_size`` features, which each rank holds whole.
+normalises per group of ``norm_group_size`` features, which each rank holds whole, or
+(one group) over the whole intermediate size, its sum of squares all-reduced.
 
 The layer knows nothing of the runner: it reads its step's MambaMetadata from the
 forward context (``for_group(self.cache_group)``) and its states from ``kv_cache``.
@@ -209,9 +209,9 @@ class DepthwiseConvWeights(nn.Module):
 class GatedRMSNorm(nn.Module):
     """y = weight * rmsnorm(x * silu(gate)) (Mamba2's norm with the gate applied first),
     in float32. The mean square is over groups of ``group_size`` consecutive features
-    (NemotronH: intermediate / n_groups), or with group_size None over the full width of
-    all ranks (Bamba, transformers' Mamba2). A group never straddles two ranks: each
-    rank holds whole groups, so only the full-width norm all-reduces."""
+    (intermediate / n_groups: see norm_group_size), or with group_size None over the
+    full width of all ranks. A group never straddles two ranks: each rank holds whole
+    groups, so only the full-width norm all-reduces."""
 
     def __init__(self, local_size: int, full_size: int, eps: float,
                  tp_group: TensorParallelGroup, rows: Sequence[RowPiece],
@@ -243,6 +243,13 @@ class GatedRMSNorm(nn.Module):
         square_sum = self.tp_group.all_reduce(h.pow(2).sum(-1, keepdim=True))
         h = h * torch.rsqrt(square_sum / self.full_size + self.variance_epsilon)
         return (self.weight.float() * h).to(x.dtype)
+
+
+def norm_group_size(num_heads: int, head_dim: int, n_groups: int) -> int | None:
+    """The gated norm's group: Mamba2 normalises each B/C group's share of the
+    intermediate features on its own (as the reference mamba_ssm does, and transformers
+    since 5.23); one group is the whole width (None: all-reduced under TP)."""
+    return None if n_groups == 1 else num_heads * head_dim // n_groups
 
 
 def local_groups(n_groups: int, tp_size: int, rank: int) -> tuple[int, int]:
