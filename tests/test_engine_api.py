@@ -252,3 +252,31 @@ def test_cli_reports_bad_input_cleanly(tmp_path):
     gen = _cli("generate", "--model", str(tmp_path / "missing"), "--device", "cpu", "x")
     assert gen.returncode == 2
     assert "does not exist" in gen.stderr and "Traceback" not in gen.stderr
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_text_decoded_at_the_end_equals_the_streamed_text(llm, skip_special_tokens):
+    """An offline sample without stop strings is decoded once, at its end: the text must
+    be the one the per-token stream gives (random ids: split multi-byte characters,
+    special tokens), for any prompt before it, even one ending inside a character."""
+    import random
+
+    from spindle.engine.detokenizer import IncrementalDetokenizer
+
+    tok = llm.get_tokenizer()
+    rng = random.Random(0)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    for _ in range(40):
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 9))]
+        tokens = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 30))]
+        streamed = IncrementalDetokenizer(tok, prompt, params)
+        at_end = IncrementalDetokenizer(tok, prompt, params, text_at_end=True)
+        for t in tokens:
+            streamed.add_token(t)
+            at_end.add_token(t)
+        streamed.finish()
+        at_end.finish()
+        assert at_end.output_text == streamed.output_text
+        # (A byte-level tokenizer: the output's text is its own bytes' text, whatever
+        # the prompt ends with.)
+        assert streamed.output_text == tok.decode(tokens, skip_special_tokens=skip_special_tokens)

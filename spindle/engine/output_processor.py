@@ -82,7 +82,8 @@ class OutputProcessor:
         """Track a user request whose n samples run as core requests core_params.keys()."""
         samples = {}
         for index, (core_id, params) in enumerate(core_params.items()):
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params,
+                                           text_at_end=final_only)
             samples[core_id] = _SampleState(
                 index=index, params=params, detokenizer=detok,
                 logprobs=[] if params.logprobs is not None else None,
@@ -112,11 +113,13 @@ class OutputProcessor:
         ids that hit a stop string (the core must finish them), and the core request
         ids of requests that failed (the core must abort those still running)."""
         touched: dict[str, _UserRequest] = {}
+        ended: set[str] = set()  # users with a sample that ended this step
         stopped_by_string: list[str] = []
         failed: list[str] = []
         pooled = []
+        pooling = bool(self.pooling)
         for out in outputs:
-            if out.req_id in self.pooling:
+            if pooling and out.req_id in self.pooling:
                 pooled.append(self.pooling.finish(out))
                 continue
             user_id = self._core_to_user.get(out.req_id)
@@ -139,9 +142,11 @@ class OutputProcessor:
                 user.fail(out.req_id, failure)
                 failed.extend(user.samples)
             touched[user_id] = user
+            if sample.finish_reason is not None:
+                ended.add(user_id)
         results: list = [p for p in pooled if p is not None]
-        for user in touched.values():
-            if user.finished:
+        for user_id, user in touched.items():
+            if user_id in ended and user.finished:
                 results.append(user.output())
                 self._forget(user)
             elif not user.final_only:
