@@ -130,6 +130,9 @@ class KVCacheManager:
         self.max_step_tokens = max_step_tokens
         self.groups = list(groups) if groups is not None else [CacheGroup(FULL_ATTENTION, 1)]
         self.paged = [i for i, g in enumerate(self.groups) if g.is_paged]
+        # Positions in self.paged of the sliding-window groups (the ones that free blocks).
+        self._windowed = [i for i, g in enumerate(self.paged)
+                          if self.groups[g].sliding_window is not None]
         self.stateful = [i for i, g in enumerate(self.groups) if not g.is_paged]
         if self.stateful and num_state_slots < 1:
             raise ValueError("a model with state (mamba) layers needs num_state_slots >= 1")
@@ -149,6 +152,7 @@ class KVCacheManager:
         self._pending_snapshots: list[tuple[KVCacheBlock, Request, int]] = []
         self._held_snapshots: list[KVCacheBlock] = []  # until the next schedule()
         self.prefix_cache_stats = PrefixCacheStats()
+        self._max_fit_tokens = self._largest_fitting_sequence()
 
     @property
     def num_blocks(self) -> int:
@@ -164,9 +168,24 @@ class KVCacheManager:
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether one sequence of num_tokens tokens fits in the whole cache."""
-        needed = sum(self.groups[g].blocks_for(num_tokens, self.block_size, self.max_step_tokens)
-                     for g in self.paged)
-        return needed <= self.num_blocks
+        return num_tokens <= self._max_fit_tokens
+
+    def _blocks_for_sequence(self, num_tokens: int) -> int:
+        return sum(self.groups[g].blocks_for(num_tokens, self.block_size, self.max_step_tokens)
+                   for g in self.paged)
+
+    def _largest_fitting_sequence(self) -> int:
+        """The most tokens one sequence may have and fit in the whole cache (the
+        blocks it needs grow with its length; sliding windows alone: no bound), found
+        once so that the scheduler's check of every request every step is one compare."""
+        low, high = 0, 1 << 62
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._blocks_for_sequence(mid) <= self.num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     # ---------------------------------------------------------------- prefix hits
     def get_computed_blocks(self, request: Request) -> tuple[PrefixHit, int]:
@@ -250,24 +269,25 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         rid = request.request_id
-        is_new = rid not in self._req_blocks
+        held = self._req_blocks.get(rid)
+        is_new = held is None
         if hit and not is_new:
             raise ValueError(f"request {rid} already holds blocks: prefix hits can only "
                              "be taken at admission")
-        hits = hit.blocks if hit else [[] for _ in self.paged]
-        num_hit_tokens = hit.num_tokens
-        start = request.num_computed_tokens + num_hit_tokens
+        start = request.num_computed_tokens + hit.num_tokens
         total = start + num_new_tokens
-        if total > request.num_tokens + request.num_output_placeholders:
+        num_tokens = len(request.all_token_ids)
+        if total > num_tokens + request.num_output_placeholders:
             raise ValueError(f"request {rid}: cannot allocate for {total} tokens, it has "
-                             f"only {request.num_tokens} known tokens")
-        known = min(total, request.num_tokens)  # only known token ids are ever hashed
-        held = self._req_blocks.get(rid)
+                             f"only {num_tokens} known tokens")
+        known = min(total, num_tokens)  # only known token ids are ever hashed
         if held is not None:
-            self._free_outside_windows(rid, held, start)
+            if self._windowed:
+                self._free_outside_windows(rid, held, start)
             if self._holds_enough(rid, held, total, known):
                 self._snapshot_state(request, total)
                 return [[] for _ in self.paged]  # the common decode step
+        hits = hit.blocks if hit else [[] for _ in self.paged]
         lengths = [len(h) for h in held] if held is not None else [len(h) for h in hits]
         num_needed = [max(0, _cdiv(total, self.block_size) - n) for n in lengths]
         num_revived = sum(1 for group in hits for b in group if b is not None and b.ref_cnt == 0)
@@ -376,7 +396,8 @@ class KVCacheManager:
 
     def _free_outside_windows(self, rid: str, held: GroupBlocks, position: int) -> None:
         """Free the sliding-window blocks no token from position on will read."""
-        for i, g in enumerate(self.paged):
+        for i in self._windowed:
+            g = self.paged[i]
             blocks = held[i]
             first_needed = min(self._first_needed_block(g, position), len(blocks))
             freed = [b for b in blocks[:first_needed] if b is not None]
@@ -387,8 +408,10 @@ class KVCacheManager:
 
     def _holds_enough(self, rid: str, held: GroupBlocks, total: int, known: int) -> bool:
         """Whether held blocks cover total tokens and no block newly became full."""
-        if any(_cdiv(total, self.block_size) > len(blocks) for blocks in held):
-            return False
+        needed = _cdiv(total, self.block_size)
+        for blocks in held:
+            if needed > len(blocks):
+                return False
         return not self.enable_caching or known // self.block_size <= self._num_hashed.get(rid, 0)
 
     def free(self, request: Request) -> None:
@@ -432,6 +455,8 @@ class KVCacheManager:
 
     def new_block_ids(self, new_blocks: GroupBlocks) -> list[list[int]]:
         """allocate_slots()'s result as ids per group (state groups: none new)."""
+        if not any(new_blocks):  # the common decode step
+            return [[] for _ in self.groups]
         paged = iter(new_blocks)
         return [[b.block_id for b in next(paged)] if group.is_paged else []
                 for group in self.groups]

@@ -196,38 +196,39 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Schedule running requests in admission order, preempting from the back
         when blocks run out. Returns the budget left."""
+        # (Runs for every running request every step: lookups are hoisted.)
+        manager = self.kv_cache_manager
+        running, scheduled, cached = self.running, out.num_scheduled_tokens, out.cached_requests
         index = 0
-        while (index < len(self.running) and budget > 0
-               and len(out.num_scheduled_tokens) < self._step_cap):
-            request = self.running[index]
-            num_new = (request.num_tokens + request.num_output_placeholders
-                       - request.num_computed_tokens)
-            if (request.num_output_placeholders
-                    and request.num_output_tokens + request.num_output_placeholders
-                    >= request.max_tokens):
+        while index < len(running) and budget > 0 and len(scheduled) < self._step_cap:
+            request = running[index]
+            num_tokens = len(request.all_token_ids)
+            placeholders = request.num_output_placeholders
+            num_new = num_tokens + placeholders - request.num_computed_tokens
+            if placeholders and len(request.output_token_ids) + placeholders >= request.max_tokens:
                 num_new = 0  # the in-flight token is its last: nothing more to compute
             if num_new <= 0:
                 # Its last step's token is not back yet (only with outputs in flight).
                 index += 1
                 continue
             if self._can_never_fit(request, num_new):
-                self.running.pop(index)
+                running.pop(index)
                 self._finish_unfittable(request)
                 continue
-            if self._chunkable(request):
-                num_new = self.kv_cache_manager.align_chunk(
-                    request, request.num_computed_tokens, min(num_new, budget))
-            elif num_new > budget:
-                index += 1
-                continue
+            if num_new > 1:  # (a decode step schedules one token: nothing to cut)
+                if self._chunkable(request):
+                    num_new = manager.align_chunk(request, request.num_computed_tokens,
+                                                  min(num_new, budget))
+                elif num_new > budget:
+                    index += 1
+                    continue
             new_blocks = self._allocate_or_preempt(request, num_new, out)
             if new_blocks is None:
                 break  # request preempted itself: nothing after it is left
-            out.cached_requests.append(CachedRequestData(
-                req_id=request.request_id,
-                new_block_ids=self.kv_cache_manager.new_block_ids(new_blocks),
+            cached.append(CachedRequestData(
+                req_id=request.request_id, new_block_ids=manager.new_block_ids(new_blocks),
                 num_computed_tokens=request.num_computed_tokens))
-            out.num_scheduled_tokens[request.request_id] = num_new
+            scheduled[request.request_id] = num_new
             budget -= num_new
             index += 1
         return budget
@@ -369,13 +370,14 @@ class Scheduler:
                     or request.status != RequestStatus.RUNNING):
                 continue
             new_tokens = self._append_until_stop(request, token_ids)
+            finished = request.status != RequestStatus.RUNNING  # (it was running above)
             lp = logprobs[i] if i < len(logprobs) else None
             outputs.append(EngineCoreOutput(
                 req_id=rid, new_token_ids=new_tokens,
                 new_logprobs=[lp] if lp is not None else [],
-                finish_reason=request.get_finish_reason(),
+                finish_reason=request.get_finish_reason() if finished else None,
                 stop_reason=request.stop_reason))
-            if request.is_finished():
+            if finished:
                 self._finish(request, request.status)
                 any_finished = True
         if any_finished:
@@ -407,19 +409,20 @@ class Scheduler:
         return outputs
 
     def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
-        """Append token_ids one by one until one finishes the request (its status is
-        then set); returns the tokens appended."""
+        """Append token_ids until one finishes the request (its status is then set);
+        returns the tokens appended."""
         params = request.sampling_params
-        appended = []
-        for token in token_ids:
-            request.append_output_token_ids([token])
-            appended.append(token)
-            if (token in params.all_stop_token_ids
-                    and request.num_output_tokens >= params.min_tokens):
+        num_output = len(request.output_token_ids)
+        appended = token_ids
+        for i, token in enumerate(token_ids, start=1):
+            if token in params.all_stop_token_ids and num_output + i >= params.min_tokens:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token if token in params.stop_token_ids else None
-                break
-            if request.num_output_tokens >= request.max_tokens:
+            elif num_output + i >= request.max_tokens:
                 request.status = RequestStatus.FINISHED_LENGTH
-                break
-        return appended
+            else:
+                continue
+            appended = token_ids[:i]
+            break
+        request.append_output_token_ids(appended)
+        return list(appended)

@@ -149,9 +149,9 @@ class InputBatch:
 
     def append_blocks(self, req_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
         """Append new block ids per cache group (a state group's list is its slot)."""
+        if not any(new_block_ids):
+            return  # most decode steps (and a model without a cache, which gets no lists)
         if len(new_block_ids) != len(self.group_is_paged):
-            if not any(new_block_ids):
-                return  # (a model without a cache gets no lists at all)
             raise RuntimeError(f"request {req_id!r}: block ids for {len(new_block_ids)} cache "
                                f"groups, the model has {len(self.group_is_paged)}")
         state = self.requests[req_id]
@@ -227,9 +227,11 @@ class InputBatch:
     def advance(self, batch: StepBatch) -> None:
         """After launching a step: its tokens are computed, and the tokens it samples
         are in flight until append_token() records them."""
-        for state, n, samples in zip(batch.requests, batch.num_scheduled, batch.sampling_mask):
-            state.num_computed_tokens += int(n)
-            state.num_inflight += int(samples)
+        # (Python ints: iterating the arrays would make a numpy scalar per request.)
+        for state, n, samples in zip(batch.requests, batch.num_scheduled.tolist(),
+                                     batch.sampling_mask.tolist()):
+            state.num_computed_tokens += n
+            state.num_inflight += samples
 
     def needs_outputs(self, req_ids: list[str]) -> bool:
         """Whether sampling these requests reads their outputs so far (penalties, or

@@ -510,7 +510,8 @@ class ModelRunner:
         held = self.input_batch.requests
         out = ModelRunnerOutput(req_ids=batch.req_ids)
         sample_row = 0
-        for req_id, state, samples in zip(batch.req_ids, batch.requests, batch.sampling_mask):
+        for req_id, state, samples in zip(batch.req_ids, batch.requests,
+                                          batch.sampling_mask.tolist()):
             if not samples:
                 out.sampled_token_ids.append([])
                 out.logprobs.append(None)
@@ -519,8 +520,8 @@ class ModelRunner:
             if held.get(req_id) is state:  # (gone if finished or preempted meanwhile)
                 self.input_batch.append_token(state, token)
             out.sampled_token_ids.append([token])
-            out.logprobs.append(_logprobs_for(logprobs, sample_row,
-                                              state.sampling_params.logprobs))
+            out.logprobs.append(None if logprobs is None else _logprobs_for(
+                logprobs, sample_row, state.sampling_params.logprobs))
             sample_row += 1
         return out
 
