@@ -6,6 +6,7 @@ cumem bookkeeping against a fake virtual-memory driver, and the device lock."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 import textwrap
 import threading
@@ -504,3 +505,29 @@ def test_async_engine_sleep_modes_with_streams_open(tiny_model):
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         engine.shutdown()
+
+
+def test_cumem_callbacks_outlive_an_allocator_dropped_with_segments_out(monkeypatch):
+    """torch may free a pool's segment after the allocator that made it is gone (an
+    engine dropped without shutdown, a tensor kept past it): the C callback it calls
+    then must still be alive, and still free the segment. Once every segment is back,
+    the next allocator drops the retired callbacks."""
+    from spindle.memory import cumem
+
+    # (torch hands the two function addresses to its caching allocator; here, to us.)
+    monkeypatch.setattr(torch._C, "_cuda_customAllocator", lambda m, f: (m, f), raising=False)
+    vm = FakeVirtualMemory()
+    allocator = cumem.CuMemAllocator(torch.device("cuda", 0), vm=vm)
+    malloc_address, free_address = allocator._torch_allocator
+    server = allocator._server
+    server.tag = "weights"  # (what use_pool("weights") sets)
+    ptr = cumem._MALLOC_FN(malloc_address)(5000, 0, None)  # as torch calls it
+    server.tag = None
+    assert ptr in vm.reserved
+    del allocator
+    gc.collect()
+    assert server in cumem._SERVING and not server.retired  # a segment is still out
+    cumem._FREE_FN(free_address)(ptr, 8192, 0, None)  # torch frees it, later
+    assert not vm.reserved and server.retired
+    cumem.CuMemAllocator(torch.device("cuda", 0), vm=FakeVirtualMemory())
+    assert server not in cumem._SERVING
