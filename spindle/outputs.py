@@ -73,6 +73,9 @@ class RequestOutput:
     finished: bool = False
     # Set when the request failed alone (finished, its samples' finish_reason "error").
     error: RequestFailure | None = None
+    # The weights these tokens came from: 0 for the checkpoint's, then what
+    # update_weights() set (its version, or the number of updates so far).
+    weight_version: int | str = 0
 
 
 @dataclass
@@ -95,6 +98,7 @@ class EmbeddingRequestOutput:
     finished: bool = True
     finish_reason: str | None = "stop"  # "stop" | "abort" | "error"
     error: RequestFailure | None = None  # set when the request failed alone
+    weight_version: int | str = 0  # the weights that embedded it (see RequestOutput)
 
 
 def finite_logprob(value: float | None) -> float | None:

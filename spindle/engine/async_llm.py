@@ -184,6 +184,27 @@ class AsyncLLM:
         finally:
             await self.resume()  # the held requests wait in the scheduler (or run, on failure)
 
+    async def update_weights(self, weights: Any, version: int | str | None = None,
+                             mode: PauseMode | str = PauseMode.WAIT) -> None:
+        """Load new weights (see LLMEngine.update_weights). mode, for requests in flight:
+        "wait" (the default) lets them finish on the old weights first (streaming as
+        usual; requests that arrive meanwhile wait and run on the new ones), "abort"
+        ends them, "keep" has them continue on the new weights. Outputs carry the
+        version of the weights that produced them."""
+        from spindle.models.weight_update import as_weight_source
+
+        mode = PauseMode.parse(mode)
+        source = as_weight_source(weights)  # (a generator is read here, not on the engine thread)
+        if mode is not PauseMode.WAIT:
+            await self._loop.call(lambda: self._loop.update_weights(source, version, mode))
+            return
+        await self.pause(PauseMode.WAIT)
+        try:
+            await self._loop.call(
+                lambda: self._loop.update_weights(source, version, PauseMode.KEEP))
+        finally:
+            await self.resume()
+
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake tags ("weights", "kv_cache", "scheduling"; None: all that sleeps)."""
         await self.call(lambda engine: engine.wake_up(tags))
@@ -396,6 +417,11 @@ class _EngineLoop:
     def sleep(self, level: int, mode: PauseMode) -> None:
         now = time.monotonic()
         for output in self.engine.sleep(level, mode):
+            self._deliver(output, now)
+
+    def update_weights(self, source: Any, version: int | str | None, mode: PauseMode) -> None:
+        now = time.monotonic()
+        for output in self.engine.update_weights(source, version, mode):
             self._deliver(output, now)
 
     # ---- delivery ---------------------------------------------------------------------

@@ -53,6 +53,10 @@ class EngineCore:
         self._inflight = None  # (SchedulerOutput, PendingOutput) of the launched step
         self._undelivered: list[EngineCoreOutput] = []  # drained outside step()
         self.gate = SchedulingGate()  # pause / sleep state (engine/pause.py)
+        # Which weights the outputs come from: 0 for the checkpoint's, then the caller's
+        # version, or the number of updates so far (update_weights).
+        self.weight_version: int | str = 0
+        self.num_weight_updates = 0
         self.startup_seconds = time.perf_counter() - start
         self.startup_table = format_startup_table(self.executor.lifecycle_reports())
         slots = (f", {self.kv_config.num_state_slots} state slots "
@@ -293,6 +297,40 @@ class EngineCore:
         if "kv_cache" in memory:
             self.scheduler.reset_prefix_cache()  # whatever the cache held is gone
         self.gate.wake(tags)
+
+    def update_weights(self, source, version: int | str | None = None,
+                       mode: PauseMode | str = PauseMode.WAIT) -> list[EngineCoreOutput]:
+        """Load new weights (a checkpoint directory, or (name, tensor) pairs in HF
+        naming; checked whole first: a bad source changes nothing) and tag what follows
+        with version (None: the number of updates so far).
+
+        mode says what happens to unfinished requests: "wait" (the default) runs them to
+        completion on the old weights first, "abort" ends them, "keep" has them
+        recompute from their tokens so far, and continue, on the new weights. Asleep,
+        nothing runs: the weights must be awake (wake_up(["weights"])), and the requests
+        kept by sleep continue on the new weights after wake_up. The prefix cache is
+        dropped (its KV came from the old weights). Returns the outputs that settling the
+        requests produced, for the caller to report under the old version."""
+        mode = PauseMode.parse(mode)
+        if version is not None and (isinstance(version, bool)
+                                    or not isinstance(version, (int, str))):
+            raise ValueError(f"weight version must be an int or a str, got {version!r}")
+        if "weights" in self.gate.asleep:
+            raise ValueError("the weights are asleep: wake_up(['weights']) before "
+                             "update_weights (the KV cache may stay asleep)")
+        self.drain()
+        if self.gate.is_sleeping:
+            outputs, self._undelivered = self._undelivered, []
+        else:
+            outputs = self._settle_unfinished(mode)
+            if mode is PauseMode.KEEP:
+                self.scheduler.preempt_all()  # their KV came from the old weights
+        self.executor.update_weights(source)
+        self.scheduler.reset_prefix_cache()
+        self.num_weight_updates += 1
+        self.weight_version = self.num_weight_updates if version is None else version
+        logger.info("weights updated (version %s)", self.weight_version)
+        return outputs
 
     def sleep_state(self) -> dict:
         """The engine's sleep state, and each worker's (when sleep mode is on)."""

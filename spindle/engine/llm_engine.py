@@ -117,9 +117,30 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         return self._process(self.core.step())
 
-    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        """The user-facing outputs of the core's; tell the core what they ended."""
+    def update_weights(self, weights: Any, version: int | str | None = None,
+                       mode: PauseMode | str = PauseMode.WAIT) -> list[RequestOutput]:
+        """Load new weights (see EngineCore.update_weights): a checkpoint directory, a
+        state_dict, or an iterable of (name, tensor) pairs in Hugging Face naming.
+        Returns the outputs of the requests that settling them finished, tagged with
+        the old weights' version."""
+        from spindle.models.weight_update import as_weight_source
+
+        old_version = self.core.weight_version
+        settled = self.core.update_weights(as_weight_source(weights), version, mode)
+        return self._process(settled, old_version)
+
+    @property
+    def weight_version(self) -> int | str:
+        return self.core.weight_version
+
+    def _process(self, core_outputs: list[EngineCoreOutput],
+                 weight_version: int | str | None = None) -> list[RequestOutput]:
+        """The user-facing outputs of the core's, tagged with the version of the weights
+        that produced them (the current one unless given); tell the core what they ended."""
         results, stopped, failed = self.output_processor.process(core_outputs)
+        version = self.core.weight_version if weight_version is None else weight_version
+        for result in results:
+            result.weight_version = version
         if stopped:
             # A stop string ended these samples: the core frees their blocks now.
             self.core.finish_requests(stopped)

@@ -107,6 +107,24 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()
 
+    def update_weights(self, weights: Any, version: int | str | None = None) -> None:
+        """Load new weights into the running engine, in place: a checkpoint directory,
+        a state_dict, or an iterable of (name, tensor) pairs in Hugging Face naming (what
+        a trainer's named_parameters() gives). Every tensor is checked against the
+        checkpoint the engine started from (names, shapes) before any is copied, so a
+        bad source raises ValueError and changes nothing. Tensor-parallel ranks each
+        take their shard. The prefix cache is dropped. Outputs from then on carry
+        weight_version = version (default: the number of updates so far).
+
+        With sleep mode, the weights alone can be woken for it: sleep(2),
+        wake_up(["weights"]), update_weights(...), wake_up()."""
+        self.engine.update_weights(weights, version)
+
+    @property
+    def weight_version(self) -> int | str:
+        """The version of the weights outputs come from now (0: the checkpoint's)."""
+        return self.engine.weight_version
+
     def sleep_state(self) -> dict:
         """Sleep level, tags asleep and, per worker, device and host bytes by tag."""
         return self.engine.core.sleep_state()

@@ -161,6 +161,11 @@ class Executor(abc.ABC):
     def sleep_state(self) -> list[dict]:
         return self.collective_rpc("sleep_state")
 
+    def update_weights(self, source) -> list[dict]:
+        """Every worker loads new weights (each takes its shard): a checkpoint directory,
+        which each reads itself, or (name, tensor) pairs, which travel to each."""
+        return self.collective_rpc("update_weights", args=(source,))
+
     # ---- health ------------------------------------------------------------------------------
     def lifecycle_reports(self) -> list[list[dict]]:
         return self.collective_rpc("lifecycle_report")

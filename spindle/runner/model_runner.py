@@ -88,6 +88,7 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self.num_graph_captures = 0  # CUDA graphs captured so far (warmup and recaptures)
         self._recapture_on_wake = False
+        self._checkpoint_layout = None  # names and shapes, for update_weights' checks
         self._last_launched: PendingOutput | None = None
         # Requests whose preparation failed: the scheduler may still schedule them (it
         # learns of the failure from this step's output) until it reports them finished.
@@ -293,6 +294,23 @@ class ModelRunner:
         if missing:
             raise RuntimeError(f"reloading {model_config.model} left {len(missing)} "
                                f"parameter(s) unloaded: {', '.join(missing[:5])}")
+
+    @torch.no_grad()
+    def update_weights(self, source) -> int:
+        """Copy new weights into the existing parameters (same tensors, same
+        addresses: CUDA graphs stay valid), after checking the whole source against
+        the checkpoint's layout (spindle/models/weight_update.py); returns the number
+        of tensors the source held."""
+        from spindle.models import weight_update
+
+        model = self._require_model()
+        if self._checkpoint_layout is None:
+            self._checkpoint_layout = weight_update.checkpoint_layout(self.config.model.model)
+        names = weight_update.check_source(source, self._checkpoint_layout,
+                                           weight_update.derived_names(self.config.model.hf_config))
+        model.load_weights(weight_update.iter_source(source, self.config.model.dtype))
+        self.platform.synchronize(self.device)
+        return len(names)
 
     def before_sleep(self, addresses_will_change: bool) -> None:
         """Captured graphs would point at freed memory after such a sleep: drop them

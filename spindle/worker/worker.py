@@ -160,6 +160,18 @@ class Worker:
             backend.resume(tags)
         return report
 
+    def update_weights(self, source) -> dict[str, Any]:
+        """Load new weights into the model in place (see ModelRunner.update_weights);
+        the weights must be awake. Returns the seconds it took and the tensors loaded."""
+        from spindle.memory.sleep_backend import WEIGHTS
+
+        if self.sleep_backend is not None and WEIGHTS in self.sleep_backend.asleep:
+            raise RuntimeError(f"worker rank {self.rank}: the weights are asleep; "
+                               "wake_up(['weights']) before update_weights")
+        with self._timed_under_device_lock("update_weights") as report:
+            report["tensors"] = self.runner.update_weights(source)
+        return report
+
     def sleep_state(self) -> dict[str, Any]:
         """The backend's state and the device memory this process uses now: by tag,
         and the rest ("other": CUDA context, graph pool, activation cache, ...)."""

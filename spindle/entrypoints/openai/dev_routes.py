@@ -1,5 +1,5 @@
 """Control routes for development and weight-update loops: sleep / wake_up, pause /
-resume, collective_rpc.
+resume, update_weights / weight_version, collective_rpc.
 
 Mounted only when SPINDLE_SERVER_DEV_MODE=1 (see api_server.build_app): they stop
 serving and run worker methods by name, so they must never face untrusted
@@ -125,6 +125,32 @@ async def resume(request: Request) -> dict[str, Any]:
 async def is_paused(request: Request) -> dict[str, Any]:
     mode = await _engine(request).is_paused()
     return {"is_paused": mode is not None, "mode": mode.value if mode else None}
+
+
+class UpdateWeightsBody(_ControlBody):
+    path: str  # a checkpoint directory the server's workers can read
+    version: int | str | None = None  # None: the number of updates so far
+    mode: _Mode = PauseMode.WAIT.value  # for requests in flight: wait, keep, abort
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request) -> dict[str, Any]:
+    """{"path": DIR, "version": ..., "mode": "wait"|"keep"|"abort"}: load the
+    checkpoint's weights into the running engine (checked whole first: a bad one
+    changes nothing and answers 400). Responses from then on carry the version."""
+    body = await _json_body(request, UpdateWeightsBody)
+    engine = _engine(request)
+    try:
+        await engine.update_weights(body.path, body.version, PauseMode.parse(body.mode))
+    except ValueError as e:
+        raise bad_request(str(e), "path") from e
+    return {"weight_version": await engine.call(lambda e: e.weight_version)}
+
+
+@router.get("/weight_version")
+async def weight_version(request: Request) -> dict[str, Any]:
+    """The version of the weights responses come from now (0: the checkpoint's)."""
+    return {"weight_version": await _engine(request).call(lambda e: e.weight_version)}
 
 
 class CollectiveRPCRequest(_ControlBody):

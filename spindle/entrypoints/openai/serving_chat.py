@@ -44,7 +44,8 @@ class ChatServing(OpenAIServing):
             choices.append({"index": c.index,
                             "message": {"role": "assistant", "content": c.text},
                             "logprobs": _logprobs(c, 0, shown, k),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "weight_version": output.weight_version})
         return {"id": request_id, "object": "chat.completion", "created": created,
                 "model": model, "choices": choices, "usage": usage_of([output])}
 
@@ -62,7 +63,8 @@ class ChatServing(OpenAIServing):
                         if not state.started:  # OpenAI opens each choice with the role alone
                             state.started = True
                             yield sse({**header, "choices": [_delta_choice(
-                                c.index, {"role": "assistant", "content": ""})]})
+                                c.index, {"role": "assistant", "content": ""},
+                                weight_version=output.weight_version)]})
                         taken = state.take(c, holdback)
                         if taken is None:
                             continue
@@ -71,7 +73,8 @@ class ChatServing(OpenAIServing):
                             end = max(first, min(end, logprob_token_count(
                                 c, special, req.skip_special_tokens)))
                         choice = _delta_choice(c.index, {"content": text} if text else {},
-                                               _logprobs(c, first, c.token_ids[first:end], k))
+                                               _logprobs(c, first, c.token_ids[first:end], k),
+                                               output.weight_version)
                         if state.finished:
                             choice["finish_reason"], choice["stop_reason"] = (c.finish_reason,
                                                                               c.stop_reason)
@@ -87,9 +90,10 @@ class ChatServing(OpenAIServing):
         yield SSE_DONE
 
 
-def _delta_choice(index: int, delta: dict[str, Any],
-                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+def _delta_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+                  weight_version: int | str = 0) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None,
+            "weight_version": weight_version}
 
 
 def _logprobs(completion: CompletionOutput, first: int, token_ids: list[int],

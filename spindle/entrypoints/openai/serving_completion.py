@@ -35,8 +35,9 @@ class CompletionServing(OpenAIServing):
             for c in output.outputs:
                 raise_if_aborted(c)
                 shown = c.token_ids[:logprob_token_count(c, special, req.skip_special_tokens)]
-                choices.append(_choice(i * params.n + c.index, prompt_text + c.text, c,
-                                       _logprobs(c, 0, shown, len(prompt_text))))
+                choices.append({**_choice(i * params.n + c.index, prompt_text + c.text, c,
+                                          _logprobs(c, 0, shown, len(prompt_text))),
+                                "weight_version": output.weight_version})
         return {**header, "choices": choices, "usage": usage_of(outputs)}
 
     async def _stream(self, req: CompletionRequest, header: dict, streams, holdback: int,
@@ -67,6 +68,7 @@ class CompletionServing(OpenAIServing):
                                          _logprobs(c, first, c.token_ids[first:end], offset))
                         if not state.finished:
                             choice["finish_reason"] = choice["stop_reason"] = None
+                        choice["weight_version"] = output.weight_version
                         yield sse({**header, "choices": [choice]})
                     if output.finished:
                         prompt_tokens += len(output.prompt_token_ids)
