@@ -132,6 +132,8 @@ def test_tensor_parallel_ranks_each_take_their_shard(checkpoints, source):
         llm.update_weights(load_file(str(new / "model.safetensors")) if source == "tensors"
                            else new)
         assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == new_expected
+        with pytest.raises(ValueError, match="'lm_head.weight' has shape"):  # (before any rank)
+            llm.update_weights([("lm_head.weight", torch.zeros(2, 2))])
 
 
 def test_requests_in_flight_finish_on_the_old_weights_by_default(checkpoints):
@@ -244,3 +246,57 @@ def test_server_update_route_and_versions_on_responses(checkpoints, tmp_path):
     finally:
         server.stop()
         engine.shutdown()
+
+
+# The trainer, in a process of its own: it sends the new checkpoint's tensors (as
+# bf16, the way a trainer may hold them), then a list the engine must refuse.
+_TRAINER = r"""
+import sys
+import torch
+from safetensors.torch import load_file
+from spindle.rl import WeightSender
+
+checkpoint, num_ranks = sys.argv[1], int(sys.argv[2])
+weights = load_file(checkpoint)
+sender = WeightSender(num_ranks, timeout_s=60)
+print(sender.address, flush=True)
+sender.connect()
+sender.send({k: v for k, v in weights.items()}, batch_bytes=1 << 16)  # several batches
+bad = dict(weights)
+bad["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)
+try:
+    sender.send(bad)
+except RuntimeError as e:
+    print("refused:", e, flush=True)
+sender.close()
+"""
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_weights_from_a_trainer_process_over_gloo(checkpoints, tp):
+    import subprocess
+    import sys
+
+    old, new, old_expected, new_expected = checkpoints
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(new / "model.safetensors"),
+                                str(tp)], stdout=subprocess.PIPE, text=True)
+    try:
+        address = trainer.stdout.readline().strip()
+        with engine(old, tensor_parallel_size=tp) as llm:
+            llm.init_weight_transfer(address, timeout_s=60)
+            llm.receive_weights(version="sent-1")
+            outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+            # The same as loading the same (bf16-rounded) tensors from memory.
+            with engine(old) as reference:
+                reference.update_weights({k: v.to(torch.bfloat16) for k, v in
+                                          load_file(str(new / "model.safetensors")).items()})
+                expected = tokens(reference.generate(prompts(), GREEDY, use_tqdm=False))
+            assert tokens(outputs) == expected and {o.weight_version for o in outputs} == {"sent-1"}
+            with pytest.raises(ValueError, match="down_proj.weight' has shape \\[3, 3\\]"):
+                llm.receive_weights()
+            assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == expected
+            assert llm.weight_version == "sent-1"
+        assert "refused: the engine refused these weights" in trainer.stdout.read()
+        assert trainer.wait(timeout=30) == 0
+    finally:
+        trainer.kill()

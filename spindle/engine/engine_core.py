@@ -57,6 +57,7 @@ class EngineCore:
         # version, or the number of updates so far (update_weights).
         self.weight_version: int | str = 0
         self.num_weight_updates = 0
+        self._checkpoint_layout = None  # (update_weights' check, read once)
         self.startup_seconds = time.perf_counter() - start
         self.startup_table = format_startup_table(self.executor.lifecycle_reports())
         slots = (f", {self.kv_config.num_state_slots} state slots "
@@ -311,13 +312,43 @@ class EngineCore:
         kept by sleep continue on the new weights after wake_up. The prefix cache is
         dropped (its KV came from the old weights). Returns the outputs that settling the
         requests produced, for the caller to report under the old version."""
+        from spindle.models import weight_update
+
+        # Checked here too, so that a bad source is a ValueError whatever the executor.
+        weight_update.check_source(source, *self._weight_layout())
+        return self._swap_weights(lambda: self.executor.update_weights(source), version, mode)
+
+    def _weight_layout(self):
+        from spindle.models import weight_update
+
+        if self._checkpoint_layout is None:
+            self._checkpoint_layout = weight_update.checkpoint_layout(self.config.model.model)
+        return self._checkpoint_layout, weight_update.derived_names(self.config.model.hf_config)
+
+    def init_weight_transfer(self, address: str, timeout_s: float) -> None:
+        """Join a trainer's WeightSender (spindle/rl/weight_transfer.py); returns once
+        every worker and the trainer are connected."""
+        self.executor.init_weight_transfer(address, timeout_s)
+
+    def receive_weights(self, version: int | str | None = None,
+                        mode: PauseMode | str = PauseMode.WAIT) -> list[EngineCoreOutput]:
+        """update_weights with what the trainer's next WeightSender.send() sends."""
+        def receive() -> None:
+            refused = [r["refused"] for r in self.executor.receive_weights() if "refused" in r]
+            if refused:  # (every rank refused before loading anything)
+                raise ValueError(refused[0])
+
+        return self._swap_weights(receive, version, mode)
+
+    def _swap_weights(self, load, version: int | str | None,
+                      mode: PauseMode | str) -> list[EngineCoreOutput]:
         mode = PauseMode.parse(mode)
         if version is not None and (isinstance(version, bool)
                                     or not isinstance(version, (int, str))):
             raise ValueError(f"weight version must be an int or a str, got {version!r}")
         if "weights" in self.gate.asleep:
             raise ValueError("the weights are asleep: wake_up(['weights']) before "
-                             "update_weights (the KV cache may stay asleep)")
+                             "updating them (the KV cache may stay asleep)")
         self.drain()
         if self.gate.is_sleeping:
             outputs, self._undelivered = self._undelivered, []
@@ -325,7 +356,7 @@ class EngineCore:
             outputs = self._settle_unfinished(mode)
             if mode is PauseMode.KEEP:
                 self.scheduler.preempt_all()  # their KV came from the old weights
-        self.executor.update_weights(source)
+        load()
         self.scheduler.reset_prefix_cache()
         self.num_weight_updates += 1
         self.weight_version = self.num_weight_updates if version is None else version

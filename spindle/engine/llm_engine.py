@@ -129,6 +129,13 @@ class LLMEngine:
         settled = self.core.update_weights(as_weight_source(weights), version, mode)
         return self._process(settled, old_version)
 
+    def receive_weights(self, version: int | str | None = None,
+                        mode: PauseMode | str = PauseMode.WAIT) -> list[RequestOutput]:
+        """update_weights with what the trainer's WeightSender sends next (after
+        core.init_weight_transfer)."""
+        old_version = self.core.weight_version
+        return self._process(self.core.receive_weights(version, mode), old_version)
+
     @property
     def weight_version(self) -> int | str:
         return self.core.weight_version

@@ -120,6 +120,18 @@ class LLM:
         wake_up(["weights"]), update_weights(...), wake_up()."""
         self.engine.update_weights(weights, version)
 
+    def init_weight_transfer(self, address: str, timeout_s: float = 300.0) -> None:
+        """Join a trainer's spindle.rl.WeightSender (its .address, HOST:PORT); the
+        trainer calls sender.connect() meanwhile, and this returns once every worker is
+        connected. timeout_s bounds each wait on the trainer."""
+        self.engine.core.init_weight_transfer(address, timeout_s)
+
+    def receive_weights(self, version: int | str | None = None) -> None:
+        """update_weights with what the trainer's next sender.send(weights) sends: checked
+        whole on every rank first (a bad list raises ValueError here, RuntimeError
+        there, and nothing changes), then loaded batch by batch as it arrives."""
+        self.engine.receive_weights(version)
+
     @property
     def weight_version(self) -> int | str:
         """The version of the weights outputs come from now (0: the checkpoint's)."""

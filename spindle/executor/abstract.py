@@ -166,6 +166,14 @@ class Executor(abc.ABC):
         which each reads itself, or (name, tensor) pairs, which travel to each."""
         return self.collective_rpc("update_weights", args=(source,))
 
+    def init_weight_transfer(self, address: str, timeout_s: float) -> None:
+        """Every worker joins a trainer's WeightSender (spindle/rl/weight_transfer.py)."""
+        self.collective_rpc("init_weight_transfer", args=(address, self.world_size, timeout_s))
+
+    def receive_weights(self) -> list[dict]:
+        """Every worker loads what the trainer sends next."""
+        return self.collective_rpc("receive_weights")
+
     # ---- health ------------------------------------------------------------------------------
     def lifecycle_reports(self) -> list[list[dict]]:
         return self.collective_rpc("lifecycle_report")

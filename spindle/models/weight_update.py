@@ -72,6 +72,14 @@ def check_source(source: Any, layout: dict[str, TensorSpec], derived: set[str]
                                  f"pairs; got an item of type {type(item).__name__}")
             name, tensor = item
             entries.append((name, tuple(tensor.shape), tensor.is_floating_point()))
+    check_entries(entries, layout, derived)
+    return [name for name, _, _ in entries]
+
+
+def check_entries(entries: list[tuple[str, tuple[int, ...], bool]],
+                  layout: dict[str, TensorSpec], derived: set[str]) -> None:
+    """(name, shape, floating point) of each tensor a source holds, against the layout;
+    raise ValueError naming every one that does not fit (the first five)."""
     if not entries:
         raise ValueError("update_weights: the source holds no tensors")
     problems = []
@@ -80,7 +88,7 @@ def check_source(source: Any, layout: dict[str, TensorSpec], derived: set[str]
         if spec is None:
             if name not in derived:
                 problems.append(f"{name!r} is not a tensor of this model's checkpoint")
-        elif shape != spec.shape:
+        elif tuple(shape) != spec.shape:
             problems.append(f"{name!r} has shape {list(shape)}, the checkpoint's is "
                             f"{list(spec.shape)}")
         elif floating != spec.floating:
@@ -90,19 +98,24 @@ def check_source(source: Any, layout: dict[str, TensorSpec], derived: set[str]
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
                                            if len(problems) > 5 else "")
         raise ValueError(f"update_weights: nothing was changed: {shown}")
-    return [name for name, _, _ in entries]
+
+
+def cast_weights(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors one at a time, floating ones cast to dtype."""
+    for name, tensor in weights:
+        tensor = tensor.detach()
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        yield name, tensor
 
 
 def iter_source(source: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The source's tensors one at a time, floating ones cast to dtype."""
     if isinstance(source, (str, Path)):
         yield from iter_checkpoint(checkpoint_files(Path(source)), dtype)
-        return
-    for name, tensor in source:
-        tensor = tensor.detach()
-        if tensor.is_floating_point() and tensor.dtype != dtype:
-            tensor = tensor.to(dtype)
-        yield name, tensor
+    else:
+        yield from cast_weights(source, dtype)
 
 
 def as_weight_source(weights: Any) -> "str | list[tuple[str, torch.Tensor]]":

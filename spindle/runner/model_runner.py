@@ -303,14 +303,34 @@ class ModelRunner:
         of tensors the source held."""
         from spindle.models import weight_update
 
-        model = self._require_model()
-        if self._checkpoint_layout is None:
-            self._checkpoint_layout = weight_update.checkpoint_layout(self.config.model.model)
-        names = weight_update.check_source(source, self._checkpoint_layout,
-                                           weight_update.derived_names(self.config.model.hf_config))
-        model.load_weights(weight_update.iter_source(source, self.config.model.dtype))
+        names = weight_update.check_source(source, *self._weight_layout())
+        self._require_model().load_weights(
+            weight_update.iter_source(source, self.config.model.dtype))
         self.platform.synchronize(self.device)
         return len(names)
+
+    @torch.no_grad()
+    def receive_weights(self, receiver) -> int:
+        """update_weights from a trainer's WeightSender (spindle/rl/weight_transfer.py):
+        the list of tensors is checked first on every rank, then each batch is loaded
+        as it arrives. Returns the number of tensors."""
+        from spindle.models import weight_update
+
+        layout = self._weight_layout()
+        model, dtype = self._require_model(), self.config.model.dtype
+        count = receiver.receive(lambda entries: weight_update.check_entries(entries, *layout),
+                                 lambda tensors: model.load_weights(
+                                     weight_update.cast_weights(tensors, dtype)))
+        self.platform.synchronize(self.device)
+        return count
+
+    def _weight_layout(self):
+        """The checkpoint's layout (read once) and the names a source may add to it."""
+        from spindle.models import weight_update
+
+        if self._checkpoint_layout is None:
+            self._checkpoint_layout = weight_update.checkpoint_layout(self.config.model.model)
+        return self._checkpoint_layout, weight_update.derived_names(self.config.model.hf_config)
 
     def before_sleep(self, addresses_will_change: bool) -> None:
         """Captured graphs would point at freed memory after such a sleep: drop them

@@ -69,6 +69,7 @@ class Worker:
         self.runner = None
         self.sleep_backend = None  # a SleepModeBackend under enable_sleep_mode
         self.cumem_allocator = None  # enable_cumem_allocator without sleep mode
+        self._weight_receiver = None  # a trainer's weight transfer (init_weight_transfer)
         self.tp_group = TensorParallelGroup.single()
         self.pp_stage = PipelineStage.single()
         self.records: list[StageRecord] = []
@@ -163,14 +164,42 @@ class Worker:
     def update_weights(self, source) -> dict[str, Any]:
         """Load new weights into the model in place (see ModelRunner.update_weights);
         the weights must be awake. Returns the seconds it took and the tensors loaded."""
+        self._require_weights_awake()
+        with self._timed_under_device_lock("update_weights") as report:
+            report["tensors"] = self.runner.update_weights(source)
+        return report
+
+    def init_weight_transfer(self, address: str, num_ranks: int, timeout_s: float) -> None:
+        """Join a trainer's WeightSender at address, as rank 1 + this rank of
+        1 + num_ranks (spindle/rl/weight_transfer.py)."""
+        from spindle.rl.weight_transfer import WeightReceiver
+
+        self._last_stage = "init_weight_transfer"
+        self._weight_receiver = WeightReceiver(address, 1 + self.rank, 1 + num_ranks, timeout_s)
+
+    def receive_weights(self) -> dict[str, Any]:
+        """Load what the trainer's next send() sends (see ModelRunner.receive_weights).
+        A list of tensors that does not fit is refused by every rank before anything
+        is loaded: the report then says why ("refused"), for the engine to raise."""
+        if self._weight_receiver is None:
+            raise RuntimeError(f"worker rank {self.rank}: no weight transfer: call "
+                               "init_weight_transfer first")
+        from spindle.rl.weight_transfer import WeightsRefused
+
+        self._require_weights_awake()
+        with self._timed_under_device_lock("receive_weights", lock=False) as report:
+            try:
+                report["tensors"] = self.runner.receive_weights(self._weight_receiver)
+            except WeightsRefused as e:
+                report["refused"] = str(e)
+        return report
+
+    def _require_weights_awake(self) -> None:
         from spindle.memory.sleep_backend import WEIGHTS
 
         if self.sleep_backend is not None and WEIGHTS in self.sleep_backend.asleep:
             raise RuntimeError(f"worker rank {self.rank}: the weights are asleep; "
-                               "wake_up(['weights']) before update_weights")
-        with self._timed_under_device_lock("update_weights") as report:
-            report["tensors"] = self.runner.update_weights(source)
-        return report
+                               "wake_up(['weights']) before updating them")
 
     def sleep_state(self) -> dict[str, Any]:
         """The backend's state and the device memory this process uses now: by tag,
@@ -190,13 +219,19 @@ class Worker:
         return self.sleep_backend
 
     @contextlib.contextmanager
-    def _timed_under_device_lock(self, what: str) -> Iterator[dict[str, Any]]:
+    def _timed_under_device_lock(self, what: str, lock: bool = True
+                                 ) -> Iterator[dict[str, Any]]:
+        """Time what (and the device memory it changes), holding the device lock that
+        orders sleep and wake of the engines sharing a device; lock=False for work
+        inside a collective, which the other ranks of this device must join."""
         from spindle.memory.device_lock import device_lock
 
         report: dict[str, Any] = {"rank": self.rank}
         self._last_stage = what
         self._last_activity = time.monotonic()
-        with device_lock(self.platform.device_key(self.device)) as waited:
+        held = (device_lock(self.platform.device_key(self.device)) if lock
+                else contextlib.nullcontext(0.0))
+        with held as waited:
             before = self.platform.memory_in_use(self.device)
             start = time.perf_counter()
             yield report
@@ -240,6 +275,9 @@ class Worker:
 
     def shutdown(self) -> None:
         self._shut_down = True
+        if self._weight_receiver is not None:
+            self._weight_receiver.close()
+            self._weight_receiver = None
         if self.runner is not None:
             self.runner.release()
         self.runner = None

@@ -1,0 +1,180 @@
+"""Weights from a trainer process to an engine's workers over torch.distributed.
+
+The trainer makes a WeightSender: it opens a TCP store on a free port of its host and
+says where (sender.address). The engine's workers join it (LLM.init_weight_transfer),
+each as rank 1 + its own rank, in a gloo group of their own: the default process group,
+which tensor parallelism uses, is not touched. Then each send() of the trainer meets one
+receive_weights() of the engine:
+
+  1. the sender broadcasts the list of (name, shape, dtype) it is about to send;
+  2. every worker checks it against its checkpoint's layout, and all ranks agree
+     (an all-reduce of "ok"): if any refuses, no tensor is sent, the engine raises
+     the ValueError naming the tensors, and the sender a RuntimeError;
+  3. the tensors follow in batches of about batch_bytes, one broadcast each, and the
+     workers load each batch as it arrives (each takes its shard).
+
+gloo moves host memory: on a GPU the workers copy each batch to the device as they
+load it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+_PREFIX = "spindle-weight-transfer"
+_BATCH_BYTES = 256 << 20
+DEFAULT_TIMEOUT_S = 300.0
+
+Entry = tuple[str, tuple[int, ...], str]  # name, shape, dtype name
+
+
+class WeightsRefused(ValueError):
+    """The engine's ranks refused a send() (names or shapes that do not fit): nothing
+    was sent, nothing was loaded."""
+
+
+class WeightSender:
+    """The trainer's end of a weight transfer to num_engine_ranks engine workers
+    (tensor_parallel_size x pipeline_parallel_size of the engine)."""
+
+    def __init__(self, num_engine_ranks: int, host: str = "127.0.0.1",
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if num_engine_ranks < 1:
+            raise ValueError(f"num_engine_ranks must be >= 1, got {num_engine_ranks}")
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=self.timeout)
+        self.address = f"{host}:{self._store.port}"
+        self.size = 1 + num_engine_ranks
+        self._group: Any = None
+
+    def connect(self) -> None:
+        """Wait until every engine rank joined (LLM.init_weight_transfer(address))."""
+        self._group = _new_group(self._store, 0, self.size, self.timeout)
+
+    def send(self, weights: Any, batch_bytes: int = _BATCH_BYTES) -> None:
+        """Send a state_dict or (name, tensor) pairs (HF naming) to the engine, which
+        receives them in LLM.receive_weights(). Raises RuntimeError if the engine
+        refused them (the engine's error names the tensors); nothing was loaded then."""
+        if self._group is None:
+            raise RuntimeError("WeightSender.send before connect()")
+        pairs = list(weights.items() if isinstance(weights, dict) else weights)
+        tensors = [t.detach().to("cpu").contiguous() for _, t in pairs]
+        entries = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                   for (name, _), t in zip(pairs, tensors)]
+        _broadcast_object(self._group, (entries, batch_bytes))
+        if not _all_agree(self._group, True):
+            raise RuntimeError("the engine refused these weights (its error names the "
+                               "tensors at fault); nothing was sent")
+        for batch in _batches(entries, batch_bytes):
+            buffer = torch.cat([tensors[i].view(-1).view(torch.uint8) for i in batch])
+            _broadcast(self._group, buffer)
+
+
+    def close(self) -> None:
+        """Leave the transfer (before the process exits: a gloo group left to the
+        interpreter's teardown can abort it)."""
+        self._group = None
+        self._store = None
+
+
+class WeightReceiver:
+    """A worker's end: joined at init_weight_transfer, used by each receive."""
+
+    def __init__(self, address: str, rank: int, size: int,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"a weight transfer address is HOST:PORT, got {address!r}")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        self._group = _new_group(store, rank, size, timeout)
+
+    def receive(self, check: Callable[[list[tuple[str, tuple[int, ...], bool]]], None],
+                load: Callable[[Iterator[tuple[str, torch.Tensor]]], Any]) -> int:
+        """Take one send(): check(entries) may raise ValueError to refuse it (every rank
+        then raises WeightsRefused); else load(tensors) consumes them as they arrive.
+        Returns the number of tensors."""
+        entries, batch_bytes = _broadcast_object(self._group, None)
+        refusal = None
+        try:
+            check([(name, shape, getattr(torch, dtype).is_floating_point)
+                   for name, shape, dtype in entries])
+        except ValueError as e:
+            refusal = str(e)
+        if not _all_agree(self._group, refusal is None):
+            raise WeightsRefused(refusal or "update_weights: another engine rank refused the "
+                                 "weights (its error names them); nothing was changed")
+        load(self._tensors(entries, batch_bytes))
+        return len(entries)
+
+    def close(self) -> None:
+        self._group = None
+
+    def _tensors(self, entries: list[Entry], batch_bytes: int
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        for batch in _batches(entries, batch_bytes):
+            sizes = [_nbytes(entries[i]) for i in batch]
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+            _broadcast(self._group, buffer)
+            for i, piece in zip(batch, buffer.split(sizes)):
+                name, shape, dtype = entries[i]
+                yield name, piece.view(getattr(torch, dtype)).view(shape)
+
+
+def _new_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    return dist.ProcessGroupGloo(dist.PrefixStore(_PREFIX, store), rank, size, timeout)
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def _broadcast_object(group: Any, value: Any) -> Any:
+    """value from rank 0 to every rank (others pass None)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8) \
+        if value is not None else torch.empty(0, dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    _broadcast(group, length)
+    if value is None:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    _broadcast(group, payload)
+    return value if value is not None else pickle.loads(payload.numpy().tobytes())
+
+
+def _all_agree(group: Any, ok: bool) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([flag], options).wait()
+    return bool(flag.item())
+
+
+def _nbytes(entry: Entry) -> int:
+    _, shape, dtype = entry
+    numel = 1
+    for n in shape:
+        numel *= n
+    return numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def _batches(entries: list[Entry], batch_bytes: int) -> Iterable[list[int]]:
+    """Consecutive entries, about batch_bytes a batch (a bigger tensor alone)."""
+    batch: list[int] = []
+    size = 0
+    for i, entry in enumerate(entries):
+        n = _nbytes(entry)
+        if batch and size + n > batch_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(i)
+        size += n
+    if batch:
+        yield batch
