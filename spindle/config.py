@@ -25,6 +25,7 @@ _DTYPES = {
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 WORKER_START_METHODS = ("auto", "fork", "spawn")
 TASKS = ("auto", "generate", "embed")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 DEVICES = ("auto", "cpu", "cuda")
 # A fixed budget, not a share of free RAM: the same inputs give the same block count.
 DEFAULT_CPU_KV_CACHE_GB = 4.0
@@ -103,6 +104,10 @@ class EngineArgs:
                                     "encoders and last for decoders).")
     normalize_embeddings: bool | None = _arg(None, "For task=embed: L2-normalise embeddings "
                                              "(default: the checkpoint's config, else yes).")
+    logprobs_mode: str = _arg("raw_logprobs", "What logprobs describe: raw_logprobs (the "
+                              "model's distribution) or processed_logprobs (the one a token was "
+                              "drawn from: after penalties, and temperature, min-p, top-k and "
+                              "top-p for sampled requests).")
     enable_prompt_embeds: bool = _arg(False, "Accept prompts given as embeddings "
                                       "({'prompt_embeds': tensor}); needs prefix caching off.")
     enable_sleep_mode: bool = _arg(False, "Allow sleep(level=1|2): weights and KV cache give "
@@ -190,6 +195,7 @@ class ModelConfig:
     model_kind: str = "decoder"  # what the model class declares: "decoder" | "encoder"
     task: str = "generate"  # "generate" | "embed"
     enable_prompt_embeds: bool = False
+    logprobs_mode: str = "raw_logprobs"  # see LOGPROBS_MODES
 
     @property
     def architecture(self) -> str:
@@ -218,10 +224,13 @@ class ModelConfig:
                  f"<= the model's max_position_embeddings ({limit})")
         _require(args.task in TASKS, "task", args.task, f"one of {TASKS}")
         task = args.task if args.task != "auto" else ("embed" if kind == "encoder" else "generate")
+        _require(args.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", args.logprobs_mode,
+                 f"one of {LOGPROBS_MODES}")
         return ModelConfig(model=str(path), tokenizer=str(args.tokenizer or path), dtype=dtype,
                            max_model_len=max_model_len, seed=args.seed, hf_config=hf_config,
                            model_kind=kind, task=task,
-                           enable_prompt_embeds=bool(args.enable_prompt_embeds))
+                           enable_prompt_embeds=bool(args.enable_prompt_embeds),
+                           logprobs_mode=args.logprobs_mode)
 
 
 @dataclass(frozen=True)

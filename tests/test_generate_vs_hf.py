@@ -138,3 +138,39 @@ def test_preemption_under_small_kv_budget(reference, arch, tiny_model):
                                      block_size=16)
     assert_matches(outputs, expected)
     assert scheduler.num_preemptions > 0, "the small KV budget must have forced preemption"
+
+
+def test_processed_logprobs_against_transformers_logits(tiny_model):
+    """logprobs_mode="processed_logprobs": the first sampled token's logprob is that of
+    transformers' next-token logits after temperature and top-k (the distribution it
+    was drawn from); the default mode gives the raw log-softmax."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model(arch="llama")
+    prompt = make_prompts(512, seed=4)[6]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        next_logits = hf(torch.tensor([prompt])).logits[0, -1].double()
+    temperature, top_k = 0.7, 5
+    scaled = next_logits / temperature
+    kept = scaled.topk(top_k).indices
+    processed = torch.full_like(scaled, float("-inf"))
+    processed[kept] = scaled[kept]
+    processed = torch.log_softmax(processed, -1)
+    raw = torch.log_softmax(next_logits, -1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, seed=3, max_tokens=1,
+                            logprobs=top_k)
+    for mode, want in (("processed_logprobs", processed), ("raw_logprobs", raw)):
+        llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=512,
+                  logprobs_mode=mode)
+        try:
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        finally:
+            llm.shutdown()
+        token = out.token_ids[0]
+        assert token in kept.tolist()
+        entry = out.logprobs[0]
+        for tok, lp in entry.items():
+            assert abs(lp.logprob - want[tok].item()) <= LOGPROB_TOL, (mode, tok)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        LLM(str(path), device="cpu", logprobs_mode="logits")

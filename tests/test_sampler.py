@@ -397,6 +397,36 @@ def test_logprobs_are_raw_and_independent_of_sampling_knobs():
     assert (SAMPLER(logits, plain).sampled_ranks == 1).all()
 
 
+def test_processed_logprobs_are_those_of_the_distribution_sampled_from():
+    """logprobs_mode="processed_logprobs": the sampled token's logprob (and the top-k)
+    come from the logits it was drawn from: penalised, then for random rows divided by
+    the temperature and filtered (filtered tokens -inf); computed here in float64 from
+    the definition (reference_probs), not from the sampler's own code."""
+    torch.manual_seed(1)
+    logits, prompts, outputs, rep, freq, pres = _random_penalty_case(4)
+    batch, vocab = logits.shape
+    temps, top_k, top_p = [0.0, 0.5, 2.0, 0.0, 1.0, 0.7], [0, 3, 0, 0, 10, 0], \
+        [1.0, 1.0, 0.5, 1.0, 0.9, 1.0]
+    meta = make_metadata(temps, top_k=top_k, top_p=top_p, max_num_logprobs=4,
+                         prompt_token_ids=prompts, output_token_ids=outputs, repetition=rep,
+                         frequency=freq, presence=pres, vocab=vocab)
+    out = Sampler(processed=True)(logits, meta)
+    penalised = apply_penalties(logits.clone(), meta)
+    for row in range(batch):
+        if temps[row] == 0.0:
+            want = torch.log_softmax(penalised[row].double(), -1).numpy()
+        else:
+            with np.errstate(divide="ignore"):
+                want = np.log(reference_probs(penalised[row].numpy(), temps[row], top_k[row],
+                                              top_p[row]))
+        got = out.logprobs[row].double().numpy()
+        ids = out.logprob_token_ids[row].numpy()
+        np.testing.assert_allclose(got, want[ids], rtol=1e-5, atol=1e-5)
+        assert np.isfinite(got[0])  # the sampled token was never filtered out
+        top = np.sort(want)[::-1][:4]
+        np.testing.assert_allclose(got[1:], top, rtol=1e-5, atol=1e-5)
+
+
 def test_logprob_ranks_with_ties():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0],
                            [5.0, 2.0, 2.0, 1.0, -1.0]])

@@ -75,7 +75,7 @@ class ModelRunner:
         self.stage = stage or PipelineStage.single()
         self.model: nn.Module | None = None
         self.state: ModelState | None = None
-        self.sampler = Sampler()
+        self.sampler = Sampler(processed=config.model.logprobs_mode == "processed_logprobs")
         # task="embed": requests pool their prompt's states instead of sampling.
         self.pooler = Pooler(config.pooler) if config.pooler is not None else None
         self.attn_layers: list[Attention] = []

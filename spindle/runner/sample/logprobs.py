@@ -1,7 +1,9 @@
-"""Logprobs of the sampled token and of the top-k tokens, from the model's raw logits.
+"""Logprobs of the sampled token and of the top-k tokens.
 
-Logprobs describe the model, not the sampling: they are taken before penalties,
-temperature and filters, so they do not change with a request's sampling knobs.
+By default they describe the model, not the sampling: they are taken from the raw
+logits, before penalties, temperature and filters, so they do not change with a
+request's sampling knobs. With logprobs_mode="processed_logprobs" the sampler takes
+them from the logits the token was drawn from instead (see sampler.py).
 """
 
 from __future__ import annotations

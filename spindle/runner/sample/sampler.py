@@ -1,7 +1,8 @@
 """Turns one row of logits per request into one token per request.
 
 The order of operations follows vLLM v1:
-  1. logprobs, if wanted, from the RAW logits (they describe the model);
+  1. logprobs, if wanted, from the RAW logits (they describe the model; with
+     processed=True, from the logits the token is drawn from, after steps 2-5);
   2. min_tokens: forbid the blocked ids (stop/EOS ids) of rows still too short;
   3. repetition / frequency / presence penalties;
   4. greedy rows: argmax of the penalised logits;
@@ -39,45 +40,62 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
-    """Samples one token per row; does not modify the logits it is given."""
+    """Samples one token per row; does not modify the logits it is given.
+
+    processed: logprobs describe the distribution each token was drawn from (after
+    min_tokens, penalties and, for sampled rows, temperature and filters; a filtered
+    token's is -inf) rather than the model's raw one (what an RL trainer needs to
+    weigh the sample exactly)."""
+
+    def __init__(self, processed: bool = False) -> None:
+        super().__init__()
+        self.processed = processed
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         logits = logits.float()
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = compute_logprobs(logits)
+        wanted = metadata.max_num_logprobs is not None
+        logprobs_of = None
+        if wanted and not self.processed:
+            logprobs_of = compute_logprobs(logits)
 
         logits = block_min_tokens(logits, metadata.min_tokens_blocked)
         logits = apply_penalties(logits, metadata)
-        sampled = sample(logits, metadata)
+        sampled, drawn_from = sample(logits, metadata)
 
-        if raw_logprobs is None:
+        if not wanted:
             return SamplerOutput(sampled_token_ids=sampled)
+        if logprobs_of is None:
+            logprobs_of = compute_logprobs(drawn_from)
         token_ids, logprobs, ranks = gather_logprobs(
-            raw_logprobs, sampled, metadata.max_num_logprobs)
+            logprobs_of, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=token_ids,
                              logprobs=logprobs, sampled_ranks=ranks)
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """[B] int64 tokens from penalised logits: argmax for greedy rows, a draw for the rest."""
+def sample(logits: torch.Tensor, metadata: SamplingMetadata
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B] int64 tokens from penalised logits: argmax for greedy rows, a draw for the
+    rest; and the logits each row's token was drawn from (a greedy row's: its own)."""
     if metadata.all_greedy:
-        return greedy_sample(logits)
-    random_tokens = random_sample(logits, metadata)
+        return greedy_sample(logits), logits
+    random_tokens, filtered = random_sample(logits, metadata)
     if metadata.all_random:
-        return random_tokens
+        return random_tokens, filtered
     is_greedy = metadata.temperature < GREEDY_TEMPERATURE_EPS
-    return torch.where(is_greedy, greedy_sample(logits), random_tokens)
+    return (torch.where(is_greedy, greedy_sample(logits), random_tokens),
+            torch.where(is_greedy.unsqueeze(1), logits, filtered))
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def random_sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Draw one token per row after temperature and the min-p / top-k / top-p filters.
+def random_sample(logits: torch.Tensor, metadata: SamplingMetadata
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row after temperature and the min-p / top-k / top-p filters;
+    returns the tokens and those filtered logits.
 
     Greedy rows of a mixed batch go through too (with temperature 1, to avoid
     dividing by 0); the caller discards their result.
@@ -87,7 +105,7 @@ def random_sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
         logits = apply_min_p(logits, metadata.min_p)
     logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     probs = logits.softmax(dim=-1)
-    return exponential_race(probs, metadata.generators)
+    return exponential_race(probs, metadata.generators), logits
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor,
