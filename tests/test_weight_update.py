@@ -300,3 +300,42 @@ def test_weights_from_a_trainer_process_over_gloo(checkpoints, tp):
         assert trainer.wait(timeout=30) == 0
     finally:
         trainer.kill()
+
+
+def test_server_receives_weights_from_a_trainer(checkpoints):
+    """Dev mode: /init_weight_transfer joins the trainer, /receive_weights loads its
+    send (400 for the one that does not fit), and responses carry the version."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from server_utils import ThreadedServer
+    from spindle.config import EngineArgs
+    from spindle.engine.async_llm import AsyncLLM
+    from spindle.entrypoints.openai.api_server import build_app
+
+    old, new, _, _ = checkpoints
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(new / "model.safetensors"),
+                                "1"], stdout=subprocess.PIPE, text=True)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(old), device="cpu", dtype="float32",
+                                                  max_model_len=256))
+    server = ThreadedServer(build_app(engine, ["tiny"], dev_mode=True))
+    try:
+        address = trainer.stdout.readline().strip()
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            assert http.post("/init_weight_transfer", json={"address": address}).json() == \
+                {"connected": True}
+            got = http.post("/receive_weights", json={"version": "sent"})
+            assert got.status_code == 200 and got.json() == {"weight_version": "sent"}
+            refused = http.post("/receive_weights", json={})
+            assert refused.status_code == 400
+            assert "down_proj.weight' has shape [3, 3]" in refused.json()["error"]["message"]
+            answer = http.post("/v1/completions", json={"model": "tiny", "prompt": prompts()[1],
+                                                        "max_tokens": 4, "temperature": 0})
+            assert answer.json()["choices"][0]["weight_version"] == "sent"
+        assert trainer.wait(timeout=30) == 0
+    finally:
+        trainer.kill()
+        server.stop()
+        engine.shutdown()

@@ -205,6 +205,23 @@ class AsyncLLM:
         finally:
             await self.resume()
 
+    async def init_weight_transfer(self, address: str, timeout_s: float = 300.0) -> None:
+        """Join a trainer's spindle.rl.WeightSender (see LLM.init_weight_transfer)."""
+        await self.call(lambda engine: engine.core.init_weight_transfer(address, timeout_s))
+
+    async def receive_weights(self, version: int | str | None = None,
+                              mode: PauseMode | str = PauseMode.WAIT) -> None:
+        """update_weights with what the trainer sends next; mode as for update_weights."""
+        mode = PauseMode.parse(mode)
+        if mode is not PauseMode.WAIT:
+            await self._loop.call(lambda: self._loop.receive_weights(version, mode))
+            return
+        await self.pause(PauseMode.WAIT)
+        try:
+            await self._loop.call(lambda: self._loop.receive_weights(version, PauseMode.KEEP))
+        finally:
+            await self.resume()
+
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake tags ("weights", "kv_cache", "scheduling"; None: all that sleeps)."""
         await self.call(lambda engine: engine.wake_up(tags))
@@ -422,6 +439,11 @@ class _EngineLoop:
     def update_weights(self, source: Any, version: int | str | None, mode: PauseMode) -> None:
         now = time.monotonic()
         for output in self.engine.update_weights(source, version, mode):
+            self._deliver(output, now)
+
+    def receive_weights(self, version: int | str | None, mode: PauseMode) -> None:
+        now = time.monotonic()
+        for output in self.engine.receive_weights(version, mode):
             self._deliver(output, now)
 
     # ---- delivery ---------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Control routes for development and weight-update loops: sleep / wake_up, pause /
-resume, update_weights / weight_version, collective_rpc.
+resume, update_weights / init_weight_transfer / receive_weights / weight_version,
+collective_rpc.
 
 Mounted only when SPINDLE_SERVER_DEV_MODE=1 (see api_server.build_app): they stop
 serving and run worker methods by name, so they must never face untrusted
@@ -144,6 +145,41 @@ async def update_weights(request: Request) -> dict[str, Any]:
         await engine.update_weights(body.path, body.version, PauseMode.parse(body.mode))
     except ValueError as e:
         raise bad_request(str(e), "path") from e
+    return {"weight_version": await engine.call(lambda e: e.weight_version)}
+
+
+class InitWeightTransferBody(_ControlBody):
+    address: str  # the trainer's WeightSender.address, HOST:PORT
+    timeout_s: float = 300.0
+
+
+@router.post("/init_weight_transfer")
+async def init_weight_transfer(request: Request) -> dict[str, Any]:
+    """{"address": "HOST:PORT"}: join a trainer's spindle.rl.WeightSender; returns once
+    connected (the trainer calls sender.connect() meanwhile)."""
+    body = await _json_body(request, InitWeightTransferBody)
+    try:
+        await _engine(request).init_weight_transfer(body.address, body.timeout_s)
+    except ValueError as e:
+        raise bad_request(str(e), "address") from e
+    return {"connected": True}
+
+
+class ReceiveWeightsBody(_ControlBody):
+    version: int | str | None = None
+    mode: _Mode = PauseMode.WAIT.value
+
+
+@router.post("/receive_weights")
+async def receive_weights(request: Request) -> dict[str, Any]:
+    """{"version": ..., "mode": ...}: load what the trainer's next sender.send() sends
+    (a list that does not fit answers 400 and changes nothing)."""
+    body = await _json_body(request, ReceiveWeightsBody)
+    engine = _engine(request)
+    try:
+        await engine.receive_weights(body.version, PauseMode.parse(body.mode))
+    except ValueError as e:
+        raise bad_request(str(e)) from e
     return {"weight_version": await engine.call(lambda e: e.weight_version)}
 
 
