@@ -174,15 +174,22 @@ class AsyncLLM:
         requests: "keep" freezes them until wake_up, "abort" finishes them, "wait"
         lets them finish first (streaming as usual; requests that arrive meanwhile
         are held and run after wake_up)."""
-        mode = PauseMode.parse(mode)
+        await self._settling(PauseMode.parse(mode),
+                             lambda m: self._loop.deliver(self._loop.engine.sleep(level, m)))
+
+    async def _settling(self, mode: PauseMode, op: Callable[[PauseMode], None]) -> None:
+        """Run op(mode) on the engine thread. For mode "wait", the requests in flight
+        finish first (streaming as usual; new ones are held), then op runs with "keep"
+        (nothing is left to keep) and scheduling resumes (the held requests wait in the
+        scheduler, or run, on failure)."""
         if mode is not PauseMode.WAIT:
-            await self._loop.call(lambda: self._loop.sleep(level, mode))
+            await self._loop.call(lambda: op(mode))
             return
         await self.pause(PauseMode.WAIT)
         try:
-            await self._loop.call(lambda: self._loop.sleep(level, PauseMode.KEEP))
+            await self._loop.call(lambda: op(PauseMode.KEEP))
         finally:
-            await self.resume()  # the held requests wait in the scheduler (or run, on failure)
+            await self.resume()
 
     async def update_weights(self, weights: Any, version: int | str | None = None,
                              mode: PauseMode | str = PauseMode.WAIT) -> None:
@@ -193,17 +200,9 @@ class AsyncLLM:
         version of the weights that produced them."""
         from spindle.models.weight_update import as_weight_source
 
-        mode = PauseMode.parse(mode)
         source = as_weight_source(weights)  # (a generator is read here, not on the engine thread)
-        if mode is not PauseMode.WAIT:
-            await self._loop.call(lambda: self._loop.update_weights(source, version, mode))
-            return
-        await self.pause(PauseMode.WAIT)
-        try:
-            await self._loop.call(
-                lambda: self._loop.update_weights(source, version, PauseMode.KEEP))
-        finally:
-            await self.resume()
+        await self._settling(PauseMode.parse(mode), lambda m: self._loop.deliver(
+            self._loop.engine.update_weights(source, version, m)))
 
     async def init_weight_transfer(self, address: str, timeout_s: float = 300.0) -> None:
         """Join a trainer's spindle.rl.WeightSender (see LLM.init_weight_transfer)."""
@@ -212,15 +211,8 @@ class AsyncLLM:
     async def receive_weights(self, version: int | str | None = None,
                               mode: PauseMode | str = PauseMode.WAIT) -> None:
         """update_weights with what the trainer sends next; mode as for update_weights."""
-        mode = PauseMode.parse(mode)
-        if mode is not PauseMode.WAIT:
-            await self._loop.call(lambda: self._loop.receive_weights(version, mode))
-            return
-        await self.pause(PauseMode.WAIT)
-        try:
-            await self._loop.call(lambda: self._loop.receive_weights(version, PauseMode.KEEP))
-        finally:
-            await self.resume()
+        await self._settling(PauseMode.parse(mode), lambda m: self._loop.deliver(
+            self._loop.engine.receive_weights(version, m)))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake tags ("weights", "kv_cache", "scheduling"; None: all that sleeps)."""
@@ -427,23 +419,13 @@ class _EngineLoop:
             self.abort(request_id)
 
     def pause(self, mode: PauseMode) -> None:
-        now = time.monotonic()
-        for output in self.engine.pause(mode):
-            self._deliver(output, now)
+        self.deliver(self.engine.pause(mode))
 
-    def sleep(self, level: int, mode: PauseMode) -> None:
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs that a control call (pause, sleep, a weight update) produced to
+        their streams, as a step's would be."""
         now = time.monotonic()
-        for output in self.engine.sleep(level, mode):
-            self._deliver(output, now)
-
-    def update_weights(self, source: Any, version: int | str | None, mode: PauseMode) -> None:
-        now = time.monotonic()
-        for output in self.engine.update_weights(source, version, mode):
-            self._deliver(output, now)
-
-    def receive_weights(self, version: int | str | None, mode: PauseMode) -> None:
-        now = time.monotonic()
-        for output in self.engine.receive_weights(version, mode):
+        for output in outputs:
             self._deliver(output, now)
 
     # ---- delivery ---------------------------------------------------------------------
