@@ -57,7 +57,7 @@ class EngineCore:
         # version, or the number of updates so far (update_weights).
         self.weight_version: int | str = 0
         self.num_weight_updates = 0
-        self._checkpoint_layout = None  # (update_weights' check, read once)
+        self._weight_check = None  # (update_weights' check: models/weight_update.py)
         self.startup_seconds = time.perf_counter() - start
         self.startup_table = format_startup_table(self.executor.lifecycle_reports())
         slots = (f", {self.kv_config.num_state_slots} state slots "
@@ -312,18 +312,13 @@ class EngineCore:
         kept by sleep continue on the new weights after wake_up. The prefix cache is
         dropped (its KV came from the old weights). Returns the outputs that settling the
         requests produced, for the caller to report under the old version."""
-        from spindle.models import weight_update
+        from spindle.models.weight_update import WeightCheck
 
         # Checked here too, so that a bad source is a ValueError whatever the executor.
-        weight_update.check_source(source, *self._weight_layout())
+        if self._weight_check is None:
+            self._weight_check = WeightCheck(self.config.model)
+        self._weight_check.source(source)
         return self._swap_weights(lambda: self.executor.update_weights(source), version, mode)
-
-    def _weight_layout(self):
-        from spindle.models import weight_update
-
-        if self._checkpoint_layout is None:
-            self._checkpoint_layout = weight_update.checkpoint_layout(self.config.model.model)
-        return self._checkpoint_layout, weight_update.derived_names(self.config.model.hf_config)
 
     def init_weight_transfer(self, address: str, timeout_s: float) -> None:
         """Join a trainer's WeightSender (spindle/rl/weight_transfer.py); returns once

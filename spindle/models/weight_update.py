@@ -21,10 +21,6 @@ import torch
 
 from spindle.models.loader import checkpoint_files, iter_checkpoint
 
-# A checkpoint directory, or (name, tensor) pairs in Hugging Face naming.
-WeightSource = "str | Path | list[tuple[str, torch.Tensor]]"
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     shape: tuple[int, ...]
@@ -47,6 +43,27 @@ def checkpoint_layout(model_dir: str | Path) -> dict[str, TensorSpec]:
         except Exception as e:  # safetensors raises its own error types for bad files
             raise ValueError(f"cannot read checkpoint shard {path}: {e}") from e
     return layout
+
+
+class WeightCheck:
+    """Checks sources against the layout of the checkpoint an engine started from
+    (read from its headers on first use, then kept)."""
+
+    def __init__(self, model_config: Any) -> None:
+        self._model_config = model_config
+        self._layout: dict[str, TensorSpec] | None = None
+
+    def source(self, source: Any) -> list[str]:
+        """check_source against this checkpoint; the names the source holds."""
+        return check_source(source, self._checkpoint(), derived_names(self._model_config.hf_config))
+
+    def entries(self, entries: list[tuple[str, tuple[int, ...], bool]]) -> None:
+        check_entries(entries, self._checkpoint(), derived_names(self._model_config.hf_config))
+
+    def _checkpoint(self) -> dict[str, TensorSpec]:
+        if self._layout is None:
+            self._layout = checkpoint_layout(self._model_config.model)
+        return self._layout
 
 
 def derived_names(hf_config: Any) -> set[str]:

@@ -20,6 +20,7 @@ load it.
 from __future__ import annotations
 
 import datetime
+import math
 import pickle
 from typing import Any, Callable, Iterable, Iterator
 
@@ -159,10 +160,7 @@ def _all_agree(group: Any, ok: bool) -> bool:
 
 def _nbytes(entry: Entry) -> int:
     _, shape, dtype = entry
-    numel = 1
-    for n in shape:
-        numel *= n
-    return numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return math.prod(shape) * getattr(torch, dtype).itemsize
 
 
 def _batches(entries: list[Entry], batch_bytes: int) -> Iterable[list[int]]:

@@ -88,7 +88,7 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self.num_graph_captures = 0  # CUDA graphs captured so far (warmup and recaptures)
         self._recapture_on_wake = False
-        self._checkpoint_layout = None  # names and shapes, for update_weights' checks
+        self._weight_check = None  # update_weights' check (models/weight_update.py)
         self._last_launched: PendingOutput | None = None
         # Requests whose preparation failed: the scheduler may still schedule them (it
         # learns of the failure from this step's output) until it reports them finished.
@@ -303,7 +303,7 @@ class ModelRunner:
         of tensors the source held."""
         from spindle.models import weight_update
 
-        names = weight_update.check_source(source, *self._weight_layout())
+        names = self._weights().source(source)
         self._require_model().load_weights(
             weight_update.iter_source(source, self.config.model.dtype))
         self.platform.synchronize(self.device)
@@ -316,21 +316,18 @@ class ModelRunner:
         as it arrives. Returns the number of tensors."""
         from spindle.models import weight_update
 
-        layout = self._weight_layout()
         model, dtype = self._require_model(), self.config.model.dtype
-        count = receiver.receive(lambda entries: weight_update.check_entries(entries, *layout),
-                                 lambda tensors: model.load_weights(
-                                     weight_update.cast_weights(tensors, dtype)))
+        count = receiver.receive(self._weights().entries, lambda tensors: model.load_weights(
+            weight_update.cast_weights(tensors, dtype)))
         self.platform.synchronize(self.device)
         return count
 
-    def _weight_layout(self):
-        """The checkpoint's layout (read once) and the names a source may add to it."""
-        from spindle.models import weight_update
+    def _weights(self):
+        from spindle.models.weight_update import WeightCheck
 
-        if self._checkpoint_layout is None:
-            self._checkpoint_layout = weight_update.checkpoint_layout(self.config.model.model)
-        return self._checkpoint_layout, weight_update.derived_names(self.config.model.hf_config)
+        if self._weight_check is None:
+            self._weight_check = WeightCheck(self.config.model)
+        return self._weight_check
 
     def before_sleep(self, addresses_will_change: bool) -> None:
         """Captured graphs would point at freed memory after such a sleep: drop them
