@@ -26,6 +26,7 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 WORKER_START_METHODS = ("auto", "fork", "spawn")
 TASKS = ("auto", "generate", "embed")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 DEVICES = ("auto", "cpu", "cuda")
 # A fixed budget, not a share of free RAM: the same inputs give the same block count.
 DEFAULT_CPU_KV_CACHE_GB = 4.0
@@ -108,6 +109,12 @@ class EngineArgs:
                               "model's distribution) or processed_logprobs (the one a token was "
                               "drawn from: after penalties, and temperature, min-p, top-k and "
                               "top-p for sampled requests).")
+    speculative_config: dict | None = _arg(
+        None, "Speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft_model\", "
+        "\"num_speculative_tokens\": k, and for ngram \"prompt_lookup_min\" / "
+        "\"prompt_lookup_max\" (n-gram sizes, default 1 / 4), for draft_model \"model\" "
+        "(a checkpoint directory with the target's vocabulary); \"disable_by_batch_size\": "
+        "speculate only in steps with fewer running requests (default 32).")
     enable_prompt_embeds: bool = _arg(False, "Accept prompts given as embeddings "
                                       "({'prompt_embeds': tensor}); needs prefix caching off.")
     enable_sleep_mode: bool = _arg(False, "Allow sleep(level=1|2): weights and KV cache give "
@@ -128,14 +135,16 @@ class EngineArgs:
         platform = resolve_platform(self.device)
         model = ModelConfig.create(self, platform.device_type)
         sched = SchedulerConfig.create(self, model)
+        parallel = ParallelConfig.create(self)
         config = EngineConfig(
             model=model,
             cache=CacheConfig.create(self),
-            parallel=ParallelConfig.create(self),
+            parallel=parallel,
             scheduler=sched,
             device=DeviceConfig.create(self, platform),
             pooler=_pooler_config(self, model, sched),
             memory=MemoryConfig.create(self, platform),
+            speculative=SpeculativeConfig.create(self.speculative_config, model, parallel),
         )
         from spindle.runner.model_states import check_config
 
@@ -410,6 +419,114 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (spindle/runner/spec_decode/): a proposer guesses
+    num_speculative_tokens tokens per request and one target forward verifies them."""
+
+    method: str  # one of SPECULATIVE_METHODS
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # ngram: shortest n-gram matched
+    prompt_lookup_max: int = 4  # ngram: longest n-gram matched (tried first)
+    draft: ModelConfig | None = None  # draft_model: the draft checkpoint's config
+    # Steps with this many running requests or more do not speculate.
+    disable_by_batch_size: int = 32
+
+    KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+            "model", "disable_by_batch_size")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Cache slots past a step's tokens that proposing writes: a draft model writes
+        its own keys and values for the tokens it proposes."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    @staticmethod
+    def create(spec: "dict | str | None", model: ModelConfig,
+               parallel: "ParallelConfig") -> "SpeculativeConfig | None":
+        if spec is None:
+            return None
+        if isinstance(spec, str):
+            spec = _json_object("speculative_config", spec)
+        _require(isinstance(spec, dict), "speculative_config", spec, "a dict (or a JSON object)")
+        unknown = sorted(set(spec) - set(SpeculativeConfig.KEYS))
+        _require(not unknown, "speculative_config", unknown,
+                 f"keys among {SpeculativeConfig.KEYS}")
+        method = spec.get("method")
+        _require(method in SPECULATIVE_METHODS, "speculative_config.method", method,
+                 f"one of {SPECULATIVE_METHODS}")
+        k = spec.get("num_speculative_tokens")
+        _require(_is_int(k) and 1 <= k <= 32, "speculative_config.num_speculative_tokens", k,
+                 "an integer from 1 to 32")
+        limit = spec.get("disable_by_batch_size", 32)
+        _require(_is_int(limit) and limit >= 1, "speculative_config.disable_by_batch_size",
+                 limit, "an integer >= 1")
+        _check_speculation_fits(model, parallel)
+        if method == "ngram":
+            _require("model" not in spec, "speculative_config.model", spec.get("model"),
+                     "left out for method 'ngram' (it proposes from the request's own tokens)")
+            low, high = spec.get("prompt_lookup_min", 1), spec.get("prompt_lookup_max", 4)
+            for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+                _require(_is_int(value) and value >= 1, f"speculative_config.{name}", value,
+                         "an integer >= 1")
+            _require(low <= high, "speculative_config.prompt_lookup_min", low,
+                     f"<= prompt_lookup_max ({high})")
+            return SpeculativeConfig(method, k, low, high, disable_by_batch_size=limit)
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            _require(name not in spec, f"speculative_config.{name}", spec[name] if name in spec
+                     else None, "left out for method 'draft_model' (an ngram setting)")
+        _require(spec.get("model") is not None, "speculative_config.model", None,
+                 "a draft checkpoint directory for method 'draft_model'")
+        draft = _draft_model_config(spec["model"], model)
+        return SpeculativeConfig(method, k, draft=draft, disable_by_batch_size=limit)
+
+
+def _check_speculation_fits(model: ModelConfig, parallel: "ParallelConfig") -> None:
+    """What speculative decoding cannot serve, refused by name."""
+    if model.task != "generate":
+        raise ValueError(f"speculative_config needs task='generate', not {model.task!r}")
+    if model.enable_prompt_embeds:
+        raise ValueError("speculative_config cannot be combined with enable_prompt_embeds "
+                         "(prompts given as embeddings have no token ids to propose from)")
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
+    if model.model_kind != "decoder":
+        raise ValueError(f"speculative_config needs a decoder model; {model.architecture} is "
+                         f"a {model.model_kind!r} model (its state-space layers cannot roll "
+                         "back rejected tokens)")
+
+
+def _draft_model_config(path: str, target: ModelConfig) -> ModelConfig:
+    """The draft checkpoint's ModelConfig: the target's dtype and length limit, and a
+    vocabulary of the target's size (token ids must mean the same in both)."""
+    draft_dir = _check_model_dir(path)
+    hf_config = _load_hf_config(draft_dir)
+    from spindle.models.registry import model_kind, resolve_model_class
+
+    kind = model_kind(resolve_model_class(hf_config.architectures))
+    if kind != "decoder":
+        raise ValueError(f"speculative_config.model must be a decoder checkpoint; "
+                         f"{draft_dir} holds a {kind!r} model")
+    if hf_config.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model has a vocabulary of {hf_config.vocab_size} "
+                         f"tokens, the target {target.vocab_size}: they must share a tokenizer")
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if limit < target.max_model_len:
+        raise ValueError(f"the draft model handles {limit} positions, fewer than max_model_len "
+                         f"({target.max_model_len}): lower max_model_len or pick another draft")
+    return ModelConfig(model=str(draft_dir), tokenizer=target.tokenizer, dtype=target.dtype,
+                       max_model_len=target.max_model_len, seed=target.seed, hf_config=hf_config)
+
+
+def _json_object(name: str, text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} must be a JSON object, got {text!r}: {e}") from None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -418,6 +535,7 @@ class EngineConfig:
     device: DeviceConfig
     pooler: Any = None  # spindle.pooler_config.PoolerConfig when task == "embed"
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    speculative: "SpeculativeConfig | None" = None
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

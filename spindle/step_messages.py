@@ -65,6 +65,11 @@ class SchedulerOutput:
     # running slots into new snapshots, after it.
     state_copies_before: list[tuple[int, int]] = field(default_factory=list)
     state_copies_after: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens each request's step verifies (they follow
+    # its last known token in num_scheduled_tokens), and whether the runner proposes
+    # drafts for the requests that sample this step (spindle/runner/spec_decode/).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    speculate: bool = False
     step_id: int = 0
 
     @property
@@ -84,10 +89,15 @@ class SampledLogprobs:
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
-    # Per request in req_ids: the new token ids ([] for a partial prefill chunk).
+    # Per request in req_ids: the new token ids ([] for a partial prefill chunk; with
+    # speculative decoding, the accepted drafts and one token more).
     sampled_token_ids: list[list[int]] = field(default_factory=list)
-    # Per request in req_ids, when its sampling params asked for logprobs.
-    logprobs: list[SampledLogprobs | None] = field(default_factory=list)
+    # Per request in req_ids: one entry per new token when its sampling params asked
+    # for logprobs, else [].
+    logprobs: list[list[SampledLogprobs]] = field(default_factory=list)
+    # Per request in req_ids when the step speculated: the drafts proposed for its
+    # next step ([] for none). Empty when nothing was proposed.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
     # Per request in req_ids when the step pooled: its embedding (a list of floats),
     # None for a request that did not pool. Empty when nothing pooled.
     pooled_outputs: list[list[float] | None] = field(default_factory=list)

@@ -124,7 +124,7 @@ def test_zero_kv_blocks_schedule_whole_prompts_and_finish_with_embeddings():
     assert [n.block_ids for n in out.new_requests] == [[], []]
     assert out.new_requests[0].pooling_params is POOL
     runner = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[], []],
-                               logprobs=[None, None], pooled_outputs=[[1.0, 0.0], [0.0, 1.0]])
+                               logprobs=[[], []], pooled_outputs=[[1.0, 0.0], [0.0, 1.0]])
     results = sched.update_from_output(out, runner)
     assert [(r.req_id, r.pooled_output, r.finish_reason) for r in results] == \
         [("a", [1.0, 0.0], "stop"), ("b", [0.0, 1.0], "stop")]

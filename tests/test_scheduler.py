@@ -104,7 +104,7 @@ class FakeRunner:
                 st.tokens.append(tok)
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append([tok])
-                out.logprobs.append(SampledLogprobs([tok], [-0.5], 1) if self.logprobs else None)
+                out.logprobs.append([SampledLogprobs([tok], [-0.5], 1)] if self.logprobs else [])
         return out
 
 
@@ -529,7 +529,7 @@ def test_tokens_after_a_stop_in_one_output_are_dropped():
     req = make_request("a", [1, 3], max_tokens=10)
     sched.add_request(req)
     so = sched.schedule()
-    ro = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[5, EOS, 7]], logprobs=[None])
+    ro = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[5, EOS, 7]], logprobs=[[]])
     (out,) = sched.update_from_output(so, ro)
     assert out.new_token_ids == [5, EOS] and out.finish_reason == "stop"
     assert req.output_token_ids == [5, EOS]
@@ -541,7 +541,7 @@ def test_logprobs_passed_through_and_stale_outputs_ignored():
     so = sched.schedule()
     lp = SampledLogprobs([9], [-0.1], 1)
     ro = ModelRunnerOutput(req_ids=["a", "ghost", "a2"], sampled_token_ids=[[9], [4], []],
-                           logprobs=[lp, None, None])
+                           logprobs=[[lp], [], []])
     (out,) = sched.update_from_output(so, ro)
     assert out.new_logprobs == [lp] and out.new_token_ids == [9]
     # Outputs for a request not scheduled in that step are ignored.

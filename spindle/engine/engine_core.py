@@ -45,7 +45,8 @@ class EngineCore:
                                    async_scheduling=self.async_scheduling,
                                    cache_groups=self.cache_requirements.groups,
                                    num_state_slots=self.kv_config.num_state_slots,
-                                   enable_prefix_caching=self._prefix_caching())
+                                   enable_prefix_caching=self._prefix_caching(),
+                                   speculative_config=config.speculative)
         # Pipeline parallelism: up to max_concurrent_batches disjoint batches in flight.
         self.batch_queue = (BatchQueue(self.scheduler, self.executor,
                                        config.parallel.max_concurrent_batches)

@@ -248,7 +248,8 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       hit: PrefixHit = NO_HIT) -> GroupBlocks | None:
+                       hit: PrefixHit = NO_HIT, num_lookahead_tokens: int = 0
+                       ) -> GroupBlocks | None:
         """Make request hold enough blocks (per paged group) for
         request.num_computed_tokens + hit tokens + num_new_tokens tokens, and a state
         slot where the model has state groups; hit is a prefix hit from
@@ -265,6 +266,9 @@ class KVCacheManager:
         request.num_computed_tokens + hits + num_new_tokens: those tokens are either
         computed already or scheduled this step (see the module docstring), and they
         are all known token ids (the total may not exceed request.num_tokens).
+
+        num_lookahead_tokens: slots past those tokens, allocated but never hashed (the
+        draft tokens a speculative step verifies, and the ones a draft model writes).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -274,6 +278,8 @@ class KVCacheManager:
         if hit and not is_new:
             raise ValueError(f"request {rid} already holds blocks: prefix hits can only "
                              "be taken at admission")
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
         start = request.num_computed_tokens + hit.num_tokens
         total = start + num_new_tokens
         num_tokens = len(request.all_token_ids)
@@ -281,11 +287,12 @@ class KVCacheManager:
             raise ValueError(f"request {rid}: cannot allocate for {total} tokens, it has "
                              f"only {num_tokens} known tokens")
         known = min(total, num_tokens)  # only known token ids are ever hashed
+        end_of_step, total = total, total + num_lookahead_tokens
         if held is not None:
             if self._windowed:
                 self._free_outside_windows(rid, held, start)
             if self._holds_enough(rid, held, total, known):
-                self._snapshot_state(request, total)
+                self._snapshot_state(request, end_of_step)
                 return [[] for _ in self.paged]  # the common decode step
         hits = hit.blocks if hit else [[] for _ in self.paged]
         lengths = [len(h) for h in held] if held is not None else [len(h) for h in hits]
@@ -307,7 +314,7 @@ class KVCacheManager:
             blocks[i].extend(fresh)
             new_blocks.append(fresh)
         self._cache_full_blocks(request, known // self.block_size)
-        self._snapshot_state(request, total)
+        self._snapshot_state(request, end_of_step)
         return new_blocks
 
     def _admit(self, request: Request, hit: PrefixHit) -> None:

@@ -37,7 +37,8 @@ class NoKVCacheManager:
     def release_held_snapshots(self) -> None:
         return None
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, hit=NO_HIT) -> list:
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit=NO_HIT,
+                       num_lookahead_tokens: int = 0) -> list:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         return []

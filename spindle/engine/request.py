@@ -72,6 +72,9 @@ class Request:
         # scheduling): the scheduler may schedule their successors already.
         self.num_output_placeholders = 0
         self.stop_reason: int | str | None = None
+        # Speculative decoding: tokens proposed to follow all_token_ids, verified by the
+        # request's next step (spindle/runner/spec_decode/).
+        self.spec_token_ids: list[int] = []
         # Chained hashes of this request's full blocks, filled by the KV cache manager.
         self.block_hashes: list[bytes] = []
 

@@ -19,8 +19,9 @@ from collections import deque
 from typing import Iterable, Sequence
 
 from spindle.cache.spec import CacheGroup
-from spindle.config import CacheConfig, SchedulerConfig
+from spindle.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from spindle.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixCacheStats
+from spindle.engine.stats import SpecDecodeStats
 from spindle.engine.no_kv_cache_manager import NoKVCacheManager
 from spindle.engine.request import Request, RequestStatus
 from spindle.outputs import RequestFailure
@@ -55,12 +56,20 @@ class Scheduler:
         step, with its embedding.
       * With 0 KV blocks (a model without a KV cache) a NoKVCacheManager stands in:
         only the token budget and max_num_seqs limit a step.
+      * Speculative decoding: a step speculates when fewer than disable_by_batch_size
+        requests run. A decode request with drafts (proposed by the runner in its
+        last step) is then scheduled with 1 + len(drafts) tokens, the drafts in
+        SchedulerOutput.spec_token_ids; update_from_output takes the rejected ones
+        back out of num_computed_tokens (their cache slots are overwritten later).
+        With async scheduling, a speculating step adds no output placeholder: a
+        request's next step waits for its tokens and drafts.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_kv_blocks: int, async_scheduling: bool = False,
                  cache_groups: Sequence[CacheGroup] | None = None,
-                 num_state_slots: int = 0, enable_prefix_caching: bool | None = None) -> None:
+                 num_state_slots: int = 0, enable_prefix_caching: bool | None = None,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         if num_kv_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0, got {num_kv_blocks}")
         self.scheduler_config = scheduler_config
@@ -92,6 +101,9 @@ class Scheduler:
         # Schedule step N+1 before step N's tokens are back (see engine_core.py).
         self.async_scheduling = async_scheduling
         self._step_cap = self.max_num_seqs  # requests one schedule() may pick
+        self.speculative_config = speculative_config
+        self.spec_decode_stats = SpecDecodeStats()
+        self._speculating = False  # whether the step being scheduled speculates
 
     # ------------------------------------------------------------------ queries
 
@@ -173,6 +185,9 @@ class Scheduler:
         self.kv_cache_manager.release_held_snapshots()
         self._step_cap = max_num_reqs if max_num_reqs is not None else self.max_num_seqs
         budget = self.max_num_batched_tokens
+        spec = self.speculative_config
+        self._speculating = out.speculate = (
+            spec is not None and len(self.running) < spec.disable_by_batch_size)
         budget = self._schedule_running(out, budget)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
@@ -180,7 +195,7 @@ class Scheduler:
         for rid, n in out.num_scheduled_tokens.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
-            if (self.async_scheduling and request.num_computed_tokens
+            if (self.async_scheduling and not out.speculate and request.num_computed_tokens
                     == request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # its next token is being sampled
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
@@ -222,22 +237,49 @@ class Scheduler:
                 elif num_new > budget:
                     index += 1
                     continue
-            new_blocks = self._allocate_or_preempt(request, num_new, out)
+            drafts = self._drafts_for(request, num_new, budget)
+            lookahead = len(drafts) + self._lookahead(request, num_new + len(drafts))
+            new_blocks = self._allocate_or_preempt(request, num_new, out, lookahead)
             if new_blocks is None:
                 break  # request preempted itself: nothing after it is left
             cached.append(CachedRequestData(
                 req_id=request.request_id, new_block_ids=manager.new_block_ids(new_blocks),
                 num_computed_tokens=request.num_computed_tokens))
+            if drafts:
+                out.spec_token_ids[request.request_id] = drafts
+                num_new += len(drafts)
             scheduled[request.request_id] = num_new
             budget -= num_new
             index += 1
         return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput):
+    def _drafts_for(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts a decode step of request verifies (its proposals, cut to the
+        step's budget, its max_tokens and max_model_len); [] when not speculating.
+        Its proposals are used up either way: they follow only its current tokens."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not (self._speculating and drafts) or num_new != 1 or request.num_output_placeholders:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.scheduler_config.max_model_len - request.num_tokens)
+        return drafts[:max(0, room)]
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Slots past the step's tokens that proposing for request writes (a draft
+        model's own tokens), when the step speculates and request samples in it."""
+        spec = self.speculative_config
+        end = request.num_computed_tokens + num_new
+        if not self._speculating or not spec.num_lookahead_tokens or end < request.num_tokens:
+            return 0
+        return max(0, min(spec.num_lookahead_tokens, self.scheduler_config.max_model_len - end))
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput,
+                             num_lookahead: int = 0):
         """Allocate for a running request, preempting the most recently admitted
         running requests until it fits. None if request itself had to go."""
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=num_lookahead)
             if new_blocks is not None:
                 return new_blocks
             victim = self.running.pop()
@@ -265,7 +307,8 @@ class Scheduler:
                     request, request.num_computed_tokens + num_hit_tokens, min(num_new, budget))
             elif num_new > budget:
                 break
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits)
+            lookahead = self._lookahead(request, num_hit_tokens + num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, lookahead)
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -297,6 +340,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # an in-flight token is dropped; recomputed later
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -360,6 +404,7 @@ class Scheduler:
         if runner_output.pooled_outputs:
             outputs.extend(self._finish_pooled(scheduled, runner_output))
         logprobs = runner_output.logprobs
+        proposals = runner_output.spec_token_ids
         any_finished = False
         for i, rid in enumerate(runner_output.req_ids):
             token_ids = runner_output.sampled_token_ids[i]
@@ -369,20 +414,35 @@ class Scheduler:
             if (not token_ids or request is None or rid not in scheduled
                     or request.status != RequestStatus.RUNNING):
                 continue
+            drafts = scheduler_output.spec_token_ids.get(rid)
+            if drafts:
+                self._take_back_rejected(request, len(drafts), len(token_ids))
             new_tokens = self._append_until_stop(request, token_ids)
             finished = request.status != RequestStatus.RUNNING  # (it was running above)
-            lp = logprobs[i] if i < len(logprobs) else None
             outputs.append(EngineCoreOutput(
                 req_id=rid, new_token_ids=new_tokens,
-                new_logprobs=[lp] if lp is not None else [],
+                new_logprobs=logprobs[i][:len(new_tokens)] if i < len(logprobs) else [],
                 finish_reason=request.get_finish_reason() if finished else None,
                 stop_reason=request.stop_reason))
             if finished:
                 self._finish(request, request.status)
                 any_finished = True
+            elif proposals and not request.num_output_placeholders:
+                # (with a later step in flight, the proposal follows stale tokens)
+                request.spec_token_ids = proposals[i]
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
+
+    def _take_back_rejected(self, request: Request, num_drafts: int, num_tokens: int) -> None:
+        """A verified step gave num_tokens tokens: the accepted drafts and one more.
+        The rejected drafts were not computed after all."""
+        num_accepted = num_tokens - 1
+        if not 0 <= num_accepted <= num_drafts:
+            raise RuntimeError(f"request {request.request_id!r}: {num_tokens} tokens from a "
+                               f"step verifying {num_drafts} drafts")
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.spec_decode_stats.observe(num_drafts, num_accepted)
 
     def _finish_failed(self, failures: dict[str, RequestFailure]) -> list[EngineCoreOutput]:
         """Requests the runner could not prepare fail alone (FINISHED_ERROR)."""

@@ -7,12 +7,54 @@ entrypoints/openai/metrics.py) implement StatLogger and never touch the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+import time
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from spindle.engine.llm_engine import LLMEngine
     from spindle.outputs import RequestOutput
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding since start: steps that verified drafts, the drafts they
+    verified, and how many were accepted (in total and by position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_by_position) < num_draft_tokens:
+            self.accepted_by_position += [0] * (num_draft_tokens - len(self.accepted_by_position))
+        for position in range(num_accepted):
+            self.accepted_by_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / verified drafts (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying step yields on average: its accepted drafts and one more."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> "SpecDecodeStats":
+        return replace(self, accepted_by_position=list(self.accepted_by_position))
+
+    def summary(self) -> str:
+        return (f"speculative decoding: {self.acceptance_rate:.1%} of {self.num_draft_tokens} "
+                f"drafts accepted, {self.mean_accepted_length:.2f} tokens per verifying step")
 
 
 @dataclass(frozen=True)
@@ -23,6 +65,7 @@ class EngineStats:
     kv_cache_usage: float  # fraction of KV blocks in use, 0..1
     pause_mode: str | None = None
     sleep_level: int | None = None
+    spec_decode: SpecDecodeStats | None = None  # None without speculative decoding
 
     @property
     def num_in_flight(self) -> int:
@@ -36,7 +79,9 @@ class EngineStats:
         return cls(num_running=core.scheduler.num_running, num_waiting=core.scheduler.num_waiting,
                    num_held=len(gate.held), kv_cache_usage=core.scheduler.kv_cache_usage,
                    pause_mode=gate.pause_mode.value if gate.pause_mode else None,
-                   sleep_level=gate.sleep_level)
+                   sleep_level=gate.sleep_level,
+                   spec_decode=(core.scheduler.spec_decode_stats.copy()
+                                if core.scheduler.speculative_config is not None else None))
 
 
 @dataclass
@@ -97,3 +142,29 @@ class RequestTimer:
 class StatLogger(Protocol):
     def record(self, stats: EngineStats, iteration: IterationStats) -> None:
         """Called on the engine thread after every loop iteration; must be quick."""
+
+
+class LoggingStatLogger:
+    """Logs a line of engine state every interval_s seconds while tokens flow: load,
+    throughput since the last line, and speculative decoding's acceptance."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+        self._prompt_tokens = self._generation_tokens = 0
+
+    def record(self, stats: EngineStats, iteration: IterationStats) -> None:
+        self._prompt_tokens += iteration.num_prompt_tokens
+        self._generation_tokens += iteration.num_generation_tokens
+        now = time.monotonic()
+        if now - self._last < self.interval_s or not (self._prompt_tokens
+                                                       or self._generation_tokens):
+            return
+        elapsed, self._last = now - self._last, now
+        line = (f"{stats.num_running} running, {stats.num_waiting + stats.num_held} waiting, "
+                f"KV cache {stats.kv_cache_usage:.1%}; prompt {self._prompt_tokens / elapsed:.1f} "
+                f"tok/s, generation {self._generation_tokens / elapsed:.1f} tok/s")
+        if stats.spec_decode is not None:
+            line += "; " + stats.spec_decode.summary()
+        logger.info(line)
+        self._prompt_tokens = self._generation_tokens = 0

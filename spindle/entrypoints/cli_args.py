@@ -86,6 +86,8 @@ def _flag_kwargs(tp: typing.Any, default: typing.Any) -> dict:
     base = next((a for a in args if a is not type(None)), tp) if args else tp
     if base is bool:
         return {"action": argparse.BooleanOptionalAction, "default": default}
+    if base is dict:  # given as JSON text; the config parses and checks it
+        return {"type": str, "default": default, "metavar": "JSON"}
     if typing.get_origin(base) is list:
         item = typing.get_args(base)[0]
         return {"type": _int_list} if item is int else {"action": "append"}

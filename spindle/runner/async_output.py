@@ -33,8 +33,11 @@ class PendingOutput:
         self._result: ModelRunnerOutput | None = None
         # Which row of the sampled tokens belongs to which request.
         self.sample_row: dict[str, int] = {}
-        if batch is not None:
-            self.sample_row = {r: i for i, r in enumerate(batch.sampling_req_ids)}
+        if batch is not None:  # (a request verifying drafts has several rows: its first)
+            rows = batch.sample_rows
+            starts = (rows.cumsum() - rows).tolist()
+            self.sample_row = {r: start for r, start, n in zip(batch.req_ids, starts, rows.tolist())
+                               if n}
         self._host: list[torch.Tensor] = []
         self._event = None
         if sampled is not None:

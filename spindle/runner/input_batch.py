@@ -57,9 +57,21 @@ class StepBatch:
     state_slots: np.ndarray | None  # [B] state slot of each request (models with state groups)
     token_req_index: np.ndarray  # [T] which request each token belongs to
     sampling_mask: np.ndarray  # [B] bool: request reaches its last known token and samples
-    logits_indices: np.ndarray  # [S] token index whose hidden state is sampled (S = mask.sum())
+    # [S] token index whose hidden state is sampled: one per sampling request, and for
+    # a request verifying d drafts d + 1 (its last known token and each draft).
+    logits_indices: np.ndarray
     inflight_dst: np.ndarray = None  # token indices whose input id is still being sampled
     requests: list[CachedRequestState] = field(default_factory=list)  # [B] in req_ids order
+    # Speculative decoding: drafts each request verifies ([B]; None when none does),
+    # and the draft token ids by request id.
+    num_drafts: np.ndarray | None = None
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def sample_rows(self) -> np.ndarray:
+        """[B] rows of the sampler's output each request has: 0, 1, or 1 + its drafts."""
+        rows = self.sampling_mask.astype(np.int64)
+        return rows if self.num_drafts is None else rows + self.num_drafts
 
     @property
     def num_reqs(self) -> int:
@@ -182,10 +194,13 @@ class InputBatch:
         table[state.row, start:end] = block_ids
 
     # ---- step preparation ----------------------------------------------------
-    def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepBatch:
-        """The step's batch: the scheduled requests (in this order) and their token counts."""
+    def prepare(self, num_scheduled_tokens: dict[str, int],
+                draft_token_ids: dict[str, list[int]] | None = None) -> StepBatch:
+        """The step's batch: the scheduled requests (in this order) and their token
+        counts, which include the drafts a request verifies (draft_token_ids)."""
         req_ids = list(num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
+        num_drafts = self._place_drafts(req_ids, draft_token_ids) if draft_token_ids else None
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         num_scheduled = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64,
                                     count=len(states))
@@ -194,6 +209,8 @@ class InputBatch:
         num_host = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
         num_known = num_host + np.fromiter((s.num_inflight for s in states), dtype=np.int64,
                                            count=len(states))
+        if num_drafts is not None:
+            num_known = num_known + num_drafts
 
         query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -210,10 +227,16 @@ class InputBatch:
         offsets_in_block = positions % self.block_size
         slot_mappings = [table[token_rows, block_index].astype(np.int64) * self.block_size
                          + offsets_in_block for table in self.block_tables]
-        # Input positions at or past the host-known tokens hold tokens still in flight.
-        inflight_dst = np.flatnonzero(positions >= num_host[token_req_index])
+        # Input positions at or past the host-known tokens hold tokens still in flight
+        # (a request verifying drafts has none in flight: they follow its known tokens).
+        inflight_dst = np.flatnonzero(positions >= num_host[token_req_index]
+                                      + (0 if num_drafts is None else num_drafts[token_req_index]))
         num_block_cols = max(1, int(-(-seq_lens.max() // self.block_size))) if len(states) else 1
         sampling_mask = seq_lens == num_known
+        logits_indices = query_start_loc[1:][sampling_mask] - 1
+        if num_drafts is not None:
+            logits_indices = _draft_logits_indices(query_start_loc[1:][sampling_mask],
+                                                   num_drafts[sampling_mask])
         return StepBatch(
             req_ids=req_ids, rows=rows, num_scheduled=num_scheduled, num_computed=num_computed,
             query_start_loc=query_start_loc, seq_lens=seq_lens, positions=positions,
@@ -221,8 +244,52 @@ class InputBatch:
             block_tables=[table[rows, :num_block_cols] for table in self.block_tables],
             state_slots=self.state_slot[rows] if self.has_state else None,
             token_req_index=token_req_index,
-            sampling_mask=sampling_mask, logits_indices=query_start_loc[1:][sampling_mask] - 1,
-            inflight_dst=inflight_dst, requests=states)
+            sampling_mask=sampling_mask, logits_indices=logits_indices,
+            inflight_dst=inflight_dst, requests=states, num_drafts=num_drafts,
+            draft_token_ids=draft_token_ids or {})
+
+    def _place_drafts(self, req_ids: list[str], draft_token_ids: dict[str, list[int]]
+                      ) -> np.ndarray:
+        """Write each request's drafts after its known tokens (inputs of this step;
+        the accepted ones are overwritten by themselves, the rest by later tokens).
+        Returns the drafts per request, in req_ids order."""
+        counts = np.zeros(len(req_ids), dtype=np.int64)
+        for i, req_id in enumerate(req_ids):
+            drafts = draft_token_ids.get(req_id)
+            if not drafts:
+                continue
+            state = self.requests[req_id]
+            if state.num_inflight:
+                raise RuntimeError(f"request {req_id!r} verifies drafts while its last token "
+                                   "is still being sampled")
+            end = state.num_tokens + len(drafts)
+            if end > self.max_model_len:
+                raise RuntimeError(f"request {req_id!r}: {len(drafts)} drafts run past "
+                                   f"max_model_len ({self.max_model_len})")
+            self.token_ids[state.row, state.num_tokens:end] = drafts
+            counts[i] = len(drafts)
+        return counts
+
+    def decode_batch(self, states: list[CachedRequestState], positions: np.ndarray) -> StepBatch:
+        """A batch of one token per request at the given positions, over the requests'
+        blocks (a draft model's proposing steps; input ids are the caller's)."""
+        num = len(states)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num)
+        ones = np.ones(num, dtype=np.int64)
+        seq_lens = positions + 1
+        cols = max(1, int(-(-seq_lens.max() // self.block_size))) if num else 1
+        slot_mappings = [table[rows, positions // self.block_size].astype(np.int64)
+                         * self.block_size + positions % self.block_size
+                         for table in self.block_tables]
+        return StepBatch(
+            req_ids=[s.req_id for s in states], rows=rows, num_scheduled=ones,
+            num_computed=positions, query_start_loc=np.arange(num + 1, dtype=np.int64),
+            seq_lens=seq_lens, positions=positions, input_ids=np.zeros(num, dtype=np.int32),
+            slot_mappings=slot_mappings,
+            block_tables=[table[rows, :cols] for table in self.block_tables], state_slots=None,
+            token_req_index=np.arange(num), sampling_mask=ones.astype(bool),
+            logits_indices=np.arange(num), inflight_dst=np.zeros(0, dtype=np.int64),
+            requests=list(states))
 
     def advance(self, batch: StepBatch) -> None:
         """After launching a step: its tokens are computed, and the tokens it samples
@@ -243,6 +310,21 @@ class InputBatch:
                 return True
         return False
 
+    def verify_metadata(self, batch: StepBatch, h2d: HostToDevice) -> SamplingMetadata:
+        """Sampling parameters for a step verifying drafts: one row per sampled
+        position. The row of a request's j-th draft position sees its drafts before j
+        as outputs (penalties and min_tokens), as decoding them one by one would."""
+        states, drafts_before = [], []
+        for state, samples, num_drafts in zip(batch.requests, batch.sampling_mask.tolist(),
+                                              batch.num_drafts.tolist()):
+            if not samples:
+                continue
+            drafts = batch.draft_token_ids.get(state.req_id, [])
+            for j in range(num_drafts + 1):
+                states.append(state)
+                drafts_before.append(drafts[:j])
+        return self._build_sampling_metadata(states, h2d, drafts_before)
+
     def sampling_metadata(self, req_ids: list[str], h2d: HostToDevice) -> SamplingMetadata:
         """Batched sampling parameters for the requests that sample, in this order.
 
@@ -259,8 +341,14 @@ class InputBatch:
         self._metadata_key, self._metadata = (None, None) if dynamic else (key, meta)
         return meta
 
-    def _build_sampling_metadata(self, states: list[CachedRequestState],
-                                 h2d: HostToDevice) -> SamplingMetadata:
+    def _build_sampling_metadata(self, states: list[CachedRequestState], h2d: HostToDevice,
+                                 drafts_before: list[list[int]] | None = None
+                                 ) -> SamplingMetadata:
+        """One row per entry of states (a request may have several rows, its row i
+        then following drafts_before[i], tokens not yet in its outputs)."""
+        outputs = [s.output_token_ids for s in states]
+        if drafts_before is not None:
+            outputs = [out + drafts for out, drafts in zip(outputs, drafts_before)]
         params = [s.sampling_params for s in states]
         greedy = [p.is_greedy for p in params]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -274,25 +362,33 @@ class InputBatch:
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             max_num_logprobs=max(logprobs) if logprobs else None,
             min_tokens_blocked={
-                i: s.sampling_params.all_stop_token_ids for i, s in enumerate(states)
-                if len(s.output_token_ids) < s.sampling_params.min_tokens
-                and s.sampling_params.all_stop_token_ids})
+                i: s.sampling_params.all_stop_token_ids for i, (s, out) in
+                enumerate(zip(states, outputs))
+                if len(out) < s.sampling_params.min_tokens and s.sampling_params.all_stop_token_ids})
         if any(_has_penalties(p) for p in params):
-            self._add_penalties(meta, states, h2d)
+            self._add_penalties(meta, states, outputs, h2d)
         return meta
 
     def _add_penalties(self, meta: SamplingMetadata, states: list[CachedRequestState],
-                       h2d: HostToDevice) -> None:
+                       outputs: list[list[int]], h2d: HostToDevice) -> None:
         longest = max(s.num_prompt_tokens for s in states)
         prompts = np.full((len(states), longest), self.vocab_size, dtype=np.int64)
         for i, s in enumerate(states):
             prompts[i, :s.num_prompt_tokens] = self.token_ids[s.row, :s.num_prompt_tokens]
         meta.prompt_token_ids = h2d.put(prompts, torch.int64)
-        meta.output_token_ids = [s.output_token_ids for s in states]
+        meta.output_token_ids = outputs
         params = [s.sampling_params for s in states]
         meta.frequency_penalties = h2d.put([p.frequency_penalty for p in params], torch.float32)
         meta.presence_penalties = h2d.put([p.presence_penalty for p in params], torch.float32)
         meta.repetition_penalties = h2d.put([p.repetition_penalty for p in params], torch.float32)
+
+
+def _draft_logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """The last 1 + num_drafts[i] token indices before each ends[i], in order."""
+    counts = num_drafts + 1
+    starts = np.repeat(ends - counts, counts)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return starts + offsets
 
 
 def _has_penalties(p: SamplingParams) -> bool:

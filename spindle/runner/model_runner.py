@@ -9,6 +9,7 @@ the architecture.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Callable, ContextManager, Sequence
@@ -90,6 +91,14 @@ class ModelRunner:
         self._recapture_on_wake = False
         self._weight_check = None  # update_weights' check (models/weight_update.py)
         self._last_launched: PendingOutput | None = None
+        # Speculative decoding (runner/spec_decode/): the proposer, and its last
+        # proposals that carry draft distributions, by request.
+        self.proposer = None
+        if config.speculative is not None:
+            from spindle.runner.spec_decode import make_proposer
+
+            self.proposer = make_proposer(config, self)
+        self._drafted: dict = {}
         # Requests whose preparation failed: the scheduler may still schedule them (it
         # learns of the failure from this step's output) until it reports them finished.
         self._dropped: set[str] = set()
@@ -120,6 +129,9 @@ class ModelRunner:
             if layer.backend_name != backend:
                 layer.use_backend(backend)
         self._group_cache_layers()
+        if self.proposer is not None:
+            with self._memory_scope(WEIGHTS):
+                self.proposer.load_model()
 
     def _group_cache_layers(self) -> None:
         """Group the layers that declare a cache spec (spindle/cache/spec.py) and tell
@@ -142,9 +154,14 @@ class ModelRunner:
         return self._require_state().needs_kv_cache and bool(self.cache_layout.groups)
 
     def cache_requirements(self) -> CacheRequirements:
-        """This rank's cache groups and what a block id / a state slot costs here."""
+        """This rank's cache groups and what a block id / a state slot costs here (a
+        draft model's cache included)."""
         self._require_state()
-        return self.cache_layout.requirements()
+        needs = self.cache_layout.requirements()
+        if self.proposer is not None and needs.block_bytes:
+            needs = dataclasses.replace(needs, block_bytes=needs.block_bytes
+                                        + self.proposer.block_bytes(self.config.cache.block_size))
+        return needs
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int | None = None) -> None:
@@ -205,6 +222,10 @@ class ModelRunner:
                         (config.num_state_slots, *shape), state_dtype, self.device)
                         for shape, state_dtype in zip(spec.shapes, spec.dtypes)]
                     self.kv_caches.append(layer.kv_cache)
+            if self.proposer is not None:
+                self.kv_caches.extend(self.proposer.allocate_cache(
+                    config.num_blocks, lambda shape, dtype: self.platform.allocate_zeroed(
+                        shape, dtype, self.device)))
         return sum(c.numel() * c.element_size() for c in flatten_cache_entries(self.kv_caches))
 
     @torch.inference_mode()
@@ -220,8 +241,9 @@ class ModelRunner:
             lengths = lengths[:1]
         groups = self.cache_layout.groups
         num_paged = sum(g.is_paged for g in groups)
+        lookahead = self.config.speculative.num_lookahead_tokens if self.proposer else 0
         for n in lengths:
-            blocks = -(-(n + 1) // block_size)
+            blocks = -(-(n + 1 + lookahead) // block_size)
             if n + 1 > self.config.model.max_model_len or blocks * num_paged > self.num_kv_blocks:
                 break
             # Distinct blocks per paged group (groups share tensors); state slot 0.
@@ -250,7 +272,8 @@ class ModelRunner:
         no_blocks = [[] for _ in block_ids]
         decode = SchedulerOutput(cached_requests=[CachedRequestData(req, no_blocks, num_prompt,
                                                                     [0], num_prompt)],
-                                 num_scheduled_tokens={req: 1}, total_num_scheduled_tokens=1)
+                                 num_scheduled_tokens={req: 1}, total_num_scheduled_tokens=1,
+                                 speculate=self.proposer is not None)
         self.execute_model(decode)
         self.input_batch.remove_request(req)
 
@@ -276,12 +299,16 @@ class ModelRunner:
         distinct: dict[int, torch.Tensor] = {}
         for tensor in list(model.parameters()) + list(model.buffers()):
             distinct.setdefault(id(tensor), tensor)  # tied weights appear once
+        if self.proposer is not None:
+            for tensor in self.proposer.weights():
+                distinct.setdefault(id(tensor), tensor)
         return list(distinct.values())
 
     def buffers_outside_checkpoint(self) -> list[torch.Tensor]:
         """Buffers are derived from the config (rotary tables), never loaded: a
         reload from the checkpoint does not restore them."""
-        return list(self._require_model().buffers())
+        proposer = self.proposer.buffers() if self.proposer is not None else []
+        return list(self._require_model().buffers()) + proposer
 
     @torch.no_grad()
     def reload_weights(self) -> None:
@@ -294,6 +321,8 @@ class ModelRunner:
         if missing:
             raise RuntimeError(f"reloading {model_config.model} left {len(missing)} "
                                f"parameter(s) unloaded: {', '.join(missing[:5])}")
+        if self.proposer is not None:
+            self.proposer.reload_weights()
 
     @torch.no_grad()
     def update_weights(self, source) -> int:
@@ -359,6 +388,9 @@ class ModelRunner:
         the pool and the cache), so the memory is free for whoever comes next."""
         self.graph_runner = None
         self._last_launched = None
+        self._drafted = {}
+        if self.proposer is not None:
+            self.proposer.release()
         for members in self.cache_layout.group_layers:
             for layer in members:
                 layer.kv_cache = None
@@ -384,7 +416,7 @@ class ModelRunner:
             return PendingOutput.ready(ModelRunnerOutput(failed_requests=failures))
         state = self._require_state()
         self.h2d.new_step()
-        batch = self.input_batch.prepare(scheduled)
+        batch = self.input_batch.prepare(scheduled, sched.spec_token_ids or None)
         feed = self._inflight_feed(batch)
         self._copy_state_slots(sched.state_copies_before)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
@@ -400,6 +432,8 @@ class ModelRunner:
                 hidden = state.forward(inputs)
             if not self.stage.is_last:
                 self.stage.send(hidden)
+        if self.proposer is not None:
+            self.proposer.after_forward(batch, feed, hidden)
         self._copy_state_slots(sched.state_copies_after)
         self.input_batch.advance(batch)
         if not self.stage.is_last:
@@ -411,8 +445,24 @@ class ModelRunner:
             return PendingOutput.ready(output)
         sampled = self._sample(batch, hidden)
         pending = PendingOutput(self, batch, sampled, failures)
-        self._last_launched = pending
+        earlier, self._last_launched = self._last_launched, pending
+        if sched.speculate and self.proposer is not None:
+            if earlier is not None:
+                earlier.get()  # (steps record their tokens in launch order)
+            return PendingOutput.ready(self._propose(pending.get()))
         return pending
+
+    def _propose(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Drafts for the requests that got tokens in output (a speculating step), for
+        their next step; the draft distributions stay here until it verifies them."""
+        held = self.input_batch.requests
+        req_ids = [r for r, tokens in zip(output.req_ids, output.sampled_token_ids)
+                   if tokens and r in held]
+        proposals = self.proposer.propose(req_ids)
+        self._drafted = {r: p for r, p in proposals.items() if p.probs is not None}
+        output.spec_token_ids = [proposals[r].token_ids if r in proposals else []
+                                 for r in output.req_ids]
+        return output
 
     def _copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
         """Copy state slots (src, dst) in every state layer: prefix-cache snapshots
@@ -533,10 +583,51 @@ class ModelRunner:
             return SamplerOutput(sampled_token_ids=self.tp_group.broadcast(tokens))
         if self.input_batch.needs_outputs(batch.sampling_req_ids) and self._last_launched:
             self._last_launched.get()  # penalties / min_tokens read every output so far
-        metadata = self.input_batch.sampling_metadata(batch.sampling_req_ids, self.h2d)
-        sampled = self.sampler(logits, metadata)
+        if batch.draft_token_ids:
+            sampled = self._verify(batch, logits)
+        else:
+            metadata = self.input_batch.sampling_metadata(batch.sampling_req_ids, self.h2d)
+            sampled = self.sampler(logits, metadata)
         self.tp_group.broadcast(sampled.sampled_token_ids)
         return sampled
+
+    def _draft_distribution(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
+        """The distributions req_id's drafts were drawn from, when the proposal that
+        drew them is the last one this runner made (else None: the drafts are then
+        verified as certain, which stays exact, only accepts less often)."""
+        proposal = self._drafted.pop(req_id, None)
+        if proposal is None or proposal.token_ids[:len(drafts)] != drafts:
+            return None
+        return proposal.probs[:len(drafts)]
+
+    def _verify(self, batch: StepBatch, logits: torch.Tensor) -> SamplerOutput:
+        """A step verifying drafts: the target's distribution at every sampled row,
+        and the tokens exact rejection sampling emits (-1 past a rejection)."""
+        from spindle.runner.spec_decode import verify_drafts
+
+        metadata = self.input_batch.verify_metadata(batch, self.h2d)
+        sampled, drawn_from, logprobs_of = self.sampler.draw(logits, metadata)
+        drafts, first_rows, q_rows = [], [], []
+        for req_id, num_rows in zip(batch.req_ids, batch.sample_rows.tolist()):
+            if not num_rows:
+                continue
+            req_drafts = batch.draft_token_ids.get(req_id, [])
+            first_rows += [len(drafts)] * num_rows
+            q_rows.append(self._draft_distribution(req_id, req_drafts))
+            drafts += req_drafts + [-1]
+        draft_probs = has_probs = None
+        if any(q is not None for q in q_rows):
+            draft_probs = torch.zeros_like(drawn_from)
+            has_probs = torch.zeros(len(drafts), dtype=torch.bool)
+            for start, q in zip(sorted(set(first_rows)), q_rows):
+                if q is not None:
+                    draft_probs[start:start + len(q)] = q
+                    has_probs[start:start + len(q)] = True
+            has_probs = has_probs.to(self.device)
+        tokens = verify_drafts(sampled, drawn_from, metadata,
+                               self.h2d.put(drafts, torch.int64),
+                               self.h2d.put(first_rows, torch.int64), draft_probs, has_probs)
+        return self.sampler.gather(logprobs_of, tokens, metadata)
 
     def _record_and_report(self, batch: StepBatch, token_ids: list[int],
                            logprobs) -> ModelRunnerOutput:
@@ -544,20 +635,20 @@ class ModelRunner:
         build the reply (called once per step, in launch order, by PendingOutput)."""
         held = self.input_batch.requests
         out = ModelRunnerOutput(req_ids=batch.req_ids)
-        sample_row = 0
-        for req_id, state, samples in zip(batch.req_ids, batch.requests,
-                                          batch.sampling_mask.tolist()):
-            if not samples:
-                out.sampled_token_ids.append([])
-                out.logprobs.append(None)
-                continue
-            token = token_ids[sample_row]
+        row = 0
+        for req_id, state, num_rows in zip(batch.req_ids, batch.requests,
+                                           batch.sample_rows.tolist()):
+            tokens = token_ids[row:row + num_rows]
+            if num_rows > 1:  # a verified step: its tokens end at the first rejection
+                tokens = tokens[:next((j for j, t in enumerate(tokens) if t < 0), num_rows)]
             if held.get(req_id) is state:  # (gone if finished or preempted meanwhile)
-                self.input_batch.append_token(state, token)
-            out.sampled_token_ids.append([token])
-            out.logprobs.append(None if logprobs is None else _logprobs_for(
-                logprobs, sample_row, state.sampling_params.logprobs))
-            sample_row += 1
+                for token in tokens:
+                    self.input_batch.append_token(state, token)
+            wanted = state.sampling_params.logprobs if logprobs is not None else None
+            out.sampled_token_ids.append(tokens)
+            out.logprobs.append([] if wanted is None else [
+                _logprobs_for(logprobs, row + j, wanted) for j in range(len(tokens))])
+            row += num_rows
         return out
 
     def _pool_and_report(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
@@ -566,7 +657,7 @@ class ModelRunner:
         pooled = self.pooler(hidden, batch)
         return ModelRunnerOutput(req_ids=batch.req_ids,
                                  sampled_token_ids=[[] for _ in batch.req_ids],
-                                 logprobs=[None] * batch.num_reqs, pooled_outputs=pooled)
+                                 logprobs=[[] for _ in batch.req_ids], pooled_outputs=pooled)
 
     def _require_state(self) -> ModelState:
         if self.state is None:
@@ -574,9 +665,7 @@ class ModelRunner:
         return self.state
 
 
-def _logprobs_for(rows, i: int, wanted: int | None) -> SampledLogprobs | None:
-    if rows is None or wanted is None:
-        return None
+def _logprobs_for(rows, i: int, wanted: int) -> SampledLogprobs:
     ids, lps, ranks = rows
     return SampledLogprobs(token_ids=ids[i][:wanted + 1], logprobs=lps[i][:wanted + 1],
                            sampled_rank=ranks[i])

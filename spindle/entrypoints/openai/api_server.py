@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from spindle import __version__
 from spindle.config import EngineArgs, ServerArgs
 from spindle.engine.async_llm import AsyncLLM
+from spindle.engine.stats import LoggingStatLogger
 from spindle.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
 from spindle.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware,
                                                    ErrorBoundary)
@@ -57,14 +58,17 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
     models = ServedModels(names=tuple(served_model_names or [model_config.model]),
                           root=model_config.model, max_model_len=model_config.max_model_len)
     metrics = PrometheusStatLogger(models.names[0])
+    stats_log = LoggingStatLogger()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.add_stat_logger(metrics)
+        engine.add_stat_logger(stats_log)
         try:
             yield
         finally:
             engine.remove_stat_logger(metrics)
+            engine.remove_stat_logger(stats_log)
 
     app = FastAPI(title="spindle", version=__version__, lifespan=lifespan)
     app.state.engine = engine

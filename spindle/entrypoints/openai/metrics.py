@@ -52,6 +52,18 @@ class PrometheusStatLogger:
         self._finished = Counter("spindle:request_success", "Requests finished, by reason.",
                                  [*labels, "finished_reason"], registry=self.registry)
         self._labels = labels
+        self.spec_drafts = make(Counter, "spindle:spec_decode_num_drafts",
+                                "Steps of a request that verified speculative drafts.")
+        self.spec_draft_tokens = make(Counter, "spindle:spec_decode_num_draft_tokens",
+                                      "Draft tokens verified.")
+        self.spec_accepted_tokens = make(Counter, "spindle:spec_decode_num_accepted_tokens",
+                                         "Draft tokens accepted.")
+        self.spec_acceptance_rate = make(Gauge, "spindle:spec_decode_acceptance_rate",
+                                         "Accepted / verified draft tokens since start.")
+        self.spec_mean_accepted_length = make(
+            Gauge, "spindle:spec_decode_mean_accepted_length",
+            "Tokens per verifying step since start (accepted drafts plus one).")
+        self._spec_seen = (0, 0, 0)
 
     def record(self, stats: EngineStats, iteration: IterationStats) -> None:
         self.num_running.set(stats.num_running)
@@ -59,6 +71,8 @@ class PrometheusStatLogger:
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.is_paused.set(stats.pause_mode is not None)
         self.is_sleeping.set(stats.sleep_level is not None)
+        if stats.spec_decode is not None:
+            self._record_spec_decode(stats.spec_decode)
         if iteration.is_empty:
             return
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
@@ -70,6 +84,16 @@ class PrometheusStatLogger:
         for finished in iteration.finished:
             self.e2e.observe(finished.e2e_latency)
             self._finished.labels(**self._labels, finished_reason=finished.finish_reason).inc()
+
+    def _record_spec_decode(self, spec) -> None:
+        totals = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        for counter, now, seen in zip((self.spec_drafts, self.spec_draft_tokens,
+                                       self.spec_accepted_tokens), totals, self._spec_seen):
+            if now > seen:
+                counter.inc(now - seen)
+        self._spec_seen = totals
+        self.spec_acceptance_rate.set(spec.acceptance_rate)
+        self.spec_mean_accepted_length.set(spec.mean_accepted_length)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

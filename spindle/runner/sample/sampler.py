@@ -52,6 +52,14 @@ class Sampler(torch.nn.Module):
         self.processed = processed
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        sampled, _, logprobs_of = self.draw(logits, metadata)
+        return self.gather(logprobs_of, sampled, metadata)
+
+    def draw(self, logits: torch.Tensor, metadata: SamplingMetadata
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Steps 1-5: the tokens [B], the logits each was drawn from [B, V] (a greedy
+        row's: its penalised logits), and the logprobs the reply reads (None when no
+        row wants any)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         logits = logits.float()
@@ -63,14 +71,19 @@ class Sampler(torch.nn.Module):
         logits = block_min_tokens(logits, metadata.min_tokens_blocked)
         logits = apply_penalties(logits, metadata)
         sampled, drawn_from = sample(logits, metadata)
-
-        if not wanted:
-            return SamplerOutput(sampled_token_ids=sampled)
-        if logprobs_of is None:
+        if wanted and logprobs_of is None:
             logprobs_of = compute_logprobs(drawn_from)
+        return sampled, drawn_from, logprobs_of
+
+    @staticmethod
+    def gather(logprobs_of: torch.Tensor | None, tokens: torch.Tensor,
+               metadata: SamplingMetadata) -> SamplerOutput:
+        """Step 6: the output for tokens (of any row: ids below 0 stand for none)."""
+        if logprobs_of is None:
+            return SamplerOutput(sampled_token_ids=tokens)
         token_ids, logprobs, ranks = gather_logprobs(
-            logprobs_of, sampled, metadata.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=token_ids,
+            logprobs_of, tokens.clamp(min=0), metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=tokens, logprob_token_ids=token_ids,
                              logprobs=logprobs, sampled_ranks=ranks)
 
 
