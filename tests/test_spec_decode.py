@@ -344,3 +344,38 @@ def test_bad_combinations_are_refused(target, tiny_model):
     hybrid = tiny_model(arch="bamba")
     with pytest.raises(ValueError, match="roll back"):
         LLM(str(hybrid), device="cpu", speculative_config=ngram)
+
+
+def test_extended_lookup_continues_past_a_short_match():
+    from spindle.runner.spec_decode.ngram import extended_lookup
+
+    tokens = np.array([1, 2, 3, 1, 2, 3, 1, 2])
+    # (1, 2) last matched at 3..4, followed by 3, 1, 2 and then the end: looking up
+    # again on the tokens plus those drafts continues the cycle.
+    assert ngram_lookup(tokens, 2, 2, 6) == [3, 1, 2]
+    assert extended_lookup(tokens, 2, 2, 6) == [3, 1, 2, 3, 1, 2]
+    assert extended_lookup(np.array([5, 6, 7]), 1, 2, 4) == []
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_logprobs_with_speculation_equal_those_without(target, shallow_draft, method):
+    """Every token of a verifying step gets the logprobs of its own position."""
+    path, prompts, expected = target
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+
+    def run(spec):
+        llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=512,
+                  speculative_config=spec)
+        try:
+            return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    plain, spec = run(None), run(_spec(method, shallow_draft))
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids
+        assert len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert list(x) == list(y)
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 and x[t].rank == y[t].rank
+                       for t in x)

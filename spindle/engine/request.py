@@ -75,6 +75,7 @@ class Request:
         # Speculative decoding: tokens proposed to follow all_token_ids, verified by the
         # request's next step (spindle/runner/spec_decode/).
         self.spec_token_ids: list[int] = []
+        self.num_proposed = 0  # of the drafts its last step verified, those proposed
         # Chained hashes of this request's full blocks, filled by the KV cache manager.
         self.block_hashes: list[bytes] = []
 

@@ -256,13 +256,24 @@ class Scheduler:
     def _drafts_for(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The drafts a decode step of request verifies (its proposals, cut to the
         step's budget, its max_tokens and max_model_len); [] when not speculating.
-        Its proposals are used up either way: they follow only its current tokens."""
+        Its proposals are used up either way: they follow only its current tokens.
+
+        Fewer proposals than num_speculative_tokens are padded with the last one, where
+        there is room: steps whose requests all verify k drafts replay a CUDA graph.
+        Verification stays exact whatever the drafts are; a padding draft that is
+        accepted is a token the target drew."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
+        request.num_proposed = 0
         if not (self._speculating and drafts) or num_new != 1 or request.num_output_placeholders:
             return []
-        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.scheduler_config.max_model_len - request.num_tokens)
-        return drafts[:max(0, room)]
+        room = max(0, min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                          self.scheduler_config.max_model_len - request.num_tokens))
+        drafts = drafts[:room]
+        request.num_proposed = len(drafts)
+        k = self.speculative_config.num_speculative_tokens
+        if drafts and room >= k:
+            drafts = drafts + drafts[-1:] * (k - len(drafts))
+        return drafts
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Slots past the step's tokens that proposing for request writes (a draft
@@ -442,7 +453,8 @@ class Scheduler:
             raise RuntimeError(f"request {request.request_id!r}: {num_tokens} tokens from a "
                                f"step verifying {num_drafts} drafts")
         request.num_computed_tokens -= num_drafts - num_accepted
-        self.spec_decode_stats.observe(num_drafts, num_accepted)
+        proposed = request.num_proposed  # (the stats leave padding drafts out)
+        self.spec_decode_stats.observe(proposed, min(num_accepted, proposed))
 
     def _finish_failed(self, failures: dict[str, RequestFailure]) -> list[EngineCoreOutput]:
         """Requests the runner could not prepare fail alone (FINISHED_ERROR)."""

@@ -6,8 +6,12 @@ read (a paged group: block table and slots; a state group: the state slots). A
 decode batch of B requests is padded to the next captured size P: padding rows get
 slot -1 (the store-KV kernel skips them), sequence length 0 (attention writes
 zeros) and state slot -1 (state layers skip them), so they touch no real cache
-entry and produce finite garbage that nobody reads. Graphs are captured largest
-first into one memory pool, which the smaller graphs then reuse.
+entry and produce garbage that nobody reads. Graphs are captured largest first
+into one memory pool, which the smaller graphs then reuse.
+
+With speculative decoding, steps where every request computes verify_len tokens
+(its last token and its drafts) are captured too, for batches up to
+verify_max_batch: graphs are keyed by (tokens per request, batch size).
 """
 
 from __future__ import annotations
@@ -47,19 +51,26 @@ _INPUT_IDS, _POSITIONS, _SEQ_LENS, _STATE_SLOTS, _HAS_STATE, _FIRST_SLOTS = rang
 
 class CudaGraphRunner:
     def __init__(self, state: ModelState, max_batch: int, max_blocks_per_req: int,
-                 device: torch.device, groups: Sequence[CacheGroup] = ()) -> None:
+                 device: torch.device, groups: Sequence[CacheGroup] = (),
+                 verify_len: int = 1, verify_max_batch: int = 0) -> None:
         self.state = state
         self.device = device
         self.groups = list(groups) or [CacheGroup(FULL_ATTENTION, 1)]
         self.num_paged = sum(g.is_paged for g in self.groups)
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
+        # Batch sizes captured per number of tokens per request.
+        self.sizes_by_len = {1: self.sizes}
+        if verify_len > 1 and verify_max_batch >= 1:
+            self.sizes_by_len[verify_len] = capture_sizes(min(verify_max_batch, self.max_batch))
         n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        t = max(size * q for q, sizes in self.sizes_by_len.items() for size in sizes)
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.slot_mappings = [torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.query_start_locs = {q: torch.arange(0, q * (n + 1), q, dtype=torch.int32,
+                                                 device=device) for q in self.sizes_by_len}
+        self.slot_mappings = [torch.full((t,), -1, dtype=torch.int64, device=device)
                               for _ in range(self.num_paged)]
         self.block_tables = [torch.zeros((n, max_blocks_per_req), dtype=torch.int32,
                                          device=device) for _ in range(self.num_paged)]
@@ -69,56 +80,67 @@ class CudaGraphRunner:
         # two sets used in turn: with async scheduling a step is staged while the
         # previous step's copies may still be queued (see runner/staging.py).
         self._host_sets = [
-            (torch.zeros((_FIRST_SLOTS + self.num_paged, n), dtype=torch.int64, pin_memory=True),
+            (torch.zeros((_FIRST_SLOTS + self.num_paged, t), dtype=torch.int64, pin_memory=True),
              torch.zeros((max(1, self.num_paged), n, max_blocks_per_req), dtype=torch.int32,
                          pin_memory=True)) for _ in range(2)]
         self._runs = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays: dict[tuple[int, int], int] = {}  # by graph key, since capture
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (tokens/request, size)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
     def can_run(self, batch: StepBatch) -> bool:
-        """A decode batch of at most the largest size. With state layers, none of its
+        """A batch of one token per request (or verify_len, for a captured verifying
+        step) of at most the largest captured size. With state layers, none of its
         requests may be at its first token: the captured state update always starts
         from the stored state (a first token starts from zeros, eagerly)."""
         if batch.state_slots is not None and not batch.num_computed.all():
             return False
-        return (batch.num_tokens == batch.num_reqs and batch.num_reqs <= self.max_batch
-                and bool(self.graphs))
+        num = batch.num_reqs
+        query_len = batch.num_tokens // num if num else 0
+        sizes = self.sizes_by_len.get(query_len)
+        if not sizes or not self.graphs or num > sizes[-1] or batch.num_tokens != query_len * num:
+            return False
+        return query_len == 1 or bool((batch.num_scheduled == query_len).all())
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (the smaller graphs reuse its pool)."""
-        for size in reversed(self.sizes):
-            self.seq_lens[:size].fill_(1)
-            self._forward(size)  # warm-up outside the graph: compile, autotune, allocate
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = self._forward(size)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = graph
+        for query_len, sizes in self.sizes_by_len.items():
+            for size in reversed(sizes):
+                self.seq_lens[:size].fill_(query_len)
+                self._forward(size, query_len)  # warm-up outside the graph: compile, autotune
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[query_len, size] = self._forward(size, query_len)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[query_len, size] = graph
         self.seq_lens.zero_()
         torch.cuda.synchronize(self.device)
 
     def run(self, batch: StepBatch, feed=None) -> torch.Tensor:
-        """Replay the graph of the smallest captured size >= batch size; hidden [B, ...].
+        """Replay the graph of the smallest captured size >= batch size; hidden [T, ...].
         feed(input_ids), when given, writes input ids still being sampled on the device."""
         num = batch.num_reqs
-        size = self.sizes[bisect.bisect_left(self.sizes, num)]
-        self._stage_inputs(batch, size)
+        query_len = batch.num_tokens // num
+        sizes = self.sizes_by_len[query_len]
+        size = sizes[bisect.bisect_left(sizes, num)]
+        self._stage_inputs(batch, size, query_len)
         if feed is not None:
-            feed(self.input_ids[:num])
-        self.graphs[size].replay()
-        return self.outputs[size][:num]
+            feed(self.input_ids[:batch.num_tokens])
+        self.graphs[query_len, size].replay()
+        key = (query_len, size)
+        self.num_replays[key] = self.num_replays.get(key, 0) + 1
+        return self.outputs[query_len, size][:batch.num_tokens]
 
-    def _stage_inputs(self, batch: StepBatch, size: int) -> None:
-        num = batch.num_reqs
+    def _stage_inputs(self, batch: StepBatch, size: int, query_len: int = 1) -> None:
+        num, tokens, padded = batch.num_reqs, batch.num_tokens, size * query_len
         self._runs += 1
         host_t, tables_t = self._host_sets[self._runs % 2]
         host = host_t.numpy()
-        host[_INPUT_IDS, :num] = batch.input_ids
-        host[_POSITIONS, :num] = batch.positions
+        host[_INPUT_IDS, :tokens] = batch.input_ids
+        host[_POSITIONS, :tokens] = batch.positions
         host[_SEQ_LENS, :num] = batch.seq_lens
         host[_SEQ_LENS, num:size] = 0
         if batch.state_slots is not None:
@@ -127,38 +149,42 @@ class CudaGraphRunner:
         host[_STATE_SLOTS, num:size] = -1
         cols = batch.block_tables[0].shape[1] if self.num_paged else 0
         for g in range(self.num_paged):
-            host[_FIRST_SLOTS + g, :num] = batch.slot_mappings[g]
-            host[_FIRST_SLOTS + g, num:size] = -1
+            host[_FIRST_SLOTS + g, :tokens] = batch.slot_mappings[g]
+            host[_FIRST_SLOTS + g, tokens:padded] = -1
             tables_t.numpy()[g, :num, :cols] = batch.block_tables[g]
-        self.input_ids[:size].copy_(host_t[_INPUT_IDS, :size], non_blocking=True)
-        self.positions[:size].copy_(host_t[_POSITIONS, :size], non_blocking=True)
+        self.input_ids[:padded].copy_(host_t[_INPUT_IDS, :padded], non_blocking=True)
+        self.positions[:padded].copy_(host_t[_POSITIONS, :padded], non_blocking=True)
         self.seq_lens[:size].copy_(host_t[_SEQ_LENS, :size], non_blocking=True)
         if batch.state_slots is not None:
             self.state_slots[:size].copy_(host_t[_STATE_SLOTS, :size], non_blocking=True)
             self.has_initial_state[:size].copy_(host_t[_HAS_STATE, :size], non_blocking=True)
         for g in range(self.num_paged):
-            self.slot_mappings[g][:size].copy_(host_t[_FIRST_SLOTS + g, :size], non_blocking=True)
+            self.slot_mappings[g][:padded].copy_(host_t[_FIRST_SLOTS + g, :padded],
+                                                 non_blocking=True)
             self.block_tables[g][:num, :cols].copy_(tables_t[g, :num, :cols], non_blocking=True)
 
-    def _metadata(self, size: int) -> AttentionMetadata | MambaMetadata | list:
+    def _metadata(self, size: int, query_len: int = 1) -> AttentionMetadata | MambaMetadata | list:
         """Per cache group, metadata over the static buffers (padded to size)."""
         metadata, table = [], 0
+        tokens = size * query_len
         for group in self.groups:
             if group.is_paged:
                 metadata.append(AttentionMetadata(
-                    num_reqs=size, num_tokens=size, query_start_loc=self.query_start_loc[:size + 1],
+                    num_reqs=size, num_tokens=tokens,
+                    query_start_loc=self.query_start_locs[query_len][:size + 1],
                     seq_lens=self.seq_lens[:size], block_tables=self.block_tables[table][:size],
-                    slot_mapping=self.slot_mappings[table][:size], max_query_len=1,
+                    slot_mapping=self.slot_mappings[table][:tokens], max_query_len=query_len,
                     max_seq_len=self.block_tables[table].shape[1]))
                 table += 1
             else:
                 metadata.append(MambaMetadata(
-                    num_reqs=size, num_tokens=size, query_start_loc=self.query_start_loc[:size + 1],
-                    state_indices=self.state_slots[:size],
+                    num_reqs=size, num_tokens=size,
+                    query_start_loc=self.query_start_locs[1][:size + 1], state_indices=self.state_slots[:size],
                     has_initial_state=self.has_initial_state[:size], max_query_len=1))
         return metadata[0] if len(metadata) == 1 else metadata
 
-    def _forward(self, size: int) -> torch.Tensor:
-        with forward_context(self._metadata(size)):
-            return self.state.forward({"input_ids": self.input_ids[:size],
-                                       "positions": self.positions[:size]})
+    def _forward(self, size: int, query_len: int = 1) -> torch.Tensor:
+        tokens = size * query_len
+        with forward_context(self._metadata(size, query_len)):
+            return self.state.forward({"input_ids": self.input_ids[:tokens],
+                                       "positions": self.positions[:tokens]})

@@ -282,9 +282,14 @@ class ModelRunner:
         if (self.config.device.enforce_eager or not state.supports_cuda_graphs
                 or not self.needs_kv_cache or self.stage.size > 1):
             return
-        self.graph_runner = CudaGraphRunner(state, self.config.device.max_cudagraph_batch_size,
-                                            self.input_batch.max_blocks_per_req, self.device,
-                                            self.cache_layout.groups)
+        spec = self.config.speculative
+        self.graph_runner = CudaGraphRunner(
+            state, self.config.device.max_cudagraph_batch_size,
+            self.input_batch.max_blocks_per_req, self.device, self.cache_layout.groups,
+            # Verifying steps: every request's last token and k drafts, in batches that
+            # speculate (fewer than disable_by_batch_size requests).
+            verify_len=spec.num_speculative_tokens + 1 if spec else 1,
+            verify_max_batch=spec.disable_by_batch_size - 1 if spec else 0)
         self.graph_runner.capture()
         self.num_graph_captures += len(self.graph_runner.graphs)
 

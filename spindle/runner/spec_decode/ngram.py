@@ -25,6 +25,19 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
     return []
 
 
+def extended_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """ngram_lookup, repeated on the tokens followed by the drafts found so far while
+    a match ends before k drafts (a match near the end has a short continuation)."""
+    drafts: list[int] = []
+    while len(drafts) < k:
+        more = ngram_lookup(tokens, min_n, max_n, k - len(drafts))
+        if not more:
+            break
+        drafts += more
+        tokens = np.concatenate([tokens, np.asarray(more, dtype=tokens.dtype)])
+    return drafts
+
+
 class NgramProposer(Proposer):
     def propose(self, req_ids: list[str]) -> dict[str, Proposal]:
         batch = self.runner.input_batch
@@ -35,8 +48,8 @@ class NgramProposer(Proposer):
             room = min(self.num_speculative_tokens, batch.max_model_len - state.num_tokens)
             if room <= 0:
                 continue
-            drafts = ngram_lookup(batch.token_ids[state.row, :state.num_tokens],
-                                  cfg.prompt_lookup_min, cfg.prompt_lookup_max, room)
+            drafts = extended_lookup(batch.token_ids[state.row, :state.num_tokens],
+                                     cfg.prompt_lookup_min, cfg.prompt_lookup_max, room)
             if drafts:
                 proposals[req_id] = Proposal(drafts)
         return proposals
