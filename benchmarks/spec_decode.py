@@ -180,6 +180,33 @@ def run_edit(model: Path, ks: list[int], max_tokens: int, repeats: int) -> list[
     return rows
 
 
+def run_batch_sweep(model: Path, k: int, batches: list[int], max_tokens: int) -> list[dict]:
+    """The edit workload at several batch sizes, speculating in every step (no
+    disable_by_batch_size bound) vs not at all: where speculation stops paying."""
+    from transformers import AutoTokenizer
+
+    from spindle import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    rows = []
+    for spec_k in (0, k):
+        spec = None if spec_k == 0 else {"method": "ngram", "num_speculative_tokens": spec_k,
+                                         "prompt_lookup_min": 2, "disable_by_batch_size": 10**6}
+        llm = LLM(str(model), dtype="bfloat16", max_model_len=4096, speculative_config=spec,
+                  max_num_seqs=max(batches), enable_prefix_caching=False)
+        llm.generate(edit_prompts(tokenizer, 2), SamplingParams(max_tokens=16), use_tqdm=False)
+        for batch in batches:
+            prompts = edit_prompts(tokenizer, batch)
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            produced = sum(len(o.outputs[0].token_ids) for o in outs)
+            rows.append(dict(k=spec_k, batch=batch, tok_s=produced / seconds))
+        llm.shutdown()
+    return rows
+
+
 def _top2_gap(entry: dict) -> float:
     """Logprob of the best token minus the second best, at one position."""
     values = sorted((lp.logprob for lp in entry.values()), reverse=True)
@@ -221,6 +248,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--skip-nano", action="store_true")
+    parser.add_argument("--skip-edit", action="store_true")
+    parser.add_argument("--batch-sweep", default="",
+                        help="batch sizes for the edit workload, speculating always vs never")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.gguf is not None and not (args.model / "model.safetensors").is_file():
@@ -233,12 +263,35 @@ def main() -> None:
     ks = [int(k) for k in args.k.split(",")]
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__,
-              "transformers": transformers.__version__,
-              "edit": run_edit(args.model, ks, args.max_tokens, args.repeats)}
+              "transformers": transformers.__version__}
+    if not args.skip_edit:
+        result["edit"] = run_edit(args.model, ks, args.max_tokens, args.repeats)
+    if args.batch_sweep:
+        result["sweep"] = run_batch_sweep(args.model, ks[0], [int(b) for b in
+                                                              args.batch_sweep.split(",")],
+                                          args.max_tokens)
     if not args.skip_nano:
         result["nano"] = run_nano(ks, args.num_seqs)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    if "edit" in result:
+        print_edit(result)
+    if "sweep" in result:
+        print("\nedit workload by batch size (tok/s; speculation in every step vs none)")
+        plain = {r["batch"]: r["tok_s"] for r in result["sweep"] if r["k"] == 0}
+        for r in result["sweep"]:
+            if r["k"]:
+                print(f"batch {r['batch']:>4}: {plain[r['batch']]:>9,.0f} -> {r['tok_s']:>9,.0f}"
+                      f"  ({r['tok_s'] / plain[r['batch']]:.2f}x, k={r['k']})")
+    if "nano" in result:
+        nano = result["nano"]
+        print("\nnano workload (Qwen3-0.6B shape, 256 sequences)")
+        for row in nano:
+            print(f"k={row['k']}: {row['tok_s']:,.0f} tok/s ({row['tok_s'] / nano[0]['tok_s']:.3f}"
+                  f" of no speculation), {row['drafts']} drafts, {row['acceptance']:.1%} accepted")
+
+
+def print_edit(result: dict) -> None:
     base = result["edit"][0]["tok_s"]
     print(f"\nedit workload, SmolLM2-135M-Instruct bf16, batch 1, greedy "
           f"({result['device']}, torch {result['torch']})")
@@ -248,12 +301,6 @@ def main() -> None:
         print(f"{row['k']:>3} {row['tok_s']:>8.0f} {row['tok_s'] / base:>8.2f}x "
               f"{row['acceptance']:>8.1%} {row['mean_accepted_length']:>12.2f} "
               f"{row['identical']:>10}")
-    if "nano" in result:
-        nano = result["nano"]
-        print("\nnano workload (Qwen3-0.6B shape, 256 sequences)")
-        for row in nano:
-            print(f"k={row['k']}: {row['tok_s']:,.0f} tok/s ({row['tok_s'] / nano[0]['tok_s']:.3f}"
-                  f" of no speculation), {row['drafts']} drafts, {row['acceptance']:.1%} accepted")
 
 
 if __name__ == "__main__":

@@ -162,9 +162,12 @@ def shallow_draft(target, tmp_path_factory):
 
 
 def _spec(method: str, draft=None, k: int = 3) -> dict:
+    """(Speculating in batches of any size, so that every regime verifies drafts.)"""
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
-    return {"method": "draft_model", "num_speculative_tokens": k, "model": str(draft)}
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+                "disable_by_batch_size": 1024}
+    return {"method": "draft_model", "num_speculative_tokens": k, "model": str(draft),
+            "disable_by_batch_size": 1024}
 
 
 REGIMES = {
@@ -379,3 +382,101 @@ def test_logprobs_with_speculation_equal_those_without(target, shallow_draft, me
             assert list(x) == list(y)
             assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 and x[t].rank == y[t].rank
                        for t in x)
+
+
+# ------------------------------------------------------------ sleep, server, stats log
+
+def test_sleep_level_2_reloads_the_draft_model_too(target, shallow_draft):
+    """Level 2 drops both models' weights and the cache; after wake_up the draft
+    proposes as before and the tokens are unchanged."""
+    path, prompts, expected = target
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=512,
+              enable_sleep_mode=True, speculative_config=_spec("draft_model", shallow_draft))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        accepted = llm.engine.core.scheduler.spec_decode_stats.num_accepted_tokens
+        llm.sleep(2)
+        llm.wake_up()
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.core.scheduler.spec_decode_stats
+    finally:
+        llm.shutdown()
+    assert first == again == expected
+    assert stats.num_accepted_tokens == 2 * accepted > 0  # the same acceptance both times
+
+
+def test_server_takes_the_flag_and_exports_acceptance(target, tmp_path):
+    import httpx
+
+    from server_utils import RemoteServer, metric_value, wait_for
+
+    path, prompts, expected = target
+    spec = json.dumps(_spec("ngram"))
+    server = RemoteServer(str(path), "--device", "cpu", "--dtype", "float32",
+                          "--max-model-len", "512", "--speculative-config", spec,
+                          log_path=tmp_path / "server.log")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            reply = http.post("/v1/completions", json={
+                "model": str(path), "prompt": prompts, "max_tokens": MAX_NEW,
+                "temperature": 0, "ignore_eos": True})
+            assert reply.status_code == 200, reply.text
+            num_choices = len(reply.json()["choices"])
+            # (the engine loop records stats after it delivers a step's outputs)
+            assert wait_for(lambda: metric_value(
+                http.get("/metrics").text, "spindle:spec_decode_num_accepted_tokens_total") > 0)
+            metrics = http.get("/metrics").text
+            bad = http.post("/v1/completions", json={"model": str(path), "prompt": "x"})
+    finally:
+        server.stop()
+    assert bad.status_code == 200  # (speculation changes nothing a client sends)
+    assert num_choices == len(prompts)
+    drafts = metric_value(metrics, "spindle:spec_decode_num_draft_tokens_total")
+    accepted = metric_value(metrics, "spindle:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 < accepted <= drafts
+    rate = metric_value(metrics, "spindle:spec_decode_acceptance_rate")
+    assert rate == pytest.approx(accepted / drafts)
+
+
+def test_bad_speculative_config_flag_is_refused_before_the_engine_starts(target, tmp_path):
+    import subprocess
+    import sys
+
+    path, _, _ = target
+    result = subprocess.run([sys.executable, "-m", "spindle", "generate", "--model", str(path),
+                             "--device", "cpu", "--speculative-config",
+                             '{"method": "medusa", "num_speculative_tokens": 2}', "x"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "speculative_config.method" in result.stderr
+
+
+def test_stats_log_reports_acceptance(monkeypatch):
+    import io
+    import logging
+
+    from spindle.engine import stats as stats_module
+    from spindle.engine.stats import (EngineStats, IterationStats, LoggingStatLogger,
+                                      SpecDecodeStats)
+
+    clock = iter([0.0, 11.0])
+    monkeypatch.setattr(stats_module.time, "monotonic", lambda: next(clock))
+    spec = SpecDecodeStats()
+    spec.observe(4, 3)
+    spec.observe(4, 1)
+    log = LoggingStatLogger(interval_s=10.0)
+    # (a handler of its own: spindle's logger may not propagate to pytest's)
+    text, target_logger = io.StringIO(), logging.getLogger("spindle.engine.stats")
+    handler = logging.StreamHandler(text)
+    target_logger.addHandler(handler)
+    level, target_logger.level = target_logger.level, logging.INFO
+    try:
+        log.record(EngineStats(num_running=1, num_waiting=0, num_held=0, kv_cache_usage=0.1,
+                               spec_decode=spec), IterationStats(num_generation_tokens=6))
+    finally:
+        target_logger.removeHandler(handler)
+        target_logger.setLevel(level)
+    assert spec.acceptance_rate == 0.5 and spec.mean_accepted_length == 3.0
+    assert spec.accepted_by_position == [2, 1, 1, 0]
+    assert "50.0% of 8 drafts accepted, 3.00 tokens per verifying step" in text.getvalue()

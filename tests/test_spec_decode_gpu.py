@@ -32,6 +32,7 @@ def test_float32_greedy_with_speculation_matches_transformers(target, tiny_model
     draft = tiny_model(arch="qwen3", seed=3, max_position_embeddings=2048)
     spec = ({"method": "ngram", "num_speculative_tokens": 3} if method == "ngram" else
             {"method": "draft_model", "num_speculative_tokens": 3, "model": str(path)})
+    spec["disable_by_batch_size"] = 64  # speculate in the batch of all prompts too
     if method == "draft_model" and batch == "one_by_one":
         spec["model"] = str(draft)  # a draft that disagrees: rejections on the GPU path
     llm = LLM(str(path), dtype="float32", device="cuda", max_model_len=1024,

@@ -258,21 +258,22 @@ class Scheduler:
         step's budget, its max_tokens and max_model_len); [] when not speculating.
         Its proposals are used up either way: they follow only its current tokens.
 
-        Fewer proposals than num_speculative_tokens are padded with the last one, where
-        there is room: steps whose requests all verify k drafts replay a CUDA graph.
-        Verification stays exact whatever the drafts are; a padding draft that is
-        accepted is a token the target drew."""
+        Fewer proposals than num_speculative_tokens (none included) are padded with
+        the last token, where there is room: steps whose requests all verify k drafts
+        replay a CUDA graph. Verification stays exact whatever the drafts are; a
+        padding draft that is accepted is a token the target drew."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
         request.num_proposed = 0
-        if not (self._speculating and drafts) or num_new != 1 or request.num_output_placeholders:
+        if not self._speculating or num_new != 1 or request.num_output_placeholders:
             return []
         room = max(0, min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                           self.scheduler_config.max_model_len - request.num_tokens))
         drafts = drafts[:room]
         request.num_proposed = len(drafts)
         k = self.speculative_config.num_speculative_tokens
-        if drafts and room >= k:
-            drafts = drafts + drafts[-1:] * (k - len(drafts))
+        if room >= k:
+            drafts = drafts + [drafts[-1] if drafts else request.all_token_ids[-1]] * (
+                k - len(drafts))
         return drafts
 
     def _lookahead(self, request: Request, num_new: int) -> int:
@@ -454,7 +455,8 @@ class Scheduler:
                                f"step verifying {num_drafts} drafts")
         request.num_computed_tokens -= num_drafts - num_accepted
         proposed = request.num_proposed  # (the stats leave padding drafts out)
-        self.spec_decode_stats.observe(proposed, min(num_accepted, proposed))
+        if proposed:
+            self.spec_decode_stats.observe(proposed, min(num_accepted, proposed))
 
     def _finish_failed(self, failures: dict[str, RequestFailure]) -> list[EngineCoreOutput]:
         """Requests the runner could not prepare fail alone (FINISHED_ERROR)."""

@@ -12,6 +12,8 @@ those positions again.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -79,7 +81,7 @@ class DraftModelProposer(Proposer):
     @torch.no_grad()
     def reload_weights(self) -> None:
         draft = self.config.draft
-        self.model.load_weights(iter_checkpoint(checkpoint_files(draft.model), draft.dtype))
+        self.model.load_weights(iter_checkpoint(checkpoint_files(Path(draft.model)), draft.dtype))
 
     def release(self) -> None:
         for layer in self.layers:
