@@ -480,3 +480,23 @@ def test_stats_log_reports_acceptance(monkeypatch):
     assert spec.acceptance_rate == 0.5 and spec.mean_accepted_length == 3.0
     assert spec.accepted_by_position == [2, 1, 1, 0]
     assert "50.0% of 8 drafts accepted, 3.00 tokens per verifying step" in text.getvalue()
+
+
+def _lookup_by_brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == suffix]
+        if starts:
+            return tokens[starts[-1] + n:starts[-1] + n + k]
+    return []
+
+
+def test_ngram_lookup_equals_a_brute_force_search():
+    rng = random.Random(5)
+    for _ in range(2000):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        low = rng.randrange(1, 4)
+        high = low + rng.randrange(0, 4)
+        k = rng.randrange(1, 6)
+        assert ngram_lookup(np.array(tokens), low, high, k) == \
+            _lookup_by_brute_force(tokens, low, high, k), (tokens, low, high, k)

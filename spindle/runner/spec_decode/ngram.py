@@ -4,23 +4,37 @@ last n tokens in its own tokens (prompt and outputs), trying the longest n first
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from spindle.runner.spec_decode.base import Proposal, Proposer
 
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier match of the last n tokens of
-    tokens, for the largest n in [min_n, max_n] that has one; [] when none does."""
+    tokens, for the largest n in [min_n, max_n] that has one; [] when none does.
+
+    Every match ends at an earlier occurrence of the last token, so only those
+    places are compared further back (one pass over the tokens, then a few)."""
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        # Windows starting at 0 .. length - n - 1: every occurrence before the suffix
-        # itself, each with at least one token after it.
-        windows = sliding_window_view(tokens[:length - 1], n)
-        matches = np.flatnonzero((windows == suffix).all(axis=1))
-        if matches.size:
-            start = int(matches[-1]) + n
+    max_n = min(max_n, length - 1)
+    if max_n < min_n:
+        return []
+    ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
+    if not ends.size:
+        return []
+    # How many tokens before and at each end agree with the suffix, up to max_n.
+    matched = np.ones(ends.size, dtype=np.int64)
+    agreeing = np.ones(ends.size, dtype=bool)
+    for back in range(1, max_n):
+        before = ends - back
+        agreeing &= before >= 0
+        agreeing &= tokens[np.maximum(before, 0)] == tokens[length - 1 - back]
+        if not agreeing.any():
+            break
+        matched += agreeing
+    for n in range(max_n, min_n - 1, -1):
+        found = np.flatnonzero(matched >= n)
+        if found.size:
+            start = int(ends[found[-1]]) + 1
             return tokens[start:start + k].tolist()
     return []
 
