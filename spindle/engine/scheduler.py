@@ -57,9 +57,9 @@ class Scheduler:
       * With 0 KV blocks (a model without a KV cache) a NoKVCacheManager stands in:
         only the token budget and max_num_seqs limit a step.
       * Speculative decoding: a step speculates when fewer than disable_by_batch_size
-        requests run. A decode request with drafts (proposed by the runner in its
-        last step) is then scheduled with 1 + len(drafts) tokens, the drafts in
-        SchedulerOutput.spec_token_ids; update_from_output takes the rejected ones
+        requests run. A decode request is then scheduled with 1 + d tokens, its d
+        drafts (the runner's proposals from its last step, padded to k where there is
+        room) in SchedulerOutput.spec_token_ids; update_from_output takes the rejected ones
         back out of num_computed_tokens (their cache slots are overwritten later).
         With async scheduling, a speculating step adds no output placeholder: a
         request's next step waits for its tokens and drafts.
