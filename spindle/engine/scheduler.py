@@ -237,8 +237,12 @@ class Scheduler:
                 elif num_new > budget:
                     index += 1
                     continue
-            drafts = self._drafts_for(request, num_new, budget)
-            lookahead = len(drafts) + self._lookahead(request, num_new + len(drafts))
+            drafts, lookahead = (), 0
+            if self._speculating:
+                drafts = self._drafts_for(request, num_new, budget)
+                lookahead = len(drafts) + self._lookahead(request, num_new + len(drafts))
+            elif request.spec_token_ids:
+                request.spec_token_ids = []  # (they follow only its current tokens)
             new_blocks = self._allocate_or_preempt(request, num_new, out, lookahead)
             if new_blocks is None:
                 break  # request preempted itself: nothing after it is left
@@ -255,8 +259,8 @@ class Scheduler:
 
     def _drafts_for(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The drafts a decode step of request verifies (its proposals, cut to the
-        step's budget, its max_tokens and max_model_len); [] when not speculating.
-        Its proposals are used up either way: they follow only its current tokens.
+        step's budget, its max_tokens and max_model_len), in a speculating step. Its
+        proposals are used up either way: they follow only its current tokens.
 
         Fewer proposals than num_speculative_tokens (none included) are padded with
         the last token, where there is room: steps whose requests all verify k drafts
@@ -264,7 +268,7 @@ class Scheduler:
         padding draft that is accepted is a token the target drew."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
         request.num_proposed = 0
-        if not self._speculating or num_new != 1 or request.num_output_placeholders:
+        if num_new != 1 or request.num_output_placeholders:
             return []
         room = max(0, min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                           self.scheduler_config.max_model_len - request.num_tokens))
@@ -278,10 +282,10 @@ class Scheduler:
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Slots past the step's tokens that proposing for request writes (a draft
-        model's own tokens), when the step speculates and request samples in it."""
+        model's own tokens), in a speculating step where request samples."""
         spec = self.speculative_config
         end = request.num_computed_tokens + num_new
-        if not self._speculating or not spec.num_lookahead_tokens or end < request.num_tokens:
+        if not spec.num_lookahead_tokens or end < request.num_tokens:
             return 0
         return max(0, min(spec.num_lookahead_tokens, self.scheduler_config.max_model_len - end))
 
@@ -319,7 +323,8 @@ class Scheduler:
                     request, request.num_computed_tokens + num_hit_tokens, min(num_new, budget))
             elif num_new > budget:
                 break
-            lookahead = self._lookahead(request, num_hit_tokens + num_new)
+            lookahead = (self._lookahead(request, num_hit_tokens + num_new)
+                         if self._speculating else 0)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, lookahead)
             if new_blocks is None:
                 break

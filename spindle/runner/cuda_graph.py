@@ -179,7 +179,8 @@ class CudaGraphRunner:
             else:
                 metadata.append(MambaMetadata(
                     num_reqs=size, num_tokens=size,
-                    query_start_loc=self.query_start_locs[1][:size + 1], state_indices=self.state_slots[:size],
+                    query_start_loc=self.query_start_locs[1][:size + 1],
+                    state_indices=self.state_slots[:size],
                     has_initial_state=self.has_initial_state[:size], max_query_len=1))
         return metadata[0] if len(metadata) == 1 else metadata
 

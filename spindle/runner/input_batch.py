@@ -364,7 +364,8 @@ class InputBatch:
             min_tokens_blocked={
                 i: s.sampling_params.all_stop_token_ids for i, (s, out) in
                 enumerate(zip(states, outputs))
-                if len(out) < s.sampling_params.min_tokens and s.sampling_params.all_stop_token_ids})
+                if len(out) < s.sampling_params.min_tokens
+                and s.sampling_params.all_stop_token_ids})
         if any(_has_penalties(p) for p in params):
             self._add_penalties(meta, states, outputs, h2d)
         return meta
