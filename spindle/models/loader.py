@@ -46,6 +46,18 @@ def load_model(model_config: ModelConfig, device: torch.device,
     return model.eval()
 
 
+@torch.no_grad()
+def reload_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
+    """Copy model_config's checkpoint into model's existing parameters (same tensors,
+    same addresses); RuntimeError naming the parameters it left unloaded."""
+    files = checkpoint_files(Path(model_config.model))
+    loaded = model.load_weights(iter_checkpoint(files, model_config.dtype))
+    missing = [n for n, _ in model.named_parameters() if n not in loaded]
+    if missing:
+        raise RuntimeError(f"reloading {model_config.model} left {len(missing)} "
+                           f"parameter(s) unloaded: {', '.join(missing[:5])}")
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the index's shards, else model.safetensors,
     else every *.safetensors file of the directory."""

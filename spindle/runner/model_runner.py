@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from pathlib import Path
 from typing import Callable, ContextManager, Sequence
 
 import torch
@@ -24,7 +23,7 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.forward_context import forward_context
 from spindle.memory.sleep_backend import KV_CACHE, WEIGHTS
-from spindle.models.loader import checkpoint_files, iter_checkpoint, load_model
+from spindle.models.loader import load_model, reload_checkpoint
 from spindle.outputs import RequestFailure
 from spindle.platforms.interface import Platform
 from spindle.runner.async_output import PendingOutput
@@ -315,17 +314,10 @@ class ModelRunner:
         proposer = self.proposer.buffers() if self.proposer is not None else []
         return list(self._require_model().buffers()) + proposer
 
-    @torch.no_grad()
     def reload_weights(self) -> None:
         """Copy the checkpoint into the existing parameters (same tensors, same
-        addresses), as load_model did."""
-        model_config = self.config.model
-        files = checkpoint_files(Path(model_config.model))
-        loaded = self._require_model().load_weights(iter_checkpoint(files, model_config.dtype))
-        missing = [n for n, _ in self._require_model().named_parameters() if n not in loaded]
-        if missing:
-            raise RuntimeError(f"reloading {model_config.model} left {len(missing)} "
-                               f"parameter(s) unloaded: {', '.join(missing[:5])}")
+        addresses), as load_model did; a draft model's too."""
+        reload_checkpoint(self._require_model(), self.config.model)
         if self.proposer is not None:
             self.proposer.reload_weights()
 
@@ -612,22 +604,23 @@ class ModelRunner:
 
         metadata = self.input_batch.verify_metadata(batch, self.h2d)
         sampled, drawn_from, logprobs_of = self.sampler.draw(logits, metadata)
-        drafts, first_rows, q_rows = [], [], []
+        drafts, first_rows, weighed = [], [], []  # weighed: (first row, q) per request
         for req_id, num_rows in zip(batch.req_ids, batch.sample_rows.tolist()):
             if not num_rows:
                 continue
             req_drafts = batch.draft_token_ids.get(req_id, [])
+            q = self._draft_distribution(req_id, req_drafts)
+            if q is not None:
+                weighed.append((len(drafts), q))
             first_rows += [len(drafts)] * num_rows
-            q_rows.append(self._draft_distribution(req_id, req_drafts))
             drafts += req_drafts + [-1]
         draft_probs = has_probs = None
-        if any(q is not None for q in q_rows):
+        if weighed:
             draft_probs = torch.zeros_like(drawn_from)
             has_probs = torch.zeros(len(drafts), dtype=torch.bool)
-            for start, q in zip(sorted(set(first_rows)), q_rows):
-                if q is not None:
-                    draft_probs[start:start + len(q)] = q
-                    has_probs[start:start + len(q)] = True
+            for start, q in weighed:
+                draft_probs[start:start + len(q)] = q
+                has_probs[start:start + len(q)] = True
             has_probs = has_probs.to(self.device)
         tokens = verify_drafts(sampled, drawn_from, metadata,
                                self.h2d.put(drafts, torch.int64),

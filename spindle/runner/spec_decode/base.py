@@ -49,7 +49,8 @@ class Proposer(abc.ABC):
         return []
 
     def weights(self) -> list[torch.Tensor]:
-        """The proposer's parameters and buffers (sleep mode moves them with the target's)."""
+        """The proposer's parameters and buffers (sleep mode moves them with the target's;
+        the runner drops repeats)."""
         return []
 
     def buffers(self) -> list[torch.Tensor]:

@@ -12,8 +12,6 @@ those positions again.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 
@@ -21,7 +19,7 @@ from spindle.attention.layer import Attention
 from spindle.cache.spec import FULL_ATTENTION, AttentionCacheSpec, CacheGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.forward_context import forward_context
-from spindle.models.loader import checkpoint_files, iter_checkpoint, load_model
+from spindle.models.loader import load_model, reload_checkpoint
 from spindle.runner.input_batch import CachedRequestState
 from spindle.runner.model_states.default import DefaultModelState
 from spindle.runner.sample.sampler import GREEDY_TEMPERATURE_EPS, exponential_race
@@ -70,18 +68,13 @@ class DraftModelProposer(Proposer):
         return [layer.kv_cache for layer in self.layers]
 
     def weights(self) -> list[torch.Tensor]:
-        distinct: dict[int, torch.Tensor] = {}
-        for tensor in list(self.model.parameters()) + list(self.model.buffers()):
-            distinct.setdefault(id(tensor), tensor)
-        return list(distinct.values())
+        return list(self.model.parameters()) + list(self.model.buffers())
 
     def buffers(self) -> list[torch.Tensor]:
         return list(self.model.buffers())
 
-    @torch.no_grad()
     def reload_weights(self) -> None:
-        draft = self.config.draft
-        self.model.load_weights(iter_checkpoint(checkpoint_files(Path(draft.model)), draft.dtype))
+        reload_checkpoint(self.model, self.config.draft)
 
     def release(self) -> None:
         for layer in self.layers:
