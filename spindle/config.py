@@ -99,6 +99,12 @@ class EngineArgs:
                                          "torch_sdpa (CPU default; the reference on CUDA).")
     max_cudagraph_batch_size: int | None = _arg(None, "Largest decode batch replayed from a "
                                                 "CUDA graph (default: max_num_seqs, at most 512).")
+    batch_invariant: bool = _arg(False, "Batch-invariant numerics: a request's tokens and "
+                                 "logprobs are bitwise the same whatever shares its batch, "
+                                 "however its prompt is chunked and whether its prefix came "
+                                 "from the cache (fixed-order matmuls, attention and sampling; "
+                                 "slower). Decoder models with full attention, without "
+                                 "speculative decoding.")
     task: str = _arg("auto", "generate (text) or embed (one pooled vector per prompt); auto: "
                      "embed for encoder-only models, generate otherwise.")
     pooling_type: str | None = _arg(None, "For task=embed: mean, cls or last (default: the "
@@ -148,6 +154,8 @@ class EngineArgs:
             memory=MemoryConfig.create(self, platform),
             speculative=SpeculativeConfig.create(self.speculative_config, model, parallel),
         )
+        if config.device.batch_invariant:
+            _check_batch_invariance_fits(config)
         from spindle.runner.model_states import check_config
 
         check_config(config)  # the runner refuses what the model's state cannot serve
@@ -369,12 +377,20 @@ class DeviceConfig:
     enforce_eager: bool  # True: no CUDA graphs (always on platforms without them)
     attention_backend: str
     max_cudagraph_batch_size: int
+    batch_invariant: bool = False  # fixed-order numerics (layers/batch_invariant.py)
 
     @staticmethod
     def create(args: EngineArgs, platform: Any) -> "DeviceConfig":
-        from spindle.attention.backends.registry import registered_backends
+        from spindle.attention.backends.registry import BATCH_INVARIANT_BACKEND, registered_backends
 
-        backend = args.attention_backend or platform.default_attention_backend
+        if args.batch_invariant:
+            _require(args.attention_backend in (None, BATCH_INVARIANT_BACKEND),
+                     "attention_backend", args.attention_backend,
+                     f"unset (or {BATCH_INVARIANT_BACKEND!r}) with batch_invariant: its "
+                     "attention has a fixed reduction order")
+            backend = BATCH_INVARIANT_BACKEND
+        else:
+            backend = args.attention_backend or platform.default_attention_backend
         _require(backend in registered_backends(), "attention_backend", backend,
                  f"one of {registered_backends()}")
         graph_max = args.max_cudagraph_batch_size or min(args.max_num_seqs, 512)
@@ -383,7 +399,8 @@ class DeviceConfig:
         return DeviceConfig(device_type=platform.device_type,
                             enforce_eager=args.enforce_eager or not platform.supports_cuda_graphs(),
                             attention_backend=backend,
-                            max_cudagraph_batch_size=min(graph_max, args.max_num_seqs))
+                            max_cudagraph_batch_size=min(graph_max, args.max_num_seqs),
+                            batch_invariant=bool(args.batch_invariant))
 
 
 @dataclass(frozen=True)
@@ -496,6 +513,22 @@ def _check_speculation_fits(model: ModelConfig, parallel: "ParallelConfig") -> N
         raise ValueError(f"speculative_config needs a decoder model; {model.architecture} is "
                          f"a {model.model_kind!r} model (its state-space layers cannot roll "
                          "back rejected tokens)")
+
+
+def _check_batch_invariance_fits(config: "EngineConfig") -> None:
+    """What batch_invariant cannot serve, refused by name (sliding-window layers are
+    refused when the model is built: the runner names them)."""
+    model = config.model
+    if model.task != "generate":
+        raise ValueError(f"batch_invariant needs task='generate', not {model.task!r}")
+    if model.model_kind != "decoder":
+        raise ValueError(f"batch_invariant needs a decoder model; {model.architecture} is a "
+                         f"{model.model_kind!r} model (its state-space scan is chunked by the "
+                         "schedule)")
+    if config.speculative is not None:
+        raise ValueError("batch_invariant cannot be combined with speculative_config: "
+                         "speculation runs only in small batches, so a sampled request's "
+                         "random draws would change with what shares its batch")
 
 
 def _draft_model_config(path: str, target: ModelConfig) -> ModelConfig:

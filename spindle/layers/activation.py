@@ -10,10 +10,23 @@ from torch import nn
 class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim -> silu(gate) * up (the SwiGLU MLP)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Row by row on CPU (batch_invariant.py); the CUDA kernel is element-wise already.
+        self.batch_invariant = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dim() == 2:
             from spindle.layers.fused_kernels import silu_and_mul
 
             return silu_and_mul(x)
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        if self.batch_invariant:
+            from spindle.layers.batch_invariant import rowwise
+
+            return rowwise(_silu_and_mul, x)
+        return _silu_and_mul(x)
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]

@@ -73,6 +73,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     embedding with tie_to(embedding): both then share one parameter.
     """
 
+    batch_invariant = False  # set by enable_batch_invariance (batch_invariant.py)
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         if embedding.weight.shape != self.weight.shape:
             raise ValueError(f"cannot tie an LM head of shape {tuple(self.weight.shape)} to an "
@@ -80,7 +82,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = apply_linear(hidden_states, self.weight)
+        logits = apply_linear(hidden_states, self.weight, invariant=self.batch_invariant)
         logits = self.tp_group.all_gather(logits, dim=-1)
         if logits.shape[-1] != self.num_embeddings:
             logits = logits[..., :self.num_embeddings]

@@ -68,10 +68,16 @@ def new_split_counters(n: int, device: torch.device | str | None = None) -> torc
 
 
 def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 split_counters: torch.Tensor | None = None) -> torch.Tensor:
+                 split_counters: torch.Tensor | None = None,
+                 invariant: bool = False) -> torch.Tensor:
     """F.linear, or on CUDA at decode-sized batches (<= 8 rows) the skinny GEMM, which
     streams the weight at close to memory bandwidth where cuBLAS does not (it splits
-    K only when given split_counters)."""
+    K only when given split_counters). invariant: the batch-invariant GEMM
+    (batch_invariant.py) instead."""
+    if invariant:
+        from spindle.layers.batch_invariant import invariant_linear
+
+        return invariant_linear(x, weight, bias)
     if x.is_cuda:
         from spindle.layers.skinny_gemm import skinny_linear, use_skinny_gemm
 
@@ -102,6 +108,10 @@ class _ParallelLinearBase(nn.Module):
             self.register_parameter("bias", None)
         # Scratch of the skinny GEMM (decode on CUDA); not part of any checkpoint.
         self.register_buffer("split_counters", new_split_counters(output_size), persistent=False)
+        self.batch_invariant = False  # set by enable_batch_invariance (batch_invariant.py)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return apply_linear(x, self.weight, bias, self.split_counters, self.batch_invariant)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size} (per rank), "
@@ -132,7 +142,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         copy_checked(param.data, loaded_weight.narrow(0, self.tp_group.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = apply_linear(x, self.weight, self.bias, self.split_counters)
+        y = self._matmul(x, self.bias)
         if self.gather_output:
             y = self.tp_group.all_gather(y, dim=-1)
         return y
@@ -245,10 +255,23 @@ class RowParallelLinear(_ParallelLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
-            return apply_linear(x, self.weight, self.bias, self.split_counters)
-        y = apply_linear(x, self.weight, split_counters=self.split_counters)
+            return self._matmul(x, self.bias)
+        y = self._matmul(x, None)
         if self.reduce_results:
-            y = self.tp_group.all_reduce(y)
+            y = self._all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def _all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The sum of the ranks' partial products. Batch-invariant with more than two
+        ranks: gathered, then added in rank order (a ring all-reduce adds each element
+        in an order set by where it falls in the tensor; two ranks' a + b is the same
+        either way round)."""
+        if not self.batch_invariant or self.tp_group.size <= 2:
+            return self.tp_group.all_reduce(y)
+        parts = self.tp_group.all_gather(y.unsqueeze(0), dim=0)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total

@@ -23,6 +23,8 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         set_weight_loader(self.weight, default_weight_loader)
+        # Row by row on CPU (batch_invariant.py); the CUDA kernel is row-wise already.
+        self.batch_invariant = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
@@ -36,10 +38,15 @@ class RMSNorm(nn.Module):
             from spindle.layers.fused_kernels import rms_norm
 
             return rms_norm(x, self.weight, self.variance_epsilon, residual)
+        norm = self._norm
+        if self.batch_invariant:
+            from spindle.layers.batch_invariant import rowwise
+
+            norm = lambda h: rowwise(self._norm, h)  # noqa: E731
         if residual is None:
-            return self._norm(x)
+            return norm(x)
         x = residual + x  # HF adds in the activation dtype, as here
-        return self._norm(x), x
+        return norm(x), x
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"

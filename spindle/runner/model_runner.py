@@ -22,6 +22,7 @@ from spindle.config import EngineConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.forward_context import forward_context
+from spindle.layers.batch_invariant import enable_batch_invariance
 from spindle.memory.sleep_backend import KV_CACHE, WEIGHTS
 from spindle.models.loader import load_model, reload_checkpoint
 from spindle.outputs import RequestFailure
@@ -75,7 +76,8 @@ class ModelRunner:
         self.stage = stage or PipelineStage.single()
         self.model: nn.Module | None = None
         self.state: ModelState | None = None
-        self.sampler = Sampler(processed=config.model.logprobs_mode == "processed_logprobs")
+        self.sampler = Sampler(processed=config.model.logprobs_mode == "processed_logprobs",
+                               batch_invariant=config.device.batch_invariant)
         # task="embed": requests pool their prompt's states instead of sampling.
         self.pooler = Pooler(config.pooler) if config.pooler is not None else None
         self.attn_layers: list[Attention] = []
@@ -122,6 +124,8 @@ class ModelRunner:
         with self._memory_scope(WEIGHTS):
             self.model = load_model(self.config.model, self.device, self.tp_group, self.stage)
         self.state = model_state_class(self.model, self.config)(self.model, self.device, self.h2d)
+        if self.config.device.batch_invariant:
+            enable_batch_invariance(self.model)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = self.config.device.attention_backend
         for layer in self.attn_layers:

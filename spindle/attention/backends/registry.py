@@ -23,6 +23,8 @@ import importlib
 from typing import Any
 
 DEFAULT_BACKEND = "torch_sdpa"
+# The attention of batch_invariant=True (batch_invariant.py): chosen by that flag.
+BATCH_INVARIANT_BACKEND = "batch_invariant"
 
 # name -> class, or "module:Class" for lazy import.
 _BACKENDS: dict[str, Any] = {}
@@ -52,3 +54,5 @@ def get_backend(name: str | None = None) -> type:
 
 register_backend("torch_sdpa", "spindle.attention.backends.torch_sdpa:TorchSDPABackend")
 register_backend("triton", "spindle.attention.backends.triton_attn:TritonAttentionBackend")
+register_backend(BATCH_INVARIANT_BACKEND,
+                 "spindle.attention.backends.batch_invariant:BatchInvariantBackend")

@@ -140,13 +140,15 @@ def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
 
 # ---------------------------------------------------------------------- prefill
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor, sliding_window: int | None = None
-                      ) -> None:
+                      scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                      block_m: int | None = None) -> None:
     """Causal attention of every request's new tokens over its context (the new tokens'
-    k/v already stored), within sliding_window positions when given."""
+    k/v already stored), within sliding_window positions when given. block_m: queries
+    per tile (default: by the step's longest query); a request with no context (a
+    CUDA-graph padding row) gets zeros."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    block_m = 64 if meta.max_query_len > 32 else 16
+    block_m = block_m or (64 if meta.max_query_len > 32 else 16)
     block_n = 64
     grid = (triton.cdiv(meta.max_query_len, block_m), meta.num_reqs, num_heads)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -210,9 +212,9 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
         scores = tl.where(visible, scores, float("-inf"))
         # With a window, a row past the request's queries may see no key of a tile.
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE, EMPTY_ROWS=SLIDING)
-    if SLIDING:  # (rows past the request's queries may have seen no key; not stored)
-        l_i = _nonzero(l_i)
-    out = acc / l_i[:, None]
+    # (With a window, rows past the request's queries may have seen no key; a padding
+    # request none at all. Neither is stored or read.)
+    out = acc / _nonzero(l_i)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * o_stride_t
              + head * o_stride_h + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spindle.layers.batch_invariant import pad_vocab
 from spindle.runner.sample.logprobs import compute_logprobs, gather_logprobs
 from spindle.runner.sample.metadata import SamplingMetadata
 from spindle.runner.sample.penalties import apply_penalties
@@ -45,11 +46,16 @@ class Sampler(torch.nn.Module):
     processed: logprobs describe the distribution each token was drawn from (after
     min_tokens, penalties and, for sampled rows, temperature and filters; a filtered
     token's is -inf) rather than the model's raw one (what an RL trainer needs to
-    weigh the sample exactly)."""
+    weigh the sample exactly).
 
-    def __init__(self, processed: bool = False) -> None:
+    batch_invariant: the logits are first padded to an aligned width (pad_vocab in
+    layers/batch_invariant.py), so every row's reductions run alike whatever the
+    batch; the padding is cut off again before anything leaves draw()."""
+
+    def __init__(self, processed: bool = False, batch_invariant: bool = False) -> None:
         super().__init__()
         self.processed = processed
+        self.batch_invariant = batch_invariant
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         sampled, _, logprobs_of = self.draw(logits, metadata)
@@ -63,6 +69,9 @@ class Sampler(torch.nn.Module):
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         logits = logits.float()
+        vocab = logits.shape[-1]
+        if self.batch_invariant:
+            logits = pad_vocab(logits)
         wanted = metadata.max_num_logprobs is not None
         logprobs_of = None
         if wanted and not self.processed:
@@ -73,6 +82,9 @@ class Sampler(torch.nn.Module):
         sampled, drawn_from = sample(logits, metadata)
         if wanted and logprobs_of is None:
             logprobs_of = compute_logprobs(drawn_from)
+        if drawn_from.shape[-1] != vocab:  # (the batch-invariant padding)
+            drawn_from = drawn_from[:, :vocab]
+            logprobs_of = logprobs_of[:, :vocab] if logprobs_of is not None else None
         return sampled, drawn_from, logprobs_of
 
     @staticmethod
