@@ -13,7 +13,12 @@ step:
 
 It prints the mean reward of each step's rollouts, which rises.
 
-    python examples/grpo_demo.py [--steps 40] [--json out.json] [--svg curve.svg]
+    python examples/grpo_demo.py [--steps 40] [--device cpu|cuda] [--json out.json]
+        [--svg curve.svg]
+
+On a GPU the trainer runs there too, and the engine sleeps with the cumem backend
+(its weights go to host memory and its KV cache is released while the trainer
+trains; addresses and CUDA graphs survive).
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ def rollouts(llm, params, seed: int):
 
 
 def grpo_loss(policy, samples, group: int) -> torch.Tensor:
-    """-advantage x mean token log-probability, averaged over the samples."""
+    """-advantage x mean token log-probability, averaged over the samples (on the
+    policy's device)."""
+    device = next(policy.parameters()).device
     rewards = torch.tensor([s[3] for s in samples]).view(-1, group)
     advantages = ((rewards - rewards.mean(1, keepdim=True))
                   / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
@@ -73,6 +80,8 @@ def grpo_loss(policy, samples, group: int) -> torch.Tensor:
         ids[row, :len(seq)] = torch.tensor(seq)
         attention[row, :len(seq)] = 1
         mask[row, len(prompt):len(seq)] = 1.0  # the completion's tokens
+    ids, attention, mask = ids.to(device), attention.to(device), mask.to(device)
+    advantages = advantages.to(device)
     logits = policy(ids, attention_mask=attention).logits[:, :-1].float()
     token_logprobs = torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None]).squeeze(2)
     target_mask = mask[:, 1:]
@@ -87,7 +96,10 @@ def run(args, llm):
 
     torch.manual_seed(0)
     random.seed(0)
-    policy = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
+    # The trainer shares the engine's device: on a GPU it trains in the memory the
+    # sleeping engine gave back, and update_weights copies device to device.
+    policy = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).to(
+        llm.engine.core.config.device.device_type)
     optimiser = torch.optim.Adam(policy.parameters(), lr=args.lr)
     curve = []
     for step in range(args.steps):

@@ -45,8 +45,8 @@ def run(llm: LLM, target, mates, params: SamplingParams):
     return signature(outputs[0])
 
 
-def engine(path, dtype: str, invariant: bool, **kwargs) -> LLM:
-    return LLM(str(path), device="cpu", dtype=dtype, max_model_len=256,
+def engine(path, dtype: str, invariant: bool, device: str = "cpu", **kwargs) -> LLM:
+    return LLM(str(path), device=device, dtype=dtype, max_model_len=256,
                batch_invariant=invariant, **kwargs)
 
 

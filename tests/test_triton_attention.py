@@ -496,3 +496,59 @@ def test_backend_sliding_window_without_cache(monkeypatch, backend_name, window)
                                         sliding_window=window)
     out = backend.forward(case["q"], case["k"], case["v"], None, meta_for(case))
     assert rel_err(out, ref) < REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariant_backend_equals_the_reference_and_decode_equals_prefill(
+        num_heads, num_kv_heads, head_dim, dtype):
+    """The batch-invariant backend (on a GPU the prefill kernel with (token, head) rows
+    packed per KV head, for every step; without one its CPU path, which the
+    interpreter cannot stand in for): a prefill step against the reference; then
+    the same request's last query recomputed as a decode step (one token after its
+    context) and inside another batch: the same bits as in the prefill."""
+    from spindle.attention.backends.batch_invariant import BatchInvariantBackend
+
+    backend = BatchInvariantBackend(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
+    query_lens, context_lens = pick(([1, 40, 130, 7], [0, 17, 64, 300]),
+                                    ([1, 20, 9], [0, 17, 40]))
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype,
+                     seed=num_heads + head_dim)
+    ref, _, _ = reference(case, head_dim ** -0.5)
+    prefill = backend.forward(case["q"].clone(), case["k"], case["v"], case["kv_cache"],
+                              meta_for(case))
+    assert rel_err(prefill, ref) < REL_TOL[dtype]
+
+    # Request 2's last query alone, as a decode step over the prefilled cache; then
+    # inside a batch with request 1's last query in front of it.
+    last = sum(query_lens[:3]) - 1
+    for rows, reqs in (([last], [2]), ([sum(query_lens[:2]) - 1, last], [1, 2])):
+        decode = dict(case, q=case["q"][rows], k=case["k"][rows], v=case["v"][rows],
+                      kv_cache=case["kv_cache"], slot_mapping=case["slot_mapping"][rows],
+                      block_tables=case["block_tables"][reqs],
+                      query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32,
+                                                   device=DEVICE),
+                      seq_lens=case["seq_lens"][reqs], query_lens=[1] * len(rows),
+                      context_lens=[query_lens[r] + context_lens[r] - 1 for r in reqs])
+        out = backend.forward(decode["q"].clone(), decode["k"], decode["v"],
+                              decode["kv_cache"], meta_for(decode))
+        assert torch.equal(out[-1], prefill[last])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_with_gqa_packed_rows(num_heads, num_kv_heads, head_dim, dtype):
+    """prefill_attention(pack_gqa=True): tiles of (token, query head) rows of one KV
+    head, against the reference, with ragged lengths and prefix hits."""
+    from spindle.attention.backends.triton_attn import prefill_attention, store_kv
+
+    query_lens, context_lens = PREFILL_LENGTHS[0]
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype,
+                     seed=head_dim + num_kv_heads)
+    ref, _, _ = reference(case, head_dim ** -0.5)
+    out = torch.full_like(case["q"], float("nan"))
+    store_kv(case["k"], case["v"], case["kv_cache"], case["slot_mapping"])
+    prefill_attention(case["q"], case["kv_cache"], meta_for(case), head_dim ** -0.5, out,
+                      block_m=16, pack_gqa=True)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < REL_TOL[dtype]

@@ -14,7 +14,11 @@ receive_weights() of the engine:
      workers load each batch as it arrives (each takes its shard).
 
 gloo moves host memory: on a GPU the workers copy each batch to the device as they
-load it.
+load it. A trainer on the same GPU (or one its peers can map) sends with
+cuda_ipc=True instead: step 3 then broadcasts CUDA IPC handles of the trainer's own
+tensors, no tensor bytes; each worker opens them (no copy), loads its shard straight
+from the trainer's memory, and all ranks report back before send() returns, so the
+trainer may change its tensors again afterwards.
 """
 
 from __future__ import annotations
@@ -58,20 +62,40 @@ class WeightSender:
         """Wait until every engine rank joined (LLM.init_weight_transfer(address))."""
         self._group = _new_group(self._store, 0, self.size, self.timeout)
 
-    def send(self, weights: Any, batch_bytes: int = _BATCH_BYTES) -> None:
+    def send(self, weights: Any, batch_bytes: int = _BATCH_BYTES,
+             cuda_ipc: bool = False) -> None:
         """Send a state_dict or (name, tensor) pairs (HF naming) to the engine, which
         receives them in LLM.receive_weights(). Raises RuntimeError if the engine
-        refused them (the engine's error names the tensors); nothing was loaded then."""
+        refused them (the engine's error names the tensors); nothing was loaded then.
+
+        cuda_ipc: the tensors are CUDA tensors the engine's GPUs can map (the same
+        GPU, or a peer): pass handles to them instead of their bytes."""
         if self._group is None:
             raise RuntimeError("WeightSender.send before connect()")
         pairs = list(weights.items() if isinstance(weights, dict) else weights)
-        tensors = [t.detach().to("cpu").contiguous() for _, t in pairs]
+        if cuda_ipc:
+            not_cuda = [name for name, t in pairs if not t.is_cuda]
+            if not_cuda:
+                raise ValueError(f"cuda_ipc=True needs CUDA tensors; {len(not_cuda)} are "
+                                 f"not, e.g. {not_cuda[0]!r}")
+            tensors = [t.detach() for _, t in pairs]
+        else:
+            tensors = [t.detach().to("cpu").contiguous() for _, t in pairs]
         entries = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
                    for (name, _), t in zip(pairs, tensors)]
-        _broadcast_object(self._group, (entries, batch_bytes))
+        _broadcast_object(self._group, (entries, batch_bytes, cuda_ipc))
         if not _all_agree(self._group, True):
             raise RuntimeError("the engine refused these weights (its error names the "
                                "tensors at fault); nothing was sent")
+        if cuda_ipc:
+            torch.cuda.synchronize()  # the tensors are final before anyone reads them
+            _broadcast_object(self._group, [_share(t) for t in tensors])
+            loaded = _all_agree(self._group, True)  # every rank is done reading them
+            torch.cuda.ipc_collect()
+            if not loaded:
+                raise RuntimeError("an engine rank failed to load the shared tensors (its "
+                                   "error says why); the engine may hold a partial update")
+            return
         for batch in _batches(entries, batch_bytes):
             buffer = torch.cat([tensors[i].view(-1).view(torch.uint8) for i in batch])
             _broadcast(self._group, buffer)
@@ -101,7 +125,7 @@ class WeightReceiver:
         """Take one send(): check(entries) may raise ValueError to refuse it (every rank
         then raises WeightsRefused); else load(tensors) consumes them as they arrive.
         Returns the number of tensors."""
-        entries, batch_bytes = _broadcast_object(self._group, None)
+        entries, batch_bytes, cuda_ipc = _broadcast_object(self._group, None)
         refusal = None
         try:
             check([(name, shape, getattr(torch, dtype).is_floating_point)
@@ -111,7 +135,18 @@ class WeightReceiver:
         if not _all_agree(self._group, refusal is None):
             raise WeightsRefused(refusal or "update_weights: another engine rank refused the "
                                  "weights (its error names them); nothing was changed")
-        load(self._tensors(entries, batch_bytes))
+        if not cuda_ipc:
+            load(self._tensors(entries, batch_bytes))
+            return len(entries)
+        handles = _broadcast_object(self._group, None)
+        try:
+            load((name, _open_shared(handle))
+                 for (name, _, _), handle in zip(entries, handles))
+            torch.cuda.synchronize()  # done reading the trainer's memory
+        except BaseException:
+            _all_agree(self._group, False)
+            raise
+        _all_agree(self._group, True)
         return len(entries)
 
     def close(self) -> None:
@@ -126,6 +161,33 @@ class WeightReceiver:
             for i, piece in zip(batch, buffer.split(sizes)):
                 name, shape, dtype = entries[i]
                 yield name, piece.view(getattr(torch, dtype)).view(shape)
+
+
+def _share(tensor: torch.Tensor) -> tuple:
+    """What another process needs to map tensor: torch's CUDA IPC reduction, and the
+    UUID of the tensor's GPU (device indices differ between processes that see
+    different CUDA_VISIBLE_DEVICES)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, args = reduce_tensor(tensor)
+    return rebuild, args, str(torch.cuda.get_device_properties(tensor.device).uuid)
+
+
+def _open_shared(handle: tuple) -> torch.Tensor:
+    """The sender's tensor, mapped into this process on the GPU with its UUID."""
+    rebuild, args, uuid = handle
+    local = [i for i in range(torch.cuda.device_count())
+             if str(torch.cuda.get_device_properties(i).uuid) == uuid]
+    if not local:
+        raise RuntimeError(f"cuda_ipc: the trainer's GPU ({uuid}) is not visible to this "
+                           "engine worker; send without cuda_ipc")
+    args = list(args)
+    args[_STORAGE_DEVICE_ARG] = local[0]
+    return rebuild(*args)
+
+
+# Where rebuild_cuda_tensor's arguments (torch.multiprocessing.reductions) name the device.
+_STORAGE_DEVICE_ARG = 6
 
 
 def _new_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:

@@ -7,10 +7,12 @@ softmax over keys in blocks at fixed absolute positions (0..B-1, B..2B-1, ...), 
 queries computed in tiles whose rows do not interact.
 
 * CUDA: the Triton prefill kernel (triton_attn.py) for every step, decode included,
-  with a fixed query tile: each row's dot products are the same instruction sequence
-  whatever the other rows hold, its key blocks start at position 0, and the blocks
-  past a row's own position are fully masked, which leaves its softmax state exactly
-  as it was (scale 1, sum + 0). No split-KV (the decode kernel splits by batch size).
+  with one tile shape (CUDA_QUERY_TILE rows of (token, query head) pairs of a KV
+  head, so a decode step reads each KV head once): each row's dot products and row
+  reductions are the same instruction sequence whatever the other rows hold, its
+  key blocks start at position 0, and the blocks past a row's own position are fully
+  masked, which leaves its softmax state exactly as it was (scale 1, sum + 0). No
+  split-KV (the decode kernel splits by batch size).
 * CPU: torch ops of fixed shapes. Queries go in tiles of QUERY_TILE positions aligned
   to absolute positions, so a query at position p is always row p % QUERY_TILE of tile
   p // QUERY_TILE, and that tile reads key blocks 0..p // KEY_BLOCK, whatever the
@@ -32,7 +34,7 @@ from spindle.attention.metadata import AttentionMetadata
 # masked block).
 QUERY_TILE = 16
 KEY_BLOCK = QUERY_TILE
-# CUDA: the prefill kernel's query tile, the same in every step.
+# CUDA: rows per tile of the prefill kernel, the same in every step.
 CUDA_QUERY_TILE = 16
 
 
@@ -80,7 +82,8 @@ class BatchInvariantBackend:
         else:
             qk_transform.apply_(q, k, v, kv_cache, md.slot_mapping)
         out = torch.empty_like(q)
-        prefill_attention(q, kv_cache, md, self.scale, out, block_m=CUDA_QUERY_TILE)
+        prefill_attention(q, kv_cache, md, self.scale, out, block_m=CUDA_QUERY_TILE,
+                          pack_gqa=True)
         return out
 
     # ---------------------------------------------------------------- CPU

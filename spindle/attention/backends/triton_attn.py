@@ -8,7 +8,8 @@ Kernels:
   that kernel instead (fused_kernels.qk_norm_rope_).
 * ``prefill``: any number of new tokens per request after any cached context
   (chunked prefill, prefix-cache hits, mixed prefill + decode steps). One program
-  per (query tile, request, query head); online softmax over the context, causal
+  per (query tile, request, query head), or with pack_gqa per (tile of (token,
+  query head) pairs, request, KV head); online softmax over the context, causal
   relative to the context length.
 * ``decode``: one new token per request (flash-decoding), one launch per layer.
   One program per (request, KV head, split): the query heads sharing a KV head are
@@ -141,26 +142,34 @@ def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
 # ---------------------------------------------------------------------- prefill
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor, sliding_window: int | None = None,
-                      block_m: int | None = None) -> None:
+                      block_m: int | None = None, pack_gqa: bool = False) -> None:
     """Causal attention of every request's new tokens over its context (the new tokens'
-    k/v already stored), within sliding_window positions when given. block_m: queries
+    k/v already stored), within sliding_window positions when given. block_m: rows
     per tile (default: by the step's longest query); a request with no context (a
-    CUDA-graph padding row) gets zeros."""
+    CUDA-graph padding row) gets zeros.
+
+    A tile's rows are one query head's tokens, or with pack_gqa the (token, query
+    head) pairs of one KV head, so its keys and values are read once for all the
+    query heads that share them (a decode step's tile is then one token's heads)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     block_m = block_m or (64 if meta.max_query_len > 32 else 16)
     block_n = 64
-    grid = (triton.cdiv(meta.max_query_len, block_m), meta.num_reqs, num_heads)
+    gqa = num_heads // num_kv_heads
+    if pack_gqa:
+        grid = (triton.cdiv(meta.max_query_len * gqa, block_m), meta.num_reqs, num_kv_heads)
+    else:
+        grid = (triton.cdiv(meta.max_query_len, block_m), meta.num_reqs, num_heads)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[grid](
         q, key_cache, value_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2),
-        GQA=num_heads // num_kv_heads, PAGE=block_size, HEAD_DIM=head_dim,
+        GQA=gqa, PAGE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        SLIDING=sliding_window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
-        num_stages=2)
+        SLIDING=sliding_window is not None, IEEE=q.dtype == torch.float32, PACK_GQA=pack_gqa,
+        num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -170,35 +179,45 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
                     c_stride_b, c_stride_t, c_stride_h,
                     GQA: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SLIDING: tl.constexpr, IEEE: tl.constexpr):
+                    SLIDING: tl.constexpr, IEEE: tl.constexpr, PACK_GQA: tl.constexpr):
     tile = tl.program_id(0)
     req = tl.program_id(1)
-    head = tl.program_id(2)
-    kv_head = head // GQA
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PACK_GQA:  # rows are (token, query head of this KV head) pairs
+        kv_head = tl.program_id(2)
+        offs_m = rows // GQA
+        heads = kv_head * GQA + rows % GQA
+        first_token = tile * BLOCK_M // GQA
+        last_token = ((tile + 1) * BLOCK_M - 1) // GQA
+    else:  # rows are tokens of one query head
+        kv_head = tl.program_id(2) // GQA
+        offs_m = rows
+        heads = tl.program_id(2) + tl.zeros([BLOCK_M], tl.int32)
+        first_token = tile * BLOCK_M
+        last_token = (tile + 1) * BLOCK_M - 1
     q_start = tl.load(query_start_ptr + req)
     q_len = tl.load(query_start_ptr + req + 1) - q_start
-    if tile * BLOCK_M >= q_len:
+    if first_token >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
 
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_valid = offs_m < q_len
     d_valid = offs_d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * q_stride_t
-                + head * q_stride_h + offs_d[None, :],
+                + heads[:, None] * q_stride_h + offs_d[None, :],
                 mask=m_valid[:, None] & d_valid[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # The last query of this tile sees context positions up to context_len + its index.
-    kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
+    kv_end = tl.minimum(seq_len, context_len + last_token + 1)
     row_limit = context_len + offs_m
     kv_start = 0
     if SLIDING:  # the first query of this tile sees positions from here on
-        kv_start = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0)
+        kv_start = tl.maximum(context_len + first_token - window + 1, 0)
     for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
@@ -216,7 +235,7 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
     # request none at all. Neither is stored or read.)
     out = acc / _nonzero(l_i)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * o_stride_t
-             + head * o_stride_h + offs_d[None, :],
+             + heads[:, None] * o_stride_h + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
 
 
