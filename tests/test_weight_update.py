@@ -339,3 +339,17 @@ def test_server_receives_weights_from_a_trainer(checkpoints):
         trainer.kill()
         server.stop()
         engine.shutdown()
+
+
+def test_a_weight_sender_refuses_what_it_cannot_do():
+    from spindle.rl import WeightSender
+
+    with pytest.raises(ValueError, match="backend must be one of"):
+        WeightSender(1, backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="backend='nccl' needs a CUDA device"):
+            WeightSender(1, backend="nccl")
+    sender = WeightSender(1)
+    sender._channel = object()  # (as if connected: the check comes before any traffic)
+    with pytest.raises(ValueError, match="cuda_ipc=True needs CUDA tensors"):
+        sender.send({"w": torch.zeros(2)}, cuda_ipc=True)
