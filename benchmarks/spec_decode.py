@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.gguf is not None and not (args.model / "model.safetensors").is_file():
-        from spindle.tools.smollm2 import convert
+        from spindle.models.gguf import convert
 
         convert(args.gguf, args.model)
     import transformers

