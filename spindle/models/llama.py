@@ -160,14 +160,22 @@ class LlamaAttention(nn.Module):
                           self.q_norm.variance_epsilon if norm else 0.0)
 
 
+def dense_mlp(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup) -> nn.Module:
+    """The feed-forward block of a dense Llama-family layer (every layer alike)."""
+    return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
+                    getattr(hf_config, "mlp_bias", False), tp_group)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
-                 tp_group: TensorParallelGroup, sliding_window: int | None = None) -> None:
+                 tp_group: TensorParallelGroup, sliding_window: int | None = None,
+                 mlp: nn.Module | None = None) -> None:
+        """mlp: the feed-forward block (default: the dense SwiGLU MLP; a mixture of
+        experts in the MoE models)."""
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.self_attn = LlamaAttention(hf_config, options, tp_group, sliding_window)
-        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
-                            getattr(hf_config, "mlp_bias", False), tp_group)
+        self.mlp = mlp if mlp is not None else dense_mlp(hf_config, 0, tp_group)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
 
@@ -189,8 +197,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
                  tp_group: TensorParallelGroup, stage: PipelineStage | None = None,
-                 sliding_windows: list[int | None] | None = None) -> None:
-        """sliding_windows: each layer's window (None: full attention; default all)."""
+                 sliding_windows: list[int | None] | None = None,
+                 mlp_for_layer=dense_mlp) -> None:
+        """sliding_windows: each layer's window (None: full attention; default all).
+        mlp_for_layer(hf_config, layer_idx, tp_group): each layer's feed-forward block."""
         super().__init__()
         windows = sliding_windows or [None] * hf_config.num_hidden_layers
         self.stage = stage = stage or PipelineStage.single()
@@ -203,7 +213,8 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, options, tp_group, windows[i]) if stage.owns_layer(i)
+            LlamaDecoderLayer(hf_config, options, tp_group, windows[i],
+                              mlp_for_layer(hf_config, i, tp_group)) if stage.owns_layer(i)
             else MissingLayer() for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps) if stage.is_last else None
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
@@ -276,13 +287,19 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self.tp_group = tp_group
         self.stage = stage or PipelineStage.single()
         self.model = LlamaModel(hf_config, self.attention_options(hf_config), tp_group,
-                                self.stage, self.sliding_windows(hf_config))
+                                self.stage, self.sliding_windows(hf_config), self.mlp_for_layer)
         self.build_lm_head(hf_config, tp_group)
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
         bias = bool(getattr(hf_config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    @classmethod
+    def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
+                      tp_group: TensorParallelGroup) -> nn.Module:
+        """Layer layer_idx's feed-forward block (the MoE models override it)."""
+        return dense_mlp(hf_config, layer_idx, tp_group)
 
     @classmethod
     def sliding_windows(cls, hf_config: Any) -> list[int | None]:
@@ -301,7 +318,13 @@ class LlamaForCausalLM(DecoderForCausalLM):
         """
         return load_named_weights(
             self, weights,
-            lambda hf_name: None if self._skip_checkpoint_tensor(hf_name) else _to_param_name(hf_name))
+            lambda hf_name: None if self._skip_checkpoint_tensor(hf_name)
+            else self.param_name(hf_name))
+
+    @classmethod
+    def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        """The parameter and shard id an HF checkpoint tensor loads into."""
+        return _to_param_name(hf_name)
 
     def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
         # Rotary tables are recomputed from the config (old checkpoints saved inv_freq).

@@ -13,6 +13,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "spindle.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "spindle.models.moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "spindle.models.moe:MixtralForCausalLM",
     "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
     "BertModel": "spindle.models.bert:BertModel",

@@ -50,10 +50,18 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "bamba": "BambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
-                  "mamba2": "Mamba2Config"}
+                  "mamba2": "Mamba2Config", "qwen3_moe": "Qwen3MoeConfig",
+                  "mixtral": "MixtralConfig"}
+# Where the MoE architectures' checkpoints keep each expert (the hub layout, which
+# transformers writes and reads; its modules hold the experts stacked instead): the
+# block's name, and the names of an expert's gate, up and down projections.
+MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                        "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -72,6 +80,11 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "mamba2":  # no attention: num_heads are the SSM heads, of 2 * hidden / heads
         return {"num_heads": num_heads, "head_dim": 2 * hidden_size // num_heads,
                 "n_groups": 1, "state_size": 16, "chunk_size": 16}
+    if arch == "qwen3_moe":  # 4 experts of 32, 2 per token, every layer sparse
+        return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+    if arch == "mixtral":
+        return {"num_local_experts": 4, "num_experts_per_tok": 2}
     return {}
 WEIGHT_STD = 0.2
 TARGET_LOGIT_STD = 4.0
@@ -209,7 +222,7 @@ def _write_weights(model: torch.nn.Module, out: Path, num_shards: int, dtype: to
     from safetensors.torch import save_file
 
     state = {name: t.detach().to(dtype).contiguous().clone()
-             for name, t in model.state_dict().items()}
+             for name, t in checkpoint_tensors(model)}
     if tied:
         state.pop("lm_head.weight", None)  # transformers does not store tied copies
     for stale in list(out.glob("*.safetensors")) + [out / "model.safetensors.index.json"]:
@@ -230,6 +243,31 @@ def _write_weights(model: torch.nn.Module, out: Path, num_shards: int, dtype: to
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def checkpoint_tensors(model: torch.nn.Module):
+    """(name, tensor) in the checkpoint layout: the state dict, with the stacked experts
+    of an MoE model written one expert at a time under the hub's names."""
+    arch = next((a for a, cls in ARCHITECTURES.items()
+                 if cls == model.config.architectures[0]), None)
+    for name, tensor in model.state_dict().items():
+        if arch not in MOE_CHECKPOINT_NAMES or ".mlp." not in name:
+            yield name, tensor
+            continue
+        block, (gate, up, down) = MOE_CHECKPOINT_NAMES[arch]
+        prefix = name.split(".mlp.")[0] + f".{block}."
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            for e, expert in enumerate(tensor):
+                half = expert.shape[0] // 2
+                yield f"{prefix}experts.{e}.{gate}.weight", expert[:half]
+                yield f"{prefix}experts.{e}.{up}.weight", expert[half:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            for e, expert in enumerate(tensor):
+                yield f"{prefix}experts.{e}.{down}.weight", expert
+        elif name.endswith(".mlp.gate.weight"):
+            yield f"{prefix}gate.weight", tensor
+        else:  # a dense layer's MLP
+            yield name, tensor
 
 
 def _split_balanced(names: list[str], sizes: list[int], parts: int) -> list[list[str]]:

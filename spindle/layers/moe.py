@@ -1,0 +1,125 @@
+"""Sparse mixture-of-experts blocks (Qwen3-MoE, Mixtral), computed as transformers does.
+
+A router (a replicated [E, H] linear) scores every token against E experts; each token
+goes to its top_k experts, weighted by their softmax probabilities (renormalised over
+the chosen ones when the model says so), and the block's output is the weighted sum
+of those experts' SwiGLU MLPs.
+
+Tensor parallelism splits every expert like the dense MLP: each rank holds its slice of
+every expert's intermediate features (gate and up column-parallel, down row-parallel),
+so a rank computes a partial sum of each token's output and one all-reduce per block
+adds them. The router is replicated, so every rank routes every token alike.
+
+The computation here is torch code, one expert at a time over the tokens routed to it
+(the experts in increasing order, each token's contributions added in that order, as
+transformers does). It reads the routing back to the host, so a model with these
+blocks runs without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.linear import (apply_linear, copy_checked, default_weight_loader, divide,
+                                   set_weight_loader)
+
+
+class FusedExperts(nn.Module):
+    """E experts' weights stacked: w13 [E, 2 * I_local, H] ([gate | up] of this rank's
+    slice) and w2 [E, H, I_local]. Checkpoint tensors load with shard ids (e, "gate"),
+    (e, "up") and (e, "down")."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.tp_group = tp_group
+        self.local_size = divide(intermediate_size, tp_group.size, "moe intermediate size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size),
+                               requires_grad=False)
+        set_weight_loader(self.w13, self.weight_loader,
+                          [(e, part) for e in range(num_experts) for part in ("gate", "up")])
+        set_weight_loader(self.w2, self.weight_loader, [(e, "down") for e in range(num_experts)])
+        self.batch_invariant = False  # set by enable_batch_invariance
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+                      ) -> None:
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2
+                and isinstance(shard_id[0], int) and 0 <= shard_id[0] < self.num_experts
+                and shard_id[1] in ("gate", "up", "down")):
+            raise ValueError(f"expert weights need a shard id (expert, 'gate'|'up'|'down'), "
+                             f"got {shard_id!r}")
+        expert, part = shard_id
+        size, rank = self.local_size, self.tp_group.rank
+        if part == "down":
+            copy_checked(param.data[expert], loaded.narrow(1, rank * size, size))
+        else:
+            offset = 0 if part == "gate" else size
+            copy_checked(param.data[expert].narrow(0, offset, size),
+                         loaded.narrow(0, rank * size, size))
+
+    def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor
+                ) -> torch.Tensor:
+        """x [T, H], top_ids / top_weights [T, k] -> this rank's part of the output."""
+        out = torch.zeros_like(x)
+        by_rank = top_ids.T  # [k, T]: where() lists (rank, token) pairs rank-major, as HF
+        for expert in torch.unique(top_ids).tolist():
+            rank_of, tokens = torch.where(by_rank == expert)
+            h = apply_linear(x[tokens], self.w13[expert], invariant=self.batch_invariant)
+            gate, up = h.chunk(2, dim=-1)
+            h = apply_linear(F.silu(gate) * up, self.w2[expert], invariant=self.batch_invariant)
+            h = h * top_weights[tokens, rank_of, None]
+            out.index_add_(0, tokens, h.to(out.dtype))
+        return out
+
+
+class Router(nn.Module):
+    """The router's replicated weight [E, H] (checkpoint name `gate.weight`)."""
+
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts. weights_in_activation_dtype: the routing weights are cast to
+    the activation dtype before they scale the experts' outputs (Qwen3-MoE) rather
+    than kept in float32 (Mixtral)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 intermediate_size: int, normalize_top_k: bool,
+                 weights_in_activation_dtype: bool, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_experts "
+                             f"({num_experts})")
+        self.top_k = top_k
+        self.normalize_top_k = normalize_top_k
+        self.weights_in_activation_dtype = weights_in_activation_dtype
+        self.tp_group = tp_group
+        self.gate = Router(num_experts, hidden_size)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, tp_group)
+        self.batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = apply_linear(x, self.gate.weight, invariant=self.batch_invariant)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize_top_k:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_activation_dtype:
+            top_weights = top_weights.to(logits.dtype)
+        return self.tp_group.all_reduce(self.experts(x, top_ids, top_weights))
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.experts.num_experts}, top_k={self.top_k}, "
+                f"intermediate per rank={self.experts.local_size}")
+

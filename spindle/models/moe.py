@@ -1,0 +1,80 @@
+"""Mixture-of-experts decoders: Qwen3MoeForCausalLM and MixtralForCausalLM.
+
+Both are their dense family (Qwen3, Mistral) with some feed-forward blocks replaced by
+a sparse MoE block (layers/moe.py):
+
+* Qwen3-MoE: layer i is sparse unless it is in config.mlp_only_layers or
+  (i + 1) % config.decoder_sparse_step != 0 (then a dense MLP of intermediate_size);
+  experts of moe_intermediate_size; the top-k weights renormalised iff
+  norm_topk_prob, then cast to the activation dtype. Checkpoint names:
+  mlp.gate.weight, mlp.experts.E.{gate,up,down}_proj.weight.
+* Mixtral: every layer sparse, experts of intermediate_size, top-k weights always
+  renormalised and kept in float32. Checkpoint names: block_sparse_moe.gate.weight,
+  block_sparse_moe.experts.E.{w1,w3,w2}.weight (gate, up, down).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.moe import SparseMoeBlock
+from spindle.models.llama import (MistralForCausalLM, Qwen3ForCausalLM, _to_param_name,
+                                  dense_mlp)
+
+_MIXTRAL_EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down"}
+_QWEN_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def _expert_param(hf_name: str, parts: dict[str, str]) -> tuple[str, Any] | None:
+    """...mlp.experts.E.PART.weight -> (...mlp.experts.w13 or .w2, (E, gate|up|down));
+    None for any other name."""
+    pieces = hf_name.split(".")
+    if len(pieces) < 4 or pieces[-1] != "weight" or pieces[-4] != "experts" \
+            or pieces[-2] not in parts or not pieces[-3].isdigit():
+        return None
+    part = parts[pieces[-2]]
+    stem = ".".join(pieces[:-3])
+    return f"{stem}.{'w2' if part == 'down' else 'w13'}", (int(pieces[-3]), part)
+
+
+class MoeModelMixin:
+    """MoE models read the routing on the host (layers/moe.py): no CUDA graphs."""
+
+    supports_cuda_graphs = False
+
+
+class Qwen3MoeForCausalLM(MoeModelMixin, Qwen3ForCausalLM):
+    @classmethod
+    def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
+                      tp_group: TensorParallelGroup) -> nn.Module:
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        sparse = (layer_idx not in (getattr(hf_config, "mlp_only_layers", None) or [])
+                  and hf_config.num_experts > 0 and (layer_idx + 1) % step == 0)
+        if not sparse:
+            return dense_mlp(hf_config, layer_idx, tp_group)
+        return SparseMoeBlock(hf_config.hidden_size, hf_config.num_experts,
+                              hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+                              normalize_top_k=bool(hf_config.norm_topk_prob),
+                              weights_in_activation_dtype=True, tp_group=tp_group)
+
+    @classmethod
+    def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        return _expert_param(hf_name, _QWEN_EXPERT_PARTS) or _to_param_name(hf_name)
+
+
+class MixtralForCausalLM(MoeModelMixin, MistralForCausalLM):
+    @classmethod
+    def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
+                      tp_group: TensorParallelGroup) -> nn.Module:
+        return SparseMoeBlock(hf_config.hidden_size, hf_config.num_local_experts,
+                              hf_config.num_experts_per_tok, hf_config.intermediate_size,
+                              normalize_top_k=True, weights_in_activation_dtype=False,
+                              tp_group=tp_group)
+
+    @classmethod
+    def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")
+        return _expert_param(hf_name, _MIXTRAL_EXPERT_PARTS) or _to_param_name(hf_name)
