@@ -12,7 +12,7 @@ import torch
 
 from spindle import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3"]  # (phi3: fused qkv and gate_up tensors)
 MAX_NEW = 20
 PROMPT_LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 128, 150, 200, 257, 300]
 LOGPROB_TOL = 1e-4
@@ -174,3 +174,11 @@ def test_processed_logprobs_against_transformers_logits(tiny_model):
             assert abs(lp.logprob - want[tok].item()) <= LOGPROB_TOL, (mode, tok)
     with pytest.raises(ValueError, match="logprobs_mode"):
         LLM(str(path), device="cpu", logprobs_mode="logits")
+
+
+def test_phi3_fused_tensors_shard_across_two_ranks(reference):
+    """Phi-3's fused qkv_proj and gate_up_proj are split into their parts before the
+    merged layers take each rank's shard of each part."""
+    path, prompts, _, expected, _ = reference("phi3")
+    outputs, _ = run_spindle(path, prompts, tensor_parallel_size=2)
+    assert_matches(outputs, expected)

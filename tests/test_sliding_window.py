@@ -24,6 +24,7 @@ PROMPT_LENGTHS = [1, 8, 9, 12, 13, 40, 57]
 CHECKPOINTS = {
     "mistral-w8": ("mistral", dict(sliding_window=8)),
     "mistral-w12": ("mistral", dict(sliding_window=12)),
+    "phi3-w8": ("phi3", dict(sliding_window=8)),  # Phi-3 windows every layer, as Mistral
     # layer 0 full, layer 1 sliding
     "qwen2-w8-2layers": ("qwen2", dict(use_sliding_window=True, sliding_window=8,
                                        max_window_layers=1)),

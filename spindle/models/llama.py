@@ -1,5 +1,5 @@
 """Llama-family decoder models: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM.
+Qwen3ForCausalLM, Phi3ForCausalLM.
 
 They share one implementation; they differ only in attention details, captured by
 AttentionOptions, and in which layers attend within a sliding window (sliding_windows):
@@ -9,6 +9,8 @@ AttentionOptions, and in which layers attend within a sliding window (sliding_wi
 * Qwen2: q/k/v bias always, o_proj without;
 * Qwen3: bias = config.attention_bias, plus a per-head RMSNorm on q and k (q_norm,
   k_norm) applied before the rotary embedding; head_dim is explicit in the config.
+* Phi-3: as Mistral (no bias; config.sliding_window on every layer), its checkpoints
+  holding q/k/v as one qkv_proj and gate/up as one gate_up_proj tensor;
 * Qwen2 and Qwen3: the layers config.layer_types names "sliding_attention" have the
   window config.sliding_window, which transformers sets to null unless
   use_sliding_window; without layer_types, layers from max_window_layers on slide.
@@ -375,3 +377,30 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def sliding_windows(cls, hf_config: Any) -> list[int | None]:
         return qwen_sliding_windows(hf_config)
+
+
+class Phi3ForCausalLM(MistralForCausalLM):
+    """Mistral's layers; the checkpoint's fused qkv_proj and gate_up_proj tensors are
+    split into the q/k/v and gate/up shards the merged layers load (so tensor
+    parallelism shards each part on its own)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._split_fused(weights))
+
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]
+                     ) -> Iterable[tuple[str, torch.Tensor]]:
+        config = self.config
+        head_dim = head_dim_of(config)
+        q_size = config.num_attention_heads * head_dim
+        kv_size = config.num_key_value_heads * head_dim
+        for name, tensor in weights:
+            if name.endswith(".self_attn.qkv_proj.weight"):
+                parts = tensor.split([q_size, kv_size, kv_size], dim=0)
+                for part, tensor_part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                    yield name.replace(".qkv_proj.", f".{part}."), tensor_part
+            elif name.endswith(".mlp.gate_up_proj.weight"):
+                gate, up = tensor.chunk(2, dim=0)
+                yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+                yield name.replace(".gate_up_proj.", ".up_proj."), up
+            else:
+                yield name, tensor

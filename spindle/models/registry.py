@@ -15,6 +15,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "spindle.models.moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "spindle.models.moe:MixtralForCausalLM",
+    "Phi3ForCausalLM": "spindle.models.llama:Phi3ForCausalLM",
     "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
     "BertModel": "spindle.models.bert:BertModel",
