@@ -29,7 +29,8 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 backend: str | None = None, sliding_window: int | None = None) -> None:
+                 backend: str | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -37,6 +38,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         # A query at position p sees keys at positions > p - sliding_window (None: all).
         self.sliding_window = sliding_window
+        # Scores become cap * tanh(scores / cap) before masking (None: no cap).
+        self.logits_soft_cap = logits_soft_cap
         self.backend_name = backend
         self.impl = self._make_impl(backend)
         self.kv_cache: torch.Tensor | None = None
@@ -45,7 +48,8 @@ class Attention(nn.Module):
 
     def _make_impl(self, backend: str | None):
         return get_backend(backend)(self.num_heads, self.head_dim, self.scale,
-                                    self.num_kv_heads, sliding_window=self.sliding_window)
+                                    self.num_kv_heads, sliding_window=self.sliding_window,
+                                    logits_soft_cap=self.logits_soft_cap)
 
     def cache_spec(self, dtype: torch.dtype) -> AttentionCacheSpec:
         """What this layer caches: paged keys and values (spindle/cache/spec.py)."""

@@ -50,3 +50,29 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is an offset from one, and the scaling happens in
+    float32 before the one cast back (transformers' Gemma2RMSNorm). The weight loads
+    as stored (zeros mean identity). Torch code on every device (no fused kernel).
+    forward(x) -> y only; the Gemma layers add their residuals themselves."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            raise ValueError("GemmaRMSNorm takes no residual")
+        if self.batch_invariant:
+            from spindle.layers.batch_invariant import rowwise
+
+            return rowwise(self._norm, x)
+        return self._norm(x)

@@ -47,6 +47,8 @@ class AttentionOptions:
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+    scale: float | None = None  # None: head_dim ** -0.5
+    logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -84,6 +86,13 @@ def qwen_sliding_windows(hf_config: Any) -> list[int | None]:
         first_sliding = getattr(hf_config, "max_window_layers", num_layers)
         layer_types = ["sliding_attention" if window is not None and i >= first_sliding
                        else "full_attention" for i in range(num_layers)]
+    return windows_by_layer_type(layer_types, window, num_layers)
+
+
+def windows_by_layer_type(layer_types: list[str], window: int | None,
+                          num_layers: int) -> list[int | None]:
+    """window on the layers layer_types names "sliding_attention", None on the
+    "full_attention" ones; anything else is refused by name."""
     if len(layer_types) != num_layers:
         raise ValueError(f"config layer_types has {len(layer_types)} entries for "
                          f"{num_layers} layers")
@@ -129,8 +138,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, sliding_window=sliding_window)
+        scale = options.scale if options.scale is not None else self.head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
+                              sliding_window=sliding_window,
+                              logits_soft_cap=options.logits_soft_cap)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:

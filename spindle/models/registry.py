@@ -16,6 +16,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3MoeForCausalLM": "spindle.models.moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "spindle.models.moe:MixtralForCausalLM",
     "Phi3ForCausalLM": "spindle.models.llama:Phi3ForCausalLM",
+    "Gemma2ForCausalLM": "spindle.models.gemma2:Gemma2ForCausalLM",
     "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
     "BertModel": "spindle.models.bert:BertModel",

@@ -53,11 +53,13 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "mamba2": "Mamba2Config", "qwen3_moe": "Qwen3MoeConfig",
-                  "mixtral": "MixtralConfig", "phi3": "Phi3Config"}
+                  "mixtral": "MixtralConfig", "phi3": "Phi3Config",
+                  "gemma2": "Gemma2Config"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
 # block's name, and the names of an expert's gate, up and down projections.
@@ -86,6 +88,10 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
     if arch == "mixtral":
         return {"num_local_experts": 4, "num_experts_per_tok": 2}
+    if arch == "gemma2":  # small caps and window, so that both act on a tiny model
+        return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
+                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+                "sliding_window": 8}
     return {}
 WEIGHT_STD = 0.2
 TARGET_LOGIT_STD = 4.0

@@ -42,10 +42,13 @@ class BatchInvariantBackend:
     fuses_qk_transform = True  # (CUDA: q/k norm + rotary by the per-token kernel)
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
         if sliding_window is not None:
             raise ValueError("batch_invariant does not support sliding-window attention")
+        if logits_soft_cap is not None:
+            raise ValueError("batch_invariant does not support attention logit soft-capping")
         self.sliding_window = None
         self.gqa = num_heads // num_kv_heads
 

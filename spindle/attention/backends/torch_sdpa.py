@@ -47,11 +47,17 @@ WINDOW_QUERY_CHUNK = 512
 
 class TorchSDPABackend:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         self.sliding_window = sliding_window
+        # Scores become cap * tanh(scores / cap) before the mask (Gemma 2): SDPA has no
+        # such step, so those layers attend with explicit torch ops (_attention).
+        self.logits_soft_cap = logits_soft_cap
         self.gqa = num_heads != num_kv_heads
 
     # ---------------------------------------------------------------- entry point
@@ -187,9 +193,7 @@ class TorchSDPABackend:
             keys = key_cache[slots].transpose(1, 2).to(q.dtype)
             values = value_cache[slots].transpose(1, 2).to(q.dtype)
             queries = q[tok_idx].unsqueeze(2)  # [B, H, 1, D]
-            attn = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=valid[:, None, None, :], scale=self.scale,
-                enable_gqa=self.gqa)
+            attn = self._attention(queries, keys, values, mask=valid[:, None, None, :])
             out[tok_idx] = attn.squeeze(2)
 
     def _check_window_is_causal(self, causal: bool) -> None:
@@ -198,11 +202,29 @@ class TorchSDPABackend:
 
     def _sdpa(self, q, k, v, is_causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence: q [L, H, D], k/v [S, H_kv, D], mask [L, S] bool or None -> [L, H, D]."""
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=is_causal,
-            scale=self.scale, enable_gqa=self.gqa)
+        attn = self._attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                               v.transpose(0, 1).unsqueeze(0), mask=mask, is_causal=is_causal)
         return attn.squeeze(0).transpose(0, 1)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        """q [B, H, L, D], k/v [B, H_kv, S, D], mask (bool, broadcast to [B, H, L, S])
+        -> [B, H, L, D]: SDPA, or with a soft cap the same in explicit steps (as
+        transformers' eager attention: scores, cap, mask, float32 softmax)."""
+        if self.logits_soft_cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                  scale=self.scale, enable_gqa=self.gqa)
+        repeat = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        cap = self.logits_soft_cap
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * self.scale / cap) * cap
+        if is_causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
+                              device=q.device).tril(k.shape[-2] - q.shape[-2])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, v)
 
 
 def _host_lists(md: AttentionMetadata) -> tuple[list[int], list[int]]:

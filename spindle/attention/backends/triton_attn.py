@@ -55,8 +55,12 @@ class TritonAttentionBackend:
     fuses_qk_transform = True
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
+        if logits_soft_cap is not None:
+            raise ValueError("attention logit soft-capping (Gemma 2) is not implemented in "
+                             "the triton backend yet: pass attention_backend='torch_sdpa'")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window

@@ -1,0 +1,149 @@
+"""Gemma 2 (Gemma2ForCausalLM), as transformers computes it with eager attention:
+
+* embeddings scaled by sqrt(hidden_size) (the factor rounded to the activation dtype);
+* "sandwich" norms: every layer normalises the input and the output of its attention
+  and of its MLP (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+  post_feedforward_layernorm), each a GemmaRMSNorm (weight offset from one, scaled
+  in float32);
+* a GeGLU MLP (gelu with the tanh approximation);
+* attention scaled by query_pre_attn_scalar ** -0.5, its scores soft-capped
+  (attn_logit_softcapping: cap * tanh(score / cap)) before the mask, on layers that
+  alternate between a sliding window (config.layer_types "sliding_attention") and
+  full attention;
+* the logits soft-capped too (final_logit_softcapping).
+
+The soft cap lives in the attention backend: torch_sdpa has it; the triton and
+batch-invariant backends refuse it (on CUDA pass attention_backend="torch_sdpa").
+No pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import PipelineStage
+from spindle.layers.activation import GeluTanhAndMul
+from spindle.layers.embedding import VocabParallelEmbedding
+from spindle.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from spindle.layers.norm import GemmaRMSNorm
+from spindle.layers.rotary import RotaryEmbedding
+from spindle.models.causal_lm import DecoderForCausalLM
+from spindle.models.llama import (AttentionOptions, LlamaAttention, _to_param_name,
+                                  checked_window, head_dim_of, windows_by_layer_type)
+from spindle.models.weights import load_named_weights
+
+SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def gemma2_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Per layer: config.sliding_window where layer_types says "sliding_attention"."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        raise ValueError("a Gemma 2 config needs layer_types (transformers sets them)")
+    window = checked_window(getattr(hf_config, "sliding_window", None))
+    return windows_by_layer_type(layer_types, window, hf_config.num_hidden_layers)
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], tp_group=tp_group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_group=tp_group)
+        self.act_fn = GeluTanhAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        options = AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=False,
+                                   scale=hf_config.query_pre_attn_scalar ** -0.5,
+                                   logits_soft_cap=hf_config.attn_logit_softcapping)
+        self.self_attn = LlamaAttention(hf_config, options, tp_group, sliding_window)
+        self.mlp = Gemma2MLP(hf_config.hidden_size, hf_config.intermediate_size, tp_group)
+        for name in ("input_layernorm", "post_attention_layernorm",
+                     "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            setattr(self, name, GemmaRMSNorm(hf_config.hidden_size, eps=eps))
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden_states), positions, cos, sin)
+        hidden_states = hidden_states + self.post_attention_layernorm(attended)
+        mixed = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        return hidden_states + self.post_feedforward_layernorm(mixed)
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.hidden_size = hf_config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                   tp_group=tp_group)
+        windows = gemma2_sliding_windows(hf_config)
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(hf_config, tp_group, windows[i])
+                                    for i in range(hf_config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
+        for layer in self.layers:  # plain tensor references, not submodules
+            layer.self_attn.rope_tables = (self.rotary_emb.cos_cache, self.rotary_emb.sin_cache)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: Any = None) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        normalizer = torch.tensor(self.hidden_size ** 0.5, dtype=hidden_states.dtype)
+        hidden_states = hidden_states * normalizer.to(hidden_states.device)
+        if hidden_states.is_cuda:
+            cos = sin = None  # the fused kernels read the tables themselves
+        else:
+            cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, positions, cos, sin)
+        return self.norm(hidden_states)
+
+
+class Gemma2ForCausalLM(DecoderForCausalLM):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage | None = None) -> None:
+        super().__init__()
+        act = getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"Gemma 2 hidden_activation {act!r} is not supported (only "
+                             f"{', '.join(SUPPORTED_ACTIVATIONS)})")
+        self.config = hf_config
+        self.stage = stage or PipelineStage.single()
+        if self.stage.size > 1:
+            raise ValueError("Gemma2ForCausalLM does not support pipeline parallelism")
+        self.model = Gemma2Model(hf_config, tp_group)
+        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
+        self.build_lm_head(hf_config, tp_group)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden_states)
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_named_weights(self, weights, self._param_name)
+
+    def _param_name(self, hf_name: str) -> tuple[str, Any] | None:
+        if "rotary_emb." in hf_name:
+            return None
+        if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        return _to_param_name(hf_name)
