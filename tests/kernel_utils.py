@@ -27,7 +27,7 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 HALF = torch.float16 if INTERPRETED else torch.bfloat16
 
 KERNEL_MODULES = ("spindle.layers.fused_kernels", "spindle.layers.skinny_gemm",
-                  "spindle.layers.invariant_gemm",
+                  "spindle.layers.invariant_gemm", "spindle.layers.fused_moe",
                   "spindle.attention.backends.triton_attn", "spindle.layers.mamba.triton_ops")
 
 T = TypeVar("T")

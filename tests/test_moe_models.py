@@ -78,3 +78,16 @@ def test_experts_that_do_not_split_across_ranks_are_refused(tiny_model):
     with pytest.raises(Exception, match="moe intermediate size"):
         LLM(str(path), device="cpu", dtype="float32", max_model_len=256,
             tensor_parallel_size=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_cuda_fused_experts_in_cuda_graphs_equal_transformers(checkpoint, case):
+    """The fused grouped GEMMs end to end on CUDA (float32, decode replayed from CUDA
+    graphs), against transformers on the CPU."""
+    path, expected = checkpoint(case)
+    with LLM(str(path), device="cuda", dtype="float32", max_model_len=256,
+             max_num_batched_tokens=16) as llm:
+        check(llm, expected)
+        graphs = llm.engine.core.executor.worker.runner.graph_runner
+        assert graphs is not None and sum(graphs.num_replays.values()) > 0

@@ -10,10 +10,10 @@ every expert's intermediate features (gate and up column-parallel, down row-para
 so a rank computes a partial sum of each token's output and one all-reduce per block
 adds them. The router is replicated, so every rank routes every token alike.
 
-The computation here is torch code, one expert at a time over the tokens routed to it
-(the experts in increasing order, each token's contributions added in that order, as
-transformers does). It reads the routing back to the host, so a model with these
-blocks runs without CUDA graphs.
+On CPU (and in batch-invariant mode) the experts run as torch code, one at a time over
+the tokens routed to it (the experts in increasing order, each token's contributions
+added in that order, as transformers does). On CUDA they run as two fused grouped
+GEMMs over the tokens sorted by expert (fused_moe.py), with no host synchronisation.
 """
 
 from __future__ import annotations
@@ -67,7 +67,13 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor
                 ) -> torch.Tensor:
-        """x [T, H], top_ids / top_weights [T, k] -> this rank's part of the output."""
+        """x [T, H], top_ids / top_weights [T, k] -> this rank's part of the output.
+        On CUDA the fused grouped GEMMs (fused_moe.py: no host sync, CUDA-graph safe),
+        unless batch-invariant; elsewhere one expert at a time in torch."""
+        if x.is_cuda and not self.batch_invariant:
+            from spindle.layers.fused_moe import fused_experts
+
+            return fused_experts(x, self.w13, self.w2, top_ids, top_weights)
         out = torch.zeros_like(x)
         by_rank = top_ids.T  # [k, T]: where() lists (rank, token) pairs rank-major, as HF
         for expert in torch.unique(top_ids).tolist():

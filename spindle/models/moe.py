@@ -40,13 +40,7 @@ def _expert_param(hf_name: str, parts: dict[str, str]) -> tuple[str, Any] | None
     return f"{stem}.{'w2' if part == 'down' else 'w13'}", (int(pieces[-3]), part)
 
 
-class MoeModelMixin:
-    """MoE models read the routing on the host (layers/moe.py): no CUDA graphs."""
-
-    supports_cuda_graphs = False
-
-
-class Qwen3MoeForCausalLM(MoeModelMixin, Qwen3ForCausalLM):
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @classmethod
     def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
                       tp_group: TensorParallelGroup) -> nn.Module:
@@ -65,7 +59,7 @@ class Qwen3MoeForCausalLM(MoeModelMixin, Qwen3ForCausalLM):
         return _expert_param(hf_name, _QWEN_EXPERT_PARTS) or _to_param_name(hf_name)
 
 
-class MixtralForCausalLM(MoeModelMixin, MistralForCausalLM):
+class MixtralForCausalLM(MistralForCausalLM):
     @classmethod
     def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
                       tp_group: TensorParallelGroup) -> nn.Module:

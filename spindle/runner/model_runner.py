@@ -285,10 +285,6 @@ class ModelRunner:
         if (self.config.device.enforce_eager or not state.supports_cuda_graphs
                 or not self.needs_kv_cache or self.stage.size > 1):
             return
-        if not getattr(self._require_model(), "supports_cuda_graphs", True):
-            logger.info("%s runs without CUDA graphs (its forward reads device values "
-                        "back to the host)", type(self.model).__name__)
-            return
         spec = self.config.speculative
         self.graph_runner = CudaGraphRunner(
             state, self.config.device.max_cudagraph_batch_size,
