@@ -33,7 +33,9 @@ def align_by_expert(top_ids: torch.Tensor, num_experts: int, block_m: int = BLOC
     pairs = flat.numel()
     capacity = pairs + num_experts * (block_m - 1)
     capacity = -(-capacity // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # (scatter_add, not bincount: bincount reads its input's maximum back to the host.)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
