@@ -73,9 +73,11 @@ def differing(results: dict) -> list[str]:
     return [name for name, sig in results.items() if sig != results["alone"]]
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "bfloat16"), ("qwen3", "bfloat16"),
-                                        ("llama", "float32")])
-@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded-sample"])
+@pytest.mark.parametrize("arch,dtype,params", [
+    ("llama", "bfloat16", GREEDY), ("llama", "bfloat16", SAMPLED),
+    ("qwen3", "bfloat16", GREEDY), ("llama", "float32", SAMPLED)],
+    ids=["llama-bf16-greedy", "llama-bf16-seeded-sample", "qwen3-bf16-greedy",
+         "llama-fp32-seeded-sample"])
 def test_a_request_is_the_same_bits_whatever_its_batch(tiny_model, arch, dtype, params):
     results = variants(tiny_model(arch), dtype, True, params)
     assert differing(results) == []

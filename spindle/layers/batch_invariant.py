@@ -11,10 +11,10 @@ need the logprobs a rollout reports to be a function of the request alone.
 Here every token-wise operation computes each row in an order fixed by the row's own
 data and the layer's shape:
 
-* CUDA: one Triton GEMM (invariant_gemm.py) with no split-K and a tile configuration
-  that depends on N and K only, never on the number of rows, so each output element
-  is the same sum in the same order whatever the batch. The norms, rotary and
-  SiLU-and-mul are already row-wise Triton kernels (fused_kernels.py).
+* CUDA: one Triton GEMM (invariant_gemm.py) with no split-K and one K step in every
+  tile configuration, so each output element is the same sum in the same order
+  whatever the batch. The norms, rotary and SiLU-and-mul are already row-wise Triton
+  kernels (fused_kernels.py).
 * CPU: each row goes through its own call on a fresh copy (rowwise), so every call has
   one shape, one alignment and one threading plan whatever the batch. Exact and slow
   (a call per token per operation): a correctness mode.

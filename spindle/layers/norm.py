@@ -38,15 +38,18 @@ class RMSNorm(nn.Module):
             from spindle.layers.fused_kernels import rms_norm
 
             return rms_norm(x, self.weight, self.variance_epsilon, residual)
-        norm = self._norm
+        if residual is None:
+            return self._normalize(x)
+        x = residual + x  # HF adds in the activation dtype, as here
+        return self._normalize(x), x
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """_norm over x, row by row when batch-invariant (batch_invariant.py)."""
         if self.batch_invariant:
             from spindle.layers.batch_invariant import rowwise
 
-            norm = lambda h: rowwise(self._norm, h)  # noqa: E731
-        if residual is None:
-            return norm(x)
-        x = residual + x  # HF adds in the activation dtype, as here
-        return norm(x), x
+            return rowwise(self._norm, x)
+        return self._norm(x)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
@@ -71,8 +74,4 @@ class GemmaRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             raise ValueError("GemmaRMSNorm takes no residual")
-        if self.batch_invariant:
-            from spindle.layers.batch_invariant import rowwise
-
-            return rowwise(self._norm, x)
-        return self._norm(x)
+        return self._normalize(x)
