@@ -8,9 +8,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from spindle import LLM, SamplingParams
+from test_generate_vs_hf import hf_greedy
 
 MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
@@ -22,24 +22,8 @@ def prompts() -> list[list[int]]:
 
 
 def hf_eager_greedy(path, batch, max_new):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    config = model.generation_config
-    config.eos_token_id = None
-    results = []
-    for prompt in batch:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                 do_sample=False, generation_config=config, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True)
-        tokens = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
-                    for step, t in zip(out.logits, tokens)]
-        results.append((tokens, logprobs))
-    return results
+    """transformers' greedy answers with eager attention (its SDPA path has no cap)."""
+    return hf_greedy(path, batch, max_new, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

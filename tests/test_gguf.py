@@ -7,10 +7,9 @@ made once, and files that are not models are refused by name."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from spindle import LLM, SamplingParams
-from test_smollm2 import CONVERSATIONS, MAX_NEW
+from test_smollm2 import CONVERSATIONS, MAX_NEW, hf_chat_greedy
 
 
 @pytest.fixture(scope="module")
@@ -30,29 +29,11 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("gguf-cache")
 
 
-def hf_gguf_chat_greedy(gguf, conversations, max_new: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, new ids) per conversation, transformers reading the GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32).eval()
-    results = []
-    for conversation in conversations:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new)
-        results.append((ids[0].tolist(), out[0, ids.shape[1]:].tolist()))
-    return results
-
-
 def test_chat_answers_from_the_gguf_equal_transformers_reading_it(gguf_file, cache,
                                                                   monkeypatch):
     monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(cache))
-    expected = hf_gguf_chat_greedy(gguf_file, CONVERSATIONS, MAX_NEW)
+    expected = hf_chat_greedy(str(gguf_file.parent), CONVERSATIONS, MAX_NEW,
+                              gguf_file=gguf_file.name)
     with LLM(str(gguf_file), device="cpu", dtype="float32", max_model_len=1024) as llm:
         outputs = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
                            use_tqdm=False)

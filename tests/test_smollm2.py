@@ -21,13 +21,16 @@ CONVERSATIONS = [
 ]
 
 
-def hf_chat_greedy(path, conversations, max_new: int) -> list[tuple[list[int], list[int]]]:
+def hf_chat_greedy(path, conversations, max_new: int,
+                   gguf_file: str | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, new ids) per conversation: transformers' greedy generate, stopping
-    at the checkpoint's end-of-sequence token as its generation config says."""
+    at the checkpoint's end-of-sequence token as its generation config says
+    (gguf_file: transformers reads that GGUF file in path instead)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    source = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(path, **source)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **source).eval()
     results = []
     for conversation in conversations:
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
