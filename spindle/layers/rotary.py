@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DEFAULT_THETA = 10000.0
 
 
@@ -55,6 +55,8 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     inv_freq = 1.0 / (base ** exponents)
     if rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, params)
+    if rope_type == "linear":  # positions divided by factor (Gemma 3's global layers)
+        inv_freq = inv_freq / float(params["factor"])
     return inv_freq
 
 
@@ -109,8 +111,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", sin, persistent=False)
 
     @classmethod
-    def from_config(cls, hf_config: Any, head_dim: int) -> "RotaryEmbedding":
-        return cls(head_dim, hf_config.max_position_embeddings, rope_parameters_from_config(hf_config))
+    def from_config(cls, hf_config: Any, head_dim: int,
+                    layer_type: str | None = None) -> "RotaryEmbedding":
+        """The table of hf_config; layer_type picks one entry of rope parameters given
+        per layer type (Gemma 3: "sliding_attention", "full_attention")."""
+        if layer_type is None:
+            params = rope_parameters_from_config(hf_config)
+        else:
+            params = dict(hf_config.rope_parameters[layer_type])
+            params.setdefault("rope_type", params.pop("type", "default"))
+            params.setdefault("rope_theta", _DEFAULT_THETA)
+        return cls(head_dim, hf_config.max_position_embeddings, params)
 
     @staticmethod
     def _cos_sin(inv_freq: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,7 @@ class AttentionOptions:
     qk_norm: bool
     scale: float | None = None  # None: head_dim ** -0.5
     logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    qk_norm_class: type = RMSNorm  # the per-head q/k norm (Gemma 3: GemmaRMSNorm)
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -134,8 +135,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim,
                                         hidden_size, bias=options.o_bias, tp_group=tp_group)
         if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+            self.q_norm = options.qk_norm_class(self.head_dim, eps=hf_config.rms_norm_eps)
+            self.k_norm = options.qk_norm_class(self.head_dim, eps=hf_config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         scale = options.scale if options.scale is not None else self.head_dim ** -0.5

@@ -54,12 +54,13 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "mamba2": "Mamba2Config", "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "phi3": "Phi3Config",
-                  "gemma2": "Gemma2Config"}
+                  "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
 # block's name, and the names of an expert's gate, up and down projections.
@@ -92,6 +93,15 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
                 "sliding_window": 8}
+    if arch == "gemma3":  # a sliding then a global layer, each with its rotary table
+        return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
+                "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"] * (num_layers // 2)
+                + ["sliding_attention"] * (num_layers % 2),
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                       "rope_theta": 1000000.0}}}
     return {}
 WEIGHT_STD = 0.2
 TARGET_LOGIT_STD = 4.0

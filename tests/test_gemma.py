@@ -1,7 +1,9 @@
-"""Gemma 2 against transformers (eager attention, which applies the attention soft cap)
-on tiny random checkpoints, CPU float32: greedy tokens equal and logprobs within 1e-4,
-with the soft caps and the alternating sliding window acting (prompts past the window),
-chunked prefill, and tensor parallelism; the triton backend refuses the soft cap."""
+"""Gemma 2 and Gemma 3 (text) against transformers (eager attention, which applies the
+attention soft cap) on tiny random checkpoints, CPU float32: greedy tokens equal and
+logprobs within 1e-4, with the soft caps (Gemma 2), q/k norms and a rotary table per
+layer type (Gemma 3, one of them linearly scaled) and the alternating sliding window
+acting (prompts past the window), chunked prefill, and tensor parallelism; the triton
+backend refuses the soft cap."""
 
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ def hf_eager_greedy(path, batch, max_new):
     return hf_greedy(path, batch, max_new, attn_implementation="eager")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=[("gemma2", False), ("gemma2", True), ("gemma3", True)],
+                ids=["gemma2-untied", "gemma2-tied", "gemma3"])
 def reference(tiny_model, request):
-    path = tiny_model("gemma2", tie_word_embeddings=request.param)
+    arch, tied = request.param
+    path = tiny_model(arch, tie_word_embeddings=tied)
     return path, hf_eager_greedy(path, prompts(), MAX_NEW)
 
 

@@ -1,4 +1,5 @@
-"""Gemma 2 (Gemma2ForCausalLM), as transformers computes it with eager attention:
+"""Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM), as transformers
+computes them with eager attention. Gemma 2:
 
 * embeddings scaled by sqrt(hidden_size) (the factor rounded to the activation dtype);
 * "sandwich" norms: every layer normalises the input and the output of its attention
@@ -11,6 +12,12 @@
   alternate between a sliding window (config.layer_types "sliding_attention") and
   full attention;
 * the logits soft-capped too (final_logit_softcapping).
+
+Gemma 3 is the same layer plus a per-head GemmaRMSNorm on q and k (before the rotary
+embedding), with rotary tables per layer type (rope_parameters["sliding_attention"]
+and ["full_attention"]: the global layers' base, and often linear scaling, differ),
+and soft caps only when its config sets them (by default none). Its q/k norm is
+Gemma's, not the fused kernel's, so its layers rotate in torch on every device.
 
 The soft cap lives in the attention backend: torch_sdpa has it; the triton and
 batch-invariant backends refuse it (on CUDA pass attention_backend="torch_sdpa").
@@ -63,13 +70,15 @@ class Gemma2MLP(nn.Module):
 
 class Gemma2DecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, qk_norm: bool = False) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         bias = bool(getattr(hf_config, "attention_bias", False))
-        options = AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=False,
+        options = AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=qk_norm,
                                    scale=hf_config.query_pre_attn_scalar ** -0.5,
-                                   logits_soft_cap=hf_config.attn_logit_softcapping)
+                                   logits_soft_cap=getattr(hf_config, "attn_logit_softcapping",
+                                                           None),
+                                   qk_norm_class=GemmaRMSNorm)
         self.self_attn = LlamaAttention(hf_config, options, tp_group, sliding_window)
         self.mlp = Gemma2MLP(hf_config.hidden_size, hf_config.intermediate_size, tp_group)
         for name in ("input_layernorm", "post_attention_layernorm",
@@ -85,18 +94,34 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+    """rope_per_layer_type (Gemma 3): a rotary table per layer type, and q/k norms."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 rope_per_layer_type: bool = False) -> None:
         super().__init__()
         self.hidden_size = hf_config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
                                                    tp_group=tp_group)
         windows = gemma2_sliding_windows(hf_config)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(hf_config, tp_group, windows[i])
-                                    for i in range(hf_config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Gemma2DecoderLayer(hf_config, tp_group, windows[i], qk_norm=rope_per_layer_type)
+            for i in range(hf_config.num_hidden_layers))
         self.norm = GemmaRMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
-        for layer in self.layers:  # plain tensor references, not submodules
-            layer.self_attn.rope_tables = (self.rotary_emb.cos_cache, self.rotary_emb.sin_cache)
+        head_dim = head_dim_of(hf_config)
+        # Layer i rotates with rotary[self.rope_of_layer[i]].
+        if rope_per_layer_type:
+            self.rotary = nn.ModuleDict({kind: RotaryEmbedding.from_config(hf_config, head_dim,
+                                                                           kind)
+                                         for kind in sorted(set(hf_config.layer_types))})
+            self.rope_of_layer = list(hf_config.layer_types)
+        else:
+            self.rotary = nn.ModuleDict({"all": RotaryEmbedding.from_config(hf_config, head_dim)})
+            self.rope_of_layer = ["all"] * hf_config.num_hidden_layers
+        # Gemma 3's q/k norm is not the fused kernel's: rotate in torch everywhere.
+        self.fused_rope = not rope_per_layer_type
+        for layer, kind in zip(self.layers, self.rope_of_layer):  # plain references
+            table = self.rotary[kind]
+            layer.self_attn.rope_tables = (table.cos_cache, table.sin_cache)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,
@@ -106,19 +131,26 @@ class Gemma2Model(nn.Module):
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         normalizer = torch.tensor(self.hidden_size ** 0.5, dtype=hidden_states.dtype)
         hidden_states = hidden_states * normalizer.to(hidden_states.device)
-        if hidden_states.is_cuda:
-            cos = sin = None  # the fused kernels read the tables themselves
-        else:
-            cos, sin = self.rotary_emb(positions, hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, positions, cos, sin)
+        tables: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        for kind, rotary in self.rotary.items():
+            if hidden_states.is_cuda and self.fused_rope:
+                tables[kind] = (None, None)  # the fused kernels read the tables themselves
+            else:
+                tables[kind] = rotary(positions, hidden_states.dtype)
+        for layer, kind in zip(self.layers, self.rope_of_layer):
+            hidden_states = layer(hidden_states, positions, *tables[kind])
         return self.norm(hidden_states)
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
+    rope_per_layer_type = False  # (Gemma 3: True, and q/k norms)
+
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention (Gemma as an encoder) is not "
+                             "supported")
         act = getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
         if act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"Gemma 2 hidden_activation {act!r} is not supported (only "
@@ -127,7 +159,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         self.stage = stage or PipelineStage.single()
         if self.stage.size > 1:
             raise ValueError("Gemma2ForCausalLM does not support pipeline parallelism")
-        self.model = Gemma2Model(hf_config, tp_group)
+        self.model = Gemma2Model(hf_config, tp_group, self.rope_per_layer_type)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
         self.build_lm_head(hf_config, tp_group)
 
@@ -147,3 +179,9 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         if hf_name == "lm_head.weight" and self.tie_word_embeddings:
             return None
         return _to_param_name(hf_name)
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3's text model (config Gemma3TextConfig): see the module docstring."""
+
+    rope_per_layer_type = True
