@@ -1,6 +1,7 @@
 """Weights from a trainer process on the GPU. By CUDA IPC from the same GPU
-(WeightSender.send with cuda_ipc=True): the engine sleeps at level 2 with the cumem backend, wakes its weights
-alone, takes the trainer's tensors by handle, wakes the rest, and then equals
+(WeightSender.send with cuda_ipc=True): the engine sleeps at level 2 with the cumem
+backend, wakes its weights alone, takes the trainer's tensors by handle, wakes the
+rest, and then equals
 transformers on the new checkpoint (float32); the trainer changing its tensors after
 send() returns does not reach the engine. Over NCCL from another GPU (two GPUs)."""
 

@@ -129,8 +129,10 @@ class Gemma2Model(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # sqrt(hidden) rounded to the activation dtype, as transformers scales; a 0-d
+        # host tensor multiplies as a scalar (no copy to the device, graph-safe).
         normalizer = torch.tensor(self.hidden_size ** 0.5, dtype=hidden_states.dtype)
-        hidden_states = hidden_states * normalizer.to(hidden_states.device)
+        hidden_states = hidden_states * normalizer
         tables: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         for kind, rotary in self.rotary.items():
             if hidden_states.is_cuda and self.fused_rope:

@@ -93,7 +93,9 @@ def gguf_checkpoint(gguf: str | os.PathLike, cache_root: Path | None = None) -> 
     identity = f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
     key = f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
     target = (cache_root or default_cache_root()) / key
-    if (target / "model.safetensors").is_file():
+    # The directory appears whole (an atomic rename below), so its existence means
+    # it is complete, however many weight shards it holds.
+    if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
@@ -106,7 +108,7 @@ def gguf_checkpoint(gguf: str | os.PathLike, cache_root: Path | None = None) -> 
         try:
             os.rename(staging, target)  # atomic: a reader sees all of it or nothing
         except OSError:
-            if not (target / "model.safetensors").is_file():
+            if not (target / "config.json").is_file():
                 raise  # (else another process finished the same conversion first)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

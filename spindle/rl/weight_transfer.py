@@ -17,11 +17,11 @@ receive_weights() of the engine:
 
 gloo moves host memory: on a GPU the workers copy each batch to the device as they
 load it. NCCL moves device memory: the trainer's GPU broadcasts straight into buffers
-on the workers' GPUs (every rank on a GPU of its own). A trainer on the same GPU (or one its peers can map) sends with
-cuda_ipc=True instead: step 3 then broadcasts CUDA IPC handles of the trainer's own
-tensors, no tensor bytes; each worker opens them (no copy), loads its shard straight
-from the trainer's memory, and all ranks report back before send() returns, so the
-trainer may change its tensors again afterwards.
+on the workers' GPUs (every rank on a GPU of its own). A trainer on the same GPU (or
+one its peers can map) sends with cuda_ipc=True instead: step 3 then broadcasts CUDA
+IPC handles of the trainer's own tensors, no tensor bytes; each worker opens them (no
+copy), loads its shard straight from the trainer's memory, and all ranks report back
+before send() returns, so the trainer may change its tensors again afterwards.
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ class WeightSender:
                                "tensors at fault); nothing was sent")
         if cuda_ipc:
             torch.cuda.synchronize()  # the tensors are final before anyone reads them
-            channel.broadcast_object([_share(t) for t in tensors])
+            uuids = {d: str(torch.cuda.get_device_properties(d).uuid)
+                     for d in {t.device for t in tensors}}
+            channel.broadcast_object([_share(t, uuids[t.device]) for t in tensors])
             loaded = channel.all_agree(True)  # every rank is done reading them
             torch.cuda.ipc_collect()
             if not loaded:
@@ -158,7 +160,9 @@ class WeightReceiver:
             return len(entries)
         handles = channel.broadcast_object(None)
         try:
-            load((name, _open_shared(handle))
+            local = {str(torch.cuda.get_device_properties(i).uuid): i
+                     for i in range(torch.cuda.device_count())}
+            load((name, _open_shared(handle, local))
                  for (name, _, _), handle in zip(entries, handles))
             torch.cuda.synchronize()  # done reading the trainer's memory
         except BaseException:
@@ -181,26 +185,25 @@ class WeightReceiver:
                 yield name, piece.view(getattr(torch, dtype)).view(shape)
 
 
-def _share(tensor: torch.Tensor) -> tuple:
+def _share(tensor: torch.Tensor, uuid: str) -> tuple:
     """What another process needs to map tensor: torch's CUDA IPC reduction, and the
     UUID of the tensor's GPU (device indices differ between processes that see
     different CUDA_VISIBLE_DEVICES)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     rebuild, args = reduce_tensor(tensor)
-    return rebuild, args, str(torch.cuda.get_device_properties(tensor.device).uuid)
+    return rebuild, args, uuid
 
 
-def _open_shared(handle: tuple) -> torch.Tensor:
-    """The sender's tensor, mapped into this process on the GPU with its UUID."""
+def _open_shared(handle: tuple, local: dict[str, int]) -> torch.Tensor:
+    """The sender's tensor, mapped into this process on the GPU with its UUID (local:
+    this process's device index by GPU UUID)."""
     rebuild, args, uuid = handle
-    local = [i for i in range(torch.cuda.device_count())
-             if str(torch.cuda.get_device_properties(i).uuid) == uuid]
-    if not local:
+    if uuid not in local:
         raise RuntimeError(f"cuda_ipc: the trainer's GPU ({uuid}) is not visible to this "
                            "engine worker; send without cuda_ipc")
     args = list(args)
-    args[_STORAGE_DEVICE_ARG] = local[0]
+    args[_STORAGE_DEVICE_ARG] = local[uuid]
     return rebuild(*args)
 
 
