@@ -2,8 +2,8 @@
 attention soft cap) on tiny random checkpoints, CPU float32: greedy tokens equal and
 logprobs within 1e-4, with the soft caps (Gemma 2), q/k norms and a rotary table per
 layer type (Gemma 3, one of them linearly scaled) and the alternating sliding window
-acting (prompts past the window), chunked prefill, and tensor parallelism; the triton
-backend refuses the soft cap."""
+acting (prompts past the window), chunked prefill, and tensor parallelism. (The
+Triton kernels' soft cap: test_triton_attention.py and, on a GPU, test_cuda_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -63,9 +63,3 @@ def test_the_soft_caps_matter(tiny_model):
     assert [t for t, _ in hf_eager_greedy(capped, prompts(), MAX_NEW)] != \
         [t for t, _ in hf_eager_greedy(uncapped, prompts(), MAX_NEW)]
 
-
-def test_the_triton_backend_refuses_the_soft_cap():
-    from spindle.attention.backends.triton_attn import TritonAttentionBackend
-
-    with pytest.raises(ValueError, match="attention_backend='torch_sdpa'"):
-        TritonAttentionBackend(4, 16, 0.25, 2, logits_soft_cap=50.0)

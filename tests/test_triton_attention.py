@@ -72,9 +72,10 @@ def make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block
         query_lens=query_lens, context_lens=context_lens, block_size=block_size)
 
 
-def reference(case, scale, window=None):
+def reference(case, scale, window=None, soft_cap=None):
     """float64 attention of each request's queries over its (cache + new) context; with
-    a window W, query at position p sees keys p - W < k <= p only."""
+    a window W, query at position p sees keys p - W < k <= p only; with soft_cap C,
+    scores become C * tanh(score / C)."""
     q, kv = case["q"].double(), case["kv_cache"].double().clone()
     bs = case["block_size"]
     flat_k = kv[0].reshape(-1, *kv.shape[3:])
@@ -91,6 +92,8 @@ def reference(case, scale, window=None):
         values = flat_v[slots].repeat_interleave(gqa, 1)
         qi = q[start:start + ql]  # [Q, H, D]
         scores = torch.einsum("qhd,shd->hqs", qi, keys) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         query_pos = (cl + torch.arange(ql, device=DEVICE))[:, None]
         visible = pos[None, :] <= query_pos
         if window is not None:
@@ -477,6 +480,30 @@ def test_backend_sliding_window_step(monkeypatch, backend_name, query_lens, cont
     out = backend.forward(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case))
     assert not out.isnan().any(), "a block before the window was read"
     assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("backend_name", ["triton", "torch_sdpa"])
+@pytest.mark.parametrize("query_lens,context_lens", BACKEND_STEPS)
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_soft_cap_step(backend_name, query_lens, context_lens, window, dtype):
+    """Backend.forward with Gemma 2's attention soft cap (prefill, split decode, with
+    and without a window) against the capped reference; the uncapped one is further
+    off than the tolerance, so the cap is seen to act."""
+    from spindle.attention.backends.registry import get_backend
+
+    num_heads, num_kv_heads, head_dim, block_size, cap = 8, 2, 64, 8, 5.0
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     dtype, seed=len(query_lens) + (window or 0))
+    case["q"] = case["q"] * 3  # scores of several times the cap
+    ref, _, _ = reference(case, head_dim ** -0.5, window, soft_cap=cap)
+    uncapped, _, _ = reference(case, head_dim ** -0.5, window)
+    backend = get_backend(backend_name)(num_heads, head_dim, head_dim ** -0.5, num_kv_heads,
+                                        sliding_window=window, logits_soft_cap=cap)
+    out = backend.forward(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case))
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    assert rel_err(out, uncapped) > 10 * REL_TOL[dtype]
 
 
 @pytest.mark.parametrize("backend_name", ["triton", "torch_sdpa"])

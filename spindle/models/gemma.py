@@ -19,8 +19,8 @@ and ["full_attention"]: the global layers' base, and often linear scaling, diffe
 and soft caps only when its config sets them (by default none). Its q/k norm is
 Gemma's, not the fused kernel's, so its layers rotate in torch on every device.
 
-The soft cap lives in the attention backend: torch_sdpa has it; the triton and
-batch-invariant backends refuse it (on CUDA pass attention_backend="torch_sdpa").
+The soft cap lives in the attention backend: torch_sdpa and the triton kernels apply
+it; the batch-invariant backend refuses it.
 No pipeline parallelism.
 """
 

@@ -58,9 +58,9 @@ class TritonAttentionBackend:
                  sliding_window: int | None = None,
                  logits_soft_cap: float | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
-        if logits_soft_cap is not None:
-            raise ValueError("attention logit soft-capping (Gemma 2) is not implemented in "
-                             "the triton backend yet: pass attention_backend='torch_sdpa'")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+        self.logits_soft_cap = logits_soft_cap
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window
@@ -81,22 +81,23 @@ class TritonAttentionBackend:
             if qk_transform is not None:
                 qk_transform.apply_(q, k)
             return TorchSDPABackend(self.num_heads, self.head_dim, self.scale,
-                                    self.num_kv_heads, self.sliding_window
-                                    ).forward(q, k, v, None, attn_metadata)
+                                    self.num_kv_heads, self.sliding_window,
+                                    self.logits_soft_cap).forward(q, k, v, None, attn_metadata)
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
         out = torch.empty_like(q)
         if attn_metadata.max_query_len == 1:
             decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
                              self._split_counters(q.device), qk_transform,
-                             sliding_window=self.sliding_window)
+                             sliding_window=self.sliding_window,
+                             soft_cap=self.logits_soft_cap)
             return out
         if qk_transform is None:
             store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
         else:
             qk_transform.apply_(q, k, v, kv_cache, attn_metadata.slot_mapping)
         prefill_attention(q, kv_cache, attn_metadata, self.scale, out,
-                          sliding_window=self.sliding_window)
+                          sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap)
         return out
 
     def _split_counters(self, device: torch.device) -> torch.Tensor:
@@ -146,9 +147,11 @@ def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
 # ---------------------------------------------------------------------- prefill
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor, sliding_window: int | None = None,
-                      block_m: int | None = None, pack_gqa: bool = False) -> None:
+                      block_m: int | None = None, pack_gqa: bool = False,
+                      soft_cap: float | None = None) -> None:
     """Causal attention of every request's new tokens over its context (the new tokens'
-    k/v already stored), within sliding_window positions when given. block_m: rows
+    k/v already stored), within sliding_window positions when given, scores soft-capped
+    (cap * tanh(score / cap), Gemma 2) with soft_cap. block_m: rows
     per tile (default: by the step's longest query); a request with no context (a
     CUDA-graph padding row) gets zeros.
 
@@ -167,23 +170,25 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[grid](
         q, key_cache, value_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-        scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        meta.block_tables.stride(0), key_cache.stride(0), key_cache.stride(1),
+        scale, sliding_window or 0, soft_cap or 0.0, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), meta.block_tables.stride(0), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2),
         GQA=gqa, PAGE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        SLIDING=sliding_window is not None, IEEE=q.dtype == torch.float32, PACK_GQA=pack_gqa,
+        SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
+        IEEE=q.dtype == torch.float32, PACK_GQA=pack_gqa,
         num_warps=4, num_stages=2)
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr,
-                    query_start_ptr, seq_lens_ptr, scale, window,
+                    query_start_ptr, seq_lens_ptr, scale, window, soft_cap,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
                     c_stride_b, c_stride_t, c_stride_h,
                     GQA: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SLIDING: tl.constexpr, IEEE: tl.constexpr, PACK_GQA: tl.constexpr):
+                    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr,
+                    PACK_GQA: tl.constexpr):
     tile = tl.program_id(0)
     req = tl.program_id(1)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -228,7 +233,7 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
         k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + req * bt_stride,
                              offs_n, n_valid, offs_d, d_valid, kv_head,
                              c_stride_b, c_stride_t, c_stride_h, PAGE)
-        scores = _dot(q, tl.trans(k), IEEE) * scale
+        scores = _capped(_dot(q, tl.trans(k), IEEE) * scale, soft_cap, SOFT_CAP)
         visible = (offs_n[None, :] <= row_limit[:, None]) & n_valid[None, :]
         if SLIDING:
             visible = visible & (offs_n[None, :] > row_limit[:, None] - window)
@@ -261,12 +266,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                      out: torch.Tensor, counters: torch.Tensor,
                      qk_transform: QKNormRope | None = None,
-                     sliding_window: int | None = None) -> None:
+                     sliding_window: int | None = None, soft_cap: float | None = None) -> None:
     """One query token per request: q [B, H, D], this step's k/v [B, H_kv, D] -> out
     [B, H, D], in one launch. Stores k/v into the cache slots meta.slot_mapping
     (negative: padding, skipped); applies qk_transform to q and k first when given
     (q and k themselves are left as they are). counters: see split_counters. With
-    sliding_window W, each request attends to (and reads) only its last W positions.
+    sliding_window W, each request attends to (and reads) only its last W positions;
+    soft_cap: scores soft-capped as in prefill_attention.
 
     The grid depends only on B, H and H_kv (never on sequence lengths): CUDA-graph
     safe. A padding row (sequence length 0) gets zeros."""
@@ -292,7 +298,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
         rope.sin_cache if rope else q, rope.q_weight if has_norm else q,
         rope.k_weight if has_norm else q, rope.eps if rope else 0.0,
-        part_out, part_lse, out, counters, scale, sliding_window or 0,
+        part_out, part_lse, out, counters, scale, sliding_window or 0, soft_cap or 0.0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -300,21 +306,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         GQA=gqa, BLOCK_G=max(16, triton.next_power_of_2(gqa)), PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
         SPLITS=splits, ROPE=rope is not None, HAS_NORM=has_norm,
-        SLIDING=sliding_window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
-        num_stages=2)
+        SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                    block_tables_ptr, seq_lens_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                    eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, scale, window,
+                   soft_cap,
                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                    o_stride_t, o_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h,
                    cs_stride,
                    GQA: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLITS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                   SLIDING: tl.constexpr, IEEE: tl.constexpr):
+                   SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -339,21 +346,22 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
     if SPLITS == 1:
         m_i, l_i, acc = _attend_split(
             q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, block_tables_ptr,
-            pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale, req, kv_head, heads,
-            g_valid, start, end, seq_len, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
-            v_stride_t, v_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h, cs_stride,
-            PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, IEEE)
+            pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale, soft_cap, req, kv_head,
+            heads, g_valid, start, end, seq_len, q_stride_t, q_stride_h, k_stride_t,
+            k_stride_h, v_stride_t, v_stride_h, bt_stride, c_stride_b, c_stride_t,
+            c_stride_h, cs_stride,
+            PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, IEEE)
         _store_rows(out_rows, g_valid, d_valid, offs_d, acc / _nonzero(l_i)[:, None])
     else:
         part_rows = (split * num_reqs + req).to(tl.int64) * num_heads + heads
         if start < end:  # (splits past the end of a short context only check in)
             m_i, l_i, acc = _attend_split(
                 q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale, req,
-                kv_head, heads, g_valid, start, end, seq_len, q_stride_t, q_stride_h,
-                k_stride_t, k_stride_h, v_stride_t, v_stride_h, bt_stride, c_stride_b,
-                c_stride_t, c_stride_h, cs_stride,
-                PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, IEEE)
+                block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale,
+                soft_cap, req, kv_head, heads, g_valid, start, end, seq_len, q_stride_t,
+                q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, bt_stride,
+                c_stride_b, c_stride_t, c_stride_h, cs_stride,
+                PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, IEEE)
             # A partial is stored as (log-sum-exp, normalised output).
             _store_rows(part_out_ptr + part_rows * HEAD_DIM, g_valid, d_valid, offs_d,
                         acc / l_i[:, None])
@@ -373,12 +381,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
 @triton.jit
 def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                   block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale,
-                  req, kv_head, heads, g_valid, start, end, seq_len,
+                  soft_cap, req, kv_head, heads, g_valid, start, end, seq_len,
                   q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                   bt_stride, c_stride_b, c_stride_t, c_stride_h, cs_stride,
                   PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-                  HAS_NORM: tl.constexpr, IEEE: tl.constexpr):
+                  HAS_NORM: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr):
     """Softmax state (m, l, acc) of one request's query heads `heads` over context
     positions [start, end). Positions before seq_len - 1 come from the cache; the new
     token (position seq_len - 1, in the last non-empty split) comes from k/v: it is
@@ -418,7 +426,7 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
         k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + req * bt_stride,
                              offs_n, n_valid, offs_d, d_valid, kv_head,
                              c_stride_b, c_stride_t, c_stride_h, PAGE)
-        scores = _dot(q, tl.trans(k), IEEE) * scale
+        scores = _capped(_dot(q, tl.trans(k), IEEE) * scale, soft_cap, SOFT_CAP)
         scores = tl.where(n_valid[None, :], scores, float("-inf"))
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE, EMPTY_ROWS=False)
 
@@ -428,7 +436,8 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                 + offs_d[None, :]
             tl.store(key_cache_ptr + dst, k_new, mask=d_valid[None, :])
             tl.store(value_cache_ptr + dst, v_new, mask=d_valid[None, :])
-        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
+        score = _capped(tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale, soft_cap,
+                        SOFT_CAP)
         m_i, l_i, acc = _softmax_add_key(m_i, l_i, acc, score, v_new.to(tl.float32))
     return m_i, l_i, acc
 
@@ -512,6 +521,15 @@ def _softmax_add_key(m_i, l_i, acc, score, value):
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(score - m_new)
     return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * value
+
+
+@triton.jit
+def _capped(scores, cap, SOFT_CAP: tl.constexpr):
+    """cap * tanh(scores / cap) when SOFT_CAP (tanh(x) = 1 - 2 / (exp(2x) + 1), exact at
+    both ends: exp overflows to inf, or underflows to 0)."""
+    if SOFT_CAP:
+        return cap * (1.0 - 2.0 / (tl.exp(2.0 * scores / cap) + 1.0))
+    return scores
 
 
 @triton.jit
