@@ -26,6 +26,7 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 WORKER_START_METHODS = ("auto", "fork", "spawn")
 TASKS = ("auto", "generate", "embed")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 DEFAULT_SPECULATION_BATCH_LIMIT = 4
 DEVICES = ("auto", "cpu", "cuda")
@@ -105,6 +106,15 @@ class EngineArgs:
                                  "from the cache (fixed-order matmuls, attention and sampling; "
                                  "slower). Decoder models with full attention, without "
                                  "speculative decoding.")
+    load_format: str = _arg("auto", "auto (the checkpoint's safetensors) or dummy (random "
+                            "weights, reading only config.json and the tokenizer: for "
+                            "benchmarks of shapes without a checkpoint).")
+    quantization: str | None = _arg(
+        None, "Weight quantization: fp8 (float8 e4m3 weights with a scale per output "
+        "channel, quantized at load, and activations scaled per token; CUDA compute "
+        "capability 8.9+ or the CPU) or none. Default: fp8 for checkpoints stored in fp8 "
+        "(transformers' fp8 or compressed-tensors), none otherwise; none loads an fp8 "
+        "checkpoint dequantized to dtype.")
     task: str = _arg("auto", "generate (text) or embed (one pooled vector per prompt); auto: "
                      "embed for encoder-only models, generate otherwise.")
     pooling_type: str | None = _arg(None, "For task=embed: mean, cls or last (default: the "
@@ -215,6 +225,9 @@ class ModelConfig:
     task: str = "generate"  # "generate" | "embed"
     enable_prompt_embeds: bool = False
     logprobs_mode: str = "raw_logprobs"  # see LOGPROBS_MODES
+    quantization: str | None = None  # "fp8" (spindle.layers.fp8) or None
+    load_format: str = "auto"  # see LOAD_FORMATS
+    fp8_checkpoint: Any = None  # the checkpoint's float8 layout (models/fp8_checkpoint.py)
 
     @property
     def architecture(self) -> str:
@@ -243,13 +256,20 @@ class ModelConfig:
                  f"<= the model's max_position_embeddings ({limit})")
         _require(args.task in TASKS, "task", args.task, f"one of {TASKS}")
         task = args.task if args.task != "auto" else ("embed" if kind == "encoder" else "generate")
+        _require(args.load_format in LOAD_FORMATS, "load_format", args.load_format,
+                 f"one of {LOAD_FORMATS}")
         _require(args.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", args.logprobs_mode,
                  f"one of {LOGPROBS_MODES}")
+        from spindle.models.fp8_checkpoint import fp8_checkpoint_format
+
+        fp8_checkpoint = fp8_checkpoint_format(hf_config)
         return ModelConfig(model=str(path), tokenizer=str(args.tokenizer or path), dtype=dtype,
                            max_model_len=max_model_len, seed=args.seed, hf_config=hf_config,
                            model_kind=kind, task=task,
                            enable_prompt_embeds=bool(args.enable_prompt_embeds),
-                           logprobs_mode=args.logprobs_mode)
+                           logprobs_mode=args.logprobs_mode,
+                           quantization=_resolve_quantization(args.quantization, fp8_checkpoint),
+                           fp8_checkpoint=fp8_checkpoint, load_format=args.load_format)
 
 
 @dataclass(frozen=True)
@@ -525,6 +545,9 @@ def _check_batch_invariance_fits(config: "EngineConfig") -> None:
         raise ValueError(f"batch_invariant needs a decoder model; {model.architecture} is a "
                          f"{model.model_kind!r} model (its state-space scan is chunked by the "
                          "schedule)")
+    if model.quantization is not None:
+        raise ValueError(f"batch_invariant cannot be combined with quantization="
+                         f"{model.quantization!r}: its GEMMs have no fixed-order variant")
     if config.speculative is not None:
         raise ValueError("batch_invariant cannot be combined with speculative_config: "
                          "speculation runs only in small batches, so a sampled request's "
@@ -637,6 +660,18 @@ def _load_hf_config(path: Path) -> Any:
     if not raw.get("architectures"):
         raise ValueError(f"{path / 'config.json'} names no 'architectures'")
     return load_hf_config(path, raw)
+
+
+def _resolve_quantization(name: str | None, fp8_checkpoint: Any) -> str | None:
+    """"fp8" or None: the user's choice, else fp8 for a checkpoint stored in fp8."""
+    from spindle.layers.fp8 import check_quantization
+
+    if name is None:
+        return "fp8" if fp8_checkpoint is not None else None
+    if name == "none":
+        return None
+    check_quantization(name)
+    return name
 
 
 def _resolve_dtype(name: str, hf_config: Any, device_type: str) -> torch.dtype:

@@ -28,14 +28,17 @@ def make_prompts(vocab_size: int, seed: int = 0, shared_prefix: int = 0) -> list
     return prompts
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new: int,
+def hf_greedy(model_dir, prompts: list[list[int]], max_new: int, prepare=None,
               **load_kwargs) -> list[tuple[list[int], list[float]]]:
     """transformers' greedy tokens and the logprob of each, EOS never stopping it
-    (load_kwargs: more from_pretrained arguments, e.g. attn_implementation)."""
+    (prepare: called on the loaded model first; load_kwargs: more from_pretrained
+    arguments, e.g. attn_implementation)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  **load_kwargs).eval()
+    if prepare is not None:
+        prepare(model)
     config = model.generation_config
     config.eos_token_id = None
     config.pad_token_id = 0

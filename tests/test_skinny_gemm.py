@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_utils import DEVICE, INTERPRETED, pick
+from kernel_utils import DEVICE, HALF, INTERPRETED, pick
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
 # (The interpreter gives the kernel float32 dot operands: see skinny_linear. Its bf16
@@ -191,3 +191,34 @@ def test_cuda_graph_replays(n, k):
         y.fill_(float("nan"))
         graph.replay()
         _check(y, _reference(x, w, b), torch.bfloat16)
+
+
+def _fp8_inputs(m, n, k, dtype, with_bias, seed):
+    """bf16/fp16 activations and a float8 weight with its per-row scales."""
+    from spindle.layers.fp8 import quantize_rows
+
+    x, w, b = _inputs(m, n, k, dtype, with_bias, seed)
+    q, scale = quantize_rows(w)
+    return x, q, scale, b
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("n,k", pick(QWEN_SHAPES, SMALL_SHAPES) + TAIL_SHAPES[:2])
+@pytest.mark.parametrize("m", pick([1, 2, 4, 8], [1, 8]))
+def test_skinny_linear_fp8_weight(m, n, k, with_bias):
+    """A float8 weight widened in registers and scaled per row (split K included) equals
+    the product with the dequantized weight."""
+    x, q, scale, b = _fp8_inputs(m, n, k, HALF, with_bias, seed=hash((m, n, k)) % 1000)
+    dequantized = q.float() * scale[:, None]
+    _check(_run(x, q, b, weight_scale=scale), _reference(x, dequantized, b), HALF)
+
+
+def test_fp8_weight_needs_its_scale_to_apply():
+    from spindle.layers.skinny_gemm import skinny_gemm_applies, skinny_linear
+
+    x, q, scale, _ = _fp8_inputs(2, 64, 256, HALF, False, seed=1)
+    assert skinny_gemm_applies(x, q, scale)
+    assert not skinny_gemm_applies(x, q)  # a float8 weight without scales
+    assert not skinny_gemm_applies(x, q.to(HALF), scale)  # scales for a half weight
+    with pytest.raises(ValueError, match="weight_scale must be a float32 \\[64\\]"):
+        skinny_linear(x, q, weight_scale=scale[:32])

@@ -109,8 +109,44 @@ class _ParallelLinearBase(nn.Module):
         # Scratch of the skinny GEMM (decode on CUDA); not part of any checkpoint.
         self.register_buffer("split_counters", new_split_counters(output_size), persistent=False)
         self.batch_invariant = False  # set by enable_batch_invariance (batch_invariant.py)
+        self.weight_scale: nn.Parameter | None = None  # float8 weights only (use_fp8_weight)
+
+    def use_fp8_weight(self) -> None:
+        """Hold the weight as float8 e4m3 with a float32 scale per output row (fp8.py);
+        called before loading, so the loaders quantize each shard as they copy it. The
+        scale is filled by the weight's loader (``loaded_with``), not by a tensor of
+        its own."""
+        from spindle.layers.fp8 import FP8_DTYPE
+
+        old = self.weight
+        self.weight = nn.Parameter(torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device),
+                                   requires_grad=False)
+        set_weight_loader(self.weight, old.weight_loader, old.shard_ids)
+        self.weight_scale = nn.Parameter(torch.ones(old.shape[0], dtype=torch.float32,
+                                                    device=old.device), requires_grad=False)
+        self.weight_scale.loaded_with = "weight"
+
+    def _copy_rows(self, param: nn.Parameter, src: torch.Tensor, offset: int | None = None,
+                   rows: int | None = None) -> None:
+        """Copy src into param (offset None) or into its rows offset..offset+rows,
+        quantizing them for a float8 weight."""
+        dst = param.data if offset is None else param.data.narrow(0, offset, rows)
+        if param is not self.weight or self.weight_scale is None:
+            copy_checked(dst, src)
+            return
+        from spindle.layers.fp8 import quantize_rows
+
+        if src.shape != dst.shape:
+            copy_checked(dst, src)  # raises the shape mismatch
+        q, scale = quantize_rows(src.to(dst.device))
+        copy_checked(dst, q)
+        copy_checked(self.weight_scale.data.narrow(0, offset or 0, dst.shape[0]), scale)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            from spindle.layers.fp8 import fp8_linear
+
+            return fp8_linear(x, self.weight, self.weight_scale, bias, self.split_counters)
         return apply_linear(x, self.weight, bias, self.split_counters, self.batch_invariant)
 
     def extra_repr(self) -> str:
@@ -139,7 +175,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
         size = param.shape[0]
-        copy_checked(param.data, loaded_weight.narrow(0, self.tp_group.rank * size, size))
+        self._copy_rows(param, loaded_weight.narrow(0, self.tp_group.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, self.bias)
@@ -176,7 +212,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         local = self.output_sizes[shard_id] // tp
         offset = sum(self.output_sizes[:shard_id]) // tp
         src = loaded_weight.narrow(0, self.tp_group.rank * local, local)
-        copy_checked(param.data.narrow(0, offset, local), src)
+        self._copy_rows(param, src, offset, local)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -222,8 +258,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, src_index = self.kv_size, rank // self.kv_replicas
         else:
             raise ValueError(f"QKVParallelLinear needs shard id 'q', 'k' or 'v', got {shard_id!r}")
-        src = loaded_weight.narrow(0, src_index * size, size)
-        copy_checked(param.data.narrow(0, offset, size), src)
+        self._copy_rows(param, loaded_weight.narrow(0, src_index * size, size), offset, size)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -251,7 +286,7 @@ class RowParallelLinear(_ParallelLinearBase):
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear takes no shard id, got {shard_id!r}")
         size = param.shape[1]
-        copy_checked(param.data, loaded_weight.narrow(1, self.tp_group.rank * size, size))
+        self._copy_rows(param, loaded_weight.narrow(1, self.tp_group.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:

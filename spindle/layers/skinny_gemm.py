@@ -28,18 +28,22 @@ _BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor | None = None) -> bool:
     """Whether skinny_linear should replace F.linear(x, weight): CUDA tensors that
     skinny_gemm_applies to."""
-    return x.is_cuda and skinny_gemm_applies(x, weight)
+    return x.is_cuda and skinny_gemm_applies(x, weight, weight_scale)
 
 
-def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A decode-sized 2-D input, a contiguous half-precision weight with K a multiple
-    of 16 on the same device, and SPINDLE_SKINNY_GEMM not "0" (the switch for A/B
-    runs). (The device type is use_skinny_gemm's business.)"""
+def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor,
+                        weight_scale: torch.Tensor | None = None) -> bool:
+    """A decode-sized 2-D half-precision input, a contiguous weight of its dtype (or
+    float8 e4m3 with a float32 scale per row: weight_scale) with K a multiple of 16 on
+    the same device, and SPINDLE_SKINNY_GEMM not "0" (the switch for A/B runs). (The
+    device type is use_skinny_gemm's business.)"""
+    weight_dtype = x.dtype if weight_scale is None else torch.float8_e4m3fn
     return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_M and x.dtype in _DTYPES
-            and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.dtype == weight_dtype and weight.dim() == 2
             and weight.shape[1] == x.shape[1] and weight.shape[1] % 16 == 0
             and weight.is_contiguous() and weight.device == x.device
             and os.environ.get("SPINDLE_SKINNY_GEMM", "1") != "0")
@@ -57,12 +61,15 @@ class SkinnyConfig:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   out: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None,
-                  counters: torch.Tensor | None = None) -> torch.Tensor:
+                  counters: torch.Tensor | None = None,
+                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias [N]) in float32, returned in x's dtype.
 
     out: an optional [M, N] contiguous destination. config: block sizes and split-K
     (default: pick_config's choice for the shape; benchmarks sweep it). counters: the
-    caller's new_split_counters(N); without them the K dimension is not split."""
+    caller's new_split_counters(N); without them the K dimension is not split.
+    weight_scale: a float32 [N] scale per row of a float8 weight (W = weight * scale),
+    which is widened to x's dtype tile by tile."""
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:
@@ -73,6 +80,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"{tuple(weight.shape)} (contiguous={weight.is_contiguous()})")
     if m > MAX_M:
         raise ValueError(f"skinny_linear serves at most {MAX_M} rows, got {m}")
+    if weight_scale is not None and (weight_scale.shape != (n,)
+                                     or weight_scale.dtype != torch.float32):
+        raise ValueError(f"weight_scale must be a float32 [{n}] tensor, got "
+                         f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {tuple(bias.shape)}")
     if out is None:
@@ -93,10 +104,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     partials = (torch.empty(split, m, n_tiles * cfg.block_n, dtype=torch.float32,
                             device=x.device) if split > 1 else out)
     _skinny_gemm_kernel[(n_tiles, split)](
-        x, weight, bias if bias is not None else weight, out, partials,
+        x, weight, bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else weight, out, partials,
         counters if counters is not None else out,
         m, n, k, x.stride(0), k_per_split,
-        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=_BLOCK_M,
+        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, SPLIT_K=split,
+        BLOCK_M=_BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k == split * k_per_split,
         # CPU tensors reach a Triton kernel only under Triton's interpreter, which
         # multiplies bf16 dot operands as raw integers: it gets float32 operands (bf16 x
@@ -139,9 +152,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, counters_ptr,
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr,
                         M, N, K, x_stride, k_per_split,
-                        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                         IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -164,6 +178,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, counters_ptr,
             k_valid = offs_k + k0 < K
             w = tl.load(w_ptrs, mask=k_valid[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=k_valid[:, None] & m_valid[None, :], other=0.0)
+        if HAS_SCALE:
+            w = w.to(xt.dtype)  # float8 -> the activations' dtype: exact
         if IEEE:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -173,7 +189,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, counters_ptr,
     y_ptrs = y_ptr + offs_m[None, :] * N + offs_n[:, None]
     y_mask = m_valid[None, :] & (offs_n < N)[:, None]
     if SPLIT_K == 1:
-        _store_output(acc, b_ptr, rows, y_ptrs, y_mask, HAS_BIAS)
+        _store_output(acc, b_ptr, s_ptr, rows, y_ptrs, y_mask, HAS_BIAS, HAS_SCALE)
     else:
         # partials [SPLIT_K, M, n_tiles * BLOCK_N]: whole tiles, so no N mask.
         width = tl.num_programs(0) * BLOCK_N
@@ -189,12 +205,15 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, counters_ptr,
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part + s * M * width, mask=m_valid[None, :], other=0.0,
                                  cache_modifier=".cg")
-            _store_output(total, b_ptr, rows, y_ptrs, y_mask, HAS_BIAS)
+            _store_output(total, b_ptr, s_ptr, rows, y_ptrs, y_mask, HAS_BIAS, HAS_SCALE)
             tl.store(counter, 0)  # ready for the next launch
 
 
 @triton.jit
-def _store_output(acc, b_ptr, rows, y_ptrs, y_mask, HAS_BIAS: tl.constexpr):
+def _store_output(acc, b_ptr, s_ptr, rows, y_ptrs, y_mask, HAS_BIAS: tl.constexpr,
+                  HAS_SCALE: tl.constexpr):
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + rows)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
     tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=y_mask)

@@ -13,6 +13,8 @@ from torch import nn
 from spindle.config import ModelConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
+from spindle.layers.fp8 import quantize_linear_layers
+from spindle.models.fp8_checkpoint import FLOAT8_DTYPES, iter_dequantized
 from spindle.models.registry import resolve_model_class
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -30,7 +32,8 @@ def load_model(model_config: ModelConfig, device: torch.device,
     """
     hf_config = model_config.hf_config
     model_class = resolve_model_class(getattr(hf_config, "architectures", None))
-    files = checkpoint_files(Path(model_config.model))
+    dummy = model_config.load_format == "dummy"
+    files = [] if dummy else checkpoint_files(Path(model_config.model))
     with _default_dtype(model_config.dtype), torch.device(device):
         if stage is None or stage.size == 1:
             model = model_class(hf_config, tp_group)
@@ -38,7 +41,12 @@ def load_model(model_config: ModelConfig, device: torch.device,
             model = model_class(hf_config, tp_group, stage)  # only this stage's layers
         else:
             raise ValueError(f"{model_class.__name__} does not support pipeline_parallel_size > 1")
-    loaded = model.load_weights(iter_checkpoint(files, model_config.dtype))
+        if model_config.quantization == "fp8":
+            quantize_linear_layers(model, torch.device(device))
+    if model_config.load_format == "dummy":
+        fill_dummy_weights(model, model_config.seed)
+        return model.eval()
+    loaded = model.load_weights(model_checkpoint(files, model_config))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_config.model} does not provide {len(missing)} "
@@ -50,12 +58,35 @@ def load_model(model_config: ModelConfig, device: torch.device,
 def reload_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
     """Copy model_config's checkpoint into model's existing parameters (same tensors,
     same addresses); RuntimeError naming the parameters it left unloaded."""
+    if model_config.load_format == "dummy":
+        fill_dummy_weights(model, model_config.seed)
+        return
     files = checkpoint_files(Path(model_config.model))
-    loaded = model.load_weights(iter_checkpoint(files, model_config.dtype))
+    loaded = model.load_weights(model_checkpoint(files, model_config))
     missing = [n for n, _ in model.named_parameters() if n not in loaded]
     if missing:
         raise RuntimeError(f"reloading {model_config.model} left {len(missing)} "
                            f"parameter(s) unloaded: {', '.join(missing[:5])}")
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    """load_format="dummy": every parameter drawn from a generator seeded by seed and
+    its position, so a reload draws the same values. Norm weights are ones, float8
+    weights standard normal with scales (``loaded_with`` parameters) of 0.02, the
+    rest normal with std 0.02: values of a model's usual scale, for benchmarks."""
+    for index, (name, param) in enumerate(model.named_parameters()):
+        gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + index)
+        module = name.rpartition(".")[0].rpartition(".")[2]
+        if "norm" in module:  # input_layernorm, q_norm, norm, ...
+            param.fill_(1.0)
+        elif getattr(param, "loaded_with", None) is not None:
+            param.fill_(0.02)
+        elif param.dtype in FLOAT8_DTYPES:
+            draw = torch.empty(param.shape, dtype=torch.bfloat16, device=param.device)
+            param.copy_(draw.normal_(0.0, 1.0, generator=gen))
+        elif param.is_floating_point():
+            param.normal_(0.0, 0.02, generator=gen)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -82,9 +113,19 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def model_checkpoint(files: list[Path],
+                     model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """model_config's checkpoint tensors as the model loads them: float8 weights
+    dequantized (fp8_checkpoint.py), everything else cast to the model's dtype."""
+    if model_config.fp8_checkpoint is not None:
+        return iter_dequantized(files, model_config.fp8_checkpoint, model_config.dtype)
+    return iter_checkpoint(files, model_config.dtype)
+
+
 def iter_checkpoint(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one tensor at a time (memory-mapped reads, so at most about
-    one tensor is materialised beyond the model itself), cast to dtype."""
+    one tensor is materialised beyond the model itself), cast to dtype. A float8 tensor
+    is refused: without the config's quantization scheme its scale is unknown."""
     from safetensors import safe_open
 
     for path in files:
@@ -92,6 +133,9 @@ def iter_checkpoint(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     tensor = f.get_tensor(name)
+                    if tensor.dtype in FLOAT8_DTYPES:
+                        raise ValueError(f"tensor {name} is float8, but config.json declares "
+                                         "no quantization_config for its scales")
                     if tensor.is_floating_point() and tensor.dtype != dtype:
                         tensor = tensor.to(dtype)
                     yield name, tensor

@@ -36,5 +36,17 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         except ValueError as e:
             raise ValueError(f"cannot load checkpoint tensor {hf_name!r} into {name!r}: {e}") from e
         shards_seen.setdefault(name, set()).add(shard_id)
-    return {name for name, seen in shards_seen.items()
-            if seen >= set(getattr(params[name], "shard_ids", (None,)))}
+    complete = {name for name, seen in shards_seen.items()
+                if seen >= set(getattr(params[name], "shard_ids", (None,)))}
+    return complete | {name for name, param in params.items()
+                       if _loaded_with(name, param) in complete}
+
+
+def _loaded_with(name: str, param: nn.Parameter) -> str | None:
+    """The full name of the parameter whose loader fills param (a float8 weight's
+    scale: ``loaded_with = "weight"``), if any."""
+    sibling = getattr(param, "loaded_with", None)
+    if sibling is None:
+        return None
+    module, _, _ = name.rpartition(".")
+    return f"{module}.{sibling}" if module else sibling
