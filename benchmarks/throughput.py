@@ -400,7 +400,8 @@ def run(args) -> dict:
     from spindle import LLM, SamplingParams
 
     result: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
-                    "torch": torch.__version__, "batch_invariant": args.batch_invariant}
+                    "torch": torch.__version__, "batch_invariant": args.batch_invariant,
+                    "quantization": args.quantization}
     import transformers
     import triton
 
@@ -416,7 +417,8 @@ def run(args) -> dict:
         llm = LLM(str(path), dtype="bfloat16", max_model_len=4096,
                   max_num_seqs=args.num_seqs, max_num_batched_tokens=args.batched_tokens,
                   enforce_eager=args.enforce_eager, enable_prefix_caching=False,
-                  batch_invariant=args.batch_invariant)
+                  batch_invariant=args.batch_invariant,
+                  quantization=args.quantization)
         result["startup_s"] = time.perf_counter() - start
         result["startup_table"] = llm.engine.core.startup_table
         weight_bytes = sum(p.numel() * p.element_size()
@@ -474,6 +476,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the engine's batch_invariant mode (fixed-order numerics)")
+    parser.add_argument("--quantization", choices=["fp8"],
+                        help="the engine's quantization (weight bytes in the roofline follow)")
     parser.add_argument("--startup", action="store_true",
                         help="also time process start to ready in fresh interpreters (cold, warm)")
     parser.add_argument("--startup-only", action="store_true",
