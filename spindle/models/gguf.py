@@ -102,6 +102,7 @@ def gguf_checkpoint(gguf: str | os.PathLike, cache_root: Path | None = None) -> 
     staging.chmod(0o755)  # (mkdtemp makes it private)
     try:
         try:
+            check_tensor_types(gguf)
             convert(gguf, staging)
         except (ValueError, KeyError, OSError) as e:
             raise ValueError(f"cannot read {str(gguf)!r} as a model: {e}") from e
@@ -113,6 +114,24 @@ def gguf_checkpoint(gguf: str | os.PathLike, cache_root: Path | None = None) -> 
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+# The tensor types read (dequantized by the gguf package); the K-quants up to Q6_K
+# included. Tested: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K (tests/test_gguf.py).
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def check_tensor_types(gguf: Path) -> None:
+    """ValueError naming the first tensor of a type outside SUPPORTED_TENSOR_TYPES
+    (read from the file's header; no tensor is dequantized)."""
+    from gguf import GGUFReader
+
+    for tensor in GGUFReader(str(gguf)).tensors:
+        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise ValueError(f"tensor {tensor.name} is {tensor.tensor_type.name}, a GGUF "
+                             f"type spindle does not read; it reads "
+                             f"{', '.join(SUPPORTED_TENSOR_TYPES)}")
 
 
 def convert(gguf: Path, out: Path) -> None:
