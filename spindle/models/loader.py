@@ -43,7 +43,7 @@ def load_model(model_config: ModelConfig, device: torch.device,
             raise ValueError(f"{model_class.__name__} does not support pipeline_parallel_size > 1")
         if model_config.quantization == "fp8":
             quantize_linear_layers(model, torch.device(device))
-    if model_config.load_format == "dummy":
+    if dummy:
         fill_dummy_weights(model, model_config.seed)
         return model.eval()
     loaded = model.load_weights(model_checkpoint(files, model_config))
