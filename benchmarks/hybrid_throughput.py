@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -23,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import (StepTimer, copy_bandwidth, nano_workload,  # noqa: E402
-                        write_wordlevel_tokenizer)
+from throughput import (StepTimer, batch1_decode, copy_bandwidth, nano_params,  # noqa: E402
+                        nano_workload, write_wordlevel_tokenizer)
 
 BAMBA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=4096, num_hidden_layers=20,
                 num_attention_heads=16, num_key_value_heads=4, attn_layer_indices=[4, 10, 16],
@@ -128,7 +127,7 @@ def run(args) -> dict:
     import transformers
     import triton
 
-    from spindle import LLM, SamplingParams
+    from spindle import LLM
 
     result: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "transformers": transformers.__version__,
@@ -151,20 +150,12 @@ def run(args) -> dict:
         kv_per_token, state_per_seq = kv_bytes_per_token(BAMBA_1B), state_bytes_per_sequence(BAMBA_1B)
         result.update(kv_bytes_per_token=kv_per_token, state_bytes_per_seq=state_per_seq)
 
-        prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
-        greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
-        llm.generate([prompt], greedy(8), use_tqdm=False)
-        t0 = time.perf_counter()
-        llm.generate([prompt], greedy(1), use_tqdm=False)
-        t1 = time.perf_counter()
-        llm.generate([prompt], greedy(257), use_tqdm=False)
-        t2 = time.perf_counter()
-        result["batch1_tok_s"] = 256 / ((t2 - t1) - (t1 - t0))
+        result["batch1_tok_s"] = batch1_decode(llm)[0]
         result["batch1_bound_tok_s"] = bandwidth / (weight_bytes + state_per_seq
                                                     + 768 * kv_per_token)
 
         prompts, outputs = nano_workload(args.num_seqs)
-        params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
+        params = nano_params(outputs)
         llm.generate(prompts[:16], params[:16], use_tqdm=False)  # warm-up call
         timer = StepTimer(llm.engine)
         start = time.perf_counter()

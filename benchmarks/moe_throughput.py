@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import (copy_bandwidth, nano_workload,  # noqa: E402
-                        write_wordlevel_tokenizer)
+from throughput import (batch1_decode, copy_bandwidth, nano_params,  # noqa: E402
+                        nano_workload, write_wordlevel_tokenizer)
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
@@ -82,7 +82,7 @@ def run(args) -> dict:
     import transformers
     import triton
 
-    from spindle import LLM, SamplingParams
+    from spindle import LLM
 
     shape = QWEN3_30B_A3B
     result: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
@@ -108,19 +108,11 @@ def run(args) -> dict:
         dense = total - experts
         result.update(weight_bytes=total, expert_bytes=expert, dense_bytes=dense)
 
-        prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
-        greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
-        llm.generate([prompt], greedy(8), use_tqdm=False)
-        t0 = time.perf_counter()
-        llm.generate([prompt], greedy(1), use_tqdm=False)
-        t1 = time.perf_counter()
-        llm.generate([prompt], greedy(257), use_tqdm=False)
-        t2 = time.perf_counter()
-        result["batch1_tok_s"] = 256 / ((t2 - t1) - (t1 - t0))
+        result["batch1_tok_s"] = batch1_decode(llm)[0]
         result["batch1_bound_tok_s"] = bandwidth / step_bytes(1, 512 + 128, dense, expert, shape)
 
         prompts, outputs = nano_workload(args.num_seqs)
-        params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
+        params = nano_params(outputs)
         llm.generate(prompts[:16], params[:16], use_tqdm=False)  # warm-up call
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -107,6 +107,29 @@ def nano_workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
     return prompts, outputs
 
 
+def batch1_decode(llm, prompt_len: int = 512):
+    """Batch-1 decode tok/s after a prompt_len-token prompt: the time of 257 new tokens
+    minus the time of 1, over 256 (a warm-up call first). Returns (tok/s, the outputs
+    of the 257-token run)."""
+    from spindle import SamplingParams
+
+    prompt = [random.Random(1).randint(0, 10000) for _ in range(prompt_len)]
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    llm.generate([prompt], greedy(8), use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate([prompt], greedy(1), use_tqdm=False)
+    t1 = time.perf_counter()
+    outputs = llm.generate([prompt], greedy(257), use_tqdm=False)
+    t2 = time.perf_counter()
+    return 256 / ((t2 - t1) - (t1 - t0)), outputs
+
+
+def nano_params(outputs: list[int]):
+    from spindle import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second (median of 20)."""
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
