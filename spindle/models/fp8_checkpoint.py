@@ -79,8 +79,8 @@ def _compressed_tensors_format(qc: dict) -> Fp8Checkpoint:
             raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not "
                              "supported (tensor, channel, group or block)")
     if len(blocks) > 1:
-        raise ValueError(f"compressed-tensors groups mix weight scale layouts {sorted(map(str, blocks))}; "
-                         "spindle reads one layout per checkpoint")
+        raise ValueError(f"compressed-tensors groups mix weight scale layouts "
+                         f"{sorted(map(str, blocks))}; spindle reads one layout per checkpoint")
     return Fp8Checkpoint(blocks.pop() if blocks else None)
 
 
