@@ -96,6 +96,11 @@ class EngineArgs:
                                         "(e.g. 2,3), as this process sees them: after "
                                         "CUDA_VISIBLE_DEVICES. The CPU has only device 0.")
     enforce_eager: bool = _arg(False, "Disable CUDA graphs.")
+    cpu_threads: int | None = _arg(None, "Torch threads of each worker on the CPU (default: "
+                                   "the cores this process may use, split among the "
+                                   "workers; the in-process executor keeps torch's own "
+                                   "setting). With the in-process executor this sets "
+                                   "torch's thread count for the whole process.")
     attention_backend: str | None = _arg(None, "Attention backend: triton (CUDA default) or "
                                          "torch_sdpa (CPU default; the reference on CUDA).")
     max_cudagraph_batch_size: int | None = _arg(None, "Largest decode batch replayed from a "
@@ -398,6 +403,7 @@ class DeviceConfig:
     attention_backend: str
     max_cudagraph_batch_size: int
     batch_invariant: bool = False  # fixed-order numerics (layers/batch_invariant.py)
+    cpu_threads: int | None = None  # torch threads per worker (None: executor's default)
 
     @staticmethod
     def create(args: EngineArgs, platform: Any) -> "DeviceConfig":
@@ -416,11 +422,14 @@ class DeviceConfig:
         graph_max = args.max_cudagraph_batch_size or min(args.max_num_seqs, 512)
         _require(isinstance(graph_max, int) and graph_max >= 1, "max_cudagraph_batch_size",
                  graph_max, "an integer >= 1")
+        _require(args.cpu_threads is None or (_is_int(args.cpu_threads) and args.cpu_threads >= 1),
+                 "cpu_threads", args.cpu_threads, "an integer >= 1 (or unset)")
         return DeviceConfig(device_type=platform.device_type,
                             enforce_eager=args.enforce_eager or not platform.supports_cuda_graphs(),
                             attention_backend=backend,
                             max_cudagraph_batch_size=min(graph_max, args.max_num_seqs),
-                            batch_invariant=bool(args.batch_invariant))
+                            batch_invariant=bool(args.batch_invariant),
+                            cpu_threads=args.cpu_threads)
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,25 @@ def test_unknown_engine_argument_is_named(tiny_model):
 
 @pytest.mark.parametrize("field,value", [("block_size", 3), ("max_num_seqs", 0),
                                          ("gpu_memory_utilization", 1.5), ("dtype", "int8"),
-                                         ("tensor_parallel_size", 0), ("device", "tpu")])
+                                         ("tensor_parallel_size", 0), ("device", "tpu"),
+                                         ("cpu_threads", 0), ("cpu_threads", 1.5)])
 def test_bad_engine_values_name_the_field(tiny_model, field, value):
     with pytest.raises(ValueError, match=field if field != "device" else "device"):
         LLM(str(tiny_model(arch="llama")), **{field: value})
+
+
+def test_cpu_threads_sets_the_in_process_workers_threads(tiny_model):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        with LLM(str(tiny_model(arch="llama")), device="cpu", cpu_threads=1) as llm:
+            assert torch.get_num_threads() == 1
+            out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=3),
+                               use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_prompt_longer_than_max_model_len_fails_alone(llm):

@@ -168,6 +168,16 @@ def test_rpc_by_name_by_callable_and_unique_reply(executor):
     assert executor.collective_rpc(lambda w: torch.get_num_threads()) == [max(1, cores // 2)] * 2
 
 
+def test_cpu_threads_sets_each_workers_threads(tiny_model):
+    config = EngineArgs(model=str(tiny_model(arch="llama")), device="cpu", max_model_len=128,
+                        tensor_parallel_size=2, cpu_threads=1).create_engine_config()
+    ex = MultiProcExecutor(config)
+    try:
+        assert ex.collective_rpc(lambda w: torch.get_num_threads()) == [1, 1]
+    finally:
+        ex.shutdown()
+
+
 def test_non_block_futures_resolve_in_call_order(executor):
     def slow_on_rank_0(w, i):
         if w.rank == 0 and i == 0:

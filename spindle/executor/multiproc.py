@@ -61,10 +61,11 @@ SHUTDOWN_GRACE_S = 5.0  # a clean exit after SHUTDOWN
 KILL_GRACE_S = 2.0  # after closing the death pipes, then after SIGTERM
 
 
-def worker_threads(world_size: int) -> int:
-    """Torch threads per worker: the cores this process may use, split between the
-    workers, so that N workers on one host do not oversubscribe it."""
-    return max(1, len(os.sched_getaffinity(0)) // world_size)
+def worker_threads(world_size: int, requested: int | None = None) -> int:
+    """Torch threads per worker: requested (EngineArgs.cpu_threads) if set, else the
+    cores this process may use, split between the workers, so that N workers on one
+    host do not oversubscribe it."""
+    return requested or max(1, len(os.sched_getaffinity(0)) // world_size)
 
 
 @dataclass
@@ -127,7 +128,7 @@ class MultiProcExecutor(Executor):
         ctx = multiprocessing.get_context(self.start_method)
         store = os.path.join(self._run_dir, "store")
         init_method = f"file://{store}" if self.world_size > 1 else None
-        threads = worker_threads(self.world_size)
+        threads = worker_threads(self.world_size, self.config.device.cpu_threads)
         config = config_for_workers(self.config)  # spawned workers start without transformers
         for rank, device_index in enumerate(device_indices):
             ready_r, ready_w = ctx.Pipe(duplex=False)

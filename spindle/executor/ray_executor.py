@@ -119,7 +119,7 @@ class RayExecutor(Executor):
                 f"{ray.available_resources()}") from None
         actor_class = ray.remote(RayWorkerActor)
         config = config_for_workers(self.config)
-        threads = worker_threads(self.world_size)
+        threads = worker_threads(self.world_size, self.config.device.cpu_threads)
         actors = []
         for index in range(self.world_size):
             strategy_obj = PlacementGroupSchedulingStrategy(

@@ -9,6 +9,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Callable
 
+import torch
+
 from spindle.executor.abstract import Executor
 from spindle.executor.devices import worker_device_indices
 from spindle.platforms import resolve_platform
@@ -23,6 +25,8 @@ class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
         platform = resolve_platform(self.config.device.device_type)
         device_index = worker_device_indices(self.config.parallel, platform)[0]
+        if self.config.device.cpu_threads is not None:
+            torch.set_num_threads(self.config.device.cpu_threads)  # (the whole process's)
         self.worker: Worker | None = Worker(self.config, rank=0, local_rank=device_index)
         self.worker.init_device()
         self.worker.load_model()
