@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.fp8 import FP8_DTYPE, fp8_linear, quantize_rows
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -116,8 +117,6 @@ class _ParallelLinearBase(nn.Module):
         called before loading, so the loaders quantize each shard as they copy it. The
         scale is filled by the weight's loader (``loaded_with``), not by a tensor of
         its own."""
-        from spindle.layers.fp8 import FP8_DTYPE
-
         old = self.weight
         self.weight = nn.Parameter(torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device),
                                    requires_grad=False)
@@ -134,8 +133,6 @@ class _ParallelLinearBase(nn.Module):
         if param is not self.weight or self.weight_scale is None:
             copy_checked(dst, src)
             return
-        from spindle.layers.fp8 import quantize_rows
-
         if src.shape != dst.shape:
             copy_checked(dst, src)  # raises the shape mismatch
         q, scale = quantize_rows(src.to(dst.device))
@@ -144,8 +141,6 @@ class _ParallelLinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is not None:
-            from spindle.layers.fp8 import fp8_linear
-
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.split_counters)
         return apply_linear(x, self.weight, bias, self.split_counters, self.batch_invariant)
 
