@@ -218,6 +218,64 @@ class ServerArgs:
                          "left unset without allowed_origins (CORS is off)")
 
 
+@dataclass
+class PoolArgs:
+    """Options of a server of several models (`spindle serve PATH_A PATH_B ...`, a
+    ModelPool), checked when made."""
+
+    max_awake_models: int = _arg(1, "Most models awake at once; the others sleep until a "
+                                 "request needs them.")
+    device_memory_budget: float | None = _arg(
+        None, "GiB of device memory the awake models' weights and KV caches may hold "
+        "together (default: no limit beyond --max-awake-models).")
+    sleep_level: str = _arg("auto", "How models sleep: auto (level 1, weights kept in host "
+                            "RAM, while the host has room for them; else level 2, weights "
+                            "reloaded from the checkpoint), 1 or 2; one value for every "
+                            "model, or one per model, comma-separated.")
+    swap_time_slice: float = _arg(5.0, "Seconds a busy model keeps the device while another "
+                                  "model's requests wait; then its own requests freeze until "
+                                  "its next turn.")
+    model_overrides: dict | None = _arg(
+        None, 'Engine options of single models, as JSON: {"NAME": {"gpu_memory_utilization": '
+        '0.4}} (NAME as served).')
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.max_awake_models) and self.max_awake_models >= 1,
+                 "max_awake_models", self.max_awake_models, "an integer >= 1")
+        _require(self.device_memory_budget is None or (_is_real(self.device_memory_budget)
+                                                       and self.device_memory_budget > 0),
+                 "device_memory_budget", self.device_memory_budget, "a positive number of GiB")
+        _require(_is_real(self.swap_time_slice) and self.swap_time_slice >= 0,
+                 "swap_time_slice", self.swap_time_slice, "a number of seconds >= 0")
+        if isinstance(self.model_overrides, str):
+            self.model_overrides = _json_object("model_overrides", self.model_overrides)
+        overrides = self.model_overrides
+        _require(overrides is None or (isinstance(overrides, dict) and all(
+            isinstance(v, dict) for v in overrides.values())), "model_overrides", overrides,
+            'a JSON object of objects, {"NAME": {"FIELD": VALUE}}')
+        known = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+        for name, fields in (overrides or {}).items():
+            unknown = sorted(set(fields) - known)
+            _require(not unknown, "model_overrides", f"{name}: {', '.join(unknown)}",
+                     "engine options (EngineArgs fields other than model)")
+        self._sleep_level_values()  # checked now; their count once the models are known
+
+    def _sleep_level_values(self) -> list[str]:
+        values = [v.strip() for v in str(self.sleep_level).split(",")]
+        _require(all(v in ("auto", "1", "2") for v in values), "sleep_level", self.sleep_level,
+                 "auto, 1 or 2, or a comma-separated list of them, one per model")
+        return values
+
+    def sleep_levels(self, num_models: int) -> list[int | str]:
+        """One sleep level per model: "auto", 1 or 2."""
+        values = self._sleep_level_values()
+        if len(values) == 1:
+            values *= num_models
+        _require(len(values) == num_models, "sleep_level", self.sleep_level,
+                 f"one value, or one per model ({num_models})")
+        return [v if v == "auto" else int(v) for v in values]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str

@@ -23,11 +23,13 @@ _READY = re.compile(r"serving .* on http://127\.0\.0\.1:(\d+)")
 
 
 class RemoteServer:
-    """`python -m spindle.entrypoints.cli serve MODEL --host 127.0.0.1 --port 0 ...`."""
+    """`python -m spindle.entrypoints.cli serve MODEL [MODEL ...] --host 127.0.0.1 --port 0
+    ...`."""
 
-    def __init__(self, model: str, *args: str, log_path: Path, env: dict[str, str] | None = None,
-                 startup_timeout: float = 120.0) -> None:
-        cmd = [sys.executable, "-m", "spindle.entrypoints.cli", "serve", model,
+    def __init__(self, model: str | list[str], *args: str, log_path: Path,
+                 env: dict[str, str] | None = None, startup_timeout: float = 120.0) -> None:
+        models = [model] if isinstance(model, str) else model  # (several: a model pool)
+        cmd = [sys.executable, "-m", "spindle.entrypoints.cli", "serve", *models,
                "--host", "127.0.0.1", "--port", "0", *args]
         self.log_path = log_path
         self._log = open(log_path, "w")

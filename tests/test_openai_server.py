@@ -337,12 +337,12 @@ def test_serve_flags_come_from_engine_args(capsys):
     ns = build_parser().parse_args(["serve", "/m", "--port", "0", "--max-num-seqs", "4",
                                     "--tensor-parallel-size", "2", "--served-model-name", "a",
                                     "b"])
-    assert (ns.model_path, ns.port, ns.host, ns.served_model_name) == ("/m", 0, "127.0.0.1",
+    assert (ns.model_path, ns.port, ns.host, ns.served_model_name) == (["/m"], 0, "127.0.0.1",
                                                                        ["a", "b"])
-    args = engine_args_from(ns, model=ns.model_path)
+    args = engine_args_from(ns, model=ns.model_path[0])
     assert (args.max_num_seqs, args.tensor_parallel_size) == (4, 2)
     assert main(["serve", "/one", "--model", "/two"]) == 2
-    assert "two models given" in capsys.readouterr().err
+    assert "models given twice" in capsys.readouterr().err
 
 
 def test_the_server_socket_listens_before_the_serving_line_is_logged():

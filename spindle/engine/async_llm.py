@@ -112,11 +112,30 @@ class AsyncLLM:
         keeps serving), EngineUnavailableError while paused (abort) or asleep. The
         prompt is tokenized in a tokenizer thread, not on the engine's. A request
         that fails later, alone, makes its stream raise RequestFailedError."""
+        arrival = time.monotonic()
+        processed = await self.process_prompt(prompt, params)
+        return await self.add_processed(processed, params, request_id, arrival)
+
+    async def process_prompt(self, prompt: PromptType | ProcessedPrompt,
+                             params: SamplingParams | PoolingParams | None = None
+                             ) -> ProcessedPrompt:
+        """The prompt tokenized and checked, in a tokenizer thread (ValueError for a bad
+        one); it works while the engine sleeps. add_processed() then queues it."""
+        self._loop.raise_if_dead()
+        return await self._in_tokenizer_thread(self._inputs.process, prompt, params)
+
+    async def add_processed(self, processed: ProcessedPrompt,
+                            params: SamplingParams | PoolingParams | None = None,
+                            request_id: str | None = None,
+                            arrival_time: float | None = None) -> RequestStream:
+        """Queue a prompt process_prompt() made. The command reaches the engine thread
+        before this coroutine first suspends, so it is ordered before any command
+        submitted after the caller's last check of the engine's state (the model pool
+        relies on that). arrival_time (time.monotonic()) starts the request's
+        latency clock; None: now."""
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self._loop.abort_nowait)
-        arrival = time.monotonic()
-        self._loop.raise_if_dead()
-        processed = await self._in_tokenizer_thread(self._inputs.process, prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         await self._loop.call(
             lambda: self._loop.add(processed, params, request_id, stream, arrival))
         return stream
@@ -246,6 +265,11 @@ class AsyncLLM:
     @property
     def is_dead(self) -> bool:
         return self._loop.error is not None
+
+    @property
+    def error(self) -> EngineDeadError | None:
+        """Why the engine stopped serving (None while it serves)."""
+        return self._loop.error
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """stat_logger.record() runs on the engine thread after every iteration."""

@@ -148,8 +148,9 @@ class LoggingStatLogger:
     """Logs a line of engine state every interval_s seconds while tokens flow: load,
     throughput since the last line, and speculative decoding's acceptance."""
 
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0, model_name: str | None = None) -> None:
         self.interval_s = interval_s
+        self._prefix = f"{model_name}: " if model_name else ""  # (a server of several models)
         self._last = time.monotonic()
         self._prompt_tokens = self._generation_tokens = 0
 
@@ -161,7 +162,7 @@ class LoggingStatLogger:
                                                        or self._generation_tokens):
             return
         elapsed, self._last = now - self._last, now
-        line = (f"{stats.num_running} running, {stats.num_waiting + stats.num_held} waiting, "
+        line = (f"{self._prefix}{stats.num_running} running, {stats.num_waiting + stats.num_held} waiting, "
                 f"KV cache {stats.kv_cache_usage:.1%}; prompt {self._prompt_tokens / elapsed:.1f} "
                 f"tok/s, generation {self._generation_tokens / elapsed:.1f} tok/s")
         if stats.spec_decode is not None:

@@ -38,14 +38,30 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from spindle.logger import configure_logging
 
     configure_logging()
-    if ns.model_path and ns.model and ns.model_path != ns.model:
-        raise ValueError(f"two models given: {ns.model_path!r} and --model {ns.model!r}")
-    model = ns.model_path or ns.model or str(default_model_dir())
+    paths = list(ns.model_path or [])
+    if paths and ns.model and paths != [ns.model]:
+        raise ValueError(f"models given twice: {', '.join(map(repr, paths))} and --model "
+                         f"{ns.model!r}; give the paths only")
     # Checked before the engine starts: a bad server flag fails at once.
     server_args = server_args_from(ns, api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None)
+    if len(paths) > 1:
+        return _serve_pool(ns, paths, server_args)
+    model = paths[0] if paths else ns.model or str(default_model_dir())
     return run_server(engine_args_from(ns, model=model), host=ns.host, port=ns.port,
                       served_model_names=ns.served_model_name,
                       shutdown_timeout=ns.shutdown_timeout, server_args=server_args)
+
+
+def _serve_pool(ns: argparse.Namespace, paths: list[str], server_args) -> int:
+    """`spindle serve PATH_A PATH_B ...`: one server, one engine per model."""
+    from spindle.engine.model_pool import ModelPool
+    from spindle.entrypoints.cli_args import engine_args_from, pool_args_from
+    from spindle.entrypoints.openai.api_server import run_pool_server
+
+    pool = ModelPool.from_args(paths, ns.served_model_name, engine_args_from(ns, model=paths[0]),
+                               pool_args_from(ns))
+    return run_pool_server(pool, host=ns.host, port=ns.port,
+                           shutdown_timeout=ns.shutdown_timeout, server_args=server_args)
 
 
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
@@ -57,7 +73,8 @@ def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from spindle.entrypoints.chat_cli import add_chat_parser
-    from spindle.entrypoints.cli_args import HelpFormatter, add_engine_args, add_server_args
+    from spindle.entrypoints.cli_args import (HelpFormatter, add_engine_args, add_pool_args,
+                                              add_server_args)
     from spindle.entrypoints.embed_cli import add_embed_parser
     from spindle.entrypoints.generate_cli import add_generate_parser
     from spindle.tools.tiny_model import add_cli_arguments
@@ -71,19 +88,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_chat_parser(sub)
 
-    serve = sub.add_parser("serve", help="Run the OpenAI-compatible HTTP server.",
-                           usage="%(prog)s [options] [PATH]", formatter_class=HelpFormatter)
-    serve.add_argument("model_path", nargs="?", metavar="PATH",
-                       help="Model directory (or --model; default: the built-in demo model).")
+    serve = sub.add_parser(
+        "serve", help="Run the OpenAI-compatible HTTP server.",
+        usage="%(prog)s [options] [PATH ...]", formatter_class=HelpFormatter,
+        epilog="Several PATHs serve several models from one device: one engine each, routed\n"
+               "by the request's model field; those not needed sleep (--max-awake-models) and\n"
+               "wake on demand. Engine flags apply to every model (per model:\n"
+               "--model-overrides).")
+    serve.add_argument("model_path", nargs="*", metavar="PATH",
+                       help="Model directory, or several (or --model; default: the built-in "
+                            "demo model).")
     serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     serve.add_argument("--port", type=int, default=8000,
                        help="Port to listen on; 0 picks a free one (the log says which).")
     serve.add_argument("--served-model-name", nargs="+", default=None,
-                       help="Model name(s) clients use (default: the model path).")
+                       help="Model name(s) clients use (default: the model path). With one "
+                            "PATH: names it answers to; with several: one name per PATH.")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="Seconds requests in flight get to finish after SIGINT/SIGTERM "
                             "before they are aborted.")
     add_server_args(serve)
+    add_pool_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

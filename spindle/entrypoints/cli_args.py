@@ -9,7 +9,7 @@ import dataclasses
 import re
 import typing
 
-from spindle.config import EngineArgs, ServerArgs
+from spindle.config import EngineArgs, PoolArgs, ServerArgs
 from spindle.sampling_params import SamplingParams
 
 # No per-request --seed: the engine's --seed already makes a CLI run reproducible.
@@ -128,6 +128,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def server_args_from(ns: argparse.Namespace, **overrides: typing.Any) -> ServerArgs:
     """ServerArgs from the flags; raises ValueError naming a bad one."""
     return _fields_from(ServerArgs, ns, overrides)
+
+
+def add_pool_args(parser: argparse.ArgumentParser) -> None:
+    _add_field_flags(parser.add_argument_group(
+        "several models (spindle serve PATH_A PATH_B ...; one GPU, taking turns by sleep "
+        "mode)"), PoolArgs)
+
+
+def pool_args_from(ns: argparse.Namespace) -> PoolArgs:
+    return _fields_from(PoolArgs, ns, {})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),

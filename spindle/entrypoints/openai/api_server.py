@@ -28,20 +28,23 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spindle import __version__
 from spindle.config import EngineArgs, ServerArgs
 from spindle.engine.async_llm import AsyncLLM
+from spindle.engine.model_pool import ModelPool
 from spindle.engine.stats import LoggingStatLogger
-from spindle.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
+from spindle.entrypoints.openai.metrics import (CONTENT_TYPE, EngineMetricFamilies, PoolMetrics,
+                                                PrometheusStatLogger)
 from spindle.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware,
                                                    ErrorBoundary)
 from spindle.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
                                                  CompletionRequest, api_error, invalid_request)
+from spindle.entrypoints.openai.routing import ModelRoutes, ServedModel
 from spindle.entrypoints.openai.serving_base import RequestIds, ServedModels
-from spindle.entrypoints.openai.serving_chat import ChatServing
-from spindle.entrypoints.openai.serving_completion import CompletionServing
+from spindle.entrypoints.openai.serving_embedding import router as embedding_router
 
 logger = logging.getLogger(__name__)
 
@@ -53,46 +56,132 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
               dev_mode: bool | None = None, server_args: ServerArgs | None = None) -> FastAPI:
     """The app serving engine. dev_mode None reads SPINDLE_SERVER_DEV_MODE=1;
     server_args None: ServerArgs() (no API key, CORS off, the default body limit)."""
-    server_args = server_args or ServerArgs()
     model_config = engine.config.model
     models = ServedModels(names=tuple(served_model_names or [model_config.model]),
                           root=model_config.model, max_model_len=model_config.max_model_len)
     metrics = PrometheusStatLogger(models.names[0])
-    stats_log = LoggingStatLogger()
+    stat_loggers = [metrics, LoggingStatLogger()]
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.add_stat_logger(metrics)
-        engine.add_stat_logger(stats_log)
-        try:
-            yield
-        finally:
-            engine.remove_stat_logger(metrics)
-            engine.remove_stat_logger(stats_log)
+    def attach() -> None:
+        for stat_logger in stat_loggers:
+            engine.add_stat_logger(stat_logger)
 
-    app = FastAPI(title="spindle", version=__version__, lifespan=lifespan)
+    def detach() -> None:
+        for stat_logger in stat_loggers:
+            engine.remove_stat_logger(stat_logger)
+
+    app = _make_app(ModelRoutes([ServedModel.of(engine, models)]), metrics.registry,
+                    attach, detach, server_args)
     app.state.engine = engine
-    app.state.models = models
-    app.state.metrics = metrics
-    app.state.completions = CompletionServing(engine, models)
-    app.state.chat = ChatServing(engine, models)
-    app.state.request_ids = RequestIds()
-    from spindle.entrypoints.openai.serving_embedding import add_embedding_routes
-
-    add_embedding_routes(app, engine, models)  # POST /v1/embeddings (task="embed")
-    _add_error_handlers(app)
-    app.include_router(router)
-    if dev_mode is None:
-        dev_mode = os.environ.get(DEV_MODE_ENV, "") == "1"
-    if dev_mode:
+    app.state.health = lambda: _engine_health(engine)
+    if _dev_mode(dev_mode):
         from spindle.entrypoints.openai.dev_routes import router as dev_router
 
         app.include_router(dev_router)
         logger.warning("%s=1: the control routes (/sleep, /wake_up, /pause, /resume, "
                        "/collective_rpc) are mounted; never expose this server to untrusted "
                        "clients", DEV_MODE_ENV)
-    _add_middleware(app, server_args)
+    _add_middleware(app, server_args or ServerArgs())
     return app
+
+
+def build_pool_app(pool: ModelPool, dev_mode: bool | None = None,
+                   server_args: ServerArgs | None = None) -> FastAPI:
+    """The app serving every model of a started ModelPool, routed by the model field;
+    /v1/models shows each model's state, /health each model's health."""
+    registry = CollectorRegistry()
+    families = EngineMetricFamilies(registry)
+    pool_metrics = PoolMetrics(registry, pool.names)
+    for status in pool.status():
+        pool_metrics.set_state(status["name"], status["state"])
+    served, stat_loggers = [], []
+    for name in pool.names:
+        config = pool.config(name).model
+        served.append(ServedModel.of(pool.engine(name), ServedModels(
+            names=(name,), root=config.model, max_model_len=config.max_model_len)))
+        stat_loggers += [(name, PrometheusStatLogger(name, families)),
+                         (name, LoggingStatLogger(model_name=name))]
+
+    def attach() -> None:
+        pool.add_listener(pool_metrics)
+        for name, stat_logger in stat_loggers:
+            pool.add_stat_logger(name, stat_logger)
+
+    def detach() -> None:
+        for name, stat_logger in stat_loggers:
+            pool.remove_stat_logger(name, stat_logger)
+
+    routes = ModelRoutes(served, card_extra=lambda name: _pool_card(pool, name))
+    app = _make_app(routes, registry, attach, detach, server_args)
+    app.state.pool = pool
+    app.state.health = lambda: _pool_health(pool)
+    from spindle.entrypoints.openai.pool_routes import model_health_router
+
+    app.include_router(model_health_router)
+    if _dev_mode(dev_mode):
+        from spindle.entrypoints.openai.pool_routes import router as pool_dev_router
+
+        app.include_router(pool_dev_router)
+        logger.warning("%s=1: the model control routes (/models/NAME/sleep, /wake_up, "
+                       "/restart) are mounted; never expose this server to untrusted clients",
+                       DEV_MODE_ENV)
+    _add_middleware(app, server_args or ServerArgs())
+    return app
+
+
+def _make_app(routes: ModelRoutes, registry: CollectorRegistry, attach: Callable[[], None],
+              detach: Callable[[], None], server_args: ServerArgs | None) -> FastAPI:
+    """What both kinds of server share: the routes, the error handlers, and the stat
+    loggers attached for the app's lifetime."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        attach()
+        try:
+            yield
+        finally:
+            detach()
+
+    app = FastAPI(title="spindle", version=__version__, lifespan=lifespan)
+    app.state.routes = routes
+    app.state.metrics_registry = registry
+    app.state.request_ids = RequestIds()
+    _add_error_handlers(app)
+    app.include_router(router)
+    app.include_router(embedding_router)  # POST /v1/embeddings (task="embed")
+    return app
+
+
+def _dev_mode(dev_mode: bool | None) -> bool:
+    return os.environ.get(DEV_MODE_ENV, "") == "1" if dev_mode is None else dev_mode
+
+
+async def _engine_health(engine: AsyncLLM) -> Response:
+    try:
+        await engine.check_health()
+    except Exception as e:
+        return error_response(APIError(503, f"the engine is not healthy: {e}", code="unhealthy"))
+    return Response(status_code=200)
+
+
+async def _pool_health(pool: ModelPool) -> Response:
+    """200 when every model can serve, else 503; the body says, per model."""
+    report = {}
+    for name in pool.names:
+        try:
+            await pool.check_health(name)
+            report[name] = {"healthy": True, "error": None}
+        except Exception as e:
+            report[name] = {"healthy": False, "error": str(e)}
+        report[name]["state"] = pool.model_status(name)["state"]
+    healthy = all(r["healthy"] for r in report.values())
+    return JSONResponse({"healthy": healthy, "models": report}, status_code=200 if healthy else 503)
+
+
+def _pool_card(pool: ModelPool, name: str) -> dict[str, Any]:
+    status = pool.model_status(name)
+    return {key: status[key] for key in ("state", "sleep_level", "requests_in_flight",
+                                         "requests_queued", "error")}
 
 
 def _add_middleware(app: FastAPI, args: ServerArgs) -> None:
@@ -111,11 +200,7 @@ def _add_middleware(app: FastAPI, args: ServerArgs) -> None:
 # ---- routes ---------------------------------------------------------------------------
 @router.get("/health")
 async def health(request: Request) -> Response:
-    try:
-        await request.app.state.engine.check_health()
-    except Exception as e:
-        return error_response(APIError(503, f"the engine is not healthy: {e}", code="unhealthy"))
-    return Response(status_code=200)
+    return await request.app.state.health()
 
 
 @router.get("/version")
@@ -125,29 +210,31 @@ async def version() -> dict[str, str]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return request.app.state.models.listing()
+    return request.app.state.routes.listing()
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
-    return request.app.state.models.retrieve(model_id)
+    return request.app.state.routes.retrieve(model_id)
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE)
 
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     return await serve_request(request, "cmpl", "prompt", lambda request_id:
-                               request.app.state.completions.create(body, request_id))
+                               request.app.state.routes.route(body.model).completions.create(
+                                   body, request_id))
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     return await serve_request(request, "chatcmpl", "messages", lambda request_id:
-                               request.app.state.chat.create(body, request_id))
+                               request.app.state.routes.route(body.model).chat.create(
+                                   body, request_id))
 
 
 async def serve_request(request: Request, prefix: str, prompt_param: str,
@@ -262,23 +349,51 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
     try:
         app = build_app(engine, served_model_names or [engine_args.model],
                         server_args=server_args)
-        sock = _bind(host, port)
-        config = uvicorn.Config(app, log_level="info",
-                                timeout_graceful_shutdown=max(shutdown_timeout, 0) + 5)
-        server = _GracefulServer(config, engine, shutdown_timeout)
-        bound_port = sock.getsockname()[1]
-        url_host = f"[{host}]" if ":" in host else host
-        logger.info("serving %s on http://%s:%d (SIGINT/SIGTERM stops, grace %.0fs)",
-                    app.state.models.names[0], url_host, bound_port, shutdown_timeout)
-        logger.info("API key: %s; CORS: %s; request bodies up to %d bytes",
-                    "required" if server_args.api_key else "none (every client is served)",
-                    ", ".join(server_args.allowed_origins or []) or "off",
-                    server_args.max_request_body_bytes)
-        asyncio.run(server.serve(sockets=[sock]))
+        _serve(app, host, port, shutdown_timeout, server_args, engine.abort_all_nowait,
+               lambda: _in_flight(engine.stats))
     finally:
         engine.shutdown()
     logger.info("server stopped")
     return 0
+
+
+def run_pool_server(pool: ModelPool, host: str = "127.0.0.1", port: int = 8000,
+                    shutdown_timeout: float = 30.0,
+                    server_args: ServerArgs | None = None) -> int:
+    """run_server for a ModelPool: starts it (every model loaded), serves, shuts it down."""
+    server_args = server_args or ServerArgs()
+    pool.start()
+    try:
+        app = build_pool_app(pool, server_args=server_args)
+        _serve(app, host, port, shutdown_timeout, server_args, pool.abort_all_nowait,
+               lambda: ", ".join(f"{s['name']}: {s['requests_in_flight']} in flight, "
+                                 f"{s['requests_queued']} queued" for s in pool.status()))
+    finally:
+        pool.shutdown()
+    logger.info("server stopped")
+    return 0
+
+
+def _serve(app: FastAPI, host: str, port: int, shutdown_timeout: float,
+           server_args: ServerArgs, abort_all: Callable[[], None],
+           describe_in_flight: Callable[[], str]) -> None:
+    sock = _bind(host, port)
+    config = uvicorn.Config(app, log_level="info",
+                            timeout_graceful_shutdown=max(shutdown_timeout, 0) + 5)
+    server = _GracefulServer(config, shutdown_timeout, abort_all, describe_in_flight)
+    bound_port = sock.getsockname()[1]
+    url_host = f"[{host}]" if ":" in host else host
+    logger.info("serving %s on http://%s:%d (SIGINT/SIGTERM stops, grace %.0fs)",
+                ", ".join(app.state.routes.names), url_host, bound_port, shutdown_timeout)
+    logger.info("API key: %s; CORS: %s; request bodies up to %d bytes",
+                "required" if server_args.api_key else "none (every client is served)",
+                ", ".join(server_args.allowed_origins or []) or "off",
+                server_args.max_request_body_bytes)
+    asyncio.run(server.serve(sockets=[sock]))
+
+
+def _in_flight(stats) -> str:
+    return f"{stats.num_running} running, {stats.num_waiting + stats.num_held} waiting"
 
 
 _LISTEN_BACKLOG = 2048  # (uvicorn's own default)
@@ -308,10 +423,12 @@ class _GracefulServer(uvicorn.Server):
     code "request_aborted"), and a stop by signal exits with status 0 (uvicorn
     re-raises the signal)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, grace: float, abort_all: Callable[[], None],
+                 describe_in_flight: Callable[[], str]) -> None:
         super().__init__(config)
-        self.engine = engine
         self.grace = grace
+        self._abort_all = abort_all
+        self._describe_in_flight = describe_in_flight
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -340,7 +457,6 @@ class _GracefulServer(uvicorn.Server):
             timer.cancel()
 
     def _abort_in_flight(self) -> None:
-        stats = self.engine.stats
-        logger.warning("grace period over: aborting the requests still in flight (%d running, "
-                       "%d waiting)", stats.num_running, stats.num_waiting + stats.num_held)
-        self.engine.abort_all_nowait()
+        logger.warning("grace period over: aborting the requests still in flight (%s)",
+                       self._describe_in_flight())
+        self._abort_all()

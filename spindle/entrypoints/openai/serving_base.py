@@ -22,7 +22,7 @@ SSE_DONE = "data: [DONE]\n\n"
 
 @dataclass(frozen=True)
 class ServedModels:
-    """The names clients may ask for; all of them mean the one loaded model."""
+    """The names clients may ask for; all of them mean one loaded model."""
 
     names: tuple[str, ...]
     root: str  # the checkpoint directory
@@ -33,25 +33,18 @@ class ServedModels:
         if requested is None:
             return self.names[0]
         if requested not in self.names:
-            raise APIError(404, f"the model {requested!r} does not exist; this server serves "
-                           f"{', '.join(repr(n) for n in self.names)}", param="model",
-                           code="model_not_found")
+            raise model_not_found(requested, self.names)
         return requested
-
-    def listing(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self.card(name) for name in self.names]}
-
-    def retrieve(self, model_id: str) -> dict[str, Any]:
-        """GET /v1/models/{model_id}: the model's card, or 404."""
-        if model_id not in self.names:
-            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
-                           f"{', '.join(repr(n) for n in self.names)}", param="model",
-                           code="model_not_found")
-        return self.card(model_id)
 
     def card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": int(time.time()),
                 "owned_by": "spindle", "root": self.root, "max_model_len": self.max_model_len}
+
+
+def model_not_found(requested: str, names: Sequence[str]) -> APIError:
+    return APIError(404, f"the model {requested!r} does not exist; this server serves "
+                    f"{', '.join(repr(n) for n in names)}", param="model",
+                    code="model_not_found")
 
 
 class RequestIds:

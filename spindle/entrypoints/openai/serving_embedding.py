@@ -8,13 +8,12 @@ import base64
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from spindle.engine.async_llm import AsyncLLM
 from spindle.entrypoints.openai.protocol import (APIError, Text, _Request, bad_request,
                                                  request_aborted)
-from spindle.entrypoints.openai.serving_base import OpenAIServing, ServedModels, final_outputs
+from spindle.entrypoints.openai.serving_base import OpenAIServing, final_outputs
 from spindle.outputs import EmbeddingRequestOutput
 from spindle.pooling_params import PoolingParams
 
@@ -54,17 +53,13 @@ class EmbeddingServing(OpenAIServing):
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 
-def add_embedding_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels) -> None:
-    app.state.embeddings = EmbeddingServing(engine, models)
-    app.include_router(router)
-
-
 @router.post("/v1/embeddings")
 async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
     from spindle.entrypoints.openai.api_server import serve_request
 
     return await serve_request(request, "embd", "input", lambda request_id:
-                               request.app.state.embeddings.create(body, request_id))
+                               request.app.state.routes.route(body.model).embeddings.create(
+                                   body, request_id))
 
 
 def _embedding_item(index: int, output: EmbeddingRequestOutput, encoding: str) -> dict[str, Any]:
