@@ -14,8 +14,12 @@ def __getattr__(name: str):
         from spindle.entrypoints.llm import LLM
 
         return LLM
+    if name == "ModelPool":
+        from spindle.engine.model_pool import ModelPool
+
+        return ModelPool
     raise AttributeError(f"module 'spindle' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "ModelPool", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]

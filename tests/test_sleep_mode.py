@@ -10,6 +10,7 @@ import gc
 import sys
 import textwrap
 import threading
+from typing import Callable
 
 import pytest
 import torch
@@ -357,7 +358,9 @@ def test_register_backend_in_process():
 # ---- cumem bookkeeping without a GPU ----------------------------------------------------------
 class FakeVirtualMemory:
     """Host bytes standing in for device memory: 'physical' buffers mapped at
-    reserved addresses, so unmapping really loses the content."""
+    reserved addresses, so unmapping really loses the content. Copies run only at
+    synchronize(), as the driver's asynchronous ones may: unmapping a segment whose
+    copy has not run is caught."""
 
     granularity = 4096
 
@@ -365,6 +368,7 @@ class FakeVirtualMemory:
         self.next_address = 1 << 20
         self.reserved: dict[int, int] = {}
         self.mapped: dict[int, ctypes.Array] = {}
+        self.pending: list[tuple[int, Callable[[], None]]] = []
 
     def reserve(self, size):
         ptr, self.next_address = self.next_address, self.next_address + size
@@ -378,6 +382,7 @@ class FakeVirtualMemory:
         return object()
 
     def unmap(self, ptr, size, handle):
+        assert all(p != ptr for p, _ in self.pending), "unmapped before its copy ran"
         del self.mapped[ptr]
 
     def free_address(self, ptr, size):
@@ -385,13 +390,15 @@ class FakeVirtualMemory:
         del self.reserved[ptr]
 
     def copy_to_host(self, host_ptr, ptr, size):
-        ctypes.memmove(host_ptr, self.mapped[ptr], size)
+        self.pending.append((ptr, lambda: ctypes.memmove(host_ptr, self.mapped[ptr], size)))
 
     def copy_from_host(self, ptr, host_ptr, size):
-        ctypes.memmove(self.mapped[ptr], host_ptr, size)
+        self.pending.append((ptr, lambda: ctypes.memmove(self.mapped[ptr], host_ptr, size)))
 
     def synchronize(self):
-        pass
+        pending, self.pending = self.pending, []
+        for _, copy in pending:
+            copy()
 
     def content(self, ptr, size):
         return bytes(self.mapped[ptr])[:size]

@@ -47,6 +47,7 @@ class VirtualMemory(Protocol):
     def map_new(self, ptr: int, size: int) -> Any: ...  # returns the physical handle
     def unmap(self, ptr: int, size: int, handle: Any) -> None: ...
     def free_address(self, ptr: int, size: int) -> None: ...
+    # The copies may run asynchronously: their memory is in use until synchronize().
     def copy_to_host(self, host_ptr: int, ptr: int, size: int) -> None: ...
     def copy_from_host(self, ptr: int, host_ptr: int, size: int) -> None: ...
     def synchronize(self) -> None: ...
@@ -104,10 +105,12 @@ class DriverVirtualMemory:
         self._call("cuMemAddressFree", ptr, size)
 
     def copy_to_host(self, host_ptr: int, ptr: int, size: int) -> None:
-        self._call("cuMemcpyDtoH", host_ptr, ptr, size)
+        # On the legacy default stream; from pinned memory the copy engine runs it while
+        # the caller goes on mapping or unmapping other segments.
+        self._call("cuMemcpyDtoHAsync", host_ptr, ptr, size, 0)
 
     def copy_from_host(self, ptr: int, host_ptr: int, size: int) -> None:
-        self._call("cuMemcpyHtoD", ptr, host_ptr, size)
+        self._call("cuMemcpyHtoDAsync", ptr, host_ptr, size, 0)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device_index)
@@ -158,31 +161,44 @@ class TaggedSegments:
         self.vm.free_address(segment.ptr, segment.size)
 
     def release(self, tags: Iterable[str], keep_on_host: Callable[[Segment], bool]) -> int:
-        """Release the mapped segments of tags; returns the bytes given back."""
+        """Release the mapped segments of tags; returns the bytes given back. The copies
+        to the host are all started first, and the segments that keep none are released
+        while they run."""
         self.vm.synchronize()
-        freed = 0
+        freed, copying = 0, []
         for segment in self._of(tags, mapped=True):
             if keep_on_host(segment):
                 host = torch.empty(segment.size, dtype=torch.uint8,
                                    pin_memory=self.pin_host_copies)
                 self.vm.copy_to_host(host.data_ptr(), segment.ptr, segment.size)
                 segment.host_copy = host
-            self.vm.unmap(segment.ptr, segment.size, segment.handle)
-            segment.handle = None
-            freed += segment.size
+                copying.append(segment)
+            else:
+                freed += self._unmap(segment)
+        if copying:
+            self.vm.synchronize()  # the copies have landed: their device memory may go
+            freed += sum(self._unmap(segment) for segment in copying)
         return freed
+
+    def _unmap(self, segment: Segment) -> int:
+        self.vm.unmap(segment.ptr, segment.size, segment.handle)
+        segment.handle = None
+        return segment.size
 
     def restore(self, tags: Iterable[str]) -> int:
         """Map new memory under the released segments of tags and put back their host
-        copies; returns the bytes mapped."""
-        mapped = 0
+        copies (each copy starts as soon as its segment is mapped, so the copies run
+        while the later segments map); returns the bytes mapped."""
+        mapped, copied = 0, []
         for segment in self._of(tags, mapped=False):
             segment.handle = self.vm.map_new(segment.ptr, segment.size)
             if segment.host_copy is not None:
                 self.vm.copy_from_host(segment.ptr, segment.host_copy.data_ptr(), segment.size)
-                segment.host_copy = None
+                copied.append(segment)
             mapped += segment.size
         self.vm.synchronize()
+        for segment in copied:  # (a host copy is in use until its copy has run)
+            segment.host_copy = None
         return mapped
 
     def mapped_bytes(self, tag: str) -> int:
@@ -324,9 +340,9 @@ class CuMemSleepBackend(SleepModeBackend):
         if level == 2:
             self._buffers = [(t, t.detach().to("cpu", copy=True))
                              for t in self.target.buffers_outside_checkpoint()]
-        segments = self.allocator.segments
-        segments.release([WEIGHTS], keep_on_host=lambda s: level == 1)
-        segments.release([KV_CACHE], keep_on_host=lambda s: False)
+        # One release for both tags: the KV cache is unmapped while the weights copy out.
+        self.allocator.segments.release(
+            [WEIGHTS, KV_CACHE], keep_on_host=lambda s: level == 1 and s.tag == WEIGHTS)
 
     def _restore(self, tags: list[str]) -> None:
         self.allocator.segments.restore(tags)
