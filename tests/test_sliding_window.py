@@ -58,11 +58,38 @@ def reference(tiny_model):
             path = tiny_model(arch, **kwargs)
             vocab = json.loads((path / "config.json").read_text())["vocab_size"]
             rng = random.Random(7)
-            prompts = [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+            prompts = [_decisive_prompt(path, rng, vocab, n) for n in PROMPT_LENGTHS]
             cache[name] = (path, prompts, hf_greedy(path, prompts, MAX_NEW))
         return cache[name]
 
     return get
+
+
+# A greedy step whose top two logprobs are closer than this is a tie: transformers' own
+# eager and sdpa attention were seen to pick different tokens at a 7e-6 gap (one CPU
+# model's summation order), so such a step cannot tell a right engine from a wrong one.
+DECISIVE_GAP = 1e-4
+
+
+def _decisive_prompt(path, rng: random.Random, vocab: int, length: int,
+                     attempts: int = 20) -> list[int]:
+    """A random prompt of length tokens whose greedy continuation (MAX_NEW steps, by
+    transformers) has no tie at any step; the first of the rng's draws that has none."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for _ in range(attempts):
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                 min_new_tokens=0, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        top2 = torch.stack([torch.log_softmax(step[0].float(), -1).topk(2).values
+                            for step in out.logits])
+        if (top2[:, 0] - top2[:, 1]).min() >= DECISIVE_GAP:
+            return prompt
+    raise RuntimeError(f"no prompt of {length} tokens without a greedy tie in {attempts} draws")
 
 
 def generate(path, prompts, **engine_kwargs):
