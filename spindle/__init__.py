@@ -21,5 +21,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'spindle' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "ModelPool", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "ModelPool", "SamplingParams", "PoolingParams", "RequestOutput",
+           "CompletionOutput",
            "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]

@@ -264,7 +264,8 @@ def test_a_killed_engine_fails_only_its_model_and_restarts(paths, reference):
         assert r.status_code == 503 and "restart" in r.json()["error"]["message"]
         # The other model serves on (it wakes: the failed one holds nothing).
         for stream in (False, True):
-            assert _complete(srv.url, "qwen", PROMPTS[1], stream) == reference["qwen"][PROMPTS[1]][1]
+            expected = reference["qwen"][PROMPTS[1]][1]
+            assert _complete(srv.url, "qwen", PROMPTS[1], stream) == expected
         health = httpx.get(f"{srv.url}/health")
         assert health.status_code == 503
         assert health.json()["models"]["llama"]["healthy"] is False
@@ -398,7 +399,8 @@ def test_pool_args_from_the_command_line_are_checked(paths):
         device_memory_budget=1.5))
     specs = {m.name: m.spec for m in pool._members.values()}
     assert specs["a"].sleep_level == 2 and specs["b"].sleep_level == "auto"
-    assert specs["b"].engine_args.max_model_len == 64 and specs["a"].engine_args.max_model_len is None
+    assert specs["b"].engine_args.max_model_len == 64
+    assert specs["a"].engine_args.max_model_len is None
     assert specs["a"].engine_args.enable_sleep_mode
     assert specs["a"].engine_args.distributed_executor_backend == "mp"
     assert pool.device_memory_budget_bytes == int(1.5 * 2**30)

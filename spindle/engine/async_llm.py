@@ -151,12 +151,8 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's cumulative outputs; the last one has finished=True."""
-        stream = await self.add_request(prompt, params, request_id)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
+        async for output in outputs_of(await self.add_request(prompt, params, request_id)):
+            yield output
 
     async def abort(self, request_id: str) -> None:
         """Finish a request with reason "abort"; its stream gets that final output."""
@@ -282,6 +278,15 @@ class AsyncLLM:
         """Abort what is in flight, stop the workers, end the engine thread. Idempotent."""
         self._loop.stop(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def outputs_of(stream: Any) -> AsyncIterator[RequestOutput]:
+    """A request stream's outputs; leaving early closes it (aborting the request)."""
+    try:
+        async for output in stream:
+            yield output
+    finally:
+        stream.close()
 
 
 @dataclass

@@ -42,7 +42,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import psutil
 
 from spindle.config import EngineArgs, EngineConfig, PoolArgs
-from spindle.engine.async_llm import AsyncLLM, RequestStream
+from spindle.engine.async_llm import AsyncLLM, RequestStream, outputs_of
 from spindle.engine.llm_engine import LLMEngine, ProcessedPrompt, PromptType
 from spindle.engine.pause import EngineUnavailableError, PauseMode
 from spindle.engine.stats import StatLogger
@@ -233,12 +233,8 @@ class PooledEngine:
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(prompt, params, request_id)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
+        async for output in outputs_of(await self.add_request(prompt, params, request_id)):
+            yield output
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         return await self._pool._engine_of(self._member).call(fn)

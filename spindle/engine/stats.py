@@ -162,7 +162,8 @@ class LoggingStatLogger:
                                                        or self._generation_tokens):
             return
         elapsed, self._last = now - self._last, now
-        line = (f"{self._prefix}{stats.num_running} running, {stats.num_waiting + stats.num_held} waiting, "
+        waiting = stats.num_waiting + stats.num_held
+        line = (f"{self._prefix}{stats.num_running} running, {waiting} waiting, "
                 f"KV cache {stats.kv_cache_usage:.1%}; prompt {self._prompt_tokens / elapsed:.1f} "
                 f"tok/s, generation {self._generation_tokens / elapsed:.1f} tok/s")
         if stats.spec_decode is not None:

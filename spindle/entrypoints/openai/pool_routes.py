@@ -5,7 +5,7 @@ body, and with --api-key these need the key."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Awaitable, Callable, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -46,26 +46,26 @@ class ModelSleepBody(_ControlBody):
 @router.post("/models/{name}/sleep")
 async def sleep_model(name: str, request: Request) -> dict[str, Any]:
     """{"level": 1|2} (none: the model's sleep level): put an awake model to sleep now;
-    its requests in flight freeze and go on when it wakes."""
-    pool = _pool_and_name(request, name)
-    body = await _json_body(request, ModelSleepBody)
-    await pool.sleep(name, body.level)  # (a model not awake: ValueError, a 400)
-    return pool.model_status(name)
+    its requests in flight freeze and go on when it wakes. Not awake: 400."""
+    return await _control(request, name, ModelSleepBody,
+                          lambda pool, body: pool.sleep(name, body.level))
 
 
 @router.post("/models/{name}/wake_up")
 async def wake_model(name: str, request: Request) -> dict[str, Any]:
     """Wake a model now (others go to sleep as the pool's limits require)."""
-    pool = _pool_and_name(request, name)
-    await _json_body(request, _ControlBody)
-    await pool.wake_up(name)
-    return pool.model_status(name)
+    return await _control(request, name, _ControlBody, lambda pool, _: pool.wake_up(name))
 
 
 @router.post("/models/{name}/restart")
 async def restart_model(name: str, request: Request) -> dict[str, Any]:
     """A fresh engine for the model (after a failure); returns once it is awake."""
+    return await _control(request, name, _ControlBody, lambda pool, _: pool.restart(name))
+
+
+async def _control(request: Request, name: str, body_model: type[_ControlBody],
+                   act: Callable[[ModelPool, Any], Awaitable[None]]) -> dict[str, Any]:
+    """Check the model and the body, act, then answer with the model's status."""
     pool = _pool_and_name(request, name)
-    await _json_body(request, _ControlBody)
-    await pool.restart(name)
+    await act(pool, await _json_body(request, body_model))
     return pool.model_status(name)
