@@ -430,3 +430,11 @@ def test_spindle_serve_with_several_paths(paths, reference, tmp_path):
         assert _states(srv.url) == {"q": "awake", "l": "asleep"}
     finally:
         assert srv.stop() == 0
+
+
+def test_a_model_that_fails_to_load_stops_the_start_naming_it(paths):
+    pool = ModelPool([PoolModel("qwen", _args(paths["qwen"])),
+                      PoolModel("broken", _args("/nonexistent/model"))])
+    with pytest.raises(ValueError, match="model 'broken' failed to load: model path"):
+        pool.start()
+    assert pool.model_status("qwen")["state"] == "stopped"  # loaded, then shut down again

@@ -310,8 +310,9 @@ class ModelPool:
                 loaded.append((member, engine))
                 self._set_awake(member, "load", seconds, level=None)
         except BaseException:
-            for _, engine in loaded:
+            for member, engine in loaded:
                 engine.shutdown()
+                member.state, member.level = ModelState.STOPPED, None
             raise
         for member, engine in loaded:
             member.engine = self._wrap(member, engine)
@@ -332,8 +333,10 @@ class ModelPool:
         start = time.monotonic()
         try:
             engine = LLMEngine.from_engine_args(member.spec.engine_args)
+        except ValueError as e:  # a bad configuration: the CLI reports it as one
+            raise ValueError(f"model {member.name!r} failed to load: {e}") from e
         except Exception as e:
-            raise type(e)(f"model {member.name!r} failed to load: {e}") from e
+            raise RuntimeError(f"model {member.name!r} failed to load: {e!r}") from e
         try:
             self._measure(member, engine)
         except BaseException:
