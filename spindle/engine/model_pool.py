@@ -447,7 +447,7 @@ class ModelPool:
 
     def model_status(self, name: str) -> dict[str, Any]:
         m = self._member(name)
-        self._reap_dead()
+        self._reap_dead([m])
         return {"name": m.name, "state": m.state.value, "sleep_level": m.level,
                 "device_bytes": m.device_bytes, "weight_bytes": m.weight_bytes,
                 "requests_in_flight": m.leases, "requests_queued": len(m.waiters),
@@ -496,7 +496,7 @@ class ModelPool:
     def _raise_if_failed(self, member: _Member) -> None:
         if self._closed:
             raise ModelUnavailableError("the model pool was shut down")
-        self._reap_dead()
+        self._reap_dead([member])
         if member.state is ModelState.FAILED:
             raise ModelUnavailableError(f"model {member.name!r} failed ({member.error}) and "
                                         "serves no requests until it is restarted")
@@ -504,11 +504,10 @@ class ModelPool:
     async def _acquire(self, member: _Member) -> _Lease:
         """A lease on member once it is awake (at once when it is)."""
         waited = await self._wait_for(member, takes_lease=True)
-        if waited is None:
-            return _Lease(self, member)
-        member.stats.queued_requests += 1
-        member.stats.queue_seconds += waited
-        self._emit("queued", member, seconds=waited)
+        if waited is not None:
+            member.stats.queued_requests += 1
+            member.stats.queue_seconds += waited
+            self._emit("queued", member, seconds=waited)
         return _Lease(self, member)
 
     async def _wait_for(self, member: _Member, takes_lease: bool) -> float | None:
@@ -588,10 +587,11 @@ class ModelPool:
         await self._put_to_sleep(victim, self._level_for(victim))
         return 0
 
-    def _reap_dead(self) -> None:
+    def _reap_dead(self, members: Sequence[_Member] | None = None) -> None:
+        """Mark the members (None: all) whose engine died as failed."""
         if self._closed:
             return
-        for member in self._members.values():
+        for member in self._members.values() if members is None else members:
             if member.engine is not None and member.engine.is_dead \
                     and member.state is not ModelState.FAILED:
                 self._fail(member, f"its engine died: {member.engine.error}")

@@ -156,7 +156,7 @@ class PoolMetrics:
     def __call__(self, event) -> None:
         self.set_state(event.model, event.state.value)
         level = str(event.level or 0)
-        if event.kind == "wake" or event.kind == "load":
+        if event.kind in ("wake", "load"):
             self.swaps.labels(model_name=event.model, direction="wake").inc()
             self.wake_seconds.labels(model_name=event.model, level=level).observe(event.seconds)
         elif event.kind == "sleep":

@@ -19,14 +19,13 @@ class ServedModel:
     """One engine (an AsyncLLM, or a pool model's PooledEngine) as the routes see it."""
 
     models: ServedModels
-    engine: Any
     completions: CompletionServing
     chat: ChatServing
     embeddings: EmbeddingServing
 
     @classmethod
     def of(cls, engine: Any, models: ServedModels) -> "ServedModel":
-        return cls(models, engine, CompletionServing(engine, models), ChatServing(engine, models),
+        return cls(models, CompletionServing(engine, models), ChatServing(engine, models),
                    EmbeddingServing(engine, models))
 
 
@@ -36,8 +35,8 @@ class ModelRoutes:
 
     def __init__(self, served: Sequence[ServedModel],
                  card_extra: Callable[[str], dict[str, Any]] | None = None) -> None:
-        self.served = list(served)
-        self._by_name = {name: s for s in self.served for name in s.models.names}
+        self._served = list(served)
+        self._by_name = {name: s for s in self._served for name in s.models.names}
         self._card_extra = card_extra
 
     @property
@@ -47,8 +46,8 @@ class ModelRoutes:
     def route(self, requested: str | None) -> ServedModel:
         """The model a request's model field names; with no name, the only one."""
         if requested is None:
-            if len(self.served) == 1:
-                return self.served[0]
+            if len(self._served) == 1:
+                return self._served[0]
             raise APIError(400, "the request names no model and this server serves several: "
                            f"set model to one of {', '.join(repr(n) for n in self.names)}",
                            param="model", code="model_required")
