@@ -3,7 +3,8 @@ and onto the paged KV cache. Built by the runner, read by attention backends."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,10 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
     causal: bool = True
+    # What a backend derives from this metadata once per step for all its layers (the
+    # CPU backend's decode gather plan), keyed by the backend; the metadata is built
+    # anew every step, so nothing here outlives it.
+    derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_pure_decode(self) -> bool:
