@@ -177,10 +177,18 @@ class TorchSDPABackend:
 
     def _decode_group(self, q: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, group: _DecodeGroup) -> torch.Tensor:
-        """One query per request, q [B, H, D], over its gathered keys -> [B, H, D]."""
+        """One query per request, q [B, H, D], over its gathered keys -> [B, H, D].
+        Half precision attends in explicit float32 steps (_decode_attention); float32
+        through SDPA, whose sums match transformers' own SDPA bit for bit, which the
+        float32 comparisons with it rely on (fp8's rounding turns an ulp into 1/16)."""
         keys = key_cache[group.slots]  # [B, S, H_kv, D]
         values = value_cache[group.slots]
-        return self._decode_attention(q, keys, values, group.key_bias)
+        if q.dtype != torch.float32:
+            return self._decode_attention(q, keys, values, group.key_bias)
+        mask = None if group.key_bias is None else group.key_bias == 0
+        out = self._attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                              mask=mask)
+        return out.squeeze(2)
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           key_bias: torch.Tensor | None) -> torch.Tensor:
