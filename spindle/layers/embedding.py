@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
-from spindle.layers.linear import apply_linear, set_weight_loader
+from spindle.layers.int4 import Int4Weight
+from spindle.layers.linear import apply_linear, copy_checked, set_weight_loader
 
 
 def pad_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -46,9 +47,13 @@ class VocabParallelEmbedding(nn.Module):
                              f"checkpoint tensor gives {tuple(loaded_weight.shape)}")
         # Rows of this rank that exist in the real vocabulary; the rest is padding.
         real_rows = max(0, min(self.vocab_end, self.num_embeddings) - self.vocab_start)
+        self._write_rows(param, loaded_weight.narrow(0, self.vocab_start, real_rows))
+
+    def _write_rows(self, param: nn.Parameter, real: Any) -> None:
+        """This rank's rows of the vocabulary (its first len(real) rows), padding zeroed."""
         with torch.no_grad():
-            param.data[:real_rows].copy_(loaded_weight[self.vocab_start:self.vocab_start + real_rows])
-            param.data[real_rows:].zero_()
+            copy_checked(param.data[:real.shape[0]], real)
+            param.data[real.shape[0]:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
@@ -74,15 +79,50 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     batch_invariant = False  # set by enable_batch_invariance (batch_invariant.py)
+    tied = False  # shares the embedding's parameter (tie_to)
+    int4: Int4Weight | None = None  # int4 weight only (use_int4_weight)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         if embedding.weight.shape != self.weight.shape:
             raise ValueError(f"cannot tie an LM head of shape {tuple(self.weight.shape)} to an "
                              f"embedding of shape {tuple(embedding.weight.shape)}")
         self.weight = embedding.weight
+        self.tied = True
+
+    def use_int4_weight(self) -> None:
+        """Hold the weight in torch's CPU int4 layout (int4.py), before loading. A tied
+        head gets a weight of its own, filled by the embedding's loader from the same
+        checkpoint tensor (the embedding stays dense: it is read one row per token)."""
+        if self.tied:
+            shared = self.weight
+            self.weight = nn.Parameter(torch.empty(shared.shape, dtype=shared.dtype,
+                                                   device=shared.device), requires_grad=False)
+            set_weight_loader(self.weight, self.weight_loader)
+            self.weight.loaded_with = shared  # complete when the embedding is
+            fill_embedding = shared.weight_loader
+
+            def fill_both(param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
+                fill_embedding(param, loaded_weight, shard_id)
+                self.weight_loader(self.weight, loaded_weight, shard_id)
+
+            shared.weight_loader = fill_both
+            self.tied = False
+        self.int4 = Int4Weight(self, *self.weight.shape)
+
+    def _write_rows(self, param: nn.Parameter, real: Any) -> None:
+        if self.int4 is None or param is not self.weight:
+            super()._write_rows(param, real)
+            return
+        self.int4.write_rows(real, 0)
+        padding = self.num_embeddings_per_rank - real.shape[0]
+        if padding:
+            self.int4.write_rows(torch.zeros(padding, self.embedding_dim), real.shape[0])
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = apply_linear(hidden_states, self.weight, invariant=self.batch_invariant)
+        if self.int4 is not None:
+            logits = self.int4.matmul(hidden_states)
+        else:
+            logits = apply_linear(hidden_states, self.weight, invariant=self.batch_invariant)
         logits = self.tp_group.all_gather(logits, dim=-1)
         if logits.shape[-1] != self.num_embeddings:
             logits = logits[..., :self.num_embeddings]

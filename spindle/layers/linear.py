@@ -30,6 +30,7 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.fp8 import FP8_DTYPE, fp8_linear, quantize_rows
+from spindle.layers.int4 import GroupQuantized, Int4Weight
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -39,8 +40,11 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy loaded into param (casting dtype/device), refusing shape mismatches."""
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor | GroupQuantized) -> None:
+    """Copy loaded into param (casting dtype/device; a group-quantized tensor is
+    dequantized), refusing shape mismatches."""
+    if isinstance(loaded, GroupQuantized):
+        loaded = loaded.dequantize(param.dtype)
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter shard has shape {tuple(param.shape)}, "
                          f"checkpoint tensor gives {tuple(loaded.shape)}")
@@ -111,6 +115,7 @@ class _ParallelLinearBase(nn.Module):
         self.register_buffer("split_counters", new_split_counters(output_size), persistent=False)
         self.batch_invariant = False  # set by enable_batch_invariance (batch_invariant.py)
         self.weight_scale: nn.Parameter | None = None  # float8 weights only (use_fp8_weight)
+        self.int4: Int4Weight | None = None  # int4 weights only (use_int4_weight)
 
     def use_fp8_weight(self) -> None:
         """Hold the weight as float8 e4m3 with a float32 scale per output row (fp8.py);
@@ -125,10 +130,21 @@ class _ParallelLinearBase(nn.Module):
                                                     device=old.device), requires_grad=False)
         self.weight_scale.loaded_with = "weight"
 
-    def _copy_rows(self, param: nn.Parameter, src: torch.Tensor, offset: int | None = None,
-                   rows: int | None = None) -> None:
+    def use_int4_weight(self) -> None:
+        """Hold the weight in torch's CPU int4 layout (int4.py); called before loading:
+        the loaders stage each shard, and int4.finish_loading packs them."""
+        self.int4 = Int4Weight(self, self.output_size, self.input_size)
+
+    def _copy_rows(self, param: nn.Parameter, src: torch.Tensor | GroupQuantized,
+                   offset: int | None = None, rows: int | None = None) -> None:
         """Copy src into param (offset None) or into its rows offset..offset+rows,
-        quantizing them for a float8 weight."""
+        quantizing them for a float8 weight, staging them for an int4 one."""
+        if self.int4 is not None and param is self.weight:
+            if offset is None and src.shape[0] != self.output_size:
+                raise ValueError(f"shape mismatch: parameter shard has {self.output_size} rows, "
+                                 f"checkpoint tensor gives shape {tuple(src.shape)}")
+            self.int4.write_rows(src, offset or 0)
+            return
         dst = param.data if offset is None else param.data.narrow(0, offset, rows)
         if param is not self.weight or self.weight_scale is None:
             copy_checked(dst, src)
@@ -140,6 +156,8 @@ class _ParallelLinearBase(nn.Module):
         copy_checked(self.weight_scale.data.narrow(0, offset or 0, dst.shape[0]), scale)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.int4 is not None:
+            return self.int4.matmul(x, bias)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.split_counters)
         return apply_linear(x, self.weight, bias, self.split_counters, self.batch_invariant)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -14,11 +15,15 @@ from spindle.config import ModelConfig
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.fp8 import quantize_linear_layers
+from spindle.layers.int4 import finish_loading
 from spindle.models.fp8_checkpoint import FLOAT8_DTYPES, iter_dequantized
 from spindle.models.registry import resolve_model_class
+from spindle.models.weights import with_dependents
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(model_config: ModelConfig, device: torch.device,
@@ -33,7 +38,8 @@ def load_model(model_config: ModelConfig, device: torch.device,
     hf_config = model_config.hf_config
     model_class = resolve_model_class(getattr(hf_config, "architectures", None))
     dummy = model_config.load_format == "dummy"
-    files = [] if dummy else checkpoint_files(Path(model_config.model))
+    gguf = model_config.quantization == "gguf"
+    files = [] if dummy or gguf else checkpoint_files(Path(model_config.model))
     with _default_dtype(model_config.dtype), torch.device(device):
         if stage is None or stage.size == 1:
             model = model_class(hf_config, tp_group)
@@ -46,7 +52,11 @@ def load_model(model_config: ModelConfig, device: torch.device,
     if dummy:
         fill_dummy_weights(model, model_config.seed)
         return model.eval()
-    loaded = model.load_weights(model_checkpoint(files, model_config))
+    if gguf:
+        weights = _gguf_weights(model, model_config)
+    else:
+        weights = model_checkpoint(files, model_config)
+    loaded = load_into(model, weights)
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_config.model} does not provide {len(missing)} "
@@ -61,12 +71,45 @@ def reload_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
     if model_config.load_format == "dummy":
         fill_dummy_weights(model, model_config.seed)
         return
-    files = checkpoint_files(Path(model_config.model))
-    loaded = model.load_weights(model_checkpoint(files, model_config))
+    if model_config.quantization == "gguf":
+        from spindle.models.gguf_weights import GGUFWeights
+
+        weights = GGUFWeights(model_config.gguf_file, model_config.hf_config).items(
+            model_config.dtype)
+    else:
+        weights = model_checkpoint(checkpoint_files(Path(model_config.model)), model_config)
+    loaded = load_into(model, weights)
     missing = [n for n, _ in model.named_parameters() if n not in loaded]
     if missing:
         raise RuntimeError(f"reloading {model_config.model} left {len(missing)} "
                            f"parameter(s) unloaded: {', '.join(missing[:5])}")
+
+
+def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """model.load_weights(weights), then the int4 weights packed (layers/int4.py):
+    every load, reload and weight update goes through here. Returns the names of the
+    parameters completely loaded."""
+    loaded = model.load_weights(weights)
+    if finish_loading(model):  # (their scales are parameters only from now on)
+        loaded = with_dependents(model, loaded)
+    return loaded
+
+
+def _gguf_weights(model: nn.Module, model_config: ModelConfig):
+    """quantization='gguf': the GGUF file's tensors, the model's linear layers made int4
+    where theirs are group-quantized (models/gguf_weights.py)."""
+    from spindle.models.gguf_weights import GGUFWeights, use_int4_where_quantized
+
+    if not hasattr(model, "param_name"):
+        raise ValueError(f"quantization='gguf' reads Llama-family models; "
+                         f"{type(model).__name__} is not one (quantization='none' reads the "
+                         "file dequantized)")
+    weights = GGUFWeights(model_config.gguf_file, model_config.hf_config)
+    dense = use_int4_where_quantized(model, weights)
+    if dense:
+        logger.info("gguf: %d layer(s) kept in %s, not int4: %s", len(dense),
+                    str(model_config.dtype).removeprefix("torch."), "; ".join(dense))
+    return weights.items(model_config.dtype)
 
 
 @torch.no_grad()

@@ -38,15 +38,26 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         shards_seen.setdefault(name, set()).add(shard_id)
     complete = {name for name, seen in shards_seen.items()
                 if seen >= set(getattr(params[name], "shard_ids", (None,)))}
+    return with_dependents(model, complete)
+
+
+def with_dependents(model: nn.Module, complete: set[str]) -> set[str]:
+    """complete plus the parameters filled by the loaders of those in it
+    (``loaded_with``)."""
+    params = dict(model.named_parameters())
+    names = {id(param): name for name, param in params.items()}
     return complete | {name for name, param in params.items()
-                       if _loaded_with(name, param) in complete}
+                       if _loaded_with(name, param, names) in complete}
 
 
-def _loaded_with(name: str, param: nn.Parameter) -> str | None:
-    """The full name of the parameter whose loader fills param (a float8 weight's
-    scale: ``loaded_with = "weight"``), if any."""
-    sibling = getattr(param, "loaded_with", None)
-    if sibling is None:
+def _loaded_with(name: str, param: nn.Parameter, names: dict[int, str]) -> str | None:
+    """The full name of the parameter whose loader fills param, if any: ``loaded_with``
+    names a sibling (a float8 weight's scale: "weight") or is that parameter itself (an
+    int4 LM head filled along with the embedding it was tied to)."""
+    source = getattr(param, "loaded_with", None)
+    if source is None:
         return None
+    if isinstance(source, torch.Tensor):
+        return names.get(id(source))
     module, _, _ = name.rpartition(".")
-    return f"{module}.{sibling}" if module else sibling
+    return f"{module}.{source}" if module else source

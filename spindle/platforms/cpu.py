@@ -11,6 +11,21 @@ import torch
 from spindle.platforms.interface import Platform
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (x86: AVX512-BF16 or AMX-BF16; Arm:
+    the BF16 extension), read from /proc/cpuinfo's flags; False where it cannot tell."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    flags = set(value.split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    except OSError:
+        pass
+    return False
+
+
 class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"

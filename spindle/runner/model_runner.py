@@ -332,10 +332,11 @@ class ModelRunner:
         the checkpoint's layout (spindle/models/weight_update.py); returns the number
         of tensors the source held."""
         from spindle.models import weight_update
+        from spindle.models.loader import load_into
 
         names = self._weights().source(source)
-        self._require_model().load_weights(
-            weight_update.iter_source(source, self.config.model.dtype))
+        load_into(self._require_model(),
+                  weight_update.iter_source(source, self.config.model.dtype))
         self.platform.synchronize(self.device)
         return len(names)
 
@@ -344,11 +345,13 @@ class ModelRunner:
         """update_weights from a trainer's WeightSender (spindle/rl/weight_transfer.py):
         the list of tensors is checked first on every rank, then each batch is loaded
         as it arrives. Returns the number of tensors."""
+        from spindle.layers.int4 import finish_loading
         from spindle.models import weight_update
 
         model, dtype = self._require_model(), self.config.model.dtype
         count = receiver.receive(self._weights().entries, lambda tensors: model.load_weights(
             weight_update.cast_weights(tensors, dtype)))
+        finish_loading(model)  # int4 weights: packed once every batch has arrived
         self.platform.synchronize(self.device)
         return count
 

@@ -14,10 +14,13 @@ TOP_LOGPROBS = 20
 
 
 def chat_prompts(model: str, questions: Sequence[str]) -> list[list[int]]:
-    """Each question as one user turn in the checkpoint's chat template, tokenized."""
+    """Each question as one user turn in the checkpoint's chat template, tokenized
+    (model: anything LLM takes, a GGUF file included)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    from spindle.config import model_directory
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_directory(model)))
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
                                           add_generation_prompt=True, return_dict=False)
             for q in questions]
