@@ -1,7 +1,7 @@
 """Rotary position embedding, numerically identical to HF Llama/Qwen.
 
 Neox style: the head dim is split in two halves that rotate together
-(``x * cos + rotate_half(x) * sin``). The cos/sin table is computed once in float32
+(``x * cos + rotate_half(x) * sin``, computed as apply_rotary says). The cos/sin table is computed once in float32
 exactly as HF computes it on the fly (inv_freq * position, then duplicated), and cast
 to the activation dtype at use, like HF does.
 """
@@ -83,11 +83,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, num_heads, head_dim]; cos, sin: [T, head_dim] (already in x's dtype)."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    return (x * cos) + (rotate_half(x) * sin)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, num_heads, head_dim]; cos, signed_sin: [T, head_dim] in x's dtype, as
+    RotaryEmbedding.forward gives them (the sine with its first half negated).
+
+    HF's ``x * cos + rotate_half(x) * sin`` in fewer operations: rotate_half(x) * sin
+    is x rolled by half a head times the signed sine, bit for bit (a negation is
+    exact, so where it happens does not matter)."""
+    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, -1) * signed_sin.unsqueeze(1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -109,6 +112,9 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: derived from the config, never part of a checkpoint.
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        half = head_dim // 2
+        self.register_buffer("signed_sin_cache", torch.cat((-sin[:, :half], sin[:, half:]), -1),
+                             persistent=False)  # (what apply_rotary takes)
 
     @classmethod
     def from_config(cls, hf_config: Any, head_dim: int,
@@ -132,8 +138,9 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> (cos, sin), each [T, head_dim] in dtype."""
-        return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
+        """positions: [T] -> (cos, signed sin), each [T, head_dim] in dtype: the two
+        tables apply_rotary takes."""
+        return self.cos_cache[positions].to(dtype), self.signed_sin_cache[positions].to(dtype)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, max_position={self.max_position}, "

@@ -150,16 +150,21 @@ class LlamaAttention(nn.Module):
         (reading the tables, rope_tables, by position) are handed to the attention
         layer unapplied, so its backend can fuse them with the KV store (and, on
         decode steps, with attention itself)."""
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = self.qkv_proj.split_qkv(qkv)
         if cos is None:
             out = self.attn(q, k, v, qk_transform=self._qk_norm_rope(positions))
         else:
             num_tokens = hidden_states.shape[0]
-            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if self.q_norm is None:  # q and k side by side in qkv: rotated in one go
+                heads = self.num_heads + self.num_kv_heads
+                qk = qkv[:, :heads * self.head_dim].view(num_tokens, heads, self.head_dim)
+                qk = apply_rotary(qk, cos, sin)
+                q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            else:
+                q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+                k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
         return self.o_proj(out)
 

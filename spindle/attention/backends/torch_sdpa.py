@@ -72,8 +72,8 @@ class TorchSDPABackend:
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
         key_cache, value_cache = self._flat_caches(kv_cache)
-        self.store_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
         plan = self._step_plan(attn_metadata, kv_cache.shape[2])
+        self.store_kv(k, v, key_cache, value_cache, plan.store_slots)
         if plan.decode_only:  # every token is one decode query, in request order
             (group,) = plan.decode_groups
             return self._decode_group(q, key_cache, value_cache, group)
@@ -112,7 +112,7 @@ class TorchSDPABackend:
     @staticmethod
     def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        slots = slot_mapping.to(torch.int64)
+        slots = slot_mapping.to(torch.int64)  # (no copy when it is int64 already)
         key_cache.index_copy_(0, slots, k.to(key_cache.dtype))
         value_cache.index_copy_(0, slots, v.to(value_cache.dtype))
 
@@ -181,8 +181,10 @@ class TorchSDPABackend:
         Half precision attends in explicit float32 steps (_decode_attention); float32
         through SDPA, whose sums match transformers' own SDPA bit for bit, which the
         float32 comparisons with it rely on (fp8's rounding turns an ulp into 1/16)."""
-        keys = key_cache[group.slots]  # [B, S, H_kv, D]
-        values = value_cache[group.slots]
+        batch, span = group.slots.shape
+        flat = group.slots.view(-1)  # (index_select on one dim: a fraction of [] indexing)
+        keys = key_cache.index_select(0, flat).view(batch, span, *key_cache.shape[1:])
+        values = value_cache.index_select(0, flat).view(batch, span, *value_cache.shape[1:])
         if q.dtype != torch.float32:
             return self._decode_attention(q, keys, values, group.key_bias)
         mask = None if group.key_bias is None else group.key_bias == 0
@@ -253,6 +255,7 @@ class _DecodeGroup:
 
 @dataclass
 class _StepPlan:
+    store_slots: torch.Tensor  # slot_mapping as int64 (index_copy_'s index type)
     query_start: list[int]
     seq_lens: list[int]
     decode_groups: list[_DecodeGroup]
@@ -278,7 +281,8 @@ def _plan_step(md: AttentionMetadata, block_size: int, window: int | None) -> _S
               for group in by_length]
     decode_only = (by_length == [list(range(md.num_reqs))] and md.num_tokens == md.num_reqs
                    and query_start[-1] == md.num_tokens)
-    return _StepPlan(query_start, seq_lens, groups, prefill_reqs, decode_only)
+    return _StepPlan(md.slot_mapping.to(torch.int64), query_start, seq_lens, groups,
+                     prefill_reqs, decode_only)
 
 
 def _decode_group(md: AttentionMetadata, group: list[int], query_start: list[int],
