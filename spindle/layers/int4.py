@@ -96,9 +96,9 @@ class GroupQuantized:
         """The float weight (computed in float32: scale * code + offset, as the GGUF
         package dequantizes), cast to dtype."""
         rows, cols = self.codes.shape
-        w = self.scale.repeat_interleave(GROUP, dim=1) * self.codes.float()
-        w += self.offset.repeat_interleave(GROUP, dim=1)
-        return w.to(dtype)
+        w = self.scale[..., None] * self.codes.reshape(rows, -1, GROUP).float()
+        w += self.offset[..., None]
+        return w.reshape(rows, cols).to(dtype)
 
 
 def quantize_groups(w: torch.Tensor, bits: int) -> GroupQuantized:
@@ -145,6 +145,11 @@ def to_nibbles(gq: GroupQuantized, planes: int) -> tuple[torch.Tensor, torch.Ten
     if planes not in (1, 2):
         raise ValueError(f"planes must be 1 or 2, got {planes}")
     rows, cols = gq.codes.shape
+    if planes == 1:
+        low, high = (int(v) for v in torch.aminmax(gq.codes))
+        if 0 <= low and high <= 15:  # (the common case, Q4_1 / Q4_K: every base is 0)
+            return gq.codes.to(torch.int32), torch.stack([gq.scale, gq.offset + 8 * gq.scale],
+                                                         dim=-1)
     codes = gq.codes.reshape(rows, -1, GROUP)
     if planes == 1:
         base = (codes.amin(dim=2) < 0).to(torch.int32) * -8  # [R, G]

@@ -67,7 +67,8 @@ class GGUFIndex:
     directory has the tokenizer), the tensor bytes memory-mapped. Little-endian files
     (versions 2 and 3)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, stop_at_key: str | None = None) -> None:
+        """stop_at_key: read the metadata only up to that key (and no tensors)."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = Path(path)
@@ -91,6 +92,10 @@ class GGUFIndex:
             value = self._value(kind)
             if value is not None:
                 self.metadata[key] = value
+            if key == stop_at_key:
+                self.tensors = {}
+                self._buf.close()
+                return
         infos = []
         for _ in range(tensor_count):
             name = self._string()
@@ -100,7 +105,9 @@ class GGUFIndex:
             infos.append((name, shape, GGMLQuantizationType(kind), offset))
         alignment = int(self.metadata.get("general.alignment", 32))
         data_start = -(-self._pos // alignment) * alignment
-        mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
+        # Copy-on-write: writable arrays (torch.from_numpy shares them, no copy), the
+        # file itself never written.
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="c")
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, shape, qtype, offset in infos:
             block_values, block_bytes = GGML_QUANT_SIZES[qtype]
@@ -146,8 +153,9 @@ class GGUFIndex:
 
 
 def architecture_of(path: str | Path) -> str | None:
-    """The file's general.architecture (from its header)."""
-    return GGUFIndex(path).metadata.get("general.architecture")
+    """The file's general.architecture (from its header, read up to that key)."""
+    return GGUFIndex(path, stop_at_key="general.architecture").metadata.get(
+        "general.architecture")
 
 
 class GGUFWeights:
@@ -268,7 +276,7 @@ def decode_groups(data: np.ndarray, type_name: str, rows: int, cols: int) -> Gro
     if cols % block_values:
         raise ValueError(f"a {type_name} matrix needs rows of a multiple of {block_values} "
                          f"values, got {cols}")
-    blocks = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, block_bytes))
+    blocks = torch.from_numpy(data.reshape(-1, block_bytes))  # (no copy)
     if type_name == "Q8_0":
         scale = _f16(blocks[:, :2])
         codes = blocks[:, 2:].contiguous().view(torch.int8).to(torch.int16)

@@ -200,7 +200,11 @@ class TorchSDPABackend:
         (two of them per KV head group, the query heads of a group as the rows)."""
         batch, group = q.shape[0], self.num_heads // self.num_kv_heads
         queries = q.reshape(batch, self.num_kv_heads, group, self.head_dim).float()
-        scores = torch.matmul(queries, keys.permute(0, 2, 3, 1).float())  # [B, H_kv, G, S]
+        # Keys and values as contiguous float32 [B, H_kv, S, D], one copy each.
+        keys = keys.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
+        values = values.permute(0, 2, 1, 3).to(torch.float32,
+                                               memory_format=torch.contiguous_format)
+        scores = torch.matmul(queries, keys.transpose(-1, -2))  # [B, H_kv, G, S]
         scores.mul_(self.scale)
         if self.logits_soft_cap is not None:
             cap = self.logits_soft_cap
@@ -208,7 +212,7 @@ class TorchSDPABackend:
         if key_bias is not None:
             scores.add_(key_bias)
         weights = torch.softmax(scores, dim=-1)
-        out = torch.matmul(weights, values.transpose(1, 2).float())  # [B, H_kv, G, D]
+        out = torch.matmul(weights, values)  # [B, H_kv, G, D]
         return out.reshape(batch, self.num_heads, self.head_dim).to(q.dtype)
 
     def _check_window_is_causal(self, causal: bool) -> None:
