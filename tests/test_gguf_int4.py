@@ -14,24 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from spindle import LLM
+from spindle import LLM, SamplingParams
 from spindle.layers.int4 import (GroupQuantized, Int4Weight, int4_matmul, pack, planes_for,
                                  quantize_groups, to_nibbles, unpack)
+from test_gguf import gguf_file  # noqa: F401 (the fixture: the real model's GGUF file)
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
              "Write a haiku about the sea.", "How do I boil an egg?"]
 
 
-@pytest.fixture(scope="module")
-def gguf_file():
-    from spindle.models.gguf import GGUFUnavailable, check_requirements
-    from spindle.tools.smollm2 import SmolLM2Unavailable, gguf_path
-
-    try:
-        check_requirements()
-        return gguf_path()
-    except (SmolLM2Unavailable, GGUFUnavailable) as e:
-        pytest.skip(str(e))
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -206,6 +197,60 @@ def test_other_tensor_types_run_quantized_or_dense(gguf_file, tmp_path, monkeypa
     result = top1_agreement(str(cut), QUESTIONS[:2], 16, baseline,
                             dict(baseline, quantization="gguf"))
     assert result["top1_agreement"] >= 0.9, result
+
+
+def test_a_second_start_reads_the_packed_weights_the_first_cached(gguf_file, tmp_path,
+                                                                   monkeypatch):
+    """The first start of a GGUF file caches its packed weights beside the converted
+    checkpoint (models/packed_cache.py); the second reads them, decodes and packs
+    nothing, and answers token for token the same, as does a start that finds a cache
+    file not matching the model (it loads the file and caches it again)."""
+    from test_gguf import requantize
+
+    from spindle.models import packed_cache
+    from spindle.models.gguf_weights import GGUFWeights
+
+    monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(tmp_path / "cache"))
+    cut = tmp_path / "smollm2-2-layers.gguf"
+    requantize(gguf_file, cut, {"token_embd": "Q8_0", "blk.0.attn_v": "F16",
+                                "blk.0": "Q4_1", "blk.1.ffn": "Q8_0", "blk.1": "Q4_0"})
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def start():
+        hits = []
+        load = packed_cache.load
+        monkeypatch.setattr(packed_cache, "load", lambda *a: hits.append(load(*a)) or hits[-1])
+        with LLM(str(cut), device="cpu", dtype="float32", max_model_len=256) as llm:
+            out = llm.generate(QUESTIONS[:2], params, use_tqdm=False)
+            model = llm.engine.core.executor.worker.runner.model
+            planes = model.model.layers[1].mlp.gate_up_proj.int4.planes
+        monkeypatch.setattr(packed_cache, "load", load)
+        return ([(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in out],
+                hits == [True], planes)
+
+    first, read, planes = start()
+    assert not read and planes == 2
+    (cached,) = (tmp_path / "cache").glob(f"*/{packed_cache.DIRECTORY}/*.safetensors")
+    decoded = []
+    read_tensor = GGUFWeights.read
+    monkeypatch.setattr(GGUFWeights, "read", lambda *a: decoded.append(a) or read_tensor(*a))
+    second, read, planes = start()
+    assert read and planes == 2 and not decoded
+    assert second == first
+    from safetensors.torch import save_file
+
+    save_file({"model.norm.weight": torch.ones(3)}, str(cached))  # not this model's
+    third, read, _ = start()
+    assert not read and third == first
+    assert packed_cache.load(_FakeModel(), cached) is False
+
+
+class _FakeModel(nn.Module):
+    """A model with one dense parameter, for a cache file that holds another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Linear(2, 2)
 
 
 def test_quantization_gguf_is_refused_where_it_cannot_run(tiny_model, gguf_file):

@@ -296,13 +296,33 @@ class Int4Weight:
         if self.planes is None:
             self.planes = planes_for(*staged.code_range())
         nibbles, scale_zero = to_nibbles(staged, self.planes)
-        packed = pack(nibbles)
         scale_zero = scale_zero.transpose(0, 1).to(torch.bfloat16).contiguous()  # [G', N, 2]
+        self._install(pack(nibbles), scale_zero)
+        return True
+
+    def adopt(self, packed: torch.Tensor, scale_zero: torch.Tensor, planes: int) -> None:
+        """Take a weight packed before, as finish() packs it (models/packed_cache.py);
+        ValueError when its shapes are not this weight's."""
+        shapes = ((self.rows, self.cols * planes // 2), (self.cols * planes // GROUP, self.rows, 2))
+        if planes not in (1, 2) or (tuple(packed.shape), tuple(scale_zero.shape)) != shapes:
+            raise ValueError(f"a packed [{self.rows}, {self.cols}] int4 weight of {planes} "
+                             f"plane(s) has shapes {shapes}, got {tuple(packed.shape)} and "
+                             f"{tuple(scale_zero.shape)}")
+        if self.planes is not None and planes != self.planes:
+            raise ValueError(f"this int4 weight holds {self.planes} plane(s), got {planes}")
+        self._staged = self._written = None
+        self.planes = planes
+        self._install(packed.to(torch.uint8), scale_zero.to(torch.bfloat16))
+
+    def _install(self, packed: torch.Tensor, scale_zero: torch.Tensor) -> None:
+        """packed and scale_zero as the module's parameters: written into the ones of an
+        earlier pack (same tensors), or replacing the dense placeholder the first time."""
+        module = self.module
         if isinstance(getattr(module, "weight_scale_zero", None), nn.Parameter):
             with torch.no_grad():
                 module.weight.data.copy_(packed)
                 module.weight_scale_zero.data.copy_(scale_zero)
-            return True
+            return
         old = module.weight
         module.weight = nn.Parameter(packed, requires_grad=False)
         for attr in ("weight_loader", "shard_ids", "loaded_with"):
@@ -310,7 +330,6 @@ class Int4Weight:
                 setattr(module.weight, attr, getattr(old, attr))
         module.weight_scale_zero = nn.Parameter(scale_zero, requires_grad=False)
         module.weight_scale_zero.loaded_with = "weight"
-        return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.packed:

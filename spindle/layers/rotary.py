@@ -1,9 +1,9 @@
 """Rotary position embedding, numerically identical to HF Llama/Qwen.
 
 Neox style: the head dim is split in two halves that rotate together
-(``x * cos + rotate_half(x) * sin``, computed as apply_rotary says). The cos/sin table is computed once in float32
-exactly as HF computes it on the fly (inv_freq * position, then duplicated), and cast
-to the activation dtype at use, like HF does.
+(``x * cos + rotate_half(x) * sin``, computed as apply_rotary says). The cos/sin
+table is computed once in float32 exactly as HF computes it on the fly (inv_freq *
+position, then duplicated), and cast to the activation dtype at use, like HF does.
 """
 
 from __future__ import annotations

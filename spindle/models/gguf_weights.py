@@ -281,22 +281,18 @@ def decode_groups(data: np.ndarray, type_name: str, rows: int, cols: int) -> Gro
         scale = _f16(blocks[:, :2])
         codes = blocks[:, 2:].contiguous().view(torch.int8).to(torch.int16)
         offset = torch.zeros_like(scale)
-    elif type_name in ("Q4_0", "Q4_1"):
-        head = 2 if type_name == "Q4_0" else 4
+    elif type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        # _0: a scale, codes centred on zero; _1: a scale and an offset (the group min).
+        centred = type_name.endswith("_0")
+        head = 2 if centred else 4
         scale = _f16(blocks[:, :2])
-        codes = _nibbles(blocks[:, head:]).to(torch.int16)
-        if type_name == "Q4_0":
-            codes -= 8
-            offset = torch.zeros_like(scale)
-        else:
-            offset = _f16(blocks[:, 2:4])
-    elif type_name in ("Q5_0", "Q5_1"):
-        head = 2 if type_name == "Q5_0" else 4
-        scale = _f16(blocks[:, :2])
-        high = _high_bits(blocks[:, head:head + 4], 32)
-        codes = (_nibbles(blocks[:, head + 4:]) | (high << 4)).to(torch.int16)
-        if type_name == "Q5_0":
-            codes -= 16
+        if type_name.startswith("Q4"):
+            codes = _nibbles(blocks[:, head:]).to(torch.int16)
+        else:  # a fifth bit per value, packed in 4 bytes before the nibbles
+            high = _high_bits(blocks[:, head:head + 4], 32)
+            codes = (_nibbles(blocks[:, head + 4:]) | (high << 4)).to(torch.int16)
+        if centred:
+            codes -= 8 if type_name == "Q4_0" else 16
             offset = torch.zeros_like(scale)
         else:
             offset = _f16(blocks[:, 2:4])

@@ -53,10 +53,9 @@ def load_model(model_config: ModelConfig, device: torch.device,
         fill_dummy_weights(model, model_config.seed)
         return model.eval()
     if gguf:
-        weights = _gguf_weights(model, model_config)
+        loaded = _load_gguf(model, model_config, tp_group, stage or PipelineStage.single())
     else:
-        weights = model_checkpoint(files, model_config)
-    loaded = load_into(model, weights)
+        loaded = load_into(model, model_checkpoint(files, model_config))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_config.model} does not provide {len(missing)} "
@@ -92,6 +91,24 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     loaded = model.load_weights(weights)
     if finish_loading(model):  # (their scales are parameters only from now on)
         loaded = with_dependents(model, loaded)
+    return loaded
+
+
+def _load_gguf(model: nn.Module, model_config: ModelConfig, tp_group: TensorParallelGroup,
+               stage: PipelineStage) -> set[str]:
+    """quantization='gguf': this rank's weights from the packed-weight cache when it
+    matches (models/packed_cache.py), else from the file, then cached."""
+    from spindle.models import packed_cache
+
+    weights = _gguf_weights(model, model_config)  # (chooses the int4 layers; read lazily)
+    place = f"tp{tp_group.rank}of{tp_group.size}-pp{stage.rank}of{stage.size}"
+    path = packed_cache.cache_file(model_config.model, model_config.gguf_file,
+                                   model_config.dtype, place)
+    if packed_cache.load(model, path):
+        logger.info("gguf: packed weights read from %s", path)
+        return {name for name, _ in model.named_parameters()}
+    loaded = load_into(model, weights)
+    packed_cache.save(model, path)
     return loaded
 
 
