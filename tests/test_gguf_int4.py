@@ -263,3 +263,34 @@ def test_quantization_gguf_is_refused_where_it_cannot_run(tiny_model, gguf_file)
     with pytest.raises(ValueError, match="runs on the CPU"):
         _resolve_quantization("gguf", None, gguf_file, "cuda")
     assert _resolve_quantization(None, None, gguf_file, "cuda") is None  # dequantized
+
+
+def test_sleep_level_2_reloads_the_file_into_the_same_packed_tensors(gguf_file, tmp_path,
+                                                                     monkeypatch):
+    """Sleep level 2 drops the weights; waking reads the GGUF file again and packs it
+    into the same parameters (the portable backend keeps their identity, not their
+    addresses): the same bytes, the same tokens and logprobs."""
+    from test_gguf import requantize
+
+    monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(tmp_path / "cache"))
+    cut = tmp_path / "smollm2-2-layers.gguf"
+    requantize(gguf_file, cut, {"token_embd": "Q8_0", "blk.0": "Q4_1", "blk.1": "Q4_0"})
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def answers(llm):
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                for o in llm.generate(QUESTIONS[:2], params, use_tqdm=False)]
+
+    with LLM(str(cut), device="cpu", dtype="float32", max_model_len=256,
+             enable_sleep_mode=True) as llm:
+        model = llm.engine.core.executor.worker.runner.model
+        before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+        assert model.model.layers[0].mlp.gate_up_proj.int4.packed
+        baseline = answers(llm)
+        llm.sleep(2)
+        llm.wake_up()
+        after = dict(model.named_parameters())
+        assert set(after) == set(before)
+        for name, (param, value) in before.items():
+            assert after[name] is param and torch.equal(param, value), name
+        assert answers(llm) == baseline

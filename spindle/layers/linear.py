@@ -298,7 +298,7 @@ class RowParallelLinear(_ParallelLinearBase):
                       shard_id: Any = None) -> None:
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear takes no shard id, got {shard_id!r}")
-        size = param.shape[1]
+        size = self.input_size  # (not param's: a packed int4 weight has other columns)
         self._copy_rows(param, loaded_weight.narrow(1, self.tp_group.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
