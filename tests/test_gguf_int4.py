@@ -294,3 +294,30 @@ def test_sleep_level_2_reloads_the_file_into_the_same_packed_tensors(gguf_file, 
         for name, (param, value) in before.items():
             assert after[name] is param and torch.equal(param, value), name
         assert answers(llm) == baseline
+
+
+def test_a_weight_update_writes_into_the_packed_tensors(gguf_file, tmp_path, monkeypatch):
+    """update_weights with a dense tensor for an int4 layer quantizes it into the same
+    parameters (a zero matrix comes back exactly zero) and leaves every other tensor's
+    bytes as they were."""
+    from test_gguf import requantize
+
+    from spindle.layers.int4 import from_nibbles
+
+    monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(tmp_path / "cache"))
+    cut = tmp_path / "smollm2-2-layers.gguf"
+    requantize(gguf_file, cut, {"token_embd": "Q8_0", "blk.0": "Q4_1", "blk.1": "Q4_0"})
+    with LLM(str(cut), device="cpu", dtype="float32", max_model_len=256) as llm:
+        model = llm.engine.core.executor.worker.runner.model
+        o_proj = model.model.layers[0].self_attn.o_proj
+        before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+        llm.update_weights({"model.layers.0.self_attn.o_proj.weight": torch.zeros(576, 576)})
+        changed = {"model.layers.0.self_attn.o_proj.weight",
+                   "model.layers.0.self_attn.o_proj.weight_scale_zero"}
+        for name, (param, value) in before.items():
+            assert dict(model.named_parameters())[name] is param
+            assert torch.equal(param, value) == (name not in changed), name
+        held = from_nibbles(unpack(o_proj.weight, 576), o_proj.weight_scale_zero.transpose(0, 1),
+                            o_proj.int4.planes)
+        assert torch.count_nonzero(held.dequantize()) == 0
+        llm.generate(QUESTIONS[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # still runs
