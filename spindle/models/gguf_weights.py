@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from spindle.layers.int4 import GROUP, GroupQuantized
+from spindle.layers.int4 import GROUP, ROW_MULTIPLE, GroupQuantized
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 GROUP_QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
@@ -340,9 +340,9 @@ def use_int4_where_quantized(model: nn.Module, weights: GGUFWeights) -> list[str
         rows, cols = module.weight.shape
         if kinds:
             dense.append(f"{name} ({', '.join(kinds)})")
-        elif rows % 16 or cols % GROUP:
+        elif rows % ROW_MULTIPLE or cols % GROUP:
             dense.append(f"{name} (rank-local shape [{rows}, {cols}] is not a multiple of "
-                         f"[16, {GROUP}])")
+                         f"[{ROW_MULTIPLE}, {GROUP}])")
         else:
             module.use_int4_weight()
     return dense
