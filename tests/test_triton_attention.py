@@ -245,7 +245,7 @@ def test_decode_padding_rows_are_zero():
 
 
 def _qwen3_like_transform(positions, head_dim, with_norm, gen):
-    from spindle.layers.fused_kernels import QKNormRope
+    from spindle.layers.rotary import QKNormRope
     from spindle.layers.rotary import RotaryEmbedding
 
     rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0})

@@ -13,7 +13,7 @@ from spindle.cache.spec import AttentionCacheSpec
 from spindle.forward_context import get_forward_context
 
 if TYPE_CHECKING:
-    from spindle.layers.fused_kernels import QKNormRope
+    from spindle.layers.rotary import QKNormRope
 
 
 class Attention(nn.Module):

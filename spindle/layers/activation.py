@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spindle.layers import cpu_kernels
+
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim -> silu(gate) * up (the SwiGLU MLP)."""
@@ -20,6 +22,8 @@ class SiluAndMul(nn.Module):
             from spindle.layers.fused_kernels import silu_and_mul
 
             return silu_and_mul(x)
+        if x.dim() == 2 and cpu_kernels.applies(x):  # (element-wise: batch-invariant too)
+            return cpu_kernels.silu_and_mul(x)
         if self.batch_invariant:
             from spindle.layers.batch_invariant import rowwise
 

@@ -10,13 +10,12 @@ the plain-torch (Hugging Face) version rounds, so results stay bit-comparable:
 * qk_norm_rope_(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps,
   [v, kv_cache, slot_mapping]): optional per-head RMSNorm of q and k, then the
   neox-style rotary embedding, in place; optionally also writes k and v into their
-  paged KV-cache slots (QKNormRope bundles the arguments for the attention layer).
+  paged KV-cache slots (rotary.QKNormRope bundles the arguments for the attention
+  layer).
 * silu_and_mul(x): silu(gate) * up for x = [gate | up].
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -56,29 +55,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, x_stride, res_
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * HIDDEN + offs, y, mask=mask)
-
-
-@dataclass(frozen=True)
-class QKNormRope:
-    """What a Llama-family layer does to q and k before attention: a per-head RMSNorm
-    (when the weights are given), then the rotary embedding at `positions`.
-
-    The model hands it to the attention layer unapplied, so that a backend can fuse it
-    into its own kernels (the Triton decode kernel does); apply_ is the stand-alone
-    version for everything else."""
-
-    positions: torch.Tensor
-    cos_cache: torch.Tensor
-    sin_cache: torch.Tensor
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-
-    def apply_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
-               kv_cache: torch.Tensor | None = None,
-               slot_mapping: torch.Tensor | None = None) -> None:
-        qk_norm_rope_(q, k, self.positions, self.cos_cache, self.sin_cache, self.q_weight,
-                      self.k_weight, self.eps, v, kv_cache, slot_mapping)
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spindle.layers import cpu_kernels
 from spindle.layers.linear import set_weight_loader, default_weight_loader
 
 
@@ -23,7 +24,8 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         set_weight_loader(self.weight, default_weight_loader)
-        # Row by row on CPU (batch_invariant.py); the CUDA kernel is row-wise already.
+        # Row by row on CPU (batch_invariant.py); the CUDA kernel and the C++ one (bf16 on
+        # the CPU) are row-wise already.
         self.batch_invariant = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,6 +40,8 @@ class RMSNorm(nn.Module):
             from spindle.layers.fused_kernels import rms_norm
 
             return rms_norm(x, self.weight, self.variance_epsilon, residual)
+        if x.dim() == 2 and self.weight.dtype == x.dtype and cpu_kernels.applies(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return self._normalize(x)
         x = residual + x  # HF adds in the activation dtype, as here

@@ -9,6 +9,7 @@ position, then duplicated), and cast to the activation dtype at use, like HF doe
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -146,3 +147,33 @@ class RotaryEmbedding(nn.Module):
         return (f"head_dim={self.head_dim}, max_position={self.max_position}, "
                 f"rope_type={self.rope_parameters.get('rope_type')}, "
                 f"rope_theta={self.rope_parameters.get('rope_theta')}")
+
+
+@dataclass(frozen=True)
+class QKNormRope:
+    """What a Llama-family layer does to q and k before attention: a per-head RMSNorm
+    (when the weights are given), then the rotary embedding at `positions`.
+
+    The model hands it to the attention layer unapplied, so that a backend can fuse it
+    into its own kernels (the Triton decode kernel does; on the CPU the torch backend
+    rotates and stores in one call); apply_ is the stand-alone version: the Triton
+    kernel on CUDA, the C++ one on the CPU (layers/cpu_kernels.py)."""
+
+    positions: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+
+    def apply_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
+               kv_cache: torch.Tensor | None = None,
+               slot_mapping: torch.Tensor | None = None) -> None:
+        from spindle.layers import cpu_kernels
+
+        if cpu_kernels.applies(q):
+            qk_norm_rope_ = cpu_kernels.qk_norm_rope_
+        else:  # (CUDA; on CPU tensors only the kernel tests, under Triton's interpreter)
+            from spindle.layers.fused_kernels import qk_norm_rope_
+        qk_norm_rope_(q, k, self.positions, self.cos_cache, self.sin_cache, self.q_weight,
+                      self.k_weight, self.eps, v, kv_cache, slot_mapping)

@@ -32,6 +32,7 @@ from torch import nn
 from spindle.attention import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
+from spindle.layers import cpu_kernels
 from spindle.layers.activation import SiluAndMul
 from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -146,10 +147,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        """cos/sin None: the fused CUDA path. The q/k norms and the rotary embedding
-        (reading the tables, rope_tables, by position) are handed to the attention
-        layer unapplied, so its backend can fuse them with the KV store (and, on
-        decode steps, with attention itself)."""
+        """cos/sin None: the fused path (CUDA, and bf16 on the CPU). The q/k norms and
+        the rotary embedding (reading the tables, rope_tables, by position) are handed
+        to the attention layer unapplied, so its backend can fuse them with the KV
+        store (and, on CUDA decode steps, with attention itself)."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = self.qkv_proj.split_qkv(qkv)
         if cos is None:
@@ -169,8 +170,8 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
     def _qk_norm_rope(self, positions: torch.Tensor):
-        """This layer's q/k norms and rotary embedding, as a fused_kernels.QKNormRope."""
-        from spindle.layers.fused_kernels import QKNormRope
+        """This layer's q/k norms and rotary embedding, as a rotary.QKNormRope."""
+        from spindle.layers.rotary import QKNormRope
 
         norm = self.q_norm is not None
         return QKNormRope(positions, *self.rope_tables,
@@ -260,7 +261,7 @@ class LlamaModel(nn.Module):
                                  "stage's intermediate_tensors")
             hidden_states = intermediate_tensors.hidden_states
             residual = intermediate_tensors.residual
-        if hidden_states.is_cuda:
+        if hidden_states.is_cuda or cpu_kernels.applies(hidden_states):
             cos = sin = None  # the fused kernels read the tables themselves
         else:
             cos, sin = self.rotary_emb(positions, hidden_states.dtype)  # shared by all layers

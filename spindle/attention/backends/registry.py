@@ -10,7 +10,7 @@ there, by name) whose instances provide
   the step's new tokens only and nothing is stored), attn_metadata an AttentionMetadata
   or None (None: all tokens form one causal sequence), and out [T, num_heads, head_dim].
 * optionally ``fuses_qk_transform = True``: forward then also takes
-  ``qk_transform=`` (a ``layers.fused_kernels.QKNormRope``: q/k norm + rotary not yet
+  ``qk_transform=`` (a ``layers.rotary.QKNormRope``: q/k norm + rotary not yet
   applied) and applies it itself; for other backends ``Attention.forward`` applies it
   before calling them.
 

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 
 from spindle.attention.heads import set_head_geometry
 from spindle.attention.metadata import AttentionMetadata
+from spindle.layers import cpu_kernels
+from spindle.layers.rotary import QKNormRope
 
 # Most context tokens gathered at once by the batched decode path (per K and per V).
 DECODE_GATHER_TOKEN_BUDGET = 1 << 15
@@ -48,6 +50,10 @@ WINDOW_QUERY_CHUNK = 512
 
 
 class TorchSDPABackend:
+    # forward() takes the q/k norm + rotary (a rotary.QKNormRope) and applies it together
+    # with the KV store: one C++ call for bf16 on the CPU (layers/cpu_kernels.py).
+    fuses_qk_transform = True
+
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None,
                  logits_soft_cap: float | None = None) -> None:
@@ -65,16 +71,30 @@ class TorchSDPABackend:
     # ---------------------------------------------------------------- entry point
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None,
-                attn_metadata: AttentionMetadata | None) -> torch.Tensor:
-        """q [T, H, D], k/v [T, H_kv, D] -> [T, H, D]."""
+                attn_metadata: AttentionMetadata | None,
+                qk_transform: QKNormRope | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, H_kv, D] -> [T, H, D]; qk_transform: the q/k norm and
+        rotary still to apply to q and k (in place)."""
         if kv_cache is None:
+            if qk_transform is not None:
+                qk_transform.apply_(q, k)
             return self._forward_without_cache(q, k, v, attn_metadata)
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
         key_cache, value_cache = self._flat_caches(kv_cache)
         plan = self._step_plan(attn_metadata, kv_cache.shape[2])
-        self.store_kv(k, v, key_cache, value_cache, plan.store_slots)
+        if qk_transform is not None and kv_cache.dtype == k.dtype:
+            qk_transform.apply_(q, k, v, kv_cache, plan.store_slots)  # rotates and stores
+        else:
+            if qk_transform is not None:
+                qk_transform.apply_(q, k)
+            self.store_kv(k, v, key_cache, value_cache, plan.store_slots)
         if plan.decode_only:  # every token is one decode query, in request order
+            if self._fused_decode(q, key_cache):
+                return cpu_kernels.decode_attention(
+                    q, key_cache, value_cache, attn_metadata.block_tables,
+                    attn_metadata.seq_lens, kv_cache.shape[2], self.scale,
+                    self.sliding_window, self.logits_soft_cap)
             (group,) = plan.decode_groups
             return self._decode_group(q, key_cache, value_cache, group)
         out = torch.zeros_like(q)  # rows of padding tokens (if any) stay finite
@@ -85,6 +105,12 @@ class TorchSDPABackend:
             self._prefill(q, key_cache, value_cache, kv_cache.shape[2], attn_metadata, i,
                           plan.query_start, plan.seq_lens, out)
         return out
+
+    @staticmethod
+    def _fused_decode(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        """bf16 decode on the CPU attends in one C++ call (cpu_kernels.decode_attention;
+        float32 keeps SDPA, whose sums match transformers')."""
+        return key_cache.dtype == q.dtype and cpu_kernels.applies(q)
 
     def _step_plan(self, md: AttentionMetadata, block_size: int) -> _StepPlan:
         """The step's split into decode groups and prefill requests, with each decode

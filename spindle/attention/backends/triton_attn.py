@@ -44,7 +44,8 @@ import triton.language as tl
 
 from spindle.attention.heads import set_head_geometry
 from spindle.attention.metadata import AttentionMetadata
-from spindle.layers.fused_kernels import QKNormRope, cache_row, norm_rope_rows
+from spindle.layers.fused_kernels import cache_row, norm_rope_rows
+from spindle.layers.rotary import QKNormRope
 
 _TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100/H200
 _MAX_SPLITS = 32

@@ -1,0 +1,466 @@
+// Fused CPU kernels for the small stages of a decoder layer, in bf16 activations.
+//
+// Eager torch runs each stage of a layer (residual add + RMSNorm, rotary + KV store,
+// single-query attention over the paged cache, SiLU-and-mul) as 3-15 separate ops,
+// each costing 5-15 us of dispatch on a small CPU however few rows it touches: on a
+// 135M model that was as much time as all the matmuls of a decode step. Each function
+// here does one stage in one call, in float32, rounding to bf16 exactly where the
+// torch (Hugging Face) version rounds, so results equal the torch ops up to float32
+// summation order (spindle/layers/cpu_kernels.py loads this file; tests compare every
+// function with its torch version).
+//
+// Built once per machine with -march=native and ATen's vector types
+// (at::vec::Vectorized, whose exp is the one torch's own kernels use).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = fVec::size();
+
+// ---------------------------------------------------------------- float helpers
+
+inline void to_float(const bf16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    fVec v;
+    at::vec::load_fp32_from_bf16(src + i, v);
+    v.store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void from_float(const float* src, bf16* dst, int64_t n) {
+  at::vec::convert(src, dst, n);  // round to nearest even, as torch's casts
+}
+
+// x rounded to bf16 and back, in place (where the torch version stores a bf16 tensor).
+inline void round_bf16(float* x, int64_t n) {
+  bf16 lanes[kLanes];
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    at::vec::convert(x + i, lanes, kLanes);
+    fVec v;
+    at::vec::load_fp32_from_bf16(lanes, v);
+    v.store(x + i);
+  }
+  for (; i < n; ++i) x[i] = static_cast<float>(static_cast<bf16>(x[i]));
+}
+
+inline float horizontal_sum(const fVec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);
+#endif
+  float lanes[kLanes];
+  v.store(lanes);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < kLanes; ++i) sum += lanes[i];
+  return sum;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  fVec acc(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = at::vec::fmadd(fVec::loadu(a + i), fVec::loadu(b + i), acc);
+  float sum = horizontal_sum(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline float sum_of_squares(const float* a, int64_t n) { return dot(a, a, n); }
+
+// y[i] += w * x[i]
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  fVec wv(w);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) at::vec::fmadd(wv, fVec::loadu(x + i), fVec::loadu(y + i)).store(y + i);
+  for (; i < n; ++i) y[i] += w * x[i];
+}
+
+inline float max_of(const float* x, int64_t n) {
+  fVec top(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) top = at::vec::maximum(top, fVec::loadu(x + i));
+  float lanes[kLanes];
+  top.store(lanes);
+  float best = *std::max_element(lanes, lanes + kLanes);
+  for (; i < n; ++i) best = std::max(best, x[i]);
+  return best;
+}
+
+// out[0:d] = sum_j w[j] * rows[j * d : (j + 1) * d], 64 columns at a time in registers.
+inline void weighted_sum(const float* w, const float* rows, int64_t n, int64_t d, float* out) {
+  constexpr int64_t kTile = 4 * kLanes;
+  int64_t c = 0;
+  for (; c + kTile <= d; c += kTile) {
+    fVec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const fVec wj(w[j]);
+      const float* r = rows + j * d + c;
+      a0 = at::vec::fmadd(wj, fVec::loadu(r), a0);
+      a1 = at::vec::fmadd(wj, fVec::loadu(r + kLanes), a1);
+      a2 = at::vec::fmadd(wj, fVec::loadu(r + 2 * kLanes), a2);
+      a3 = at::vec::fmadd(wj, fVec::loadu(r + 3 * kLanes), a3);
+    }
+    a0.store(out + c);
+    a1.store(out + c + kLanes);
+    a2.store(out + c + 2 * kLanes);
+    a3.store(out + c + 3 * kLanes);
+  }
+  if (c < d) {
+    std::fill(out + c, out + d, 0.0f);
+    for (int64_t j = 0; j < n; ++j) axpy(w[j], rows + j * d + c, out + c, d - c);
+  }
+}
+
+// x[i] = exp(x[i] - shift), returning the sum (softmax's numerator and denominator).
+inline float exp_shifted(float* x, float shift, int64_t n) {
+  fVec sv(shift), acc(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    fVec e = (fVec::loadu(x + i) - sv).exp();
+    e.store(x + i);
+    acc = acc + e;
+  }
+  float sum = horizontal_sum(acc);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// Rows of at most `work` elements each: enough per task that a thread's start-up cost
+// (a few microseconds) pays off.
+inline int64_t grain_rows(int64_t row_elems, int64_t work = 1 << 14) {
+  return std::max<int64_t>(1, work / std::max<int64_t>(1, row_elems));
+}
+
+void check_bf16(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+// HF's LlamaRMSNorm on one row h (float32, already the bf16 input's values):
+// h * rsqrt(mean(h^2) + eps), rounded to bf16, times the weight, rounded again.
+inline void rms_norm_row(float* h, const float* w, bf16* out, int64_t n, float eps) {
+  float inv = 1.0f / std::sqrt(sum_of_squares(h, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<float>(static_cast<bf16>(h[i] * inv)) * w[i];
+  from_float(h, out, n);
+}
+
+// x [T, H] (rows may be strided) -> out [T, H]; with residual: the row is first
+// residual + x (rounded to bf16, as torch adds), which is also returned.
+std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight,
+                                    double eps, const c10::optional<torch::Tensor>& residual) {
+  check_bf16(x, "x");
+  check_bf16(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, H] with contiguous rows");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "weight must be [H] contiguous");
+  auto out = torch::empty({rows, n}, x.options());
+  torch::Tensor new_residual;
+  const bf16* res = nullptr;
+  int64_t res_stride = 0;
+  if (residual.has_value()) {
+    check_bf16(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->stride(1) == 1,
+                "residual must be [T, H] like x");
+    new_residual = torch::empty({rows, n}, x.options());
+    res = residual->data_ptr<bf16>();
+    res_stride = residual->stride(0);
+  }
+  const bf16* xp = x.data_ptr<bf16>();
+  const int64_t x_stride = x.stride(0);
+  std::vector<float> w(n);
+  to_float(weight.data_ptr<bf16>(), w.data(), n);
+  bf16* op = out.data_ptr<bf16>();
+  bf16* rp = res ? new_residual.data_ptr<bf16>() : nullptr;
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> h(n), r(n);
+    for (int64_t row = begin; row < end; ++row) {
+      to_float(xp + row * x_stride, h.data(), n);
+      if (res) {
+        to_float(res + row * res_stride, r.data(), n);
+        for (int64_t i = 0; i < n; ++i) h[i] += r[i];
+        round_bf16(h.data(), n);
+        from_float(h.data(), rp + row * n, n);
+      }
+      rms_norm_row(h.data(), w.data(), op + row * n, n, static_cast<float>(eps));
+    }
+  });
+  if (res) return {out, new_residual};
+  return {out};
+}
+
+// ---------------------------------------------------------------- SiLU and mul
+
+// x [T, 2F] = [gate | up] -> silu(gate) * up [T, F]; silu as torch computes it
+// (x / (1 + exp(-x)) in float32), rounded to bf16 before the product.
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  check_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "x must be [T, 2F] with contiguous rows");
+  const int64_t rows = x.size(0), width = x.size(1) / 2, x_stride = x.stride(0);
+  auto out = torch::empty({rows, width}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  // Split along the features too: one row is the whole step at batch 1.
+  const int64_t chunk = std::min<int64_t>(width, 512);
+  const int64_t chunks_per_row = (width + chunk - 1) / chunk;
+  at::parallel_for(0, rows * chunks_per_row, grain_rows(chunk), [&](int64_t begin, int64_t end) {
+    std::vector<float> g(chunk), u(chunk);
+    const fVec one(1.0f);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / chunks_per_row, start = (task % chunks_per_row) * chunk;
+      const int64_t n = std::min(chunk, width - start);
+      to_float(xp + row * x_stride + start, g.data(), n);
+      to_float(xp + row * x_stride + width + start, u.data(), n);
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) {
+        fVec v = fVec::loadu(g.data() + i);
+        (v / (one + v.neg().exp())).store(g.data() + i);
+      }
+      for (; i < n; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i]));
+      round_bf16(g.data(), n);
+      for (int64_t j = 0; j < n; ++j) g[j] *= u[j];
+      from_float(g.data(), op + row * width + start, n);
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- q/k norm + rotary + KV store
+
+struct HeadRows {
+  bf16* base;
+  int64_t token_stride, head_stride, heads;
+};
+
+HeadRows head_rows(const torch::Tensor& t, const char* name) {
+  check_bf16(t, name);
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, " must be [T, heads, D] with contiguous heads");
+  return {t.data_ptr<bf16>(), t.stride(0), t.stride(1), t.size(1)};
+}
+
+// One head in place: optional per-head RMSNorm (weight w), then the neox rotary
+// embedding with the token's bf16-rounded cos/sin: x * cos + rotate_half(x) * sin,
+// each product rounded to bf16, then the sum (as apply_rotary in torch).
+inline void norm_rope_head(bf16* head, const float* w, const float* cos, const float* sin,
+                           float* x, float* y, int64_t d, float eps) {
+  to_float(head, x, d);
+  if (w != nullptr) {
+    float inv = 1.0f / std::sqrt(sum_of_squares(x, d) / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) x[i] = static_cast<float>(static_cast<bf16>(x[i] * inv)) * w[i];
+    round_bf16(x, d);
+  }
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    y[i] = -x[i + half] * sin[i];
+    y[i + half] = x[i] * sin[i + half];
+  }
+  round_bf16(y, d);
+  for (int64_t i = 0; i < d; ++i) x[i] *= cos[i];
+  round_bf16(x, d);
+  for (int64_t i = 0; i < d; ++i) x[i] += y[i];
+  from_float(x, head, d);
+}
+
+// In place on q [T, Hq, D] and k [T, Hk, D] (views into the qkv output): per-head RMSNorm
+// when weights are given, then the rotary embedding at positions (float32 tables
+// [P, D]); with caches (flat [slots, Hk, D]) and slots [T] (int64; < 0: skip) it also
+// writes each token's rotated k and its v into its slot.
+void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions,
+                   const torch::Tensor& cos_cache, const torch::Tensor& sin_cache,
+                   const c10::optional<torch::Tensor>& q_weight,
+                   const c10::optional<torch::Tensor>& k_weight, double eps,
+                   const c10::optional<torch::Tensor>& v,
+                   const c10::optional<torch::Tensor>& key_cache,
+                   const c10::optional<torch::Tensor>& value_cache,
+                   const c10::optional<torch::Tensor>& slots) {
+  HeadRows qr = head_rows(q, "q"), kr = head_rows(k, "k");
+  const int64_t tokens = q.size(0), d = q.size(2);
+  TORCH_CHECK(k.size(0) == tokens && k.size(2) == d, "k must be [T, Hk, D] like q");
+  TORCH_CHECK(d % 2 == 0, "the rotary embedding needs an even head dim");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == tokens,
+              "positions must be int64 [T]");
+  TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && sin_cache.scalar_type() == at::kFloat &&
+              cos_cache.is_contiguous() && sin_cache.is_contiguous() && cos_cache.size(1) == d &&
+              sin_cache.sizes() == cos_cache.sizes(),
+              "cos/sin caches must be contiguous float32 [P, D]");
+  TORCH_CHECK(q_weight.has_value() == k_weight.has_value(), "give both q/k norm weights or none");
+  const bool store = key_cache.has_value();
+  TORCH_CHECK(store == value_cache.has_value() && store == slots.has_value() && store == v.has_value(),
+              "storing needs v, both caches and the slots");
+  std::vector<float> qw, kw;
+  if (q_weight.has_value()) {
+    check_bf16(*q_weight, "q_weight");
+    check_bf16(*k_weight, "k_weight");
+    TORCH_CHECK(q_weight->numel() == d && k_weight->numel() == d, "q/k norm weights must be [D]");
+    qw.resize(d);
+    kw.resize(d);
+    to_float(q_weight->contiguous().data_ptr<bf16>(), qw.data(), d);
+    to_float(k_weight->contiguous().data_ptr<bf16>(), kw.data(), d);
+  }
+  HeadRows vr{nullptr, 0, 0, 0};
+  bf16 *kc = nullptr, *vc = nullptr;
+  const int64_t* sp = nullptr;
+  int64_t cache_slots = 0;
+  if (store) {
+    vr = head_rows(*v, "v");
+    check_bf16(*key_cache, "key_cache");
+    check_bf16(*value_cache, "value_cache");
+    TORCH_CHECK(key_cache->is_contiguous() && value_cache->is_contiguous() && key_cache->dim() == 3 &&
+                key_cache->size(1) == kr.heads && key_cache->size(2) == d &&
+                value_cache->sizes() == key_cache->sizes(),
+                "caches must be contiguous [slots, Hk, D]");
+    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->numel() == tokens && slots->is_contiguous(),
+                "slots must be int64 [T]");
+    kc = key_cache->data_ptr<bf16>();
+    vc = value_cache->data_ptr<bf16>();
+    sp = slots->data_ptr<int64_t>();
+    cache_slots = key_cache->size(0);
+  }
+  const int64_t* pos = positions.contiguous().data_ptr<int64_t>();
+  const float* cos_base = cos_cache.data_ptr<float>();
+  const float* sin_base = sin_cache.data_ptr<float>();
+  const int64_t max_pos = cos_cache.size(0);
+  const float* qwp = qw.empty() ? nullptr : qw.data();
+  const float* kwp = kw.empty() ? nullptr : kw.data();
+  const int64_t row = kr.heads * d;
+  at::parallel_for(0, tokens, grain_rows((qr.heads + kr.heads) * d * 4), [&](int64_t begin, int64_t end) {
+    std::vector<float> cos(d), sin(d), x(d), y(d);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = pos[t];
+      TORCH_CHECK(p >= 0 && p < max_pos, "position ", p, " is outside the rotary table");
+      std::copy(cos_base + p * d, cos_base + (p + 1) * d, cos.begin());
+      std::copy(sin_base + p * d, sin_base + (p + 1) * d, sin.begin());
+      round_bf16(cos.data(), d);  // torch casts the tables to the activation dtype
+      round_bf16(sin.data(), d);
+      for (int64_t h = 0; h < qr.heads; ++h)
+        norm_rope_head(qr.base + t * qr.token_stride + h * qr.head_stride, qwp, cos.data(), sin.data(),
+                       x.data(), y.data(), d, static_cast<float>(eps));
+      for (int64_t h = 0; h < kr.heads; ++h)
+        norm_rope_head(kr.base + t * kr.token_stride + h * kr.head_stride, kwp, cos.data(), sin.data(),
+                       x.data(), y.data(), d, static_cast<float>(eps));
+      if (!store || sp[t] < 0) continue;
+      TORCH_CHECK(sp[t] < cache_slots, "slot ", sp[t], " is outside the cache");
+      for (int64_t h = 0; h < kr.heads; ++h) {
+        std::copy_n(kr.base + t * kr.token_stride + h * kr.head_stride, d, kc + sp[t] * row + h * d);
+        std::copy_n(vr.base + t * vr.token_stride + h * vr.head_stride, d, vc + sp[t] * row + h * d);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- decode attention
+
+// One query per request, q [B, H, D] (rows may be strided), over its context in the
+// paged caches (flat [slots, Hk, D], block_size tokens per block): request b's keys are
+// positions [start, seq_lens[b]), start = seq_len - window when a window is given.
+// Scores (q . k) * scale, soft-capped when soft_cap > 0, softmax and the weighted sum of
+// the values in float32; out [B, H, D] in bf16. The query heads of one KV head are
+// done together, one task per (request, KV head).
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_cache,
+                               const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                               const torch::Tensor& seq_lens, int64_t block_size, double scale,
+                               int64_t window, double soft_cap) {
+  HeadRows qr = head_rows(q, "q");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  check_bf16(key_cache, "key_cache");
+  check_bf16(value_cache, "value_cache");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 3 &&
+              key_cache.size(2) == d && value_cache.sizes() == key_cache.sizes(),
+              "caches must be contiguous [slots, Hk, D]");
+  const int64_t kv_heads = key_cache.size(1);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+              block_tables.size(0) >= batch && block_tables.stride(1) == 1,
+              "block_tables must be int32 [>= B, blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() >= batch && seq_lens.is_contiguous(),
+              "seq_lens must be int32 [>= B]");
+  TORCH_CHECK(block_size > 0, "block_size must be > 0");
+  const int64_t group = heads / kv_heads, row = kv_heads * d, slots = key_cache.size(0);
+  const int64_t table_stride = block_tables.stride(0), max_blocks = block_tables.size(1);
+  auto out = torch::empty({batch, heads, d}, q.options());
+  const bf16* kc = key_cache.data_ptr<bf16>();
+  const bf16* vc = value_cache.data_ptr<bf16>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  bf16* op = out.data_ptr<bf16>();
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), keys, values, acc(group * d), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, kvh = task % kv_heads;
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t span = len - start;
+      TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= max_blocks,
+                  "seq_len ", len, " does not fit the block table");
+      for (int64_t g = 0; g < group; ++g)
+        to_float(qr.base + b * qr.token_stride + (kvh * group + g) * qr.head_stride, qf.data() + g * d, d);
+      // This head's keys and values of positions [start, len), block by block, as float32.
+      keys.resize(span * d);
+      values.resize(span * d);
+      for (int64_t p = start; p < len;) {
+        const int64_t block = tables[b * table_stride + p / block_size];
+        const int64_t first = p % block_size, n = std::min(block_size - first, len - p);
+        TORCH_CHECK(block >= 0 && (block + 1) * block_size <= slots, "block table entry ", block,
+                    " is outside the cache");
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t offset = (block * block_size + first + i) * row + kvh * d;
+          to_float(kc + offset, keys.data() + (p - start + i) * d, d);
+          to_float(vc + offset, values.data() + (p - start + i) * d, d);
+        }
+        p += n;
+      }
+      scores.resize(group * span);
+      for (int64_t j = 0; j < span; ++j)
+        for (int64_t g = 0; g < group; ++g) {
+          float s = dot(qf.data() + g * d, keys.data() + j * d, d) * fscale;
+          if (cap > 0.0f) s = std::tanh(s / cap) * cap;
+          scores[g * span + j] = s;
+        }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * span;
+        const float top = max_of(sg, span);
+        const float inv = 1.0f / exp_shifted(sg, top, span);
+        for (int64_t j = 0; j < span; ++j) sg[j] *= inv;
+      }
+      for (int64_t g = 0; g < group; ++g)
+        weighted_sum(scores.data() + g * span, values.data(), span, d, acc.data() + g * d);
+      for (int64_t g = 0; g < group; ++g)
+        from_float(acc.data() + g * d, op + (b * heads + kvh * group + g) * d, d);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "spindle's fused CPU kernels (bf16): see spindle/layers/cpu_kernels.py";
+  m.attr("vector_lanes") = kLanes;
+  m.def("rms_norm", &rms_norm, "residual add + RMSNorm", py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::arg("residual") = py::none());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("qk_norm_rope_", &qk_norm_rope_, "q/k norm + rotary, in place, + KV store", py::arg("q"),
+        py::arg("k"), py::arg("positions"), py::arg("cos_cache"), py::arg("sin_cache"),
+        py::arg("q_weight") = py::none(), py::arg("k_weight") = py::none(), py::arg("eps") = 0.0,
+        py::arg("v") = py::none(), py::arg("key_cache") = py::none(), py::arg("value_cache") = py::none(),
+        py::arg("slots") = py::none());
+  m.def("decode_attention", &decode_attention, "single-query attention over the paged cache");
+}

@@ -1,0 +1,252 @@
+"""The fused C++ CPU kernels (spindle/csrc/cpu_kernels.cpp, bf16) against the torch
+ops they replace and a float64 reference, on fresh random inputs; then whole bf16
+models with the kernels on and off, both against transformers in float32.
+
+They are built on first use (scripts/install.sh builds them ahead). Without a C++
+compiler they cannot be, and these tests are skipped with that reason; with one, a
+failed build fails them."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from spindle.layers import cpu_kernels
+
+BF16 = torch.bfloat16
+if shutil.which(os.environ.get("CXX", "c++")) is None:
+    pytest.skip("no C++ compiler: the fused CPU kernels cannot be built here",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    try:
+        cpu_kernels.kernels()
+    except cpu_kernels.CPUKernelsUnavailable as e:
+        pytest.fail(f"a compiler is present but the kernels did not build: {e}")
+
+
+def one_rounding_apart(out: torch.Tensor, ref: torch.Tensor, equal_share: float = 0.99):
+    """bf16 results of two float32 summation orders: at most one bf16 step apart, and
+    nearly all bits equal."""
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=8e-3)
+    assert (out == ref).float().mean().item() >= equal_share
+
+
+@pytest.mark.parametrize("hidden", [576, 1000, 64])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_rms_norm_equals_the_torch_layer(hidden, rows):
+    from spindle.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(hidden + rows)
+    norm = RMSNorm(hidden, eps=1e-5)
+    norm.weight.data = torch.randn(hidden, generator=gen)
+    norm = norm.to(BF16)
+    wide = torch.randn(rows, hidden + 24, generator=gen).to(BF16)
+    x = wide[:, 8:8 + hidden]  # rows with a stride, as slices of a wider tensor
+    residual = torch.randn(rows, hidden, generator=gen).to(BF16)
+    out, new_residual = cpu_kernels.rms_norm(x, norm.weight, 1e-5, residual)
+    assert torch.equal(new_residual, residual + x)  # the add rounds as torch's
+    one_rounding_apart(out, norm._norm(residual + x))
+    one_rounding_apart(cpu_kernels.rms_norm(x, norm.weight, 1e-5), norm._norm(x))
+
+
+@pytest.mark.parametrize("width", [1536, 1000, 8])
+def test_silu_and_mul_equals_torch(width):
+    from spindle.layers.activation import _silu_and_mul
+
+    x = (torch.randn(9, 2 * width, generator=torch.Generator().manual_seed(width)) * 4).to(BF16)
+    one_rounding_apart(cpu_kernels.silu_and_mul(x), _silu_and_mul(x), equal_share=0.999)
+
+
+@pytest.mark.parametrize("head_dim,num_q,num_k", [(64, 9, 3), (128, 4, 1), (16, 4, 2)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_qk_norm_rope_and_store(head_dim, num_q, num_k, with_norm):
+    from spindle.layers.norm import RMSNorm
+    from spindle.layers.rotary import RotaryEmbedding, apply_rotary
+
+    gen = torch.Generator().manual_seed(head_dim + num_q)
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+    tokens = 29
+    qkv = torch.randn(tokens, (num_q + 2 * num_k) * head_dim, generator=gen).to(BF16)
+    q = qkv[:, :num_q * head_dim].view(tokens, num_q, head_dim)
+    k = qkv[:, num_q * head_dim:(num_q + num_k) * head_dim].view(tokens, num_k, head_dim)
+    v = qkv[:, (num_q + num_k) * head_dim:].view(tokens, num_k, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    q_norm, k_norm = RMSNorm(head_dim).to(BF16), RMSNorm(head_dim).to(BF16)
+    q_norm.weight.data = torch.randn(head_dim, generator=gen).to(BF16)
+    k_norm.weight.data = torch.randn(head_dim, generator=gen).to(BF16)
+    cos, sin = rope(positions, BF16)
+    rq, rk = (q_norm(q), k_norm(k)) if with_norm else (q, k)
+    ref_q, ref_k, ref_v = apply_rotary(rq, cos, sin), apply_rotary(rk, cos, sin), v.clone()
+
+    cache = torch.full((2, 4, 16, num_k, head_dim), 7.0, dtype=BF16)
+    slots = torch.randperm(64, generator=gen)[:tokens]
+    slots[3] = -1  # a padding token: not stored
+    cpu_kernels.qk_norm_rope_(q, k, positions, rope.cos_cache, rope.sin_cache,
+                              q_norm.weight if with_norm else None,
+                              k_norm.weight if with_norm else None, 1e-6, v, cache, slots)
+    if with_norm:  # (the per-head norm sums in another order)
+        one_rounding_apart(q, ref_q, 0.98)
+        one_rounding_apart(k, ref_k, 0.98)
+    else:  # no sums: the same bits as apply_rotary
+        assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert torch.equal(v, ref_v)
+    stored = slots >= 0
+    keys = cache[0].view(-1, num_k, head_dim)
+    values = cache[1].view(-1, num_k, head_dim)
+    assert torch.equal(keys[slots[stored]], k[stored])
+    assert torch.equal(values[slots[stored]], v[stored])
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots[stored]] = False
+    assert (keys[untouched] == 7).all() and (values[untouched] == 7).all()
+
+
+def reference_decode(q, keys, values, tables, lens, block_size, scale, window, cap):
+    """float64, one request at a time, straight from the definition."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // keys.shape[1]
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        first = max(0, n - window) if window else 0
+        pos = torch.arange(first, n)
+        slots = tables[b].long()[pos // block_size] * block_size + pos % block_size
+        k = keys[slots].double().repeat_interleave(group, dim=1)  # [S, H, D]
+        v = values[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[b].double(), k) * scale
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
+        out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 3.0)])
+@pytest.mark.parametrize("head_dim,num_q,num_k", [(64, 9, 3), (128, 8, 8), (80, 4, 2)])
+def test_decode_attention_equals_the_definition(window, cap, head_dim, num_q, num_k):
+    gen = torch.Generator().manual_seed(head_dim * num_q + (window or 0))
+    block_size, blocks = 16, 40
+    cache = torch.randn(2, blocks, block_size, num_k, head_dim, generator=gen).to(BF16)
+    keys = cache[0].view(-1, num_k, head_dim)
+    values = cache[1].view(-1, num_k, head_dim)
+    lens = torch.tensor([1, 17, 200, 33, 64], dtype=torch.int32)
+    # Each request's blocks scattered over the cache, rows padded as the runner pads them.
+    order = torch.randperm(blocks, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lens), 14, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens.tolist()):
+        count = math.ceil(n / block_size)
+        tables[b, :count] = order[used:used + count] if used + count <= blocks else order[:count]
+        used = (used + count) % blocks
+    q = torch.randn(len(lens), num_q, head_dim, generator=gen).to(BF16)
+    scale = head_dim ** -0.5
+    out = cpu_kernels.decode_attention(q, keys, values, tables, lens, block_size, scale,
+                                       window, cap)
+    ref = reference_decode(q, keys, values, tables, lens, block_size, scale, window, cap)
+    assert out.dtype == BF16 and out.shape == q.shape
+    torch.testing.assert_close(out.double(), ref, atol=8e-3, rtol=8e-3)
+
+
+def test_bad_inputs_are_refused_by_name():
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        cpu_kernels.rms_norm(x, torch.ones(64), 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        cpu_kernels.rms_norm(x.to(BF16), torch.ones(32, dtype=BF16), 1e-6)
+    cache = torch.zeros(2, 2, 16, 1, 64, dtype=BF16)
+    q = torch.zeros(1, 2, 64, dtype=BF16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.decode_attention(q, cache[0].view(-1, 1, 64), cache[1].view(-1, 1, 64),
+                                     torch.tensor([[5]], dtype=torch.int32),
+                                     torch.tensor([3], dtype=torch.int32), 16, 0.1)
+    with pytest.raises(RuntimeError, match="does not fit the block table"):
+        cpu_kernels.decode_attention(q, cache[0].view(-1, 1, 64), cache[1].view(-1, 1, 64),
+                                     torch.tensor([[0]], dtype=torch.int32),
+                                     torch.tensor([40], dtype=torch.int32), 16, 0.1)
+    qkv = torch.zeros(1, 3, 64, dtype=BF16)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        cpu_kernels.qk_norm_rope_(qkv[:, :2], qkv[:, 2:], torch.tensor([9]),
+                                  torch.zeros(4, 64), torch.zeros(4, 64), None, None, 1e-6)
+
+
+def test_the_switch_turns_them_off(monkeypatch):
+    x = torch.zeros(1, 8, dtype=BF16)
+    assert cpu_kernels.applies(x)
+    assert not cpu_kernels.applies(x.float())
+    monkeypatch.setenv(cpu_kernels.SWITCH_ENV, "0")
+    assert not cpu_kernels.applies(x)
+
+
+# ---------------------------------------------------------------- whole models
+
+PROMPTS = [[1, 5, 9, 200, 17, 3], [4] * 40, [7, 8, 9], list(range(30, 62))]
+NEW = 12
+
+
+def greedy(path, **options):
+    from spindle import LLM, SamplingParams
+
+    with LLM(str(path), device="cpu", dtype="bfloat16", enable_prefix_caching=False,
+             **options) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("qwen3", {}),
+                                         ("mistral", {"sliding_window": 8}), ("gemma2", {})])
+def test_bf16_models_with_and_without_the_kernels(tiny_model, monkeypatch, arch, kwargs):
+    """The kernels on (and used: counted) against the torch ops (switched off), each
+    run's greedy tokens scored by transformers in float32: how much logprob each token
+    gives up against transformers' own best choice at its position. Both stay within
+    bf16's reach of float32, the kernels no farther than the torch ops."""
+    path = tiny_model(arch, **kwargs)
+    module = cpu_kernels.kernels()
+    calls: dict[str, int] = {}
+
+    def counting(name):
+        inner = getattr(module, name)
+
+        def call(*args, **kw):
+            calls[name] = calls.get(name, 0) + 1
+            return inner(*args, **kw)
+        return call
+
+    class Counting:
+        def __getattr__(self, name):
+            return counting(name)
+
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: Counting())
+    fused = greedy(path)
+    expected = {"decode_attention"}
+    if arch != "gemma2":  # (Gemma's norms and GeGLU are its own torch code)
+        expected |= {"rms_norm", "silu_and_mul", "qk_norm_rope_"}
+    assert expected <= set(calls), calls
+    monkeypatch.setenv(cpu_kernels.SWITCH_ENV, "0")
+    calls.clear()
+    plain = greedy(path)
+    assert calls == {}
+
+    def mean_gap(sequences):
+        """Mean float32 logprob the greedy token loses against transformers' own
+        greedy choice at that position (0 when they agree)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        gaps = []
+        with torch.no_grad():
+            for prompt, tokens in zip(PROMPTS, sequences):
+                logprobs = model(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)
+                for i, t in enumerate(tokens):
+                    row = logprobs[len(prompt) - 1 + i]
+                    gaps.append((row.max() - row[t]).item())
+        return sum(gaps) / len(gaps)
+
+    fused_gap, plain_gap = mean_gap(fused), mean_gap(plain)
+    print(arch, fused_gap, plain_gap)
+    assert fused_gap < 0.05, (fused_gap, plain_gap)
+    assert fused_gap <= plain_gap + 0.02, (fused_gap, plain_gap)
