@@ -197,7 +197,7 @@ def greedy(path, **options):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("qwen3", {}),
+@pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("qwen3", {}), ("qwen2", {}),
                                          ("mistral", {"sliding_window": 8}), ("gemma2", {})])
 def test_bf16_models_with_and_without_the_kernels(tiny_model, monkeypatch, arch, kwargs):
     """The kernels on (and used: counted) against the torch ops (switched off), each
@@ -222,9 +222,10 @@ def test_bf16_models_with_and_without_the_kernels(tiny_model, monkeypatch, arch,
 
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: Counting())
     fused = greedy(path)
-    expected = {"decode_attention"}
-    if arch != "gemma2":  # (Gemma's norms and GeGLU are its own torch code)
-        expected |= {"rms_norm", "silu_and_mul", "qk_norm_rope_"}
+    # Gemma's norms and GeGLU are its own torch code; Llama-family layers run decode
+    # steps as one decode_layer call each, prefill through the single kernels.
+    expected = {"decode_attention"} if arch == "gemma2" else \
+        {"decode_layer", "rms_norm", "silu_and_mul", "qk_norm_rope_"}
     assert expected <= set(calls), calls
     monkeypatch.setenv(cpu_kernels.SWITCH_ENV, "0")
     calls.clear()
@@ -247,6 +248,60 @@ def test_bf16_models_with_and_without_the_kernels(tiny_model, monkeypatch, arch,
         return sum(gaps) / len(gaps)
 
     fused_gap, plain_gap = mean_gap(fused), mean_gap(plain)
-    print(arch, fused_gap, plain_gap)
     assert fused_gap < 0.05, (fused_gap, plain_gap)
     assert fused_gap <= plain_gap + 0.02, (fused_gap, plain_gap)
+
+
+def greedy_logprobs(path, prompts, new, **options):
+    from spindle import LLM, SamplingParams
+
+    with LLM(str(path), device="cpu", enable_prefix_caching=False, **options) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=new, logprobs=0,
+                                           ignore_eos=True), use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("qwen3", {}), ("qwen2", {}),
+                                         ("mistral", {"sliding_window": 8})])
+def test_a_decode_layer_call_is_the_modules_bit_for_bit(tiny_model, monkeypatch, arch, kwargs):
+    """decode_layer runs the layer modules' own operations (the same kernels, the same
+    matmuls, in the same order): tokens and logprobs identical to the modules' path."""
+    from spindle.models.llama import LlamaDecoderLayer
+
+    path = tiny_model(arch, **kwargs)
+    fused = greedy_logprobs(path, PROMPTS, NEW, dtype="bfloat16")
+    monkeypatch.setattr(LlamaDecoderLayer, "cpu_decode", lambda self, *args: None)
+    assert greedy_logprobs(path, PROMPTS, NEW, dtype="bfloat16") == fused
+
+
+def test_the_real_gguf_model_through_decode_layer(monkeypatch):
+    """SmolLM2's GGUF (int4 matmuls, one and two planes) the same with decode_layer as
+    through the modules, and through decode_layer on every decode step."""
+    from spindle.models.gguf import GGUFUnavailable, check_requirements
+    from spindle.models.llama import LlamaDecoderLayer
+    from spindle.tools.smollm2 import SmolLM2Unavailable, gguf_path
+
+    try:
+        check_requirements()
+        gguf = gguf_path()
+    except (SmolLM2Unavailable, GGUFUnavailable) as e:
+        pytest.skip(str(e))
+    prompts = [[1, 504, 3000, 17, 29], list(range(100, 140))]
+    calls = []
+    inner = LlamaDecoderLayer.cpu_decode
+
+    def counted(self, *args):
+        out = inner(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LlamaDecoderLayer, "cpu_decode", counted)
+    fused = greedy_logprobs(gguf, prompts, 6, max_model_len=256)
+    # Every layer of each decode step (5, and the start's warm-up ones) fused; prefill not.
+    steps = [calls[i:i + 30] for i in range(0, len(calls), 30)]
+    assert all(len(set(step)) == 1 for step in steps)
+    assert sum(step[0] for step in steps) >= 5
+    monkeypatch.setattr(LlamaDecoderLayer, "cpu_decode", lambda self, *args: None)
+    assert greedy_logprobs(gguf, prompts, 6, max_model_len=256) == fused

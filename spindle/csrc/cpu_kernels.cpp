@@ -449,6 +449,62 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
   return out;
 }
 
+// ---------------------------------------------------------------- a whole decoder layer
+
+// One linear layer as the Python side hands it over: (weight, scale_zero, planes, bias).
+// With scale_zero: torch's packed int4 weight (layers/int4.py; planes 2: 8-bit codes as
+// two nibble planes, the activations repeated to match); without: a dense weight.
+using Linear = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>>;
+
+torch::Tensor linear(const torch::Tensor& x, const Linear& layer) {
+  const auto& [weight, scale_zero, planes, bias] = layer;
+  if (!scale_zero.has_value()) return at::linear(x, weight, bias);
+  auto y = at::_weight_int4pack_mm_for_cpu(planes == 2 ? at::cat({x, x}, 1) : x, weight, 32, *scale_zero);
+  return bias.has_value() ? y + *bias : y;
+}
+
+// A pre-norm Llama-family layer on a decode step (one new token per request, requests
+// in token order), the same operations in the same order as the Python modules run
+// them: residual add + input norm, qkv, q/k norm + rotary + KV store, attention, o_proj,
+// residual add + post-attention norm, gate_up, SiLU-and-mul, down. Returns (the MLP
+// output, the residual), as LlamaDecoderLayer.forward does; one call instead of some
+// forty Python-level ones.
+std::vector<torch::Tensor> decode_layer(
+    const torch::Tensor& hidden, const c10::optional<torch::Tensor>& residual,
+    const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps, const Linear& qkv,
+    const Linear& o_proj, const Linear& gate_up, const Linear& down,
+    const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+    double qk_eps, const torch::Tensor& positions, const torch::Tensor& cos_cache,
+    const torch::Tensor& sin_cache, const torch::Tensor& kv_cache, const torch::Tensor& slots,
+    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, double scale, int64_t window, double soft_cap) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == kv_heads &&
+              kv_cache.size(4) == head_dim, "kv_cache must be [2, blocks, block_size, Hk, D]");
+  const int64_t tokens = hidden.size(0);
+  torch::Tensor x, res;
+  if (residual.has_value()) {
+    auto outs = rms_norm(hidden, input_norm, eps, residual);
+    x = outs[0];
+    res = outs[1];
+  } else {
+    x = rms_norm(hidden, input_norm, eps, c10::nullopt)[0];
+    res = hidden;
+  }
+  auto qkv_out = linear(x, qkv);
+  auto q = qkv_out.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
+  auto k = qkv_out.narrow(1, heads * head_dim, kv_heads * head_dim).view({tokens, kv_heads, head_dim});
+  auto v = qkv_out.narrow(1, (heads + kv_heads) * head_dim, kv_heads * head_dim)
+               .view({tokens, kv_heads, head_dim});
+  auto key_cache = kv_cache[0].view({-1, kv_heads, head_dim});
+  auto value_cache = kv_cache[1].view({-1, kv_heads, head_dim});
+  qk_norm_rope_(q, k, positions, cos_cache, sin_cache, q_norm, k_norm, qk_eps, v, key_cache, value_cache,
+                slots);
+  auto attn = decode_attention(q, key_cache, value_cache, block_tables, seq_lens, kv_cache.size(2), scale,
+                               window, soft_cap);
+  auto after = rms_norm(linear(attn.view({tokens, heads * head_dim}), o_proj), post_norm, eps, res);
+  return {linear(silu_and_mul(linear(after[0], gate_up)), down), after[1]};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -463,4 +519,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v") = py::none(), py::arg("key_cache") = py::none(), py::arg("value_cache") = py::none(),
         py::arg("slots") = py::none());
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache");
+  m.def("decode_layer", &decode_layer, "a Llama-family decoder layer on a decode step");
 }

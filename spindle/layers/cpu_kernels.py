@@ -10,7 +10,10 @@ file does each stage in one call and rounds to bf16 where the torch version roun
 * qk_norm_rope_(q, k, ...): per-head q/k RMSNorm (Qwen3), the rotary embedding in
   place, and the KV store;
 * decode_attention(q, caches, block tables, ...): one query per request over its paged
-  context (window and soft cap included).
+  context (window and soft cap included);
+* decode_layer(...): a whole Llama-family layer on a decode step, the above and the
+  layer's four matmuls (torch's int4 kernel or a dense one) in one call
+  (models/llama.py, LlamaDecoderLayer.cpu_decode).
 
 Only bf16 goes through them. float32 keeps torch's ops, whose sums match transformers'
 bit for bit (the float32 comparisons with it rely on that).
@@ -190,6 +193,18 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     caches [slots, Hk, D] -> [B, H, D]."""
     return kernels().decode_attention(q, key_cache, value_cache, block_tables, seq_lens,
                                       block_size, scale, window or 0, soft_cap or 0.0)
+
+
+def linear_args(layer) -> tuple | None:
+    """A linear layer (layers/linear.py) as decode_layer takes it, (weight, scale_zero,
+    planes, bias): its packed int4 weight, or a dense bf16 one; None for anything else
+    (float8, batch-invariant)."""
+    if layer.int4 is not None:
+        return layer.weight, layer.weight_scale_zero, layer.int4.planes, layer.bias
+    if (layer.weight_scale is None and layer.weight.dtype == torch.bfloat16
+            and not layer.batch_invariant):
+        return layer.weight, None, 0, layer.bias
+    return None
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ maps HF checkpoint names onto them.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -30,8 +31,10 @@ import torch
 from torch import nn
 
 from spindle.attention import Attention
+from spindle.attention.backends.torch_sdpa import TorchSDPABackend
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
+from spindle.forward_context import get_forward_context
 from spindle.layers import cpu_kernels
 from spindle.layers.activation import SiluAndMul
 from spindle.layers.embedding import VocabParallelEmbedding
@@ -204,6 +207,10 @@ class LlamaDecoderLayer(nn.Module):
                 sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block with the residual stream carried separately: returns the MLP
         output and the residual it must be added to (the next norm does the add)."""
+        if cos is None and not hidden_states.is_cuda:  # (bf16 on the CPU)
+            fused = self.cpu_decode(hidden_states, residual, positions)
+            if fused is not None:
+                return fused
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -212,6 +219,59 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.self_attn(hidden_states, positions, cos, sin)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+
+    def cpu_decode(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer on a decode step as one C++ call (cpu_kernels.decode_layer: the
+        modules' own operations, without some forty Python-level calls, which cost as
+        much as the layer's math on a small model), or None where that does not apply:
+        a prefill or mixed step, tensor parallelism, another attention backend, a
+        mixture of experts, weights other than int4 or dense bf16."""
+        layer = self.self_attn.attn
+        cache = layer.kv_cache
+        if cache is None or type(layer.impl) is not TorchSDPABackend:
+            return None
+        md = get_forward_context().for_group(layer.cache_group)
+        plan = layer.impl.step_plan(md, cache.shape[2])
+        if not plan.decode_only:
+            return None
+        static = self._cpu_decode_args(cache, hidden_states.dtype)
+        if static is None:
+            return None
+        weights, geometry = static
+        out, residual = cpu_kernels.kernels().decode_layer(
+            hidden_states, residual, *weights, positions, *self.self_attn.rope_tables, cache,
+            plan.store_slots, md.block_tables, md.seq_lens, *geometry)
+        return out, residual
+
+    def _cpu_decode_args(self, cache: torch.Tensor, dtype: torch.dtype) -> tuple | None:
+        """decode_layer's arguments that stay the same from step to step (tensors written
+        in place by reloads and weight updates), or None if this layer cannot run
+        there. Made once, and again if the qkv weight or the cache tensor is replaced."""
+        attn = self.self_attn
+        weight = attn.qkv_proj._parameters["weight"]
+        cached = self.__dict__.get("_cpu_decode_cache")  # (weak: a replaced cache is freed)
+        if cached is not None and cached[0]() is weight and cached[1]() is cache:
+            return cached[2]
+        static = None
+        linears = [cpu_kernels.linear_args(m) for m in (attn.qkv_proj, attn.o_proj,
+                                                         self.mlp.gate_up_proj,
+                                                         self.mlp.down_proj)] \
+            if isinstance(self.mlp, LlamaMLP) else [None]
+        if (cache.dtype == dtype and attn.o_proj.tp_group.size == 1
+                and all(args is not None for args in linears)):
+            layer, q_norm = attn.attn, attn.q_norm
+            weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                       self.input_layernorm.variance_epsilon, *linears,
+                       None if q_norm is None else q_norm.weight,
+                       None if q_norm is None else attn.k_norm.weight,
+                       0.0 if q_norm is None else q_norm.variance_epsilon)
+            geometry = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale,
+                        layer.sliding_window or 0, layer.logits_soft_cap or 0.0)
+            static = (weights, geometry)
+        self.__dict__["_cpu_decode_cache"] = (weakref.ref(weight), weakref.ref(cache), static)
+        return static
 
 
 class LlamaModel(nn.Module):

@@ -82,7 +82,7 @@ class TorchSDPABackend:
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
         key_cache, value_cache = self._flat_caches(kv_cache)
-        plan = self._step_plan(attn_metadata, kv_cache.shape[2])
+        plan = self.step_plan(attn_metadata, kv_cache.shape[2])
         if qk_transform is not None and kv_cache.dtype == k.dtype:
             qk_transform.apply_(q, k, v, kv_cache, plan.store_slots)  # rotates and stores
         else:
@@ -112,7 +112,7 @@ class TorchSDPABackend:
         float32 keeps SDPA, whose sums match transformers')."""
         return key_cache.dtype == q.dtype and cpu_kernels.applies(q)
 
-    def _step_plan(self, md: AttentionMetadata, block_size: int) -> _StepPlan:
+    def step_plan(self, md: AttentionMetadata, block_size: int) -> _StepPlan:
         """The step's split into decode groups and prefill requests, with each decode
         group's gather slots and padding mask: the same for every layer of a window,
         so built once per step (md.derived) and reused by the others."""
