@@ -321,3 +321,16 @@ def test_a_weight_update_writes_into_the_packed_tensors(gguf_file, tmp_path, mon
                             o_proj.int4.planes)
         assert torch.count_nonzero(held.dequantize()) == 0
         llm.generate(QUESTIONS[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # still runs
+
+
+@pytest.mark.parametrize("rows", [4096 * 2 + 48, 4096 + 16, 4992])
+def test_packing_in_chunks_gives_torchs_bytes(rows):
+    """pack() goes PACK_ROWS rows at a time past PACK_ROWS rows: the same bytes as
+    torch packing the whole weight at once (row counts off the 64-row blocks too)."""
+    from spindle.layers.int4 import PACK_ROWS
+
+    nibbles = torch.randint(0, 16, (rows, 96), dtype=torch.int32,
+                            generator=torch.Generator().manual_seed(rows))
+    assert rows > PACK_ROWS
+    assert torch.equal(pack(nibbles.to(torch.uint8)),
+                       torch._convert_weight_to_int4pack_for_cpu(nibbles, 1))

@@ -32,6 +32,8 @@ from torch import nn
 GROUP = 32
 # The kernel's constraint on the weight's output rows (its packing handles 16 at a time).
 ROW_MULTIPLE = 16
+# Rows packed at once (a multiple of the packed layout's 64-row blocks).
+PACK_ROWS = 4096
 # Columns of the identity multiplied at once when recovering codes from a packed weight.
 UNPACK_CHUNK = 1024
 
@@ -136,8 +138,9 @@ def planes_for(codes_low: int, codes_high: int) -> int:
 
 
 def to_nibbles(gq: GroupQuantized, planes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nibbles int32 [R, K * planes], scale_zero float32 [R, K * planes / 32, 2]): the
-    kernel's form of gq's rows, w = (nibble - 8) * scale + zero summed over the planes.
+    """(nibbles [R, K * planes] (int32, or uint8 for two planes), scale_zero float32
+    [R, K * planes / 32, 2]): the kernel's form of gq's rows, w = (nibble - 8) * scale
+    + zero summed over the planes.
     The codes are shifted to be >= 0 by a base that the zero adds back: one plane, 0
     for a group without negative codes, else -8; two planes, -128, which makes the high
     plane's zero the offset itself (exact in bf16, where 128 * scale + offset would
@@ -150,23 +153,25 @@ def to_nibbles(gq: GroupQuantized, planes: int) -> tuple[torch.Tensor, torch.Ten
         if 0 <= low and high <= 15:  # (the common case, Q4_1 / Q4_K: every base is 0)
             return gq.codes.to(torch.int32), torch.stack([gq.scale, gq.offset + 8 * gq.scale],
                                                          dim=-1)
-    codes = gq.codes.reshape(rows, -1, GROUP)
-    if planes == 1:
-        base = (codes.amin(dim=2) < 0).to(torch.int32) * -8  # [R, G]
+    if planes == 2:  # (one base for every group: whole-tensor int16 ops, no broadcast)
+        low, high = (int(v) for v in torch.aminmax(gq.codes))
+        if low < -128 or high > 127:
+            raise ValueError(f"codes {low}..{high} need more than 8 bits")
+        shifted = gq.codes.to(torch.int16) + 128
+        nibbles = torch.empty(rows, 2 * cols, dtype=torch.uint8)
+        nibbles[:, :cols] = shifted >> 4
+        nibbles[:, cols:] = shifted.bitwise_and_(15)
+        base = torch.full(gq.scale.shape, -128.0)
     else:
-        base = torch.full(gq.scale.shape, -128, dtype=torch.int32)
-    shifted = codes.to(torch.int32) - base[..., None]
-    low, high = torch.aminmax(shifted)
-    if int(low) < 0 or int(high) >= 16 ** planes:
-        raise ValueError(f"codes {int(gq.codes.min())}..{int(gq.codes.max())} need more "
-                         f"than {4 * planes} bits")
-    base = base.float()
-    if planes == 1:
-        zero = gq.offset + (base + 8) * gq.scale
+        codes = gq.codes.reshape(rows, -1, GROUP)
+        base = (codes.amin(dim=2) < 0).to(torch.int32) * -8  # [R, G]
+        shifted = codes.to(torch.int32) - base[..., None]
+        low, high = torch.aminmax(shifted)
+        if int(low) < 0 or int(high) >= 16:
+            raise ValueError(f"codes {int(gq.codes.min())}..{int(gq.codes.max())} need "
+                             "more than 4 bits")
+        zero = gq.offset + (base.float() + 8) * gq.scale
         return shifted.reshape(rows, cols), torch.stack([gq.scale, zero], dim=-1)
-    nibbles = torch.empty(rows, 2 * cols, dtype=torch.int32)
-    nibbles[:, :cols] = (shifted >> 4).reshape(rows, cols)
-    nibbles[:, cols:] = (shifted & 15).reshape(rows, cols)
     scale_zero = torch.empty(rows, 2 * (cols // GROUP), 2)
     groups = cols // GROUP
     scale_zero[:, :groups, 0] = 16 * gq.scale
@@ -191,8 +196,23 @@ def from_nibbles(nibbles: torch.Tensor, scale_zero: torch.Tensor, planes: int) -
 
 
 def pack(nibbles: torch.Tensor) -> torch.Tensor:
-    """torch's packed CPU layout of nibbles [N, K'] (uint8 [N, K' / 2])."""
-    return torch._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32).contiguous(), 1)
+    """torch's packed CPU layout of nibbles [N, K'] (uint8 [N, K' / 2]).
+
+    The packing wants int32 input: a large weight is packed PACK_ROWS rows at a time
+    through one reused int32 buffer, not as one int32 copy four times its size (whose
+    fresh pages cost more than the packing). The layout holds blocks of at most 64 rows
+    (AVX-512; 32 on AVX2, 1 otherwise) one after another, so packing chunks that start
+    at multiples of 64 rows gives the same bytes (tests/test_gguf_int4.py)."""
+    rows, cols = nibbles.shape
+    if rows <= PACK_ROWS:
+        return torch._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32).contiguous(), 1)
+    out = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    buffer = torch.empty(PACK_ROWS, cols, dtype=torch.int32)
+    for start in range(0, rows, PACK_ROWS):
+        chunk = buffer[:min(PACK_ROWS, rows - start)]
+        chunk.copy_(nibbles[start:start + chunk.shape[0]])
+        out[start:start + chunk.shape[0]] = torch._convert_weight_to_int4pack_for_cpu(chunk, 1)
+    return out
 
 
 def unpack(packed: torch.Tensor, cols: int) -> torch.Tensor:
