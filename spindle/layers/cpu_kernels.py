@@ -131,6 +131,7 @@ def build(directory: Path) -> None:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
+    _put_ninja_on_path()
     start = time.perf_counter()
     logger.info("building the fused CPU kernels into %s (once per machine)", directory)
     try:
@@ -139,6 +140,18 @@ def build(directory: Path) -> None:
     except Exception as e:  # (a compiler error, no compiler, no ninja)
         raise CPUKernelsUnavailable(f"{type(e).__name__}: {str(e).strip()[-2000:]}") from e
     logger.info("fused CPU kernels built in %.1f s", time.perf_counter() - start)
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the ninja package (a dependency) has its
+    binary where PATH may not look (a virtual environment not activated)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    directory = getattr(ninja, "BIN_DIR", None)
+    if directory and directory not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
 
 
 def _import(library: Path) -> ModuleType:
