@@ -104,46 +104,25 @@ def random_k_quant(data, qtype):
 
 
 def requantize(src, dst, types: dict[str, str], num_layers: int = 2) -> None:
-    """src's metadata and first num_layers layers as a new GGUF file, each matrix
-    dequantized and quantized again to the type its name's first matching key in types
-    says (1-D tensors stay float32)."""
-    import numpy as np
-    from gguf import (GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType,
-                      GGUFWriter)
-    from gguf.quants import dequantize, quantize
+    """src's first num_layers layers as a new GGUF file (tools/gguf_requantize.py), the
+    K-quant matrices random blocks of their layout and IQ ones zero bytes of the right
+    size (gguf-py quantizes only the simple types)."""
+    from spindle.tools.gguf_requantize import requantize as write
 
-    reader = GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
-    writer = GGUFWriter(str(dst), arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture",
-                                                           "general.file_type"):
-            continue
-        value = num_layers if field.name == f"{arch}.block_count" else field.contents()
-        kind = field.types[0]
-        writer.add_key_value(field.name, value, kind,
-                             sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
-    for tensor in reader.tensors:
-        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= num_layers:
-            continue
-        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        if data.ndim == 1:
-            writer.add_tensor(tensor.name, data)
-            continue
-        qtype = getattr(GGMLQuantizationType,
-                        next(t for key, t in types.items() if key in tensor.name))
-        if qtype in K_QUANTS:
-            packed = random_k_quant(data, qtype)
-        elif qtype.name.startswith("IQ"):  # bytes of the right size: for a refusal only
-            _, block_bytes = GGML_QUANT_SIZES[qtype]
-            packed = np.zeros((data.shape[0], data.shape[1] // 32 * block_bytes), np.uint8)
-        else:
-            packed = quantize(data, qtype)
-        writer.add_tensor(tensor.name, packed, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write(src, dst, types, num_layers, quantize=_quantize)
+
+
+def _quantize(data, qtype):
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import quantize
+
+    if qtype in K_QUANTS:
+        return random_k_quant(data, qtype)
+    if qtype.name.startswith("IQ"):  # bytes of the right size: for a refusal only
+        _, block_bytes = GGML_QUANT_SIZES[qtype]
+        return np.zeros((data.shape[0], data.shape[1] // 32 * block_bytes), np.uint8)
+    return quantize(data, qtype)
 
 
 def test_other_tensor_types_equal_transformers_reading_them(gguf_file, tmp_path, monkeypatch):

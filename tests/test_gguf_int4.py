@@ -199,6 +199,29 @@ def test_other_tensor_types_run_quantized_or_dense(gguf_file, tmp_path, monkeypa
     assert result["top1_agreement"] >= 0.9, result
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q5_1"])
+def test_each_simple_type_agrees_with_its_float32_self(gguf_file, tmp_path, monkeypatch,
+                                                       qtype):
+    """The simple types the other tests do not hold a whole layer in (Q4_0, Q8_0 and
+    Q4_K: above): a two-layer cut with every matrix in qtype, served quantized with
+    bf16 activations (the default), against its own float32 dequantization."""
+    from test_gguf import requantize
+
+    from spindle.tools.agreement import top1_agreement
+
+    monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(tmp_path / "cache"))
+    cut = tmp_path / f"smollm2-2-layers-{qtype}.gguf"
+    requantize(gguf_file, cut, {"token_embd": "Q8_0", "": qtype})
+    with LLM(str(cut), device="cpu", max_model_len=256) as llm:
+        layer = llm.engine.core.executor.worker.runner.model.model.layers[0]
+        assert layer.mlp.gate_up_proj.int4.planes == (1 if qtype == "Q4_1" else 2)
+    baseline = dict(device="cpu", dtype="float32", quantization="none", max_model_len=256)
+    result = top1_agreement(str(cut), QUESTIONS[:2], 16, baseline,
+                            dict(device="cpu", max_model_len=256))
+    assert result["top1_agreement"] >= 0.9, result
+    assert result["mean_abs_logprob_gap"] < 0.1, result
+
+
 def test_a_second_start_reads_the_packed_weights_the_first_cached(gguf_file, tmp_path,
                                                                    monkeypatch):
     """The first start of a GGUF file caches its packed weights beside the converted

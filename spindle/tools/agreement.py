@@ -48,7 +48,8 @@ def top1_agreement(model: str, questions: Sequence[str], max_new: int,
     """Teacher-forced top-1 agreement of candidate with baseline (LLM keyword
     arguments) over every position of the baseline's greedy answers, the mean absolute
     logprob difference of the baseline's token (where it is in the candidate's top 20),
-    and how many whole greedy answers are the same."""
+    how many whole greedy answers are the same, both sides' answers, and the
+    baseline's logprob of each of its tokens (teacher-forced)."""
     from spindle import LLM, SamplingParams
 
     prompts = chat_prompts(model, questions)
@@ -73,4 +74,6 @@ def top1_agreement(model: str, questions: Sequence[str], max_new: int,
             "mean_abs_logprob_gap": sum(gaps) / max(len(gaps), 1),
             "identical_answers": sum(a == b for a, b in zip(answers_of["baseline"],
                                                              answers_of["candidate"])),
-            "answers": len(answers)}
+            "answers": len(answers), "baseline_answers": answers_of["baseline"],
+            "candidate_answers": answers_of["candidate"],
+            "baseline_logprobs": [b[1] for b in base]}
