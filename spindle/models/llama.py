@@ -220,7 +220,6 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
-
     def cpu_decode(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This layer on a decode step as one C++ call (cpu_kernels.decode_layer: the
