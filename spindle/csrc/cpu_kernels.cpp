@@ -333,7 +333,8 @@ void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::
     sp = slots->data_ptr<int64_t>();
     cache_slots = key_cache->size(0);
   }
-  const int64_t* pos = positions.contiguous().data_ptr<int64_t>();
+  const auto pos_tensor = positions.contiguous();  // (held: a copy when strided)
+  const int64_t* pos = pos_tensor.data_ptr<int64_t>();
   const float* cos_base = cos_cache.data_ptr<float>();
   const float* sin_base = sin_cache.data_ptr<float>();
   const int64_t max_pos = cos_cache.size(0);

@@ -153,16 +153,6 @@ def to_nibbles(gq: GroupQuantized, planes: int) -> tuple[torch.Tensor, torch.Ten
         if 0 <= low and high <= 15:  # (the common case, Q4_1 / Q4_K: every base is 0)
             return gq.codes.to(torch.int32), torch.stack([gq.scale, gq.offset + 8 * gq.scale],
                                                          dim=-1)
-    if planes == 2:  # (one base for every group: whole-tensor int16 ops, no broadcast)
-        low, high = (int(v) for v in torch.aminmax(gq.codes))
-        if low < -128 or high > 127:
-            raise ValueError(f"codes {low}..{high} need more than 8 bits")
-        shifted = gq.codes.to(torch.int16) + 128
-        nibbles = torch.empty(rows, 2 * cols, dtype=torch.uint8)
-        nibbles[:, :cols] = shifted >> 4
-        nibbles[:, cols:] = shifted.bitwise_and_(15)
-        base = torch.full(gq.scale.shape, -128.0)
-    else:
         codes = gq.codes.reshape(rows, -1, GROUP)
         base = (codes.amin(dim=2) < 0).to(torch.int32) * -8  # [R, G]
         shifted = codes.to(torch.int32) - base[..., None]
@@ -172,10 +162,18 @@ def to_nibbles(gq: GroupQuantized, planes: int) -> tuple[torch.Tensor, torch.Ten
                              "more than 4 bits")
         zero = gq.offset + (base.float() + 8) * gq.scale
         return shifted.reshape(rows, cols), torch.stack([gq.scale, zero], dim=-1)
-    scale_zero = torch.empty(rows, 2 * (cols // GROUP), 2)
+    # Two planes: one base (-128) for every group, so whole-tensor int16 ops.
+    low, high = (int(v) for v in torch.aminmax(gq.codes))
+    if low < -128 or high > 127:
+        raise ValueError(f"codes {low}..{high} need more than 8 bits")
+    shifted = gq.codes.to(torch.int16) + 128
+    nibbles = torch.empty(rows, 2 * cols, dtype=torch.uint8)
+    nibbles[:, :cols] = shifted >> 4
+    nibbles[:, cols:] = shifted.bitwise_and_(15)
     groups = cols // GROUP
+    scale_zero = torch.empty(rows, 2 * groups, 2)
     scale_zero[:, :groups, 0] = 16 * gq.scale
-    scale_zero[:, :groups, 1] = gq.offset + (base + 128) * gq.scale
+    scale_zero[:, :groups, 1] = gq.offset  # (the base's -128 * scale, added back)
     scale_zero[:, groups:, 0] = gq.scale
     scale_zero[:, groups:, 1] = 8 * gq.scale
     return nibbles, scale_zero
