@@ -9,6 +9,7 @@ the allowed values for anything out of range.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -70,6 +71,11 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step "
                                               "(default: max(2048, max_model_len) capped at 8192).")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps.")
+    max_num_encoder_tokens: int | None = _arg(
+        None, "Encoder-decoder models (Whisper): encoder positions one step may compute, "
+        "the encoder's compute budget (a Whisper window is 1500); requests whose encoder "
+        "would pass it wait for a later step (default: max_num_batched_tokens, and at "
+        "least one window).")
     async_scheduling: bool = _arg(True, "Schedule and launch the next step while the "
                                   "current one runs on the device (uni and mp executors, without PP).")
     tensor_parallel_size: int = _arg(1, "Number of tensor-parallel ranks.")
@@ -165,7 +171,7 @@ class EngineArgs:
         parallel = ParallelConfig.create(self)
         config = EngineConfig(
             model=model,
-            cache=CacheConfig.create(self),
+            cache=_cache_config(self, model),
             parallel=parallel,
             scheduler=sched,
             device=DeviceConfig.create(self, platform),
@@ -296,6 +302,8 @@ class ModelConfig:
     load_format: str = "auto"  # see LOAD_FORMATS
     fp8_checkpoint: Any = None  # the checkpoint's float8 layout (models/fp8_checkpoint.py)
     gguf_file: str | None = None  # the GGUF file `model` was converted from (models/gguf.py)
+    # Encoder-decoder models: the positions one encoder input makes (Whisper: 1500).
+    encoder_positions: int = 0
 
     @property
     def architecture(self) -> str:
@@ -335,9 +343,11 @@ class ModelConfig:
                  f"one of {LOGPROBS_MODES}")
         _require(not (quantization == "gguf" and args.load_format == "dummy"), "load_format",
                  args.load_format, "auto with quantization='gguf' (the weights are the file's)")
+        encoder_positions = (model_class.encoder_input_positions(hf_config)
+                             if hasattr(model_class, "encoder_input_positions") else 0)
         return ModelConfig(model=str(path), tokenizer=str(args.tokenizer or path), dtype=dtype,
                            max_model_len=max_model_len, seed=args.seed, hf_config=hf_config,
-                           model_kind=kind, task=task,
+                           model_kind=kind, task=task, encoder_positions=encoder_positions,
                            enable_prompt_embeds=bool(args.enable_prompt_embeds),
                            logprobs_mode=args.logprobs_mode,
                            quantization=quantization,
@@ -446,6 +456,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     async_scheduling: bool = False
     max_n: int = 128  # most samples one request may ask for
+    max_num_encoder_tokens: int = 0  # encoder positions per step (encoder-decoder models)
 
     @staticmethod
     def create(args: EngineArgs, model: ModelConfig) -> "SchedulerConfig":
@@ -459,7 +470,14 @@ class SchedulerConfig:
         if not args.enable_chunked_prefill:
             _require(budget >= model.max_model_len, "max_num_batched_tokens", budget,
                      f">= max_model_len ({model.max_model_len}) when chunked prefill is off")
+        encoder_budget = 0
+        if model.encoder_positions:
+            encoder_budget = args.max_num_encoder_tokens or max(budget, model.encoder_positions)
+            _require(_is_int(encoder_budget) and encoder_budget >= model.encoder_positions,
+                     "max_num_encoder_tokens", encoder_budget,
+                     f"an integer >= one encoder input's positions ({model.encoder_positions})")
         return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                               max_num_encoder_tokens=encoder_budget,
                                max_model_len=model.max_model_len,
                                enable_chunked_prefill=bool(args.enable_chunked_prefill),
                                async_scheduling=bool(args.async_scheduling), max_n=args.max_n)
@@ -676,6 +694,18 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _cache_config(args: EngineArgs, model: ModelConfig) -> CacheConfig:
+    """The cache settings; encoder-decoder models without prefix caching: their decoder
+    tokens say nothing of the audio their keys and values were computed from."""
+    cache = CacheConfig.create(args)
+    if model.model_kind == "encoder_decoder" and cache.enable_prefix_caching:
+        logging.getLogger(__name__).info(
+            "prefix caching is off for %s: an encoder-decoder's cached decoder blocks "
+            "depend on the encoder's input, which block hashes do not cover", model.architecture)
+        cache = dataclasses.replace(cache, enable_prefix_caching=False)
+    return cache
 
 
 def _pooler_config(args: EngineArgs, model: ModelConfig, sched: SchedulerConfig) -> Any:

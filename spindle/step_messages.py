@@ -32,6 +32,10 @@ class NewRequestData:
     # Set for a prompt given as embeddings [num_prompt_tokens, hidden] (a CPU tensor,
     # sent once); its prompt token ids are then placeholders that nothing embeds.
     prompt_embeds: Any = None
+    # Set for a request of an encoder-decoder model: what its encoder reads (audio
+    # features [mels, frames], a CPU tensor, sent once); the encoder runs in the step
+    # that computes its first token.
+    encoder_inputs: Any = None
 
 
 @dataclass

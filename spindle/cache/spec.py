@@ -7,14 +7,19 @@ A layer that caches something has a ``cache_spec()`` method returning one of:
   included), so blocks wholly before the window can be freed as decoding moves on.
 * ``MambaCacheSpec``: a fixed-size state per sequence (a state-space layer's conv
   and SSM states): one state slot per running sequence, whatever its length.
+* ``CrossAttentionCacheSpec``: an encoder-decoder's cross-attention keys and values,
+  computed once from the encoder's output when the request starts and read by every
+  decoder step: also a fixed size per sequence (the encoder's positions), so also a
+  state slot, held for the life of the request.
 
 ``build_cache_layout`` groups the layers. Attention layers with one spec form a kind;
 each kind's layers are cut into groups of ``group_size`` layers (the smallest kind's
 layer count), and layer j of every attention group shares tensor j: one block id then
 costs the same memory whichever group holds it, so all attention groups draw from one
 block pool and memory flows to the group that needs it. Each group keeps its own
-block table per request. Mamba layers with one spec form one group, with one state
-tensor set per layer indexed by slot.
+block table per request. State layers (Mamba, cross-attention) with one spec form one
+group, with one state tensor set per layer indexed by slot; a request's slot id indexes
+every state group.
 
 The engine sees only ``CacheGroup`` (plain data); the runner binds tensors to layers.
 """
@@ -30,6 +35,9 @@ import torch
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
 MAMBA = "mamba"
+CROSS_ATTENTION = "cross_attention"
+# Kinds whose layers keep a fixed-size state per sequence (one slot), not paged blocks.
+STATE_KINDS = (MAMBA, CROSS_ATTENTION)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -81,6 +89,20 @@ class MambaCacheSpec:
         return sum(math.prod(s) * _itemsize(d) for s, d in zip(self.shapes, self.dtypes))
 
 
+@dataclass(frozen=True)
+class CrossAttentionCacheSpec(MambaCacheSpec):
+    """One cross-attention layer's keys and values over the encoder's positions:
+    shapes ((positions, kv_heads, head_dim),) * 2, a state slot per sequence."""
+
+    kind = CROSS_ATTENTION
+
+    @staticmethod
+    def of(positions: int, num_kv_heads: int, head_dim: int,
+           dtype: torch.dtype) -> "CrossAttentionCacheSpec":
+        shape = (positions, num_kv_heads, head_dim)
+        return CrossAttentionCacheSpec((shape, shape), (dtype, dtype))
+
+
 CacheSpec = AttentionCacheSpec | MambaCacheSpec
 
 
@@ -88,18 +110,18 @@ CacheSpec = AttentionCacheSpec | MambaCacheSpec
 class CacheGroup:
     """One group of layers, as the engine's cache manager sees it (plain data)."""
 
-    kind: str  # FULL_ATTENTION | SLIDING_WINDOW | MAMBA
+    kind: str  # FULL_ATTENTION | SLIDING_WINDOW | MAMBA | CROSS_ATTENTION
     num_layers: int
     sliding_window: int | None = None
 
     @property
     def is_paged(self) -> bool:
-        return self.kind != MAMBA
+        return self.kind not in STATE_KINDS
 
     def blocks_for(self, num_tokens: int, block_size: int, step_tokens: int | None = None) -> int:
         """Blocks one sequence of num_tokens tokens holds at most in this group, when a
         step computes at most step_tokens of its tokens (None: all at once)."""
-        if self.kind == MAMBA:
+        if not self.is_paged:
             return 0
         full = _cdiv(num_tokens, block_size)
         if self.sliding_window is None:
@@ -113,7 +135,7 @@ class CacheGroup:
 @dataclass(frozen=True)
 class KVCacheConfig:
     """What the engine decided: block ids shared by the paged groups, and state slots
-    for the mamba groups (0 when the model has none)."""
+    for the state groups (0 when the model has none)."""
 
     num_blocks: int
     num_state_slots: int = 0
@@ -135,7 +157,8 @@ class CacheLayout:
         return [i for i, g in enumerate(self.groups) if g.is_paged]
 
     @property
-    def mamba_groups(self) -> list[int]:
+    def state_groups(self) -> list[int]:
+        """The groups of state layers (Mamba, cross-attention): one slot per sequence."""
         return [i for i, g in enumerate(self.groups) if not g.is_paged]
 
     def block_bytes(self) -> int:
@@ -145,9 +168,9 @@ class CacheLayout:
         return self.group_size * self.attention_page.block_bytes(self.block_size)
 
     def slot_bytes(self) -> int:
-        """Bytes one state slot costs across every mamba layer."""
+        """Bytes one state slot costs across every state layer."""
         return sum(self.group_specs[g].slot_bytes() * len(self.group_layers[g])
-                   for g in self.mamba_groups)
+                   for g in self.state_groups)
 
     def requirements(self) -> "CacheRequirements":
         return CacheRequirements(tuple(self.groups), self.block_bytes(), self.slot_bytes())
@@ -184,7 +207,7 @@ def build_cache_layout(layers: Sequence[Any], block_size: int, dtype: torch.dtyp
                 layout.group_layers.append(chunk)
                 layout.group_specs.append(spec)
     for spec, ls in mamba.items():
-        layout.groups.append(CacheGroup(MAMBA, len(ls)))
+        layout.groups.append(CacheGroup(spec.kind, len(ls)))
         layout.group_layers.append(ls)
         layout.group_specs.append(spec)
     return layout

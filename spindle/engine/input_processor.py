@@ -17,6 +17,7 @@ from spindle.config import EngineConfig
 from spindle.engine.pooling_inputs import encode_texts, tokenize_for_pooling
 from spindle.engine.prompt_embeds import is_prompt_embeds, prompt_embeds_input
 from spindle.engine.prompt_length import PromptLengthBound, count_then_encode
+from spindle.multimodal.processor import MM_KEY, AudioFeatures, has_media
 from spindle.pooling_params import PoolingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -34,6 +35,8 @@ class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
     embeds: Any = None  # prompt embeddings; token_ids are then placeholders
+    # What the model's encoder reads (an encoder-decoder's audio features [mels, frames]).
+    encoder_inputs: Any = None
 
 
 class InputProcessor:
@@ -41,6 +44,10 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.length_bound = PromptLengthBound(tokenizer)
+        # Encoder-decoder models (Whisper): every prompt carries audio, made into the
+        # encoder's features here (spindle/multimodal/processor.py).
+        self.audio = (AudioFeatures(config.model.model)
+                      if config.model.model_kind == "encoder_decoder" else None)
 
     def is_pooling(self, params: Any) -> bool:
         return isinstance(params, PoolingParams) or self.config.model.task == "embed"
@@ -60,10 +67,41 @@ class InputProcessor:
             return prompt
         if self.is_pooling(params):
             return ProcessedPrompt(*tokenize_for_pooling(self.tokenizer, prompt, self.config))
+        if self.audio is not None:
+            return self._process_with_audio(prompt)
+        if has_media(prompt):
+            raise ValueError(f"{MM_KEY} is not supported by {self.config.model.architecture} "
+                             "(a text-only model)")
         if is_prompt_embeds(prompt):
             embeds, placeholder_ids = prompt_embeds_input(prompt, self.config)
             return ProcessedPrompt(None, placeholder_ids, embeds)
         return ProcessedPrompt(*self._tokenize(prompt))
+
+    def _process_with_audio(self, prompt: PromptType) -> ProcessedPrompt:
+        """An encoder-decoder's prompt: {"prompt": text or "prompt_token_ids": ids (the
+        decoder's start; default: the model's decoder start token), "multi_modal_data":
+        {"audio": (waveform, sample_rate)}}."""
+        arch = self.config.model.architecture
+        if not has_media(prompt):
+            raise ValueError(f"{arch} needs audio: pass a prompt dict with "
+                             f"'{MM_KEY}': {{'audio': (waveform, sample_rate)}}")
+        features = self.audio(prompt[MM_KEY])
+        decoder = {k: v for k, v in prompt.items() if k != MM_KEY}
+        if "prompt_token_ids" not in decoder and "prompt" not in decoder:
+            start = getattr(self.config.model.hf_config, "decoder_start_token_id", None)
+            if start is None:
+                raise ValueError(f"a prompt for {arch} needs 'prompt' or 'prompt_token_ids' "
+                                 "(its config names no decoder_start_token_id)")
+            decoder["prompt_token_ids"] = [start]
+        if "prompt_token_ids" in decoder:
+            text, token_ids = self._tokenize(decoder)
+        else:
+            text = decoder["prompt"]
+            if not isinstance(text, str) or not text:
+                raise ValueError("prompt must be a non-empty string")
+            # The decoder prompt is Whisper's own tokens: no tokenizer-added prefix.
+            token_ids = self._check_token_ids(self.encode(text, add_special_tokens=False))
+        return ProcessedPrompt(text, token_ids, encoder_inputs=features)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -88,7 +88,9 @@ class LLMEngine:
                                           children, final_only)
         for core_id, child_params in children.items():
             self.core.add_request(Request(core_id, token_ids, child_params, max_tokens,
-                                          prompt_embeds=processed.embeds))
+                                          prompt_embeds=processed.embeds,
+                                          encoder_inputs=processed.encoder_inputs,
+                                          num_encoder_tokens=self.config.model.encoder_positions))
         return request_id
 
     def _add_pooling_request(self, prompt: PromptType | ProcessedPrompt,

@@ -51,13 +51,19 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, max_tokens: int,
                  arrival_time: float | None = None, pooling_params: Any = None,
-                 prompt_embeds: Any = None) -> None:
+                 prompt_embeds: Any = None, encoder_inputs: Any = None,
+                 num_encoder_tokens: int = 0) -> None:
         self.request_id = request_id
         # A pooling request runs its whole prompt in one step (never chunked, no
         # prefix-cache hits) and finishes with an embedding instead of tokens.
         self.pooling_params = pooling_params
         # [num_prompt_tokens, hidden] CPU tensor; prompt_token_ids are then placeholders.
         self.prompt_embeds = prompt_embeds
+        # What the model's encoder reads (an encoder-decoder's audio features, a CPU
+        # tensor): the encoder runs in the step that computes the request's first token
+        # (again after a preemption), within the scheduler's encoder budget.
+        self.encoder_inputs = encoder_inputs
+        self.num_encoder_tokens = num_encoder_tokens if encoder_inputs is not None else 0
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens

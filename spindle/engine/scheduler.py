@@ -54,6 +54,10 @@ class Scheduler:
       * A pooling request is scheduled with its whole prompt in one step (never
         chunked, no prefix hits) and finishes in the update_from_output() of that
         step, with its embedding.
+      * Encoder-decoder models: a request's encoder runs in the step that admits it
+        (it computes the request's first decoder tokens); one step admits requests
+        whose encoder positions (num_encoder_tokens) fit max_num_encoder_tokens
+        together, the encoder's compute budget; the others wait, in order.
       * With 0 KV blocks (a model without a KV cache) a NoKVCacheManager stands in:
         only the token budget and max_num_seqs limit a step.
       * Speculative decoding: a step speculates when fewer than disable_by_batch_size
@@ -305,11 +309,14 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests FCFS while seats, budget and blocks last; never
-        preempts."""
+        """Admit waiting requests FCFS while seats, budget, the encoder's budget and
+        blocks last; never preempts."""
+        encoder_budget = self.scheduler_config.max_num_encoder_tokens
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.num_scheduled_tokens) < self._step_cap):
             request = self.waiting[0]
+            if request.num_encoder_tokens > encoder_budget:
+                break  # its encoder waits for the next step's budget
             hits, num_hit_tokens = NO_HIT, 0
             if request.num_computed_tokens == 0 and not request.is_pooling:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -338,9 +345,11 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 pooling_params=request.pooling_params,
-                prompt_embeds=request.prompt_embeds))
+                prompt_embeds=request.prompt_embeds,
+                encoder_inputs=request.encoder_inputs))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+            encoder_budget -= request.num_encoder_tokens
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         request.status = RequestStatus.RUNNING

@@ -23,6 +23,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "BertModel": "spindle.models.bert:BertModel",
     "RobertaModel": "spindle.models.bert:RobertaModel",
     "XLMRobertaModel": "spindle.models.bert:XLMRobertaModel",
+    "WhisperForConditionalGeneration": "spindle.models.whisper:WhisperForConditionalGeneration",
 }
 
 
@@ -31,8 +32,8 @@ def supported_architectures() -> list[str]:
 
 
 def model_kind(model_class: type) -> str:
-    """What a model class declares it is: "decoder" (the default), "encoder" or
-    "hybrid" (state-space layers beside attention)."""
+    """What a model class declares it is: "decoder" (the default), "encoder",
+    "hybrid" (state-space layers beside attention) or "encoder_decoder" (Whisper)."""
     return getattr(model_class, "model_kind", "decoder")
 
 

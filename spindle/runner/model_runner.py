@@ -218,7 +218,7 @@ class ModelRunner:
                 for g in layout.paged_groups:
                     for j, layer in enumerate(layout.group_layers[g]):
                         layer.kv_cache = shared[j]
-            for g in layout.mamba_groups:
+            for g in layout.state_groups:
                 spec = layout.group_specs[g]
                 for layer in layout.group_layers[g]:
                     layer.kv_cache = [self.platform.allocate_zeroed(
@@ -268,7 +268,8 @@ class ModelRunner:
         req = "__warmup__"
         prefill = SchedulerOutput(
             new_requests=[NewRequestData(req, [0] * num_prompt, num_prompt,
-                                         SamplingParams(temperature=0.0), block_ids, 0)],
+                                         SamplingParams(temperature=0.0), block_ids, 0,
+                                         **self._require_state().warmup_inputs())],
             num_scheduled_tokens={req: num_prompt}, total_num_scheduled_tokens=num_prompt)
         self.execute_model(prefill)
         # (new_token_ids: what pipeline stages other than the last did not sample)
@@ -476,7 +477,7 @@ class ModelRunner:
         src = self.h2d.put([c[0] for c in copies], torch.int64)
         dst = self.h2d.put([c[1] for c in copies], torch.int64)
         layout = self.cache_layout
-        for g in layout.mamba_groups:
+        for g in layout.state_groups:
             for layer in layout.group_layers[g]:
                 for tensor in layer.kv_cache:
                     tensor.index_copy_(0, dst, tensor.index_select(0, src))

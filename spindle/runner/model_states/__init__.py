@@ -18,6 +18,7 @@ _STATES = {
     "decoder+prompt_embeds": "spindle.runner.model_states.prompt_embeds:PromptEmbedsState",
     "encoder": "spindle.runner.model_states.encoder_only:EncoderOnlyModelState",
     "hybrid": "spindle.runner.model_states.mamba_hybrid:MambaHybridModelState",
+    "encoder_decoder": "spindle.runner.model_states.encoder_decoder:EncoderDecoderModelState",
 }
 
 

@@ -80,6 +80,11 @@ class ModelState(abc.ABC):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)
 
+    def warmup_inputs(self) -> dict[str, Any]:
+        """NewRequestData fields a warm-up request needs besides its tokens (an
+        encoder-decoder's encoder inputs)."""
+        return {}
+
     def dummy_attn(self, num_reqs: int, tokens_per_req: int) -> Any:
         """Metadata for a cache-less profiling forward of num_reqs equal requests."""
         raise NotImplementedError(f"{type(self).__name__} has no profiling path")
