@@ -75,7 +75,7 @@ class EngineArgs:
         None, "Encoder-decoder models (Whisper): encoder positions one step may compute, "
         "the encoder's compute budget (a Whisper window is 1500); requests whose encoder "
         "would pass it wait for a later step (default: max_num_batched_tokens, and at "
-        "least one window).")
+        "least 8 encoder inputs).")
     async_scheduling: bool = _arg(True, "Schedule and launch the next step while the "
                                   "current one runs on the device (uni and mp executors, without PP).")
     tensor_parallel_size: int = _arg(1, "Number of tensor-parallel ranks.")
@@ -187,6 +187,9 @@ class EngineArgs:
         return config
 
 
+# The default encoder budget holds at least this many encoder inputs (Whisper windows):
+# one a step would start requests one at a time, each step paying a whole eager step.
+DEFAULT_ENCODER_INPUTS_PER_STEP = 8
 API_KEY_ENV = "SPINDLE_API_KEY"  # the default of --api-key (spindle serve)
 
 
@@ -472,7 +475,8 @@ class SchedulerConfig:
                      f">= max_model_len ({model.max_model_len}) when chunked prefill is off")
         encoder_budget = 0
         if model.encoder_positions:
-            encoder_budget = args.max_num_encoder_tokens or max(budget, model.encoder_positions)
+            encoder_budget = args.max_num_encoder_tokens or max(
+                budget, DEFAULT_ENCODER_INPUTS_PER_STEP * model.encoder_positions)
             _require(_is_int(encoder_budget) and encoder_budget >= model.encoder_positions,
                      "max_num_encoder_tokens", encoder_budget,
                      f"an integer >= one encoder input's positions ({model.encoder_positions})")

@@ -43,6 +43,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return factory
 
 
+@pytest.fixture(scope="session")
+def tiny_whisper(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: tiny_whisper(**make_tiny_whisper_kwargs) -> checkpoint dir, made once per
+    session for each distinct kwargs (read-only, like tiny_model's)."""
+    from spindle.tools.tiny_whisper import make_tiny_whisper
+
+    cache: dict[tuple, Path] = {}
+
+    def factory(**kwargs: Any) -> Path:
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = make_tiny_whisper(tmp_path_factory.mktemp("whisper"), **kwargs)
+        return cache[key]
+
+    return factory
+
+
 def _skip_if_oracle_lacks_grouped_norm(arch: str, kwargs: dict) -> None:
     """Bamba and Mamba2 with several B/C groups normalise each group's features on their
     own (the reference mamba_ssm does; transformers since 5.23). An older transformers

@@ -28,7 +28,8 @@ HALF = torch.float16 if INTERPRETED else torch.bfloat16
 
 KERNEL_MODULES = ("spindle.layers.fused_kernels", "spindle.layers.skinny_gemm",
                   "spindle.layers.invariant_gemm", "spindle.layers.fused_moe",
-                  "spindle.attention.backends.triton_attn", "spindle.layers.mamba.triton_ops")
+                  "spindle.attention.backends.triton_attn", "spindle.layers.mamba.triton_ops",
+                  "spindle.attention.cross_triton")
 
 T = TypeVar("T")
 

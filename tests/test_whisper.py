@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from spindle import LLM, SamplingParams
-from spindle.tools.tiny_whisper import SAMPLING_RATE, make_tiny_whisper, synthetic_audio
+from spindle.tools.tiny_whisper import SAMPLING_RATE, synthetic_audio
 
 LOGPROB_TOL = 1e-4
 MAX_NEW = 12
@@ -34,19 +33,6 @@ SHAPES = {
     "mels128": dict(num_mel_bins=128, chunk_length=3, encoder_heads=2, decoder_heads=2,
                     ffn_dim=96, seed=2),
 }
-
-
-@pytest.fixture(scope="session")
-def tiny_whisper(tmp_path_factory):
-    cache: dict[tuple, Path] = {}
-
-    def factory(**kwargs: Any) -> Path:
-        key = tuple(sorted(kwargs.items()))
-        if key not in cache:
-            cache[key] = make_tiny_whisper(tmp_path_factory.mktemp("whisper"), **kwargs)
-        return cache[key]
-
-    return factory
 
 
 @functools.lru_cache(maxsize=8)
