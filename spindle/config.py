@@ -160,7 +160,10 @@ class EngineArgs:
                                           "(any device; moves tensors out and back), or one "
                                           "registered by a plugin.")
     mm_ipc_gpu_memory_gb: float = _arg(0.0, "GiB of device memory set aside before the KV "
-                                       "cache is sized (e.g. for multimodal IPC buffers).")
+                                       "cache is sized, for decoded media: encoder-decoder "
+                                       "models (Whisper) stage each step's encoder inputs in "
+                                       "a buffer of this size, and a step starts no more "
+                                       "than it holds.")
 
     def create_engine_config(self) -> "EngineConfig":
         from spindle.platforms import resolve_platform
@@ -213,6 +216,9 @@ class ServerArgs:
                                    "credentials (cookies, Authorization) cross-origin.")
     max_request_body_bytes: int = _arg(16 * 2**20, "Largest request body accepted, in "
                                        "bytes; a larger one gets 413 (default: 16 MiB).")
+    max_audio_seconds: float = _arg(3600.0, "Longest audio upload /v1/audio/transcriptions "
+                                    "and /v1/audio/translations accept, in seconds; a "
+                                    "longer one gets 400 (default: one hour).")
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -221,6 +227,8 @@ class ServerArgs:
                      "a non-empty string of printable ASCII characters without spaces")
         _require(_is_int(self.max_request_body_bytes) and self.max_request_body_bytes >= 1,
                  "max_request_body_bytes", self.max_request_body_bytes, "an integer >= 1")
+        _require(_is_real(self.max_audio_seconds) and self.max_audio_seconds > 0,
+                 "max_audio_seconds", self.max_audio_seconds, "a number of seconds > 0")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             values = getattr(self, name)
             _require(values is None or all(isinstance(v, str) and v for v in values), name,
@@ -305,8 +313,10 @@ class ModelConfig:
     load_format: str = "auto"  # see LOAD_FORMATS
     fp8_checkpoint: Any = None  # the checkpoint's float8 layout (models/fp8_checkpoint.py)
     gguf_file: str | None = None  # the GGUF file `model` was converted from (models/gguf.py)
-    # Encoder-decoder models: the positions one encoder input makes (Whisper: 1500).
+    # Encoder-decoder models: the positions one encoder input makes (Whisper: 1500),
+    # and the bytes of one input as the runner stages it (Whisper: float32 features).
     encoder_positions: int = 0
+    encoder_input_bytes: int = 0
 
     @property
     def architecture(self) -> str:
@@ -346,11 +356,14 @@ class ModelConfig:
                  f"one of {LOGPROBS_MODES}")
         _require(not (quantization == "gguf" and args.load_format == "dummy"), "load_format",
                  args.load_format, "auto with quantization='gguf' (the weights are the file's)")
-        encoder_positions = (model_class.encoder_input_positions(hf_config)
-                             if hasattr(model_class, "encoder_input_positions") else 0)
+        encoder_positions = encoder_bytes = 0
+        if hasattr(model_class, "encoder_input_positions"):
+            encoder_positions = model_class.encoder_input_positions(hf_config)
+            encoder_bytes = model_class.encoder_input_bytes(hf_config)
         return ModelConfig(model=str(path), tokenizer=str(args.tokenizer or path), dtype=dtype,
                            max_model_len=max_model_len, seed=args.seed, hf_config=hf_config,
                            model_kind=kind, task=task, encoder_positions=encoder_positions,
+                           encoder_input_bytes=encoder_bytes,
                            enable_prompt_embeds=bool(args.enable_prompt_embeds),
                            logprobs_mode=args.logprobs_mode,
                            quantization=quantization,
@@ -473,18 +486,34 @@ class SchedulerConfig:
         if not args.enable_chunked_prefill:
             _require(budget >= model.max_model_len, "max_num_batched_tokens", budget,
                      f">= max_model_len ({model.max_model_len}) when chunked prefill is off")
-        encoder_budget = 0
-        if model.encoder_positions:
-            encoder_budget = args.max_num_encoder_tokens or max(
-                budget, DEFAULT_ENCODER_INPUTS_PER_STEP * model.encoder_positions)
-            _require(_is_int(encoder_budget) and encoder_budget >= model.encoder_positions,
-                     "max_num_encoder_tokens", encoder_budget,
-                     f"an integer >= one encoder input's positions ({model.encoder_positions})")
+        encoder_budget = _encoder_budget(args, model, budget) if model.encoder_positions else 0
         return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                max_num_encoder_tokens=encoder_budget,
                                max_model_len=model.max_model_len,
                                enable_chunked_prefill=bool(args.enable_chunked_prefill),
                                async_scheduling=bool(args.async_scheduling), max_n=args.max_n)
+
+
+def _encoder_budget(args: EngineArgs, model: ModelConfig, token_budget: int) -> int:
+    """Encoder positions one step may compute: max_num_encoder_tokens, by default the
+    step's token budget and at least DEFAULT_ENCODER_INPUTS_PER_STEP inputs; with
+    mm_ipc_gpu_memory_gb, never more inputs than that media buffer holds."""
+    positions = model.encoder_positions
+    default = max(token_budget, DEFAULT_ENCODER_INPUTS_PER_STEP * positions)
+    reserved = int(args.mm_ipc_gpu_memory_gb * 2**30)
+    fit = reserved // model.encoder_input_bytes if reserved else None
+    if fit is not None:
+        _require(fit >= 1, "mm_ipc_gpu_memory_gb", args.mm_ipc_gpu_memory_gb,
+                 f"0 or room for one encoder input ({model.encoder_input_bytes / 2**20:.2f} MiB)")
+        default = min(default, fit * positions)
+    encoder_budget = args.max_num_encoder_tokens or default
+    _require(_is_int(encoder_budget) and encoder_budget >= positions, "max_num_encoder_tokens",
+             encoder_budget, f"an integer >= one encoder input's positions ({positions})")
+    if fit is not None:
+        _require(encoder_budget <= fit * positions, "max_num_encoder_tokens", encoder_budget,
+                 f"<= {fit * positions}: the {fit} encoder inputs mm_ipc_gpu_memory_gb's media "
+                 "buffer holds")
+    return encoder_budget
 
 
 @dataclass(frozen=True)

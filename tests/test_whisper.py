@@ -272,3 +272,32 @@ def test_sleep_and_wake_give_the_same_output(tiny_whisper, level):
     llm.sleep(level)
     llm.wake_up()
     assert_matches(llm.generate(prompts, greedy(), use_tqdm=False), cases)
+
+
+def test_media_buffer_bounds_the_encoder_inputs_of_a_step(tiny_whisper):
+    """mm_ipc_gpu_memory_gb set aside for two windows' features: a step starts at most
+    two requests, every step stages them in the one buffer (same address), and the
+    outputs still equal transformers'."""
+    path = tiny_whisper()
+    window_bytes = 80 * 200 * 4  # float32 features of one 2 s window
+    gib = 2.5 * window_bytes / 2**30
+    cases = clear_cases(path, 5, [0.5, 1.0, 1.5, 2.0])
+    llm = LLM(model=path, max_num_seqs=8, mm_ipc_gpu_memory_gb=gib)
+    assert llm.engine.config.scheduler.max_num_encoder_tokens == 200  # two windows
+    state = llm.engine.core.executor.worker.runner.state
+    staged, real_stage = [], state.media_buffer.stage
+
+    def stage(features):
+        view = real_stage(features)
+        staged.append((len(features), view.data_ptr()))
+        return view
+
+    state.media_buffer.stage = stage
+    assert_matches(llm.generate([audio_prompt(w) for w, _ in cases], greedy(),
+                                use_tqdm=False), cases)
+    assert sum(n for n, _ in staged) == 5 and max(n for n, _ in staged) == 2
+    assert len({ptr for _, ptr in staged}) == 1
+    with pytest.raises(ValueError, match="mm_ipc_gpu_memory_gb must be 0 or room for one"):
+        LLM(model=path, mm_ipc_gpu_memory_gb=0.5 * window_bytes / 2**30)
+    with pytest.raises(ValueError, match="the 2 encoder inputs mm_ipc_gpu_memory_gb"):
+        LLM(model=path, mm_ipc_gpu_memory_gb=gib, max_num_encoder_tokens=300)

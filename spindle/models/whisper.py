@@ -222,6 +222,12 @@ class WhisperForConditionalGeneration(nn.Module):
         return hf_config.max_target_positions
 
     @classmethod
+    def encoder_input_bytes(cls, hf_config: Any) -> int:
+        """Bytes of one window's features as the runner stages them (float32 [mels,
+        2 * positions])."""
+        return hf_config.num_mel_bins * 2 * hf_config.max_source_positions * 4
+
+    @classmethod
     def encoder_input_positions(cls, hf_config: Any) -> int:
         """Positions one window's encoder computes (1500 for 30 s): its compute cost,
         which the scheduler's encoder budget counts."""

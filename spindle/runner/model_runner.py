@@ -124,6 +124,8 @@ class ModelRunner:
         with self._memory_scope(WEIGHTS):
             self.model = load_model(self.config.model, self.device, self.tp_group, self.stage)
         self.state = model_state_class(self.model, self.config)(self.model, self.device, self.h2d)
+        if self.config.memory.reserved_bytes:
+            self.state.set_media_buffer(self.config.memory.reserved_bytes)
         if self.config.device.batch_invariant:
             enable_batch_invariance(self.model)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

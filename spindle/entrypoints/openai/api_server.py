@@ -45,6 +45,7 @@ from spindle.entrypoints.openai.protocol import (APIError, ChatCompletionRequest
 from spindle.entrypoints.openai.routing import ModelRoutes, ServedModel
 from spindle.entrypoints.openai.serving_base import RequestIds, ServedModels
 from spindle.entrypoints.openai.serving_embedding import router as embedding_router
+from spindle.entrypoints.openai.serving_transcription import router as transcription_router
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
         for stat_logger in stat_loggers:
             engine.remove_stat_logger(stat_logger)
 
-    app = _make_app(ModelRoutes([ServedModel.of(engine, models)]), metrics.registry,
+    audio_limit = (server_args or ServerArgs()).max_audio_seconds
+    app = _make_app(ModelRoutes([ServedModel.of(engine, models, audio_limit)]), metrics.registry,
                     attach, detach, server_args)
     app.state.engine = engine
     app.state.health = lambda: _engine_health(engine)
@@ -98,7 +100,8 @@ def build_pool_app(pool: ModelPool, dev_mode: bool | None = None,
     for name in pool.names:
         config = pool.config(name).model
         served.append(ServedModel.of(pool.engine(name), ServedModels(
-            names=(name,), root=config.model, max_model_len=config.max_model_len)))
+            names=(name,), root=config.model, max_model_len=config.max_model_len),
+            (server_args or ServerArgs()).max_audio_seconds))
         stat_loggers += [(name, PrometheusStatLogger(name, families)),
                          (name, LoggingStatLogger(model_name=name))]
 
@@ -149,6 +152,7 @@ def _make_app(routes: ModelRoutes, registry: CollectorRegistry, attach: Callable
     _add_error_handlers(app)
     app.include_router(router)
     app.include_router(embedding_router)  # POST /v1/embeddings (task="embed")
+    app.include_router(transcription_router)  # POST /v1/audio/* (Whisper checkpoints)
     return app
 
 
@@ -239,8 +243,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 async def serve_request(request: Request, prefix: str, prompt_param: str,
                         create: Callable[[str], Awaitable[Any]]) -> Response:
-    """Run create(request_id) and answer: JSON for a finished body, server-sent events
-    for a stream, an error otherwise; every answer carries the X-Request-Id header.
+    """Run create(request_id) and answer: JSON for a finished body, a Response as it is
+    (a text body), server-sent events for a stream, an error otherwise; every answer
+    carries the X-Request-Id header.
 
     The id is the client's X-Request-Id when it sends one (so logs on both sides
     agree), held while the request is in flight. A client that disconnects before
@@ -262,6 +267,9 @@ async def serve_request(request: Request, prefix: str, prompt_param: str,
             return Response(status_code=499, headers=headers)  # nobody is listening
         if isinstance(result, dict):
             return JSONResponse(result, headers=headers)
+        if isinstance(result, Response):
+            result.headers.update(headers)
+            return result
         streaming = True
         return _EventStream(result, headers, on_close=lambda: ids.release(request_id))
     except Exception as exc:

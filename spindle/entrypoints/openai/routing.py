@@ -12,6 +12,7 @@ from spindle.entrypoints.openai.serving_base import ServedModels, model_not_foun
 from spindle.entrypoints.openai.serving_chat import ChatServing
 from spindle.entrypoints.openai.serving_completion import CompletionServing
 from spindle.entrypoints.openai.serving_embedding import EmbeddingServing
+from spindle.entrypoints.openai.serving_transcription import TranscriptionServing
 
 
 @dataclass(frozen=True)
@@ -22,11 +23,17 @@ class ServedModel:
     completions: CompletionServing
     chat: ChatServing
     embeddings: EmbeddingServing
+    transcriptions: TranscriptionServing  # (and translations)
 
     @classmethod
-    def of(cls, engine: Any, models: ServedModels) -> "ServedModel":
+    def of(cls, engine: Any, models: ServedModels,
+           max_audio_seconds: float | None = None) -> "ServedModel":
+        """The routes of one model; max_audio_seconds: the longest audio upload (None:
+        ServerArgs' default)."""
+        audio = TranscriptionServing(engine, models) if max_audio_seconds is None \
+            else TranscriptionServing(engine, models, max_audio_seconds)
         return cls(models, CompletionServing(engine, models), ChatServing(engine, models),
-                   EmbeddingServing(engine, models))
+                   EmbeddingServing(engine, models), audio)
 
 
 class ModelRoutes:

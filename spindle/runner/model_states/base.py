@@ -80,6 +80,11 @@ class ModelState(abc.ABC):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)
 
+    def set_media_buffer(self, capacity_bytes: int) -> None:
+        """The bytes set aside for decoded media (mm_ipc_gpu_memory_gb): states whose
+        requests carry media stage them there."""
+        return None
+
     def warmup_inputs(self) -> dict[str, Any]:
         """NewRequestData fields a warm-up request needs besides its tokens (an
         encoder-decoder's encoder inputs)."""

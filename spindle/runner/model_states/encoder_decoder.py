@@ -12,7 +12,8 @@ Cache groups: the decoder's self-attention is paged as usual; cross-attention is
 state group (one slot per running request, the encoder's positions long), whose
 metadata is the state groups' MambaMetadata (has_initial_state False: the request's
 encoder runs this step). Decode steps, where every request has its cross keys and
-values already, replay CUDA graphs.
+values already, replay CUDA graphs. With mm_ipc_gpu_memory_gb the encoder inputs are
+staged in a media buffer of that size (multimodal/buffer_pool.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from spindle.multimodal.buffer_pool import MediaBufferPool
 from spindle.runner.input_batch import CachedRequestState, StepBatch
 from spindle.runner.model_states.mamba_hybrid import MambaHybridModelState
 from spindle.step_messages import NewRequestData
@@ -37,6 +39,12 @@ class EncoderDecoderModelState(MambaHybridModelState):
         super().__init__(model, device, h2d)
         # Encoder inputs of the profiling forward (set by dummy_attn, used once).
         self._profile_encoder_rows = 0
+        self.media_buffer: MediaBufferPool | None = None
+
+    def set_media_buffer(self, capacity_bytes: int) -> None:
+        """Stage encoder inputs in one buffer of the reserved size (the scheduler's
+        encoder budget keeps a step's inputs within it)."""
+        self.media_buffer = MediaBufferPool(capacity_bytes, self.device)
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -66,11 +74,19 @@ class EncoderDecoderModelState(MambaHybridModelState):
         starting = np.flatnonzero(batch.num_computed == 0)
         if starting.size:
             features = [batch.requests[i].extra.pop(_FEATURES) for i in starting]
-            stacked = torch.stack(features).pin_memory() if self.device.type == "cuda" \
-                else torch.stack(features)
-            inputs["encoder_features"] = stacked.to(self.device, non_blocking=True)
+            inputs["encoder_features"] = self._stage(features)
             inputs["encoder_slots"] = self.h2d.put(batch.state_slots[starting], torch.int64)
         return inputs
+
+    def _stage(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """The step's encoder inputs on the device: in the media buffer when one is set
+        aside (mm_ipc_gpu_memory_gb), else a fresh tensor."""
+        if self.media_buffer is not None:
+            return self.media_buffer.stage(features)
+        stacked = torch.stack(features)
+        if self.device.type == "cuda":
+            stacked = stacked.pin_memory()
+        return stacked.to(self.device, non_blocking=True)
 
     def dummy_attn(self, num_reqs: int, tokens_per_req: int) -> Any:
         """The profiling forward's metadata; its forward runs each request's encoder
