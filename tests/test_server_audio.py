@@ -47,7 +47,8 @@ def whisper_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(whisper_path, tmp_path_factory):
     srv = RemoteServer(str(whisper_path), *ENGINE_FLAGS, "--served-model-name", "whisper",
-                       "--max-audio-seconds", "60", log_path=tmp_path_factory.mktemp("serve") / "server.log")
+                       "--max-audio-seconds", "60",
+                       log_path=tmp_path_factory.mktemp("serve") / "server.log")
     yield srv
     assert srv.stop() == 0, srv.log()
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spindle import LLM, SamplingParams
-from test_whisper import SHAPES, audio_prompt, clear_cases, window
+from test_whisper import SHAPES, _cache_bytes, audio_prompt, clear_cases, window
 
 pytestmark = pytest.mark.gpu
 
@@ -44,13 +44,19 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_whisper, shape, enforce_eager)
     check(cases, outputs)
 
 
-def test_cuda_chunked_prefill_and_encoder_budget(tiny_whisper):
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_chunked_prefill_preemption_and_encoder_budget(tiny_whisper, enforce_eager):
+    """3-token prompt chunks, one encoder window a step, and 5 blocks of 4 tokens for 4
+    requests of 16: requests are preempted and run their encoder again."""
     path = tiny_whisper()
     cases = clear_cases(path, 4, [0.5, 1.0, 1.5, 2.0])
-    with LLM(str(path), dtype="float32", device="cuda", max_num_seqs=4,
-             max_num_batched_tokens=3, max_num_encoder_tokens=100) as llm:
+    with LLM(str(path), dtype="float32", device="cuda", max_num_seqs=4, block_size=4,
+             max_model_len=16, max_num_batched_tokens=3, max_num_encoder_tokens=100,
+             kv_cache_memory_bytes=_cache_bytes(path, slots=4, blocks=5, block_size=4),
+             enforce_eager=enforce_eager) as llm:
         check(cases, llm.generate([audio_prompt(w) for w, _ in cases], greedy(),
                                   use_tqdm=False))
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_cumem_sleep_keeps_cross_attention_slots_working(tiny_whisper):

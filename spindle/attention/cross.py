@@ -26,6 +26,7 @@ from torch import nn
 
 import os
 
+from spindle.attention.heads import set_head_geometry
 from spindle.cache.spec import CrossAttentionCacheSpec
 from spindle.forward_context import get_forward_context
 
@@ -44,13 +45,7 @@ class CrossAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  num_positions: int) -> None:
         super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
-                             f"({num_kv_heads})")
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.num_kv_heads = num_kv_heads
+        set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
         self.num_positions = num_positions
         self.kv_cache: list[torch.Tensor] | None = None  # [keys, values], set by the runner
         self.cache_group = 0
