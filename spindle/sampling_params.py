@@ -36,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token; k: plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Only these token ids may be sampled (None: any); logprobs stay the raw model's.
+    allowed_token_ids: list[int] | None = None
     # Filled by the engine, not the user: every id that ends generation.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -44,6 +46,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None and isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -81,6 +85,11 @@ class SamplingParams:
         _check(isinstance(self.stop_token_ids, (list, tuple))
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        _check(self.allowed_token_ids is None or (
+            isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+            and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids", self.allowed_token_ids,
+            "None or a non-empty list of non-negative token ids")
         _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
                "seed", self.seed, "None or an integer in [-2**63, 2**64 - 1] (the seeds "
                "torch.Generator takes)")

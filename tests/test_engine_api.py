@@ -295,3 +295,16 @@ def test_text_decoded_at_the_end_equals_the_streamed_text(llm, skip_special_toke
         # (A byte-level tokenizer: the output's text is its own bytes' text, whatever
         # the prompt ends with.)
         assert streamed.output_text == tok.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+
+def test_allowed_token_ids_restrict_what_is_generated(tiny_model):
+    llm = LLM(model=tiny_model("llama"))
+    allowed = [7, 11, 300]
+    for temperature in (0.0, 1.0):
+        out = llm.generate([[1, 2, 3]], SamplingParams(
+            temperature=temperature, max_tokens=12, ignore_eos=True, seed=0,
+            allowed_token_ids=allowed), use_tqdm=False)
+        assert set(out[0].outputs[0].token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be token ids of the "
+                                         r"vocabulary \[0, 512\)"):
+        llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[512]), use_tqdm=False)

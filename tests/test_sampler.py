@@ -475,6 +475,38 @@ def test_min_tokens_blocking_prevents_blocked_ids():
     assert all(int(tokens[row]) == best for row in range(1, 100, 2))
 
 
+def test_allowed_token_ids_restrict_greedy_and_random_rows():
+    """Rows with allowed ids sample only those (greedy: the best of them; random: a draw
+    among them); the others are untouched; logprobs stay the raw model's."""
+    torch.manual_seed(1)
+    vocab = 30
+    logits = torch.randn(1, vocab).repeat(200, 1)
+    order = logits[0].argsort(descending=True).tolist()
+    allowed = [order[5], order[9], order[20], 10_000]  # (an id outside the vocabulary: ignored)
+    temps = [0.0] * 100 + [1.0] * 100
+    rows = {row: allowed for row in range(0, 200, 2)}
+    meta = make_metadata(temps, min_tokens_blocked={})
+    meta.allowed_token_ids = rows
+    meta.max_num_logprobs = 0
+    out = SAMPLER(logits, meta)
+    tokens = out.sampled_token_ids.tolist()
+    assert all(tokens[row] == order[5] for row in range(0, 100, 2))  # the best allowed
+    assert all(tokens[row] == order[0] for row in range(1, 100, 2))  # unrestricted greedy
+    assert all(tokens[row] in allowed for row in range(100, 200, 2))
+    assert len({tokens[row] for row in range(100, 200, 2)}) > 1  # still a draw among them
+    raw = torch.log_softmax(logits[0], -1)
+    assert abs(float(out.logprobs[0, 0]) - float(raw[order[5]])) < 1e-5
+
+
+def test_allowed_token_ids_are_checked():
+    from spindle.sampling_params import SamplingParams
+
+    for bad in ([], [-1], [1.5], "12"):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    assert SamplingParams(allowed_token_ids=(3, 4)).allowed_token_ids == [3, 4]
+
+
 # --------------------------------------------------------------- (h) temperature -> 0
 
 

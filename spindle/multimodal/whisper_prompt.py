@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# No language detection: a request that names no language is taken to be English.
+# The language of a request that names none, where it is not detected (English-only
+# checkpoints; the server detects it on multilingual ones).
 DEFAULT_LANGUAGE = "en"
 TASKS = ("transcribe", "translate")
 _LANGUAGE_TOKEN = re.compile(r"^<\|([a-z]{2,3})\|>$")
@@ -34,6 +35,17 @@ def decoder_prompt_ids(tokenizer: Any, generation_config: dict[str, Any], langua
     ids += tokens.language_and_task(language, task)
     ids.append(tokens.get("no_timestamps_token_id", "<|notimestamps|>"))
     return ids
+
+
+def language_token_ids(tokenizer: Any, generation_config: dict[str, Any]) -> dict[str, int]:
+    """The checkpoint's language tokens by code ({"en": id, ...}): generation_config's
+    lang_to_id, else every <|xx|> token of the vocabulary; {} for an English-only one."""
+    if not is_multilingual(tokenizer, generation_config):
+        return {}
+    names = generation_config.get("lang_to_id") or {
+        token: token_id for token, token_id in tokenizer.get_vocab().items()}
+    return {m.group(1): int(names[token]) for token in names
+            if (m := _LANGUAGE_TOKEN.match(token))}
 
 
 def is_multilingual(tokenizer: Any, generation_config: dict[str, Any]) -> bool:

@@ -365,7 +365,9 @@ class InputBatch:
                 i: s.sampling_params.all_stop_token_ids for i, (s, out) in
                 enumerate(zip(states, outputs))
                 if len(out) < s.sampling_params.min_tokens
-                and s.sampling_params.all_stop_token_ids})
+                and s.sampling_params.all_stop_token_ids},
+            allowed_token_ids={i: p.allowed_token_ids for i, p in enumerate(params)
+                               if p.allowed_token_ids is not None})
         if any(_has_penalties(p) for p in params):
             self._add_penalties(meta, states, outputs, h2d)
         return meta

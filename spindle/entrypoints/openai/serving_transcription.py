@@ -1,6 +1,8 @@
 """POST /v1/audio/transcriptions and /v1/audio/translations: an audio file in (a
 multipart form, as OpenAI's API takes it), its text out, served by Whisper checkpoints.
 
+A request that names no language gets the one Whisper detects on the first window
+(the likeliest language token after <|startoftranscript|>), on multilingual checkpoints.
 The engine takes at most one window of audio per request (the feature extractor's
 chunk_length seconds, 30 on real checkpoints), so a longer upload is cut into
 consecutive windows, all submitted at once, and their texts joined: one segment per
@@ -27,7 +29,8 @@ from spindle.entrypoints.openai.transcription_formats import (RESPONSE_FORMATS, 
                                                               join_texts, json_body, srt,
                                                               verbose_json_body, vtt)
 from spindle.multimodal.audio_io import AudioError, decode_audio, resample, split_windows
-from spindle.multimodal.whisper_prompt import DEFAULT_LANGUAGE, decoder_prompt_ids
+from spindle.multimodal.whisper_prompt import (DEFAULT_LANGUAGE, decoder_prompt_ids,
+                                               language_token_ids)
 from spindle.outputs import CompletionOutput, RequestOutput, finite_logprob
 from spindle.sampling_params import SamplingParams
 
@@ -98,14 +101,38 @@ class TranscriptionServing(OpenAIServing):
         self.models.resolve(req.model)
         req.check()
         checkpoint = self.audio_checkpoint(req.model)
-        prompt_ids = await self._prompt_ids(req, checkpoint)
+        await self._prompt_ids(req, checkpoint)  # (a bad language: 400 before decoding)
         try:
             waveform, duration = await asyncio.to_thread(self._load_audio, req.audio, checkpoint)
         except AudioError as e:
             raise bad_request(str(e), "file") from None
         windows = split_windows(waveform, checkpoint.sampling_rate, checkpoint.chunk_length)
+        if req.language is None:
+            req = replace(req, language=await self._detect_language(
+                request_id, checkpoint, windows[0][2]))
+        prompt_ids = await self._prompt_ids(req, checkpoint)
         segments = await self._transcribe(request_id, req, checkpoint, prompt_ids, windows)
         return _render(req, segments, duration)
+
+    async def _detect_language(self, request_id: str, checkpoint: AudioCheckpoint,
+                               samples: Any) -> str | None:
+        """Whisper's language detection, on the first window: the most likely language
+        token after <|startoftranscript|> alone. None (the default language) for an
+        English-only checkpoint."""
+        languages = await self.engine.with_tokenizer(
+            lambda tokenizer: language_token_ids(tokenizer, checkpoint.generation_config))
+        if not languages:
+            return None
+        start = checkpoint.generation_config.get("decoder_start_token_id")
+        params = SamplingParams(temperature=0.0, max_tokens=1,
+                                allowed_token_ids=sorted(languages.values()))
+        prompt = {"prompt_token_ids": [start],
+                  "multi_modal_data": {"audio": (samples, checkpoint.sampling_rate)}}
+        (output,) = await final_outputs(await self.start(f"{request_id}-language", [prompt],
+                                                         params))
+        raise_if_aborted(output.outputs[0])
+        token = output.outputs[0].token_ids[0]
+        return next(code for code, token_id in languages.items() if token_id == token)
 
     async def _transcribe(self, request_id: str, req: TranscriptionRequest,
                           checkpoint: AudioCheckpoint, prompt_ids: list[int],

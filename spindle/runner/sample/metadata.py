@@ -33,6 +33,8 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None  # [B] float32
     # Row index -> token ids to forbid because the row has fewer than min_tokens outputs.
     min_tokens_blocked: dict[int, set[int]] = field(default_factory=dict)
+    # Row index -> the only token ids the row may sample (SamplingParams.allowed_token_ids).
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def no_penalties(self) -> bool:

@@ -4,6 +4,7 @@ The order of operations follows vLLM v1:
   1. logprobs, if wanted, from the RAW logits (they describe the model; with
      processed=True, from the logits the token is drawn from, after steps 2-5);
   2. min_tokens: forbid the blocked ids (stop/EOS ids) of rows still too short;
+     allowed_token_ids: forbid every id but those of rows that list them;
   3. repetition / frequency / presence penalties;
   4. greedy rows: argmax of the penalised logits;
   5. random rows: temperature, min-p, top-k, top-p, then an exponential race;
@@ -78,6 +79,7 @@ class Sampler(torch.nn.Module):
             logprobs_of = compute_logprobs(logits)
 
         logits = block_min_tokens(logits, metadata.min_tokens_blocked)
+        logits = keep_allowed_tokens(logits, metadata.allowed_token_ids)
         logits = apply_penalties(logits, metadata)
         sampled, drawn_from = sample(logits, metadata)
         if wanted and logprobs_of is None:
@@ -156,6 +158,23 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     # An exponential draw can underflow to 0; 0 / 0 would be NaN, which argmax picks.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
+
+
+def keep_allowed_tokens(logits: torch.Tensor, allowed: dict[int, list[int]]) -> torch.Tensor:
+    """Set every id but the allowed ones of each listed row to -inf (ids outside the
+    vocabulary are ignored): a bias row per listed row, added without a host sync."""
+    if not allowed:
+        return logits
+    vocab = logits.shape[-1]
+    rows = list(allowed)
+    flat = [i * vocab + t for i, row in enumerate(rows) for t in allowed[row] if 0 <= t < vocab]
+    bias = torch.full((len(rows), vocab), float("-inf"), dtype=logits.dtype,
+                      device=logits.device)
+    bias.view(-1).index_fill_(0, torch.tensor(flat, dtype=torch.int64).to(
+        logits.device, non_blocking=True), 0.0)
+    logits = logits.clone()
+    logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)] += bias
+    return logits
 
 
 def block_min_tokens(logits: torch.Tensor, blocked: dict[int, set[int]]) -> torch.Tensor:
