@@ -162,7 +162,8 @@ inline void rms_norm_row(float* h, const float* w, bf16* out, int64_t n, float e
 }
 
 // x [T, H] (rows may be strided) -> out [T, H]; with residual: the row is first
-// residual + x (rounded to bf16, as torch adds), which is also returned.
+// residual + x, which is also returned: rounded to bf16 for a bf16 residual (as torch
+// adds), kept in float32 for a float32 one (the float32 residual stream, norm.py).
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight,
                                     double eps, const c10::optional<torch::Tensor>& residual) {
   check_bf16(x, "x");
@@ -172,14 +173,17 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor&
   TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "weight must be [H] contiguous");
   auto out = torch::empty({rows, n}, x.options());
   torch::Tensor new_residual;
-  const bf16* res = nullptr;
+  const bool has_res = residual.has_value();
+  bool f32_res = false;
   int64_t res_stride = 0;
-  if (residual.has_value()) {
-    check_bf16(*residual, "residual");
+  if (has_res) {
+    f32_res = residual->scalar_type() == at::kFloat;
+    TORCH_CHECK(f32_res || residual->scalar_type() == at::kBFloat16,
+                "residual must be bfloat16 or float32, got ", residual->scalar_type());
+    TORCH_CHECK(residual->device().is_cpu(), "residual must be a CPU tensor");
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->stride(1) == 1,
                 "residual must be [T, H] like x");
-    new_residual = torch::empty({rows, n}, x.options());
-    res = residual->data_ptr<bf16>();
+    new_residual = torch::empty({rows, n}, residual->options());
     res_stride = residual->stride(0);
   }
   const bf16* xp = x.data_ptr<bf16>();
@@ -187,21 +191,24 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor&
   std::vector<float> w(n);
   to_float(weight.data_ptr<bf16>(), w.data(), n);
   bf16* op = out.data_ptr<bf16>();
-  bf16* rp = res ? new_residual.data_ptr<bf16>() : nullptr;
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     std::vector<float> h(n), r(n);
     for (int64_t row = begin; row < end; ++row) {
       to_float(xp + row * x_stride, h.data(), n);
-      if (res) {
-        to_float(res + row * res_stride, r.data(), n);
+      if (has_res && f32_res) {
+        const float* rr = residual->data_ptr<float>() + row * res_stride;
+        float* out_res = new_residual.data_ptr<float>() + row * n;
+        for (int64_t i = 0; i < n; ++i) out_res[i] = h[i] = h[i] + rr[i];
+      } else if (has_res) {
+        to_float(residual->data_ptr<bf16>() + row * res_stride, r.data(), n);
         for (int64_t i = 0; i < n; ++i) h[i] += r[i];
         round_bf16(h.data(), n);
-        from_float(h.data(), rp + row * n, n);
+        from_float(h.data(), new_residual.data_ptr<bf16>() + row * n, n);
       }
       rms_norm_row(h.data(), w.data(), op + row * n, n, static_cast<float>(eps));
     }
   });
-  if (res) return {out, new_residual};
+  if (has_res) return {out, new_residual};
   return {out};
 }
 

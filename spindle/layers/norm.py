@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from spindle.layers import cpu_kernels
 from spindle.layers.linear import set_weight_loader, default_weight_loader
+
+
+# "0" keeps a bf16 model's residual stream in bf16 on the CPU, as transformers does.
+FP32_RESIDUAL_ENV = "SPINDLE_CPU_FP32_RESIDUAL"
+
+
+def fp32_residual_stream(hidden: torch.Tensor) -> bool:
+    """Whether a bf16 model on the CPU carries its residual stream in float32: each
+    layer's output is added to it in float32 and only the norms' outputs are rounded to
+    bf16. Measured on SmolLM2-135M's GGUF types (docs/benchmarks.md), it keeps the
+    model's greedy choices much closer to float32 (Q5_0: 0.966 -> 0.981 top-1) for a
+    residual row of floats per token; llama.cpp keeps its residual in float32 too."""
+    return (hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu"
+            and os.environ.get(FP32_RESIDUAL_ENV, "1") != "0")
 
 
 class RMSNorm(nn.Module):
@@ -28,12 +44,14 @@ class RMSNorm(nn.Module):
         # the CPU) are row-wise already.
         self.batch_invariant = False
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
+    def _norm(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """dtype: where the normalized rows are rounded before the weight (x's dtype, or
+        the activations' for a float32 residual stream)."""
+        dtype = dtype or x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * h.to(input_dtype)
+        return self.weight * h.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda and x.dim() == 2:
@@ -44,16 +62,18 @@ class RMSNorm(nn.Module):
             return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return self._normalize(x)
-        x = residual + x  # HF adds in the activation dtype, as here
-        return self._normalize(x), x
+        # HF adds in the activation dtype, as here; a float32 residual keeps the sum in
+        # float32 (fp32_residual_stream), the normalized rows still rounded to x's dtype.
+        summed = residual + x
+        return self._normalize(summed, x.dtype), summed
 
-    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+    def _normalize(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """_norm over x, row by row when batch-invariant (batch_invariant.py)."""
         if self.batch_invariant:
             from spindle.layers.batch_invariant import rowwise
 
-            return rowwise(self._norm, x)
-        return self._norm(x)
+            return rowwise(lambda rows: self._norm(rows, dtype), x)
+        return self._norm(x, dtype)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
@@ -70,10 +90,10 @@ class GemmaRMSNorm(RMSNorm):
         with torch.no_grad():
             self.weight.zero_()
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return (h * (1.0 + self.weight.float())).to(dtype or x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:

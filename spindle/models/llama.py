@@ -40,7 +40,7 @@ from spindle.layers.activation import SiluAndMul
 from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
-from spindle.layers.norm import RMSNorm
+from spindle.layers.norm import RMSNorm, fp32_residual_stream
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary
 from spindle.models.causal_lm import DecoderForCausalLM
 from spindle.models.weights import load_named_weights
@@ -314,6 +314,9 @@ class LlamaModel(nn.Module):
                 raise ValueError("pass exactly one of input_ids and inputs_embeds")
             hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
+            if self.stage.size == 1 and fp32_residual_stream(hidden_states):
+                # (the first norm adds zeros: the stream starts as the embeddings, exactly)
+                residual = torch.zeros(hidden_states.shape, dtype=torch.float32)
         else:
             if intermediate_tensors is None:
                 raise ValueError(f"pipeline stage {self.stage.rank} needs the previous "
