@@ -1,5 +1,5 @@
 """The `spindle` command (also `python -m spindle`): generate, chat, serve, embed,
-make-tiny-model."""
+transcribe, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               add_server_args)
     from spindle.entrypoints.embed_cli import add_embed_parser
     from spindle.entrypoints.generate_cli import add_generate_parser
+    from spindle.entrypoints.transcribe_cli import add_transcribe_parser
     from spindle.tools.tiny_model import add_cli_arguments
 
     parser = argparse.ArgumentParser(
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     add_embed_parser(sub)
+    add_transcribe_parser(sub)
 
     tiny_help = "Write a small random Hugging Face checkpoint with a real tokenizer."
     tiny = sub.add_parser("make-tiny-model", help=tiny_help, description=tiny_help,

@@ -48,6 +48,26 @@ def language_token_ids(tokenizer: Any, generation_config: dict[str, Any]) -> dic
             if (m := _LANGUAGE_TOKEN.match(token))}
 
 
+def language_detection(tokenizer: Any, generation_config: dict[str, Any], samples: Any,
+                       sampling_rate: int) -> tuple[dict, Any, dict[int, str]] | None:
+    """Whisper's language detection on one window, as an engine request: (the prompt,
+    its SamplingParams, language code by token id). The request's one greedy token,
+    after <|startoftranscript|> alone and among the language tokens only, names the
+    language. None for an English-only checkpoint (nothing to detect)."""
+    from spindle.sampling_params import SamplingParams
+
+    languages = language_token_ids(tokenizer, generation_config)
+    if not languages:
+        return None
+    start = _SpecialTokens(tokenizer, generation_config).get("decoder_start_token_id",
+                                                             "<|startoftranscript|>")
+    prompt = {"prompt_token_ids": [start],
+              "multi_modal_data": {"audio": (samples, sampling_rate)}}
+    params = SamplingParams(temperature=0.0, max_tokens=1,
+                            allowed_token_ids=sorted(languages.values()))
+    return prompt, params, {token_id: code for code, token_id in languages.items()}
+
+
 def is_multilingual(tokenizer: Any, generation_config: dict[str, Any]) -> bool:
     """Whether the checkpoint takes language and task tokens: its generation config's
     is_multilingual; without one, whether it has a language token map or <|en|>."""

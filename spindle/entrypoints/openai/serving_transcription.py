@@ -30,7 +30,7 @@ from spindle.entrypoints.openai.transcription_formats import (RESPONSE_FORMATS, 
                                                               verbose_json_body, vtt)
 from spindle.multimodal.audio_io import AudioError, decode_audio, resample, split_windows
 from spindle.multimodal.whisper_prompt import (DEFAULT_LANGUAGE, decoder_prompt_ids,
-                                               language_token_ids)
+                                               language_detection)
 from spindle.outputs import CompletionOutput, RequestOutput, finite_logprob
 from spindle.sampling_params import SamplingParams
 
@@ -116,23 +116,17 @@ class TranscriptionServing(OpenAIServing):
 
     async def _detect_language(self, request_id: str, checkpoint: AudioCheckpoint,
                                samples: Any) -> str | None:
-        """Whisper's language detection, on the first window: the most likely language
-        token after <|startoftranscript|> alone. None (the default language) for an
-        English-only checkpoint."""
-        languages = await self.engine.with_tokenizer(
-            lambda tokenizer: language_token_ids(tokenizer, checkpoint.generation_config))
-        if not languages:
+        """The language Whisper detects on the first window (whisper_prompt.
+        language_detection); None (the default language) for an English-only checkpoint."""
+        detection = await self.engine.with_tokenizer(lambda tokenizer: language_detection(
+            tokenizer, checkpoint.generation_config, samples, checkpoint.sampling_rate))
+        if detection is None:
             return None
-        start = checkpoint.generation_config.get("decoder_start_token_id")
-        params = SamplingParams(temperature=0.0, max_tokens=1,
-                                allowed_token_ids=sorted(languages.values()))
-        prompt = {"prompt_token_ids": [start],
-                  "multi_modal_data": {"audio": (samples, checkpoint.sampling_rate)}}
+        prompt, params, codes = detection
         (output,) = await final_outputs(await self.start(f"{request_id}-language", [prompt],
                                                          params))
         raise_if_aborted(output.outputs[0])
-        token = output.outputs[0].token_ids[0]
-        return next(code for code, token_id in languages.items() if token_id == token)
+        return codes[output.outputs[0].token_ids[0]]
 
     async def _transcribe(self, request_id: str, req: TranscriptionRequest,
                           checkpoint: AudioCheckpoint, prompt_ids: list[int],
