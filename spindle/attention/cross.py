@@ -20,11 +20,11 @@ SDPA, one call per request.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import os
 
 from spindle.attention.heads import set_head_geometry
 from spindle.cache.spec import CrossAttentionCacheSpec
