@@ -41,7 +41,3 @@ class MediaBufferPool:
             host = host.pin_memory()
         view.copy_(host, non_blocking=True)
         return view
-
-    @property
-    def allocated_bytes(self) -> int:
-        return 0 if self._buffer is None else self.capacity_bytes
