@@ -54,7 +54,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (one variant for every number of rows)
 def _invariant_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
                              stride_xm, stride_wn, stride_wk, stride_om,
                              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,

@@ -151,7 +151,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 
-@triton.jit
+# M (1..8) is not specialized (Triton would compile M == 1 apart): one variant per
+# shape and config serves every decode batch, so nothing compiles after warm-up.
+@triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr,
                         M, N, K, x_stride, k_per_split,
                         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,

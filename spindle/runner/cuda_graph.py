@@ -104,6 +104,15 @@ class CudaGraphRunner:
         return query_len == 1 or bool((batch.num_scheduled == query_len).all())
 
     @torch.inference_mode()
+    def forward_each_size(self) -> None:
+        """One eager forward per graph shape, nothing captured (compiling ahead)."""
+        for query_len, sizes in self.sizes_by_len.items():
+            for size in reversed(sizes):
+                self.seq_lens[:size].fill_(query_len)
+                self._forward(size, query_len)
+        self.seq_lens.zero_()
+
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (the smaller graphs reuse its pool)."""
         for query_len, sizes in self.sizes_by_len.items():

@@ -27,6 +27,7 @@ from spindle.memory.sleep_backend import KV_CACHE, WEIGHTS
 from spindle.models.loader import load_model, reload_checkpoint
 from spindle.outputs import RequestFailure
 from spindle.platforms.interface import Platform
+from spindle.runner import compile_ahead
 from spindle.runner.async_output import PendingOutput
 from spindle.runner.cuda_graph import CudaGraphRunner
 from spindle.runner.input_batch import InputBatch, StepBatch
@@ -89,6 +90,7 @@ class ModelRunner:
         self._memory_scope: MemoryScope = lambda tag: contextlib.nullcontext()
         self.graph_runner: CudaGraphRunner | None = None
         self.num_graph_captures = 0  # CUDA graphs captured so far (warmup and recaptures)
+        self.kernels_compiled_ahead = 0  # Triton kernels compiled on threads (compile_ahead.py)
         self._recapture_on_wake = False
         self._weight_check = None  # update_weights' check (models/weight_update.py)
         self._last_launched: PendingOutput | None = None
@@ -175,6 +177,13 @@ class ModelRunner:
         budget must leave room for. With num_tokens: a forward of that many tokens
         (at most the budget) and the sampler over its requests, which only checks that
         the path runs."""
+        if self._compiles_ahead():
+            with self._compiling_ahead("profile_run"):
+                self._profile_forward(num_tokens)
+            self.platform.reset_peak_memory(self.device)  # (the pass above measures nothing)
+        self._profile_forward(num_tokens)
+
+    def _profile_forward(self, num_tokens: int | None) -> None:
         state = self._require_state()
         sched = self.config.scheduler
         full = num_tokens is None
@@ -235,11 +244,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run real steps through the cache path (short and long prefill, decode), so
-        kernels are compiled before the first request; then capture CUDA graphs. Where
-        nothing is compiled (CPU) the short request alone checks the path."""
+        """Run real steps through the cache path (short and long prefill, decode, and
+        without graphs a decode step of each graph batch size), so every kernel variant
+        is compiled before the first request; then capture CUDA graphs. Where kernels
+        compile, the same steps run first in a compile-only pass that compiles them on
+        threads (compile_ahead.py). Where nothing is compiled (CPU) the short request
+        alone checks the path."""
         if not self.needs_kv_cache or self.pooler is not None:
             return  # (pooling requests never decode: the sampling warm-up does not apply)
+        requests = self._warmup_requests()
+        graphs = self._new_graph_runner()
+        # Without graphs, eager decode steps of every graph batch size still run once:
+        # the kernel variants those steps need are compiled before the first request.
+        eager_sizes = (self._new_graph_runner(eager=True)
+                       if graphs is None and self.platform.compiles_kernels_on_first_use
+                       else None)
+
+        def warm_passes(compile_only: bool) -> None:
+            for num_prompt, block_ids in requests:
+                self._warmup_request(num_prompt, block_ids)
+            if eager_sizes is not None:
+                eager_sizes.forward_each_size()
+            if compile_only and graphs is not None:
+                graphs.forward_each_size()  # (what capture would compile one by one)
+
+        if self._compiles_ahead():
+            with self._compiling_ahead("warmup"):
+                warm_passes(compile_only=True)
+        warm_passes(compile_only=False)
+        self._capture_cuda_graphs(graphs)
+
+    def _warmup_requests(self) -> list[tuple[int, list[list[int]]]]:
+        """(prompt length, block ids per cache group) of the warm-up's throw-away
+        requests: a short and a long prompt (block_size and 4 * block_size tokens: both
+        prefill tile heights), or only the short one where nothing compiles."""
         block_size = self.config.cache.block_size
         lengths = (block_size, 4 * block_size)
         if not self.platform.compiles_kernels_on_first_use:
@@ -247,6 +285,7 @@ class ModelRunner:
         groups = self.cache_layout.groups
         num_paged = sum(g.is_paged for g in groups)
         lookahead = self.config.speculative.num_lookahead_tokens if self.proposer else 0
+        requests = []
         for n in lengths:
             blocks = -(-(n + 1 + lookahead) // block_size)
             if n + 1 > self.config.model.max_model_len or blocks * num_paged > self.num_kv_blocks:
@@ -259,8 +298,25 @@ class ModelRunner:
                     start += blocks
                 else:
                     block_ids.append([0])
-            self._warmup_request(n, block_ids)
-        self._capture_cuda_graphs()
+            requests.append((n, block_ids))
+        return requests
+
+    def _compiles_ahead(self) -> bool:
+        """Whether warm-up compiles its Triton kernels ahead on threads
+        (runner/compile_ahead.py): where kernels compile on first use, on one pipeline
+        stage (the stages of a pipeline exchange activations step by step)."""
+        return (self.platform.compiles_kernels_on_first_use and self.stage.size == 1
+                and compile_ahead.switched_on())
+
+    @contextlib.contextmanager
+    def _compiling_ahead(self, what: str):
+        per_host = self.config.parallel.world_size
+        threads = compile_ahead.compile_threads(per_host)
+        with compile_ahead.compiling_ahead(self.device, threads) as report:
+            yield
+        logger.debug("%s: %d Triton kernels compiled ahead on %d threads (%.2f s waited)",
+                     what, report["kernels"], threads, report["wait_s"])
+        self.kernels_compiled_ahead += report["kernels"]
 
     def _warmup_request(self, num_prompt: int, block_ids: list[list[int]]) -> None:
         """A throw-away greedy request: its prefill step, then one decode step."""
@@ -283,21 +339,30 @@ class ModelRunner:
         self.execute_model(decode)
         self.input_batch.remove_request(req)
 
-    def _capture_cuda_graphs(self) -> None:
-        state = self._require_state()
-        if (self.config.device.enforce_eager or not state.supports_cuda_graphs
-                or not self.needs_kv_cache or self.stage.size > 1):
+    def _capture_cuda_graphs(self, graphs: CudaGraphRunner | None = None) -> None:
+        """Capture graphs (a new runner's unless given one not captured yet)."""
+        graphs = graphs or self._new_graph_runner()
+        if graphs is None:
             return
+        graphs.capture()
+        self.graph_runner = graphs
+        self.num_graph_captures += len(graphs.graphs)
+
+    def _new_graph_runner(self, eager: bool = False) -> CudaGraphRunner | None:
+        """The CUDA graph runner this engine captures, None where it captures none.
+        eager=True: one regardless of enforce_eager (its shapes serve compiling ahead)."""
+        state = self._require_state()
+        if ((self.config.device.enforce_eager and not eager) or not state.supports_cuda_graphs
+                or not self.needs_kv_cache or self.stage.size > 1):
+            return None
         spec = self.config.speculative
-        self.graph_runner = CudaGraphRunner(
+        return CudaGraphRunner(
             state, self.config.device.max_cudagraph_batch_size,
             self.input_batch.max_blocks_per_req, self.device, self.cache_layout.groups,
             # Verifying steps: every request's last token and k drafts, in batches that
             # speculate (fewer than disable_by_batch_size requests).
             verify_len=spec.num_speculative_tokens + 1 if spec else 1,
             verify_max_batch=spec.disable_by_batch_size - 1 if spec else 0)
-        self.graph_runner.capture()
-        self.num_graph_captures += len(self.graph_runner.graphs)
 
     # ---- sleep mode (the SleepTarget of spindle/memory/sleep_backend.py) ----------
     def tagged_tensors(self, tag: str) -> list[torch.Tensor]:

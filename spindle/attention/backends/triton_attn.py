@@ -181,7 +181,9 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
         num_warps=4, num_stages=2)
 
 
-@triton.jit
+# bt_stride (the widest block table of the step) varies step by step: not specialized,
+# so one compiled variant serves every step (no compiling after warm-up).
+@triton.jit(do_not_specialize=["bt_stride"])
 def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr,
                     query_start_ptr, seq_lens_ptr, scale, window, soft_cap,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
@@ -311,7 +313,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
 def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                    block_tables_ptr, seq_lens_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                    eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, scale, window,

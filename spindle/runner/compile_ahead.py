@@ -1,0 +1,111 @@
+"""Triton kernels compiled ahead of the warm-up, on several threads at once.
+
+Triton compiles a kernel the first time it is launched with a new specialization
+(argument dtypes, constexprs, alignment): 0.1-1.5 s each, about two dozen for a dense
+model, one after another, so a first start on a machine spent some 14 s compiling.
+Compiling releases the GIL (MLIR, LLVM and ptxas work outside Python), so threads
+compile in parallel.
+
+compiling_ahead() is a context in which a launch that would compile is not made:
+Triton's jit_cache_hook reports the specialization, the compile goes to a thread pool
+(JITFunction.preload), and the launch is skipped. Kernels already compiled launch as
+usual. The warm-up's forward passes run once inside it to discover what to compile;
+their numbers are garbage (skipped kernels leave their outputs unwritten) and are
+thrown away, and leaving the context waits for every compile. The warm-up then runs
+for real and finds every kernel compiled.
+
+Garbage is harmless there because no spindle kernel produces addresses another one
+follows: block tables, slots, positions and state slots come from the host, and MoE
+routing is torch's top-k (indices in range whatever the scores). No kernel is
+autotuned (a skipped launch would time nothing). SPINDLE_COMPILE_AHEAD=0 switches this
+off: kernels then compile one by one on first launch, as Triton does by itself.
+
+triton_variants() counts the compiled variants of every spindle kernel in this process:
+what a test reads to show that nothing compiles once the engine is ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator
+
+import torch
+
+SWITCH_ENV = "SPINDLE_COMPILE_AHEAD"
+MAX_THREADS = 16
+
+
+def switched_on() -> bool:
+    return os.environ.get(SWITCH_ENV, "1") != "0"
+
+
+def compile_threads(processes_per_host: int = 1) -> int:
+    """Threads per process: the host's CPUs shared by the processes compiling at once,
+    at most MAX_THREADS."""
+    return max(1, min(MAX_THREADS, (os.cpu_count() or 1) // max(1, processes_per_host)))
+
+
+@contextlib.contextmanager
+def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
+    """Inside: launches that would compile are skipped and compiled on `threads`
+    threads. Yields a dict that reports, once the context is left, how many kernels
+    were compiled ("kernels") and the seconds spent waiting for them ("wait_s").
+    A compile error is raised on leaving (as the launch would have raised it)."""
+    from triton import knobs
+
+    report = {"kernels": 0, "wait_s": 0.0}
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spindle-compile")
+    pending: dict[tuple[int, str], Future] = {}
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(*, key, fn, compile, is_manual_warmup, **kwargs):
+        if previous is not None and previous(key=key, fn=fn, compile=compile,
+                                             is_manual_warmup=is_manual_warmup, **kwargs):
+            return True
+        if is_manual_warmup:
+            return None  # a preload (ours, on a pool thread): compile now
+        jit_function = fn.jit_function
+        ident = (id(jit_function), str(key))
+        if ident not in pending:
+            pending[ident] = pool.submit(_preload, jit_function,
+                                         compile["specialization_data"], device)
+        return True  # no launch
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield report
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+        start = time.perf_counter()
+        try:
+            for future in pending.values():
+                future.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        report.update(kernels=len(pending), wait_s=time.perf_counter() - start)
+
+
+def _preload(jit_function, specialization_data: str, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # (preload compiles for the thread's current device)
+    jit_function.preload(specialization_data)
+
+
+def triton_variants() -> int:
+    """Compiled variants of every Triton kernel defined in spindle's loaded modules, on
+    every device, in this process."""
+    total = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("spindle.") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            caches = getattr(value, "device_caches", None)
+            if caches is None or getattr(value, "__module__", None) != name:
+                continue
+            for entry in list(caches.values()):
+                total += len(entry[0])  # (kernel cache, key cache, target, backend, binder)
+    return total
