@@ -9,11 +9,12 @@ Every engine gets the same token ids: 8 chat questions in the model's template, 
 produces --new greedy tokens for each, EOS ignored. Measured: ready time (constructor
 to ready, imports done before; for the GGUF file both its first start and the next,
 which reads the packed weights the first one cached), tokens per second one question
-at a time, and 8 at once (llama.cpp's Llama object serves one sequence at a time);
+at a time, and all at once (llama.cpp's Llama object serves one sequence at a time);
 and how far each engine's greedy answers agree with transformers' float32 ones
 (identical answers, and the mean length of the common prefix).
 
-    python benchmarks/cpu_vs_llamacpp.py [--new 128] [--threads 2] [--json out.json]
+    python benchmarks/cpu_vs_llamacpp.py [--new 128] [--questions 8|16|24] [--threads 2]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,12 +33,22 @@ QUESTIONS = [
     "How do I boil an egg?", "Explain what a CPU does.", "Why is the sky blue?",
     "Suggest a name for a cat.",
 ]
+# --questions 16 or 24: these after the first 8 (gguf_agreement.py too).
+MORE_QUESTIONS = [
+    "What is photosynthesis?", "Give me a tip for learning a language.",
+    "What does a compiler do?", "Write a short poem about autumn.",
+    "How many legs does a spider have?", "What is the boiling point of water?",
+    "Recommend a book for a long flight.", "Why do cats purr?",
+    "Explain gravity to a child.", "What is the largest ocean?",
+    "How do I make a cup of tea?", "Name a famous painter.",
+    "What causes rain?", "Suggest a weekend activity.", "What is a prime number?",
+    "How do bees make honey?"]
 
 
-def prompts_of(checkpoint: Path) -> list[list[int]]:
+def prompts_of(checkpoint: Path, questions: int = len(QUESTIONS)) -> list[list[int]]:
     from spindle.tools.agreement import chat_prompts
 
-    return chat_prompts(str(checkpoint), QUESTIONS)
+    return chat_prompts(str(checkpoint), (QUESTIONS + MORE_QUESTIONS)[:questions])
 
 
 def timed(fn):
@@ -63,7 +74,7 @@ def run_transformers(checkpoint: Path, prompts, new: int) -> dict:
 
     one(prompts[0][:8])  # warm-up
     answers, seconds = timed(lambda: [one(p) for p in prompts])
-    # 8 at once: left-padded into one batch
+    # all at once: left-padded into one batch
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -151,6 +162,8 @@ def agreement(answers, reference) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--questions", type=int, default=len(QUESTIONS), choices=[8, 16, 24],
+                        help="questions, and the batch size of the 'at once' runs")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -158,7 +171,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     checkpoint, gguf = smollm2_checkpoint(), gguf_path()
-    prompts = prompts_of(checkpoint)
+    prompts = prompts_of(checkpoint, args.questions)
     runs = {"llama.cpp (Q4_1 GGUF)": run_llamacpp(gguf, prompts, args.new, args.threads),
             "transformers (fp32)": run_transformers(checkpoint, prompts, args.new),
             "spindle (fp32)": run_spindle(checkpoint, prompts, args.new, dtype="float32"),
@@ -174,7 +187,8 @@ def main() -> None:
               "threads": args.threads, "torch": torch.__version__,
               "transformers": transformers.__version__, "new_tokens": args.new,
               "questions": len(prompts), "runs": {}}
-    print(f"{'engine':<24}{'ready s':>9}{'one seq tok/s':>15}{'8 at once tok/s':>17}"
+    at_once = f"{len(prompts)} at once tok/s"
+    print(f"{'engine':<24}{'ready s':>9}{'one seq tok/s':>15}{at_once:>17}"
           f"{'answers = HF':>14}{'common prefix':>15}")
     for name, run in runs.items():
         if run is None:

@@ -28,19 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpu_vs_llamacpp import QUESTIONS, agreement, run_llamacpp  # (benchmarks/)
+from cpu_vs_llamacpp import MORE_QUESTIONS, QUESTIONS, agreement, run_llamacpp  # (benchmarks/)
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-# --questions 24: these after the 8 of the side-by-side benchmark.
-MORE_QUESTIONS = [
-    "What is photosynthesis?", "Give me a tip for learning a language.",
-    "What does a compiler do?", "Write a short poem about autumn.",
-    "How many legs does a spider have?", "What is the boiling point of water?",
-    "Recommend a book for a long flight.", "Why do cats purr?",
-    "Explain gravity to a child.", "What is the largest ocean?",
-    "How do I make a cup of tea?", "Name a famous painter.",
-    "What causes rain?", "Suggest a weekend activity.", "What is a prime number?",
-    "How do bees make honey?"]
 
 
 def measure(path: Path, questions: list[str], new: int, threads: int) -> dict:
