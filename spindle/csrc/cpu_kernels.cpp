@@ -513,6 +513,141 @@ std::vector<torch::Tensor> decode_layer(
   return {linear(silu_and_mul(linear(after[0], gate_up)), down), after[1]};
 }
 
+// ---------------------------------------------------------------- int8 group-quantized matmul
+
+// kLanes int8 codes widened to float32 (exact).
+inline fVec load_codes(const int8_t* c) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+#else
+  float lanes[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(c[i]);
+  return fVec::loadu(lanes);
+#endif
+}
+
+constexpr int64_t kQuantGroup = 32;  // values per scale and offset (layers/int4.py's GROUP)
+constexpr int64_t kRowBlock = 8;     // rows of x per pass over a tile of the weight
+constexpr int64_t kTileN = 64;       // weight rows per task (36 KB of codes at K = 576)
+constexpr int64_t kPrefetchRows = 16;  // how far ahead of the rows being read to prefetch
+
+// out[m, n] for the NB weight rows n0.. and the MB rows of x m0..: the NB x MB dot
+// products held in registers, each weight vector dequantized once (scale * code +
+// offset, one rounding) and multiplied into the MB rows; float32 throughout.
+template <int NB, int MB>
+inline void group_tile(const int8_t* codes, const float* scale, const float* offset, const float* x,
+                       float* out, int64_t n0, int64_t m0, int64_t K, int64_t N) {
+  const int64_t groups = K / kQuantGroup;
+  fVec acc[NB][MB];
+  for (int nb = 0; nb < NB; ++nb)
+    for (int mb = 0; mb < MB; ++mb) acc[nb][mb] = fVec(0.0f);
+  const int8_t* c = codes + n0 * K;
+  const float* xs = x + m0 * K;
+  // The rows kPrefetchRows on (contiguous: codes, then scales and offsets) are fetched
+  // a share per group: reading NB rows side by side is that many streams, which the
+  // hardware prefetchers follow too late.
+  const bool fetch = n0 + kPrefetchRows + NB <= N;
+  const char* next_codes = reinterpret_cast<const char*>(c + kPrefetchRows * K);
+  const int64_t code_lines = fetch ? (NB * K + 63) / 64 : 0;
+  const int64_t scale_lines = fetch ? (NB * groups * 4 + 63) / 64 : 0;
+  const char* next_scale = reinterpret_cast<const char*>(scale + (n0 + kPrefetchRows) * groups);
+  const char* next_offset = reinterpret_cast<const char*>(offset + (n0 + kPrefetchRows) * groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t line = g * code_lines / groups; line < (g + 1) * code_lines / groups; ++line)
+      __builtin_prefetch(next_codes + 64 * line);
+    for (int64_t line = g * scale_lines / groups; line < (g + 1) * scale_lines / groups; ++line) {
+      __builtin_prefetch(next_scale + 64 * line);
+      __builtin_prefetch(next_offset + 64 * line);
+    }
+    fVec s[NB], o[NB];
+    for (int nb = 0; nb < NB; ++nb) {
+      s[nb] = fVec(scale[(n0 + nb) * groups + g]);
+      o[nb] = fVec(offset[(n0 + nb) * groups + g]);
+    }
+    for (int64_t j = 0; j < kQuantGroup; j += kLanes) {
+      const int64_t k = g * kQuantGroup + j;
+      fVec w[NB];
+      for (int nb = 0; nb < NB; ++nb) w[nb] = at::vec::fmadd(s[nb], load_codes(c + nb * K + k), o[nb]);
+      for (int mb = 0; mb < MB; ++mb) {
+        const fVec xv = fVec::loadu(xs + mb * K + k);
+        for (int nb = 0; nb < NB; ++nb) acc[nb][mb] = at::vec::fmadd(w[nb], xv, acc[nb][mb]);
+      }
+    }
+  }
+  for (int nb = 0; nb < NB; ++nb)
+    for (int mb = 0; mb < MB; ++mb) out[(m0 + mb) * N + n0 + nb] = horizontal_sum(acc[nb][mb]);
+}
+
+// Weight rows [begin, end) against the MB rows of x from m0: NB rows at a time, then one.
+template <int NB, int MB>
+inline void group_rows(const int8_t* codes, const float* scale, const float* offset, const float* x,
+                       float* out, int64_t begin, int64_t end, int64_t m0, int64_t K, int64_t N) {
+  int64_t n = begin;
+  for (; n + NB <= end; n += NB) group_tile<NB, MB>(codes, scale, offset, x, out, n, m0, K, N);
+  for (; n < end; ++n) group_tile<1, MB>(codes, scale, offset, x, out, n, m0, K, N);
+}
+
+// Registers: NB x MB accumulators and NB dequantized weight vectors (32 vector
+// registers with AVX-512, 16 with AVX2).
+constexpr int tile_rows(int mb) {
+  return kLanes >= 16 ? (mb >= 6 ? 2 : mb >= 3 ? 4 : 8) : (mb >= 3 ? 1 : 4);
+}
+
+// y [M, N] float32 = x [M, K] (float32 or bf16) @ W^T for W [N, K] held as int8 codes
+// and a float32 scale and offset per group of 32 along K (w = scale * code + offset:
+// layers/int4.py's GroupQuantized): the LM head of a GGUF model, whose logits the
+// bf16 int4 kernel rounds to bf16. The weight is split into tiles of kTileN rows (the
+// tasks); each tile is read once from memory and multiplied by all of x, kRowBlock rows
+// at a time, from cache.
+torch::Tensor int8_group_matmul(const torch::Tensor& x, const torch::Tensor& codes,
+                                const torch::Tensor& scale, const torch::Tensor& offset) {
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scale.device().is_cpu() &&
+              offset.device().is_cpu(), "int8_group_matmul takes CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "codes must be contiguous int8 [N, K]");
+  const int64_t M = x.size(0), N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
+  TORCH_CHECK(K % kQuantGroup == 0, "K must be a multiple of ", kQuantGroup);
+  for (const auto* t : {&scale, &offset})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                t->size(0) == N && t->size(1) == K / kQuantGroup,
+                "scale and offset must be contiguous float32 [N, K / 32]");
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  const auto xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * kTileN, n1 = std::min(N, n0 + kTileN);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        switch (std::min(kRowBlock, M - m0)) {
+#define SPINDLE_GROUP_ROWS(MB) \
+  case MB: group_rows<tile_rows(MB), MB>(cp, sp, op, xp, yp, n0, n1, m0, K, N); break;
+          SPINDLE_GROUP_ROWS(1)
+          SPINDLE_GROUP_ROWS(2)
+          SPINDLE_GROUP_ROWS(3)
+          SPINDLE_GROUP_ROWS(4)
+          SPINDLE_GROUP_ROWS(5)
+          SPINDLE_GROUP_ROWS(6)
+          SPINDLE_GROUP_ROWS(7)
+          SPINDLE_GROUP_ROWS(8)
+#undef SPINDLE_GROUP_ROWS
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -528,4 +663,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slots") = py::none());
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache");
   m.def("decode_layer", &decode_layer, "a Llama-family decoder layer on a decode step");
+  m.def("int8_group_matmul", &int8_group_matmul,
+        "float32 x @ W^T for W as int8 codes with a float32 scale and offset per group of 32");
 }

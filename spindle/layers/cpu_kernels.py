@@ -208,6 +208,15 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                                       block_size, scale, window or 0, soft_cap or 0.0)
 
 
+def int8_group_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                      offset: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (float32 or bf16) @ W^T -> float32 [M, N], W [N, K] held as int8 codes
+    with a float32 scale and offset [N, K / 32] per group of 32 columns (w = scale *
+    code + offset, int4.GroupQuantized); accumulated in float32 (the LM head of a GGUF
+    model: layers/int8_head.py)."""
+    return kernels().int8_group_matmul(x, codes, scale, offset)
+
+
 def linear_args(layer) -> tuple | None:
     """A linear layer (layers/linear.py) as decode_layer takes it, (weight, scale_zero,
     planes, bias): its packed int4 weight, or a dense bf16 one; None for anything else
