@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from spindle import LLM, SamplingParams
+from spindle.layers import int8_head
 from spindle.layers.int4 import (GroupQuantized, Int4Weight, int4_matmul, pack, planes_for,
                                  quantize_groups, to_nibbles, unpack)
 from test_gguf import gguf_file  # noqa: F401 (the fixture: the real model's GGUF file)
@@ -158,7 +159,10 @@ def test_real_model_agrees_with_its_float32_self(gguf_file):
     with LLM(str(gguf_file), device="cpu", max_model_len=256) as llm:
         assert llm.config.model.quantization == "gguf"
         model = llm.engine.core.executor.worker.runner.model
-        assert model.lm_head.int4 is not None and model.lm_head.int4.planes == 2  # Q8_0
+        if int8_head.enabled():  # (the fused CPU kernels: tests/test_int8_head.py)
+            assert model.lm_head.int8 is not None and model.lm_head.int4 is None
+        else:
+            assert model.lm_head.int4 is not None and model.lm_head.int4.planes == 2  # Q8_0
         layer = model.model.layers[0]
         assert layer.mlp.down_proj.int4.planes == 1  # Q4_1
         assert layer.mlp.down_proj.weight.dtype == torch.uint8

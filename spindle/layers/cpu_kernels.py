@@ -13,9 +13,12 @@ file does each stage in one call and rounds to bf16 where the torch version roun
   context (window and soft cap included);
 * decode_layer(...): a whole Llama-family layer on a decode step, the above and the
   layer's four matmuls (torch's int4 kernel or a dense one) in one call
-  (models/llama.py, LlamaDecoderLayer.cpu_decode).
+  (models/llama.py, LlamaDecoderLayer.cpu_decode);
+* int8_group_matmul(x, codes, scale, offset): float32 logits from a GGUF model's LM
+  head held as int8 codes with float32 group scales and offsets (layers/int8_head.py;
+  x float32 or bf16).
 
-Only bf16 goes through them. float32 keeps torch's ops, whose sums match transformers'
+Only bf16 goes through the others. float32 keeps torch's ops, whose sums match transformers'
 bit for bit (the float32 comparisons with it rely on that).
 
 The file is compiled once per machine (``-march=native``, with torch's headers, which

@@ -7,6 +7,7 @@ off in ParallelLMHead.compute_logits, so callers always see exactly vocab_size c
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -14,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers import int8_head
 from spindle.layers.int4 import Int4Weight
+from spindle.layers.int8_head import Int8Weight
 from spindle.layers.linear import apply_linear, copy_checked, set_weight_loader
 
 
@@ -23,6 +26,8 @@ def pad_vocab_size(vocab_size: int, multiple: int) -> int:
 
 
 class VocabParallelEmbedding(nn.Module):
+    int8: Int8Weight | None = None  # a tied int8 LM head's, shared (ParallelLMHead.use_int4_weight)
+
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
                  tp_group: TensorParallelGroup) -> None:
         super().__init__()
@@ -51,18 +56,35 @@ class VocabParallelEmbedding(nn.Module):
 
     def _write_rows(self, param: nn.Parameter, real: Any) -> None:
         """This rank's rows of the vocabulary (its first len(real) rows), padding zeroed."""
+        if self.int8 is not None and param is self.weight:
+            self.int8.write_rows(real, 0)
+            padding = self.num_embeddings_per_rank - real.shape[0]
+            if padding:
+                self.int8.write_rows(torch.zeros(padding, self.embedding_dim), real.shape[0])
+            return
         with torch.no_grad():
             copy_checked(param.data[:real.shape[0]], real)
             param.data[real.shape[0]:].zero_()
 
+    def use_int8_weight(self) -> None:
+        """Hold the weight as int8 codes with float32 group scales and offsets
+        (int8_head.py), before loading: a tied int8 LM head's, shared; a lookup
+        dequantizes the rows it reads."""
+        self.int8 = Int8Weight(self, *self.weight.shape)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8.lookup(ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         # Each rank embeds the ids in its range, zeros elsewhere; the sum over ranks
         # is the full embedding.
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
-        out = F.embedding(local_ids, self.weight)
+        out = self._lookup(local_ids)
         out = out * in_range.unsqueeze(-1).to(out.dtype)
         return self.tp_group.all_reduce(out)
 
@@ -81,6 +103,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     batch_invariant = False  # set by enable_batch_invariance (batch_invariant.py)
     tied = False  # shares the embedding's parameter (tie_to)
     int4: Int4Weight | None = None  # int4 weight only (use_int4_weight)
+    int8: Int8Weight | None = None  # int8 weight only (use_int4_weight, the fused CPU kernels)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         if embedding.weight.shape != self.weight.shape:
@@ -88,11 +111,30 @@ class ParallelLMHead(VocabParallelEmbedding):
                              f"embedding of shape {tuple(embedding.weight.shape)}")
         self.weight = embedding.weight
         self.tied = True
+        self._embedding = weakref.ref(embedding)  # (not a submodule)
 
     def use_int4_weight(self) -> None:
-        """Hold the weight in torch's CPU int4 layout (int4.py), before loading. A tied
-        head gets a weight of its own, filled by the embedding's loader from the same
+        """Hold the weight quantized, before loading (GGUF matrices, models/gguf_weights.py).
+
+        With the fused CPU kernels (int8_head.enabled()): int8 codes with the file's
+        float32 group scales and offsets, multiplied in float32 (float32 logits). A
+        tied head keeps sharing its weight with the embedding, which then holds it in
+        that form too and dequantizes the rows it looks up.
+
+        Without them (or with SPINDLE_CPU_INT8_HEAD=0): torch's CPU int4 layout
+        (int4.py), whose kernel returns the logits rounded to bf16. A tied head then
+        gets a weight of its own, filled by the embedding's loader from the same
         checkpoint tensor (the embedding stays dense: it is read one row per token)."""
+        if int8_head.enabled():
+            if self.tied:
+                embedding = self._embedding()
+                if embedding.int8 is None:
+                    embedding.use_int8_weight()
+                self.weight = embedding.weight
+                self.int8 = embedding.int8
+            else:
+                self.int8 = Int8Weight(self, *self.weight.shape)
+            return
         if self.tied:
             shared = self.weight
             self.weight = nn.Parameter(torch.empty(shared.shape, dtype=shared.dtype,
@@ -110,7 +152,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.int4 = Int4Weight(self, *self.weight.shape)
 
     def _write_rows(self, param: nn.Parameter, real: Any) -> None:
-        if self.int4 is None or param is not self.weight:
+        if self.int4 is None or param is not self.weight:  # (an int8 weight: the base's)
             super()._write_rows(param, real)
             return
         self.int4.write_rows(real, 0)
@@ -119,7 +161,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.int4.write_rows(torch.zeros(padding, self.embedding_dim), real.shape[0])
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None:
+        if self.int8 is not None:
+            logits = self.int8.matmul(hidden_states)  # (float32)
+        elif self.int4 is not None:
             logits = self.int4.matmul(hidden_states)
         else:
             logits = apply_linear(hidden_states, self.weight, invariant=self.batch_invariant)

@@ -6,9 +6,10 @@ layers/int4.py).
 One safetensors file per rank, in the model's converted directory (models/gguf.py, keyed
 by the GGUF file already), under a name that hashes everything the packed bytes depend
 on: the file's identity, the dtype, the rank's place, torch's version, the packed layout
-this CPU gets (torch's int4 packing differs by instruction set), and the source of the
-code that decodes and packs. A file that does not match the model exactly is ignored
-and the model loads from the GGUF file as without a cache.
+this CPU gets (torch's int4 packing differs by instruction set), the form of the LM head
+(int8 codes with the fused CPU kernels, layers/int8_head.py, else int4), the format's
+version and the source of the code that decodes and packs. A file that does not match
+the model exactly is ignored and the model loads from the GGUF file as without a cache.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spindle.layers import int4
+from spindle.layers import int4, int8_head
 
 logger = logging.getLogger(__name__)
 
 DIRECTORY = "spindle-int4"
+# What the file holds: 2 since the LM head (and a tied embedding) may be int8 codes with
+# float32 group scales and offsets (layers/int8_head.py) instead of packed int4.
+FORMAT_VERSION = 2
 _PLANES_KEY = "int4_planes"
 
 
@@ -37,8 +41,10 @@ def cache_file(model_dir: str | os.PathLike, gguf_file: str | os.PathLike,
     "tp0of2-pp0of1") and starts the file's name, the hash of the rest ends it."""
     gguf = Path(gguf_file).resolve()
     stat = gguf.stat()
+    head = "int8-head" if int8_head.enabled() else "int4-head"
     identity = "\0".join([str(gguf), str(stat.st_size), str(stat.st_mtime_ns), str(dtype),
-                          torch.__version__, _layout_fingerprint(), _code_fingerprint()])
+                          torch.__version__, _layout_fingerprint(), _code_fingerprint(),
+                          head, f"format {FORMAT_VERSION}"])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:20]
     return Path(model_dir) / DIRECTORY / f"{place}-{digest}.safetensors"
 
@@ -56,7 +62,7 @@ def _code_fingerprint() -> str:
     from spindle.models import gguf_weights
 
     digest = hashlib.sha256()
-    for module in (int4, gguf_weights):
+    for module in (int4, int8_head, gguf_weights):
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:16]
 
