@@ -1,0 +1,82 @@
+"""Triton kernels: all compiled during warm-up, on threads, and none after the engine is
+ready (runner/compile_ahead.py), on CUDA.
+
+Each case runs in a fresh interpreter: compiled kernels live in a process's memory, so
+an engine started earlier in the same process would have compiled variants for it.
+Run with `python -m pytest -m gpu tests/test_compile_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# Started in a fresh interpreter: an engine, the compiled-variant count at ready, a
+# varied workload, the count again. Prints one JSON line.
+_SCRIPT = r"""
+import json, random, sys
+from spindle import LLM, SamplingParams
+from spindle.runner.compile_ahead import triton_variants
+
+path, dtype, eager = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+max_seqs, max_len = 24, 512
+llm = LLM(path, device="cuda", dtype=dtype, max_model_len=max_len, max_num_seqs=max_seqs,
+          max_num_batched_tokens=256, enforce_eager=eager)
+runner = llm.engine.core.executor.worker.runner
+at_ready = triton_variants()
+rng = random.Random(0)
+options = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9),
+           dict(temperature=1.0, top_k=5), dict(temperature=0.7, min_p=0.1),
+           dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5,
+                frequency_penalty=0.3),
+           dict(temperature=0.0, logprobs=3), dict(temperature=1.0, seed=7),
+           dict(temperature=0.9, n=3), dict(temperature=0.0, min_tokens=2)]
+# Batch sizes 1..max_num_seqs, prompts of 1 token to past the step budget (chunked),
+# block tables of 1, 2..15, 16 and more blocks, every sampling option.
+for batch in (1, 2, 3, 8, 9, 17, max_seqs):
+    lengths = [1, 2, 7, 15, 16, 17, 33, 100, 255, 256, 300, 480]
+    prompts = [[rng.randint(2, 400) for _ in range(rng.choice(lengths))] for _ in range(batch)]
+    params = [SamplingParams(max_tokens=rng.randint(2, 20), ignore_eos=True,
+                             **options[(i + batch) % len(options)]) for i in range(batch)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+print("RESULT " + json.dumps({"at_ready": at_ready, "after": triton_variants(),
+                              "ahead": runner.kernels_compiled_ahead}))
+llm.shutdown()
+"""
+
+
+def _run(path: Path, dtype: str, enforce_eager: bool, **env: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(path), dtype, "1" if enforce_eager else "0"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, **env},
+        cwd=Path(__file__).resolve().parent.parent)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[0].split(" ", 1)[1])
+
+
+@pytest.mark.parametrize("dtype,enforce_eager", [("bfloat16", False), ("bfloat16", True),
+                                                 ("float32", False)],
+                         ids=["bf16-graphs", "bf16-eager", "fp32-graphs"])
+def test_every_kernel_compiles_ahead_and_none_after_ready(tiny_model, dtype, enforce_eager):
+    result = _run(tiny_model(arch="qwen3"), dtype, enforce_eager)
+    assert result["after"] == result["at_ready"], result  # nothing compiled once ready
+    # Every variant in the process came through the warm-up's threads.
+    assert result["ahead"] == result["at_ready"] > 0, result
+
+
+def test_without_compiling_ahead_nothing_compiles_after_ready_either(tiny_model):
+    result = _run(tiny_model(arch="llama"), "bfloat16", False, SPINDLE_COMPILE_AHEAD="0")
+    assert result["ahead"] == 0, result
+    assert result["after"] == result["at_ready"] > 0, result
