@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -31,11 +30,11 @@ class CompileLog:
         from triton import knobs
 
         def before(**kw):
-            self._started[kw["key"] if isinstance(kw["key"], str) else str(kw["key"])] = time.perf_counter()
+            self._started[str(kw["key"])] = time.perf_counter()
             return None
 
         def after(**kw):
-            key = kw["key"] if isinstance(kw["key"], str) else str(kw["key"])
+            key = str(kw["key"])
             start = self._started.pop(key, None)
             self.events.append({"phase": self.phase, "repr": kw["repr"], "key": key,
                                 "compile_keys": sorted(kw.get("compile", {}) or {}),
@@ -47,24 +46,11 @@ class CompileLog:
 
 
 def varied_workload(llm, max_seqs: int, max_len: int) -> None:
-    from spindle import SamplingParams
+    from spindle.tools.varied_workload import run_varied_workload
 
-    rng = random.Random(0)
-    options = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9),
-               dict(temperature=1.0, top_k=50), dict(temperature=0.7, min_p=0.1),
-               dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5,
-                    frequency_penalty=0.3),
-               dict(temperature=0.0, logprobs=5), dict(temperature=1.0, seed=7),
-               dict(temperature=0.9, n=3), dict(temperature=0.0, min_tokens=4)]
-    for batch in (1, 2, 3, 5, 7, 8, 9, 13, 16, 17, 31, 33, 63, 100, 129, 200, max_seqs):
-        prompts = [[rng.randint(2, 10000) for _ in range(rng.choice([1, 2, 7, 15, 16, 17, 100, 333, 1000]))]
-                   for _ in range(batch)]
-        params = [SamplingParams(max_tokens=rng.randint(4, 24), ignore_eos=True,
-                                 **options[(i + batch) % len(options)]) for i in range(batch)]
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    long_prompt = [rng.randint(2, 10000) for _ in range(max_len - 40)]
-    llm.generate([{"prompt_token_ids": long_prompt}],
-                 SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    batch_sizes = (1, 2, 3, 5, 7, 8, 9, 13, 16, 17, 31, 33, 63, 100, 129, 200, max_seqs)
+    run_varied_workload(llm, batch_sizes, (1, 2, 7, 15, 16, 17, 100, 333, 1000, max_len - 40),
+                        10000)
 
 
 def main() -> None:
@@ -98,14 +84,16 @@ def main() -> None:
     for e in log.events:
         by_phase.setdefault(e["phase"], []).append(e)
     print(f"kernels compiled ahead on threads: {ahead}")
-    print(f"ready in {ready:.2f} s; varied workload {workload_s:.2f} s first, {second_s:.2f} s again")
+    print(f"ready in {ready:.2f} s; varied workload {workload_s:.2f} s first, "
+          f"{second_s:.2f} s again")
     for phase, events in by_phase.items():
         total = sum(e["seconds"] or 0 for e in events)
         print(f"--- {phase}: {len(events)} kernels, {total:.2f} s ---")
         for e in events:
             print(f"{e['seconds'] or 0:7.3f}  {e['repr'][:400]}")
     if args.json:
-        args.json.write_text(json.dumps({"ready_s": ready, "compiled_ahead": ahead, "workload_s": workload_s,
+        args.json.write_text(json.dumps({"ready_s": ready, "compiled_ahead": ahead,
+                                         "workload_s": workload_s,
                                          "second_s": second_s, "events": log.events,
                                          "torch": torch.__version__}, indent=1))
 

@@ -25,9 +25,10 @@ pytestmark = [
 # Started in a fresh interpreter: an engine, the compiled-variant count at ready, a
 # varied workload, the count again. Prints one JSON line.
 _SCRIPT = r"""
-import json, random, sys
-from spindle import LLM, SamplingParams
+import json, sys
+from spindle import LLM
 from spindle.runner.compile_ahead import triton_variants
+from spindle.tools.varied_workload import run_varied_workload
 
 path, dtype, eager = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 max_seqs, max_len = 24, 512
@@ -35,21 +36,10 @@ llm = LLM(path, device="cuda", dtype=dtype, max_model_len=max_len, max_num_seqs=
           max_num_batched_tokens=256, enforce_eager=eager)
 runner = llm.engine.core.executor.worker.runner
 at_ready = triton_variants()
-rng = random.Random(0)
-options = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9),
-           dict(temperature=1.0, top_k=5), dict(temperature=0.7, min_p=0.1),
-           dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5,
-                frequency_penalty=0.3),
-           dict(temperature=0.0, logprobs=3), dict(temperature=1.0, seed=7),
-           dict(temperature=0.9, n=3), dict(temperature=0.0, min_tokens=2)]
 # Batch sizes 1..max_num_seqs, prompts of 1 token to past the step budget (chunked),
 # block tables of 1, 2..15, 16 and more blocks, every sampling option.
-for batch in (1, 2, 3, 8, 9, 17, max_seqs):
-    lengths = [1, 2, 7, 15, 16, 17, 33, 100, 255, 256, 300, 480]
-    prompts = [[rng.randint(2, 400) for _ in range(rng.choice(lengths))] for _ in range(batch)]
-    params = [SamplingParams(max_tokens=rng.randint(2, 20), ignore_eos=True,
-                             **options[(i + batch) % len(options)]) for i in range(batch)]
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+run_varied_workload(llm, (1, 2, 3, 8, 9, 17, max_seqs),
+                    (1, 2, 7, 15, 16, 17, 33, 100, 255, 256, 300, 480), 400)
 print("RESULT " + json.dumps({"at_ready": at_ready, "after": triton_variants(),
                               "ahead": runner.kernels_compiled_ahead}))
 llm.shutdown()
