@@ -32,6 +32,11 @@ def kernels():
         pytest.skip("the fused CPU kernels are not built (or SPINDLE_CPU_KERNELS=0)")
 
 
+@pytest.fixture(autouse=True)
+def int8_head_on(monkeypatch):
+    monkeypatch.delenv(int8_head.SWITCH_ENV, raising=False)  # (the default: on)
+
+
 def random_weight(rows, cols, low, high, seed):
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(low, high + 1, (rows, cols), generator=gen, dtype=torch.int16)
@@ -125,6 +130,33 @@ def test_the_weight_takes_rows_in_any_order_and_looks_them_up_as_dequantized():
         holder.int8.write_rows(random_weight(4, 64, 0, 15, seed=6), 0)
     with pytest.raises(ValueError, match="shape mismatch"):
         holder.int8.write_rows(random_weight(4, cols, 0, 15, seed=6), 48)
+
+
+def test_an_untied_head_takes_its_vocabulary_shard():
+    """An untied head (its own checkpoint tensor), vocabulary-parallel over 3 ranks
+    (1000 rows padded to 1002): each rank loads its rows of the group-quantized tensor
+    into its int8 weight, padding zero, and the ranks' logits side by side are the
+    whole weight's."""
+    from spindle.distributed.parallel_state import TensorParallelGroup
+    from spindle.layers.embedding import ParallelLMHead
+
+    full = random_weight(1000, 64, -128, 127, seed=11)
+    x = torch.randn(3, 64).bfloat16()
+    parts = []
+    for rank in range(3):
+        head = ParallelLMHead(1000, 64, tp_group=TensorParallelGroup(rank=rank, size=3))
+        head.use_int4_weight()
+        assert head.int8 is not None and head.int4 is None and not head.tied
+        assert {name: p.dtype for name, p in head.named_parameters()} == {
+            "weight": torch.int8, "weight_group_scale": torch.float32,
+            "weight_group_offset": torch.float32}
+        assert head.weight_group_scale.loaded_with == "weight"
+        head.weight.weight_loader(head.weight, full)
+        parts.append(head.int8.matmul(x))
+        if rank == 2:  # (its last two rows are padding)
+            assert not head.weight[-2:].any() and not head.weight_group_scale[-2:].any()
+    assert [p.shape[1] for p in parts] == [334] * 3
+    assert torch.equal(torch.cat(parts, dim=1)[:, :1000], matmul(x, full))
 
 
 # ---- the real model ---------------------------------------------------------------------------

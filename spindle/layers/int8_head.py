@@ -9,9 +9,12 @@ file's float32 scale and offset per group of 32 columns (w = scale * code + offs
 ``int4.GroupQuantized``), and the C++ kernel ``cpu_kernels.int8_group_matmul`` returns
 float32 logits, exact up to float32 summation order. It reads the same bytes as the
 two-nibble-plane int4 weight and is faster than torch's kernel from 1 row up
-(SmolLM2's 49152 x 576 head on 2 cores: 1.1 against 1.8 ms for 1 row, 3.9 against 6.3
-ms for 8). On SmolLM2's Q8_0 file this moves teacher-forced top-1 agreement with its
-float32 dequantization from 0.974 to 0.989 (docs/benchmarks.md's method).
+(SmolLM2's 49152 x 576 head on 2 cores, read from memory: 1.65 against 2.05 ms for 1
+row, 4.4 against 6.75 ms for 8; from cache 1.1 against 1.8 and 3.9 against 6.3).
+Teacher-forced top-1 agreement of SmolLM2's GGUF files with their float32
+dequantization (benchmarks/gguf_agreement.py --questions 24) went from 0.969 / 0.983 /
+0.976 / 0.977 / 0.974 to 0.980 / 0.988 / 0.990 / 0.978 / 0.989 for Q4_0 / Q4_1 / Q5_0 /
+Q5_1 / Q8_0 (the head is Q8_0 in every file).
 
 A tied head shares its int8 weight with the embedding (the parameters are the
 embedding's, as a tied dense head shares its dense one): a lookup dequantizes the rows
