@@ -22,6 +22,7 @@ from spindle.layers import cpu_kernels, int8_head
 from spindle.layers.int4 import GroupQuantized, quantize_groups
 from spindle.layers.int8_head import Int8Weight
 from test_gguf import gguf_file  # noqa: F401 (the fixture: the real model's GGUF file)
+from test_gguf_int4 import random_codes as random_weight
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 
@@ -35,14 +36,6 @@ def kernels():
 @pytest.fixture(autouse=True)
 def int8_head_on(monkeypatch):
     monkeypatch.delenv(int8_head.SWITCH_ENV, raising=False)  # (the default: on)
-
-
-def random_weight(rows, cols, low, high, seed):
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(low, high + 1, (rows, cols), generator=gen, dtype=torch.int16)
-    scale = torch.rand(rows, cols // 32, generator=gen) * 0.02 + 0.001
-    offset = torch.randn(rows, cols // 32, generator=gen) * 0.05
-    return GroupQuantized(codes, scale, offset)
 
 
 def matmul(x, gq):
@@ -115,9 +108,12 @@ def test_the_weight_takes_rows_in_any_order_and_looks_them_up_as_dequantized():
     assert torch.equal(holder.int8.dequantize(), full.dequantize())
     ids = torch.tensor([[3, 49], [0, 3]])
     assert torch.equal(holder.int8.lookup(ids), full.dequantize(torch.bfloat16)[ids])
-    x = torch.randn(2, 4, cols).half()  # (another dtype in: multiplied as float32)
-    assert torch.allclose(holder.int8.matmul(x), x.float() @ full.dequantize().t(),
-                          rtol=0, atol=1e-5)
+    # Another dtype in (multiplied as float32); within float32 summation of the float64
+    # product, as in test_the_kernel_is_the_float32_product.
+    x = torch.randn(2, 4, cols, generator=torch.Generator().manual_seed(12)).half()
+    w = full.dequantize(torch.float64)
+    error = (holder.int8.matmul(x).double() - x.double() @ w.t()).abs()
+    assert (error <= 1e-5 * (x.double().abs() @ w.abs().t())).all()
     # A dense write: quantized as Q8_0, into the same tensors.
     dense = torch.randn(10, cols)
     holder.int8.write_rows(dense, 20)
