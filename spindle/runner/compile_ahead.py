@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
@@ -51,23 +52,30 @@ def compile_threads(processes_per_host: int = 1) -> int:
 
 @contextlib.contextmanager
 def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
-    """Inside: launches that would compile are skipped and compiled on `threads`
-    threads. Yields a dict that reports, once the context is left, how many kernels
-    were compiled ("kernels") and the seconds spent waiting for them ("wait_s").
-    A compile error is raised on leaving (as the launch would have raised it)."""
+    """Inside: launches from this thread that would compile are skipped and compiled on
+    `threads` threads. Yields a dict that reports, once the context is left, how many
+    kernels were compiled ("kernels") and the seconds spent waiting for them ("wait_s").
+    A compile error is raised on leaving (as the launch would have raised it).
+
+    Other threads' launches compile as usual, so engines warming up side by side in
+    one process (a model pool) do not skip each other's kernels; a hook installed on
+    top of this one while it was active is left in place, and this one then only
+    passes calls on."""
     from triton import knobs
 
     report = {"kernels": 0, "wait_s": 0.0}
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spindle-compile")
     pending: dict[tuple[int, str], Future] = {}
     previous = knobs.runtime.jit_cache_hook
+    owner = threading.get_ident()
+    active = [True]
 
     def hook(*, key, fn, compile, is_manual_warmup, **kwargs):
         if previous is not None and previous(key=key, fn=fn, compile=compile,
                                              is_manual_warmup=is_manual_warmup, **kwargs):
             return True
-        if is_manual_warmup:
-            return None  # a preload (ours, on a pool thread): compile now
+        if not active[0] or is_manual_warmup or threading.get_ident() != owner:
+            return None  # (a preload of ours, on a pool thread, comes here: compile now)
         jit_function = fn.jit_function
         ident = (id(jit_function), str(key))
         if ident not in pending:
@@ -79,7 +87,9 @@ def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
     try:
         yield report
     finally:
-        knobs.runtime.jit_cache_hook = previous
+        active[0] = False
+        if knobs.runtime.jit_cache_hook is hook:
+            knobs.runtime.jit_cache_hook = previous
         start = time.perf_counter()
         try:
             for future in pending.values():
