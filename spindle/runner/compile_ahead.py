@@ -3,10 +3,12 @@
 Triton compiles a kernel the first time it is launched with a new specialization
 (argument dtypes, constexprs, alignment): 0.1-1.5 s each, about two dozen for a dense
 model, one after another, so a first start on a machine spent some 14 s compiling.
-Compiling releases the GIL (MLIR, LLVM and ptxas work outside Python), so threads
-compile in parallel.
+Compiling mostly releases the GIL (MLIR, LLVM and ptxas work outside Python), so
+threads compile in parallel: 8 variants of a small GEMM took 2.98 s one after another
+and 0.37 s on 8 threads (an H200 host's 16 cores, triton 3.6).
 
-compiling_ahead() is a context in which a launch that would compile is not made:
+compiling_ahead() is a context in which a launch (from the thread that entered it)
+that would compile is not made:
 Triton's jit_cache_hook reports the specialization, the compile goes to a thread pool
 (JITFunction.preload), and the launch is skipped. Kernels already compiled launch as
 usual. The warm-up's forward passes run once inside it to discover what to compile;
