@@ -212,15 +212,23 @@ def test_the_real_heads_logits_are_float32_precise(gguf_file, monkeypatch):
     assert torch.equal(embedded, dense_embedded)
 
 
-def test_a_weight_update_writes_the_shared_int8_tensors(gguf_file, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def two_layer_cut(gguf_file, tmp_path_factory):
+    """SmolLM2's first two layers as a GGUF file (Q8_0 head and embedding, a Q4_1 and a
+    Q5_0 layer), made once for the tests below (each caches into its own directory)."""
+    from test_gguf import requantize
+
+    cut = tmp_path_factory.mktemp("int8-head") / "smollm2-2-layers.gguf"
+    requantize(gguf_file, cut, {"token_embd": "Q8_0", "blk.0": "Q4_1", "blk.1": "Q5_0"})
+    return cut
+
+
+def test_a_weight_update_writes_the_shared_int8_tensors(two_layer_cut, tmp_path, monkeypatch):
     """update_weights with a dense embedding: quantized (as Q8_0) into the same int8
     tensors, which both the lookups and the logits read; every other tensor as it was.
     Sleep level 2 then reloads the file into them (the file's bytes again)."""
-    from test_gguf import requantize
-
     monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(tmp_path / "cache"))
-    cut = tmp_path / "smollm2-2-layers.gguf"
-    requantize(gguf_file, cut, {"token_embd": "Q8_0", "blk.0": "Q4_1", "blk.1": "Q5_0"})
+    cut = two_layer_cut
     new = torch.randn(49152, 576, generator=torch.Generator().manual_seed(8)) * 0.05
     hidden = torch.randn(3, 576, generator=torch.Generator().manual_seed(9)).bfloat16()
     with LLM(str(cut), device="cpu", max_model_len=256, enable_sleep_mode=True) as llm:
@@ -246,18 +254,15 @@ def test_a_weight_update_writes_the_shared_int8_tensors(gguf_file, tmp_path, mon
             assert dict(model.named_parameters())[name] is param and torch.equal(param, value)
 
 
-def test_the_packed_cache_keeps_the_int8_head_apart(gguf_file, tmp_path, monkeypatch):
+def test_the_packed_cache_keeps_the_int8_head_apart(two_layer_cut, tmp_path, monkeypatch):
     """The packed-weight cache holds the int8 head's tensors and reads them back (same
     answers, nothing decoded); a start with the int4 head (SPINDLE_CPU_INT8_HEAD=0) has
     a cache file of another name, so neither reads the other's."""
-    from test_gguf import requantize
-
     from spindle.models import packed_cache
     from spindle.models.gguf_weights import GGUFWeights
 
     monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(tmp_path / "cache"))
-    cut = tmp_path / "smollm2-2-layers.gguf"
-    requantize(gguf_file, cut, {"token_embd": "Q8_0", "": "Q4_0"})
+    cut = two_layer_cut
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
 
     def start():
@@ -301,15 +306,12 @@ def _head_outputs(worker, hidden, ids):
             model.model.embed_tokens(ids))
 
 
-def test_tensor_parallel_ranks_split_the_int8_vocabulary(gguf_file, tmp_path, monkeypatch):
+def test_tensor_parallel_ranks_split_the_int8_vocabulary(two_layer_cut, tmp_path, monkeypatch):
     """TP=3 (SmolLM2's 9 heads): each rank holds a third of the vocabulary's int8 rows,
     and the gathered logits and the all-reduced embeddings equal one rank's bit for bit
     (every logit is one row's own float32 sum); greedy answers run."""
-    from test_gguf import requantize
-
     monkeypatch.setenv("SPINDLE_GGUF_CACHE", str(tmp_path / "cache"))
-    cut = tmp_path / "smollm2-2-layers.gguf"
-    requantize(gguf_file, cut, {"token_embd": "Q8_0", "": "Q4_1"})
+    cut = two_layer_cut
     hidden = torch.randn(4, 576, generator=torch.Generator().manual_seed(10)).bfloat16()
     ids = torch.tensor([2, 30000, 49151])
     with LLM(str(cut), device="cpu", max_model_len=256) as llm:
