@@ -191,19 +191,22 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor&
   std::vector<float> w(n);
   to_float(weight.data_ptr<bf16>(), w.data(), n);
   bf16* op = out.data_ptr<bf16>();
+  // The residual in and out: float32 or bf16 rows (by f32_res).
+  const void* res_in = has_res ? residual->data_ptr() : nullptr;
+  void* res_out = has_res ? new_residual.data_ptr() : nullptr;
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     std::vector<float> h(n), r(n);
     for (int64_t row = begin; row < end; ++row) {
       to_float(xp + row * x_stride, h.data(), n);
       if (has_res && f32_res) {
-        const float* rr = residual->data_ptr<float>() + row * res_stride;
-        float* out_res = new_residual.data_ptr<float>() + row * n;
+        const float* rr = static_cast<const float*>(res_in) + row * res_stride;
+        float* out_res = static_cast<float*>(res_out) + row * n;
         for (int64_t i = 0; i < n; ++i) out_res[i] = h[i] = h[i] + rr[i];
       } else if (has_res) {
-        to_float(residual->data_ptr<bf16>() + row * res_stride, r.data(), n);
+        to_float(static_cast<const bf16*>(res_in) + row * res_stride, r.data(), n);
         for (int64_t i = 0; i < n; ++i) h[i] += r[i];
         round_bf16(h.data(), n);
-        from_float(h.data(), new_residual.data_ptr<bf16>() + row * n, n);
+        from_float(h.data(), static_cast<bf16*>(res_out) + row * n, n);
       }
       rms_norm_row(h.data(), w.data(), op + row * n, n, static_cast<float>(eps));
     }

@@ -18,8 +18,7 @@ import sys
 from pathlib import Path
 
 from spindle.entrypoints.cli_args import HelpFormatter, add_engine_args, engine_args_from
-
-FORMATS = ("text", "json", "verbose_json", "srt", "vtt")
+from spindle.entrypoints.openai.transcription_formats import RESPONSE_FORMATS
 
 
 def add_transcribe_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +34,7 @@ def add_transcribe_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="Translate into English instead of transcribing.")
     cmd.add_argument("--prompt", default=None,
                      help="Text the transcription follows on from (names, spelling, style).")
-    cmd.add_argument("--format", choices=FORMATS, default="text", help="What to print.")
+    cmd.add_argument("--format", choices=RESPONSE_FORMATS, default="text", help="What to print.")
     add_engine_args(cmd, skip=("task",))
     cmd.set_defaults(func=cmd_transcribe)
 
@@ -77,7 +76,8 @@ def transcribe(llm, audio: list[tuple], language: str | None, task: str, prompt:
     """Each (waveform, rate) transcribed by llm (a Whisper engine), rendered in
     response_format: the server's segments and formats, offline."""
     from spindle.entrypoints.openai import transcription_formats as formats
-    from spindle.entrypoints.openai.serving_transcription import AudioCheckpoint
+    from spindle.entrypoints.openai.serving_base import tokenizer_special_ids
+    from spindle.entrypoints.openai.serving_transcription import AudioCheckpoint, segment_of
     from spindle.multimodal.audio_io import resample, split_windows
     from spindle.multimodal.whisper_prompt import decoder_prompt_ids
     from spindle.sampling_params import SamplingParams
@@ -105,18 +105,14 @@ def transcribe(llm, audio: list[tuple], language: str | None, task: str, prompt:
                              logprobs=0 if response_format == "verbose_json" else None)
               for *_, n in owners]
     outputs = llm.generate(requests, params, use_tqdm=False)
+    special = tokenizer_special_ids(tokenizer)
     segments: list[list] = [[] for _ in files]
-    eos = set(llm.engine.eos_token_ids)
     for (i, start, end, _), output in zip(owners, outputs):
-        done = output.outputs[0]
-        tokens = [t for t in done.token_ids if t not in eos]
-        average = (done.cumulative_logprob / len(done.token_ids)
-                   if done.cumulative_logprob is not None and done.token_ids else 0.0)
         seek = round(start * rate) // checkpoint.hop_length
-        segments[i].append(formats.Segment(start, end, done.text, tuple(tokens), seek=seek,
-                                           avg_logprob=average))
-    return [_render(formats, s, response_format, task, lang or "en", len(w) / r)
-            for s, lang, (w, r) in zip(segments, languages, audio)]
+        segments[i].append(segment_of(start, end, output, 0.0, special, seek))
+    bodies = [formats.render(response_format, s, task, lang or "en", len(w) / r)
+              for s, lang, (w, r) in zip(segments, languages, audio)]
+    return [b if isinstance(b, str) else json.dumps(b, ensure_ascii=False) for b in bodies]
 
 
 def _detect(llm, tokenizer, checkpoint, samples) -> str | None:
@@ -129,15 +125,3 @@ def _detect(llm, tokenizer, checkpoint, samples) -> str | None:
         return None
     prompt, params, codes = detection
     return codes[llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids[0]]
-
-
-def _render(formats, segments: list, response_format: str, task: str, language: str,
-            duration: float) -> str:
-    if response_format == "text":
-        return formats.join_texts(segments)
-    if response_format == "json":
-        return json.dumps(formats.json_body(segments), ensure_ascii=False)
-    if response_format == "verbose_json":
-        return json.dumps(formats.verbose_json_body(segments, task, language, duration),
-                          ensure_ascii=False)
-    return formats.srt(segments) if response_format == "srt" else formats.vtt(segments)

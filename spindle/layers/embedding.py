@@ -26,7 +26,9 @@ def pad_vocab_size(vocab_size: int, multiple: int) -> int:
 
 
 class VocabParallelEmbedding(nn.Module):
-    int8: Int8Weight | None = None  # a tied int8 LM head's, shared (ParallelLMHead.use_int4_weight)
+    # int8 weight (int8_head.py): a tied int8 LM head's, shared, or the head's own
+    # (ParallelLMHead.use_int4_weight, with the fused CPU kernels).
+    int8: Int8Weight | None = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
                  tp_group: TensorParallelGroup) -> None:
@@ -56,15 +58,20 @@ class VocabParallelEmbedding(nn.Module):
 
     def _write_rows(self, param: nn.Parameter, real: Any) -> None:
         """This rank's rows of the vocabulary (its first len(real) rows), padding zeroed."""
-        if self.int8 is not None and param is self.weight:
-            self.int8.write_rows(real, 0)
+        quantized = self._quantized_weight()
+        if quantized is not None and param is self.weight:
+            quantized.write_rows(real, 0)
             padding = self.num_embeddings_per_rank - real.shape[0]
             if padding:
-                self.int8.write_rows(torch.zeros(padding, self.embedding_dim), real.shape[0])
+                quantized.write_rows(torch.zeros(padding, self.embedding_dim), real.shape[0])
             return
         with torch.no_grad():
             copy_checked(param.data[:real.shape[0]], real)
             param.data[real.shape[0]:].zero_()
+
+    def _quantized_weight(self) -> Int8Weight | Int4Weight | None:
+        """What holds self.weight quantized (rows go through its write_rows), if any."""
+        return self.int8
 
     def use_int8_weight(self) -> None:
         """Hold the weight as int8 codes with float32 group scales and offsets
@@ -103,7 +110,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     batch_invariant = False  # set by enable_batch_invariance (batch_invariant.py)
     tied = False  # shares the embedding's parameter (tie_to)
     int4: Int4Weight | None = None  # int4 weight only (use_int4_weight)
-    int8: Int8Weight | None = None  # int8 weight only (use_int4_weight, the fused CPU kernels)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         if embedding.weight.shape != self.weight.shape:
@@ -151,14 +157,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.tied = False
         self.int4 = Int4Weight(self, *self.weight.shape)
 
-    def _write_rows(self, param: nn.Parameter, real: Any) -> None:
-        if self.int4 is None or param is not self.weight:  # (an int8 weight: the base's)
-            super()._write_rows(param, real)
-            return
-        self.int4.write_rows(real, 0)
-        padding = self.num_embeddings_per_rank - real.shape[0]
-        if padding:
-            self.int4.write_rows(torch.zeros(padding, self.embedding_dim), real.shape[0])
+    def _quantized_weight(self) -> Int8Weight | Int4Weight | None:
+        return self.int4 if self.int4 is not None else self.int8
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:

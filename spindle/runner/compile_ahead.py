@@ -70,13 +70,13 @@ def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
     pending: dict[tuple[int, str], Future] = {}
     previous = knobs.runtime.jit_cache_hook
     owner = threading.get_ident()
-    active = [True]
+    active = True
 
     def hook(*, key, fn, compile, is_manual_warmup, **kwargs):
         if previous is not None and previous(key=key, fn=fn, compile=compile,
                                              is_manual_warmup=is_manual_warmup, **kwargs):
             return True
-        if not active[0] or is_manual_warmup or threading.get_ident() != owner:
+        if not active or is_manual_warmup or threading.get_ident() != owner:
             return None  # (a preload of ours, on a pool thread, comes here: compile now)
         jit_function = fn.jit_function
         ident = (id(jit_function), str(key))
@@ -89,7 +89,7 @@ def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
     try:
         yield report
     finally:
-        active[0] = False
+        active = False  # (the hook reads this variable: a later call only passes on)
         if knobs.runtime.jit_cache_hook is hook:
             knobs.runtime.jit_cache_hook = previous
         start = time.perf_counter()

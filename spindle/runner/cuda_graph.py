@@ -103,29 +103,32 @@ class CudaGraphRunner:
             return False
         return query_len == 1 or bool((batch.num_scheduled == query_len).all())
 
-    @torch.inference_mode()
-    def forward_each_size(self) -> None:
-        """One eager forward per graph shape, nothing captured (compiling ahead)."""
+    def _each_shape(self):
+        """(query_len, size) of every graph, largest first, each after one eager forward
+        at that shape (outside any graph: kernels compile there); seq_lens zeroed after."""
         for query_len, sizes in self.sizes_by_len.items():
             for size in reversed(sizes):
                 self.seq_lens[:size].fill_(query_len)
                 self._forward(size, query_len)
+                yield query_len, size
         self.seq_lens.zero_()
+
+    @torch.inference_mode()
+    def forward_each_size(self) -> None:
+        """One eager forward per graph shape, nothing captured (compiling ahead)."""
+        for _ in self._each_shape():
+            pass
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (the smaller graphs reuse its pool)."""
-        for query_len, sizes in self.sizes_by_len.items():
-            for size in reversed(sizes):
-                self.seq_lens[:size].fill_(query_len)
-                self._forward(size, query_len)  # warm-up outside the graph: compile, autotune
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[query_len, size] = self._forward(size, query_len)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[query_len, size] = graph
-        self.seq_lens.zero_()
+        for query_len, size in self._each_shape():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[query_len, size] = self._forward(size, query_len)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[query_len, size] = graph
         torch.cuda.synchronize(self.device)
 
     def run(self, batch: StepBatch, feed=None) -> torch.Tensor:

@@ -339,9 +339,8 @@ class ModelRunner:
         self.execute_model(decode)
         self.input_batch.remove_request(req)
 
-    def _capture_cuda_graphs(self, graphs: CudaGraphRunner | None = None) -> None:
-        """Capture graphs (a new runner's unless given one not captured yet)."""
-        graphs = graphs or self._new_graph_runner()
+    def _capture_cuda_graphs(self, graphs: CudaGraphRunner | None) -> None:
+        """Capture graphs' shapes and serve from them (None: this engine has none)."""
         if graphs is None:
             return
         graphs.capture()
@@ -447,7 +446,7 @@ class ModelRunner:
                 cache.zero_()
         if all_awake and self._recapture_on_wake:
             self._recapture_on_wake = False
-            self._capture_cuda_graphs()
+            self._capture_cuda_graphs(self._new_graph_runner())
         self.platform.synchronize(self.device)
 
     def _require_model(self) -> nn.Module:

@@ -80,7 +80,7 @@ class OpenAIServing:
         thread, which owns the tokenizer)."""
         if self._special_ids is None:
             self._special_ids = await self.engine.call(
-                lambda engine: _special_token_ids(engine.tokenizer))
+                lambda engine: tokenizer_special_ids(engine.tokenizer))
         return self._special_ids
 
     async def start(self, request_id: str, prompts: Sequence[PromptType],
@@ -177,7 +177,8 @@ class StreamProgress:
         return delta, first_token, self.tokens
 
 
-def _special_token_ids(tokenizer: Any) -> frozenset[int]:
+def tokenizer_special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids a decode with skip_special_tokens leaves out."""
     ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     ids.update(i for i, token in added.items() if getattr(token, "special", False))

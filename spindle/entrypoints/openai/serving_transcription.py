@@ -26,8 +26,7 @@ from spindle.entrypoints.openai.protocol import bad_request
 from spindle.entrypoints.openai.serving_base import (OpenAIServing, ServedModels, final_outputs,
                                                      logprob_token_count, raise_if_aborted)
 from spindle.entrypoints.openai.transcription_formats import (RESPONSE_FORMATS, Segment,
-                                                              join_texts, json_body, srt,
-                                                              verbose_json_body, vtt)
+                                                              render)
 from spindle.multimodal.audio_io import AudioError, decode_audio, resample, split_windows
 from spindle.multimodal.whisper_prompt import (DEFAULT_LANGUAGE, decoder_prompt_ids,
                                                language_detection)
@@ -40,9 +39,9 @@ MAX_AUDIO_SECONDS = 3600.0
 WHISPER_ARCHITECTURE = "WhisperForConditionalGeneration"
 # WhisperFeatureExtractor's defaults, for a preprocessor_config.json that leaves one out.
 _EXTRACTOR_DEFAULTS = {"sampling_rate": 16000, "chunk_length": 30, "hop_length": 160}
-# The formats answered as text: their media type and renderer.
-_TEXT_FORMATS = {"text": ("text/plain; charset=utf-8", join_texts),
-                 "srt": ("text/plain; charset=utf-8", srt), "vtt": ("text/vtt; charset=utf-8", vtt)}
+# The media type of the formats answered as text.
+_TEXT_MEDIA_TYPES = {"text": "text/plain; charset=utf-8", "srt": "text/plain; charset=utf-8",
+                     "vtt": "text/vtt; charset=utf-8"}
 
 router = APIRouter()
 
@@ -140,8 +139,8 @@ class TranscriptionServing(OpenAIServing):
                    for _, _, samples in windows]
         outputs = await final_outputs(await self.start(request_id, prompts, params))
         special = await self.special_token_ids()
-        return [_segment(start, end, output, req.temperature, special,
-                         seek=round(start * checkpoint.sampling_rate) // checkpoint.hop_length)
+        return [segment_of(start, end, output, req.temperature, special,
+                           seek=round(start * checkpoint.sampling_rate) // checkpoint.hop_length)
                 for (start, end, _), output in zip(windows, outputs)]
 
     def audio_checkpoint(self, requested: str | None) -> AudioCheckpoint:
@@ -173,8 +172,10 @@ class TranscriptionServing(OpenAIServing):
         return resample(waveform, rate, checkpoint.sampling_rate), len(waveform) / rate
 
 
-def _segment(start: float, end: float, output: RequestOutput, temperature: float,
-             special: frozenset[int], seek: int) -> Segment:
+def segment_of(start: float, end: float, output: RequestOutput, temperature: float,
+               special: frozenset[int], seek: int) -> Segment:
+    """A window's output as a segment: its tokens without a final hidden stop token, its
+    mean logprob (the routes and `spindle transcribe`)."""
     completion = output.outputs[0]
     raise_if_aborted(completion)
     tokens = completion.token_ids[:logprob_token_count(completion, special, True)]
@@ -193,13 +194,11 @@ def _avg_logprob(completion: CompletionOutput) -> float:
 
 def _render(req: TranscriptionRequest, segments: list[Segment],
             duration: float) -> dict[str, Any] | Response:
-    if req.response_format == "json":
-        return json_body(segments)
-    if req.response_format == "verbose_json":
-        language = (req.language or DEFAULT_LANGUAGE).strip().lower()
-        return verbose_json_body(segments, req.task, language, duration)
-    media_type, render_text = _TEXT_FORMATS[req.response_format]
-    return Response(render_text(segments), media_type=media_type)
+    language = (req.language or DEFAULT_LANGUAGE).strip().lower()
+    body = render(req.response_format, segments, req.task, language, duration)
+    if isinstance(body, dict):
+        return body
+    return Response(body, media_type=_TEXT_MEDIA_TYPES[req.response_format])
 
 
 def _json_file(path: Path) -> dict[str, Any]:

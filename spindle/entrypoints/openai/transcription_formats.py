@@ -24,6 +24,21 @@ class Segment:
     avg_logprob: float = 0.0  # mean logprob of its generated tokens (0.0: not measured)
 
 
+def render(response_format: str, segments: Sequence[Segment], task: str, language: str,
+           duration: float) -> dict[str, Any] | str:
+    """segments in response_format: a JSON body (json, verbose_json) or text (text, srt,
+    vtt). The routes and `spindle transcribe` both answer through it."""
+    if response_format == "json":
+        return json_body(segments)
+    if response_format == "verbose_json":
+        return verbose_json_body(segments, task, language, duration)
+    texts = {"text": join_texts, "srt": srt, "vtt": vtt}
+    if response_format not in texts:
+        raise ValueError(f"response_format must be one of {RESPONSE_FORMATS}, "
+                         f"got {response_format!r}")
+    return texts[response_format](segments)
+
+
 def join_texts(segments: Sequence[Segment]) -> str:
     """The whole transcription: the segments' texts, trimmed, one space between (Whisper's
     texts start with a space of their own); empty ones left out."""
