@@ -305,3 +305,76 @@ def test_the_real_gguf_model_through_decode_layer(monkeypatch):
     assert sum(step[0] for step in steps) >= 5
     monkeypatch.setattr(LlamaDecoderLayer, "cpu_decode", lambda self, *args: None)
     assert greedy_logprobs(gguf, prompts, 6, max_model_len=256) == fused
+
+
+# ---------------------------------------------------------------- bf16 GEMM for a few rows
+
+def _uses_own_gemm(x, weight) -> bool:
+    return cpu_kernels.kernels().bf16_dot_applies(x, weight)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 32])
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 1536), (13, 40), (33, 8)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_equals_a_float64_product(rows, n, k, with_bias):
+    """Fresh random inputs, K with and without a tail past whole 32-value chunks, N not
+    a multiple of the 4-row tile, rows from 1 to the limit: the one rounding of a
+    float32 sum apart from the float64 product rounded to bf16, as torch's bf16 GEMM."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    weight = torch.randn(n, k, generator=gen).to(BF16)
+    bias = torch.randn(n, generator=gen).to(BF16) if with_bias else None
+    out = cpu_kernels.bf16_linear(x, weight, bias)
+    ref = x.double() @ weight.double().T + (bias.double() if with_bias else 0.0)
+    assert out.dtype == BF16 and out.shape == (rows, n)
+    # A float32 sum of k products is off by at most ~k * 2^-24 of the magnitudes summed;
+    # then one bf16 rounding (2^-8 relative).
+    bound = ref.abs().to(torch.bfloat16).double() * 2.0 ** -8 \
+        + (x.double().abs() @ weight.double().abs().T) * k * 2.0 ** -24
+    assert ((out.double() - ref).abs() <= bound + 1e-30).all()
+    torch_out = torch.nn.functional.linear(x, weight, bias)
+    one_rounding_apart(out, torch_out, equal_share=0.9)
+
+
+def test_bf16_linear_runs_its_own_kernel_where_it_should():
+    """Its own kernel for 1-32 rows of bf16 (when the CPU has AVX-512 BF16), torch's
+    GEMM past that, for other dtypes and for a non-contiguous weight: the results of
+    torch's GEMM there, bit for bit."""
+    if not _uses_own_gemm(torch.zeros(1, 64, dtype=BF16), torch.zeros(8, 64, dtype=BF16)):
+        pytest.skip("this CPU has no AVX-512 BF16 instructions: torch's GEMM serves")
+    weight = torch.randn(64, 96).to(BF16)
+    assert _uses_own_gemm(torch.zeros(32, 96, dtype=BF16), weight)
+    assert not _uses_own_gemm(torch.zeros(33, 96, dtype=BF16), weight)
+    assert not _uses_own_gemm(torch.zeros(4, 96), weight.float())
+    wide = torch.randn(96, 64).to(BF16).T
+    assert not _uses_own_gemm(torch.zeros(4, 96, dtype=BF16), wide)
+    for x, w in [(torch.randn(40, 96).to(BF16), weight), (torch.randn(4, 96).to(BF16), wide)]:
+        assert torch.equal(cpu_kernels.bf16_linear(x, w), torch.nn.functional.linear(x, w))
+    # A non-contiguous x (a view of every other row) reads the right rows.
+    x = torch.randn(8, 96).to(BF16)
+    assert torch.equal(cpu_kernels.bf16_linear(x[::2], weight),
+                       cpu_kernels.bf16_linear(x[::2].contiguous(), weight))
+
+
+def test_bf16_linear_refuses_a_bias_of_the_wrong_size():
+    if not _uses_own_gemm(torch.zeros(1, 64, dtype=BF16), torch.zeros(8, 64, dtype=BF16)):
+        pytest.skip("this CPU has no AVX-512 BF16 instructions: torch's GEMM serves")
+    with pytest.raises(RuntimeError, match="bias must have 8 values"):
+        cpu_kernels.bf16_linear(torch.zeros(2, 64, dtype=BF16), torch.zeros(8, 64, dtype=BF16),
+                                torch.zeros(5, dtype=BF16))
+
+
+def test_bf16_linear_switched_off_is_torchs_gemm():
+    """SPINDLE_CPU_BF16_GEMM=0 (read once per process: a fresh interpreter) gives
+    torch's GEMM, bit for bit."""
+    import subprocess
+    import sys
+
+    script = ("import torch; from spindle.layers import cpu_kernels as c; "
+              "x = torch.randn(4, 96).to(torch.bfloat16); w = torch.randn(64, 96).to(torch.bfloat16); "
+              "print(c.kernels().bf16_dot_applies(x, w), "
+              "torch.equal(c.bf16_linear(x, w), torch.nn.functional.linear(x, w)))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={**os.environ, "SPINDLE_CPU_BF16_GEMM": "0"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]

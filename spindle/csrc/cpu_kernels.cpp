@@ -19,7 +19,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -27,6 +29,9 @@ namespace {
 using bf16 = at::BFloat16;
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = fVec::size();
+// Rows of x up to which bf16_linear runs its own kernel (a decode step's batch); more
+// rows go to torch's GEMM, which blocks for cache and wins there.
+constexpr int64_t kBf16DotMaxRows = 32;
 
 // ---------------------------------------------------------------- float helpers
 
@@ -460,6 +465,123 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
   return out;
 }
 
+// ---------------------------------------------------------------- bf16 GEMM for a few rows
+
+// y [M, N] = x [M, K] @ W^T (+ bias) for bf16 x and W [N, K] as stored (no repacking),
+// float32 sums (the bias added in float32) rounded once to bf16, as torch's bf16 linear
+// rounds. At the 1-32 rows of a decode step torch's bf16 GEMM is slow on a small CPU
+// (SmolLM2's projections on 2 Zen 4 cores: 1 row 3-6x, 16 rows 1.2-1.5x this kernel's
+// time, the weight in cache). Here each NB x MB tile of dot products runs along K in
+// AVX-512 BF16 pair products (vdpbf16ps: 16 lanes, each adding two products to a
+// float32 sum), its NB weight rows read once from memory (fetched ahead) and kept in
+// L1 while every MB-row block of x passes over them.
+#if defined(__AVX512BF16__)
+constexpr bool kHaveBf16Dot = true;
+constexpr int64_t kDotChunk = 32;  // bf16 values per 512-bit register
+
+template <int NB, int MB>
+inline void bf16_dot_tile(const bf16* w, const bf16* x, const float* bias, bf16* out, int64_t n0,
+                          int64_t m0, int64_t K, int64_t N) {
+  // (The loops over nb and mb are unrolled by hand-given pragmas: left rolled, GCC keeps
+  // the accumulators in memory and the stores bound the loop.)
+  __m512 acc[NB][MB];
+#pragma GCC unroll 8
+  for (int nb = 0; nb < NB; ++nb)
+#pragma GCC unroll 8
+    for (int mb = 0; mb < MB; ++mb) acc[nb][mb] = _mm512_setzero_ps();
+  const bf16* wt = w + n0 * K;
+  const bf16* xt = x + m0 * K;
+  for (int64_t k = 0; k < K; k += kDotChunk) {
+    // Whole chunks, or the first K - k values of the last one.
+    const __mmask32 mask = K - k >= kDotChunk ? ~(__mmask32)0 : (__mmask32)((1ull << (K - k)) - 1);
+    __m512bh wv[NB], xv[MB];
+#pragma GCC unroll 8
+    for (int nb = 0; nb < NB; ++nb) wv[nb] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wt + nb * K + k);
+#pragma GCC unroll 8
+    for (int mb = 0; mb < MB; ++mb) xv[mb] = (__m512bh)_mm512_maskz_loadu_epi16(mask, xt + mb * K + k);
+#pragma GCC unroll 8
+    for (int nb = 0; nb < NB; ++nb)
+#pragma GCC unroll 8
+      for (int mb = 0; mb < MB; ++mb) acc[nb][mb] = _mm512_dpbf16_ps(acc[nb][mb], wv[nb], xv[mb]);
+  }
+#pragma GCC unroll 8
+  for (int nb = 0; nb < NB; ++nb)
+#pragma GCC unroll 8
+    for (int mb = 0; mb < MB; ++mb)
+      out[(m0 + mb) * N + n0 + nb] = bf16(_mm512_reduce_add_ps(acc[nb][mb]) + (bias ? bias[n0 + nb] : 0.0f));
+}
+
+// Weight rows [begin, end): kDotRows at a time (then one by one), each against all M
+// rows of x, kDotCols rows at a time (then the rest).
+constexpr int kDotRows = 4, kDotCols = 4;  // 16 accumulators + 8 operands of 32 registers
+constexpr int64_t kDotAhead = 8;           // weight rows between the tile and its prefetch
+
+template <int NB>
+inline void bf16_dot_rows(const bf16* w, const bf16* x, const float* bias, bf16* out, int64_t n, int64_t M,
+                          int64_t K, int64_t N) {
+  // The weight rows kDotAhead on are asked for now: a row is a short stream (1-3 KB),
+  // too short for the hardware prefetchers, so the tile would wait on memory.
+  if (n + kDotAhead + NB <= N) {
+    const char* next = reinterpret_cast<const char*>(w + (n + kDotAhead) * K);
+    for (int64_t line = 0; line < NB * K * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+  }
+  int64_t m = 0;
+  for (; m + kDotCols <= M; m += kDotCols) bf16_dot_tile<NB, kDotCols>(w, x, bias, out, n, m, K, N);
+  switch (M - m) {
+    case 3: bf16_dot_tile<NB, 3>(w, x, bias, out, n, m, K, N); break;
+    case 2: bf16_dot_tile<NB, 2>(w, x, bias, out, n, m, K, N); break;
+    case 1: bf16_dot_tile<NB, 1>(w, x, bias, out, n, m, K, N); break;
+    default: break;
+  }
+}
+
+void bf16_dot_gemm(const bf16* w, const bf16* x, const float* bias, bf16* out, int64_t M, int64_t N,
+                   int64_t K) {
+  constexpr int64_t kTask = 16;  // weight rows per task
+  at::parallel_for(0, (N + kTask - 1) / kTask, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n1 = std::min(N, end * kTask);
+    int64_t n = begin * kTask;
+    for (; n + kDotRows <= n1; n += kDotRows) bf16_dot_rows<kDotRows>(w, x, bias, out, n, M, K, N);
+    for (; n < n1; ++n) bf16_dot_rows<1>(w, x, bias, out, n, M, K, N);
+  });
+}
+#else
+constexpr bool kHaveBf16Dot = false;
+void bf16_dot_gemm(const bf16*, const bf16*, const float*, bf16*, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "this build has no AVX-512 BF16 instructions");
+}
+#endif
+
+// Whether bf16_linear would run the kernel above for x (rows, dtypes, layout); else it
+// calls torch's linear.
+bool bf16_dot_applies(const torch::Tensor& x, const torch::Tensor& weight) {
+  // SPINDLE_CPU_BF16_GEMM=0: torch's GEMM everywhere (the A/B switch), read once.
+  static const bool switched_on = [] {
+    const char* flag = std::getenv("SPINDLE_CPU_BF16_GEMM");
+    return flag == nullptr || std::string(flag) != "0";
+  }();
+  return kHaveBf16Dot && switched_on && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kBf16DotMaxRows &&
+         x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+         weight.is_contiguous() && x.size(1) == weight.size(1) && x.device().is_cpu() &&
+         weight.device().is_cpu();
+}
+
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                          const c10::optional<torch::Tensor>& bias) {
+  if (!bf16_dot_applies(x, weight)) return at::linear(x, weight, bias);
+  const auto xc = x.contiguous();
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  c10::optional<torch::Tensor> bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have ", N, " values, got ", bias->numel());
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  auto out = torch::empty({M, N}, x.options());
+  bf16_dot_gemm(weight.data_ptr<bf16>(), xc.data_ptr<bf16>(), bias_f ? bias_f->data_ptr<float>() : nullptr,
+                out.data_ptr<bf16>(), M, N, K);
+  return out;
+}
+
 // ---------------------------------------------------------------- a whole decoder layer
 
 // One linear layer as the Python side hands it over: (weight, scale_zero, planes, bias).
@@ -469,7 +591,7 @@ using Linear = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, 
 
 torch::Tensor linear(const torch::Tensor& x, const Linear& layer) {
   const auto& [weight, scale_zero, planes, bias] = layer;
-  if (!scale_zero.has_value()) return at::linear(x, weight, bias);
+  if (!scale_zero.has_value()) return bf16_linear(x, weight, bias);
   auto y = at::_weight_int4pack_mm_for_cpu(planes == 2 ? at::cat({x, x}, 1) : x, weight, 32, *scale_zero);
   return bias.has_value() ? y + *bias : y;
 }
@@ -666,6 +788,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slots") = py::none());
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache");
   m.def("decode_layer", &decode_layer, "a Llama-family decoder layer on a decode step");
+  m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) in bf16, AVX-512 BF16 for a few rows",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("bf16_dot_applies", &bf16_dot_applies, "whether bf16_linear runs its own kernel for x");
   m.def("int8_group_matmul", &int8_group_matmul,
         "float32 x @ W^T for W as int8 codes with a float32 scale and offset per group of 32");
 }

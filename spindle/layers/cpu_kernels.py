@@ -12,8 +12,11 @@ file does each stage in one call and rounds to bf16 where the torch version roun
 * decode_attention(q, caches, block tables, ...): one query per request over its paged
   context (window and soft cap included);
 * decode_layer(...): a whole Llama-family layer on a decode step, the above and the
-  layer's four matmuls (torch's int4 kernel or a dense one) in one call
+  layer's four matmuls (torch's int4 kernel or bf16_linear) in one call
   (models/llama.py, LlamaDecoderLayer.cpu_decode);
+* bf16_linear(x, weight, bias): x @ W^T for a few bf16 rows (a decode step's
+  batch, up to 32) with AVX-512 BF16 pair products, the layers' GEMM there (in
+  decode_layer and in linear.apply_linear);
 * int8_group_matmul(x, codes, scale, offset): float32 logits from a GGUF model's LM
   head held as int8 codes with float32 group scales and offsets (layers/int8_head.py;
   x float32 or bf16).
@@ -209,6 +212,16 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     caches [slots, Hk, D] -> [B, H, D]."""
     return kernels().decode_attention(q, key_cache, value_cache, block_tables, seq_lens,
                                       block_size, scale, window or 0, soft_cap or 0.0)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a bf16 x [M, K] and weight [N, K]: up to 32 rows (a decode step's
+    batch) with AVX-512 BF16 pair products read straight from the weight as stored,
+    float32 sums (plus the bias) rounded once to bf16; torch's GEMM otherwise, or
+    where the CPU lacks those instructions. SPINDLE_CPU_BF16_GEMM=0 sends every call to
+    torch's GEMM (read once per process)."""
+    return kernels().bf16_linear(x, weight, bias)
 
 
 def int8_group_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
