@@ -470,7 +470,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
 // y [M, N] = x [M, K] @ W^T (+ bias) for bf16 x and W [N, K] as stored (no repacking),
 // float32 sums (the bias added in float32) rounded once to bf16, as torch's bf16 linear
 // rounds. At the 1-32 rows of a decode step torch's bf16 GEMM is slow on a small CPU
-// (SmolLM2's projections on 2 Zen 4 cores: 1 row 3-6x, 16 rows 1.2-1.5x this kernel's
+// (SmolLM2's projections on 2 Zen 4 cores: 1 row 4-7x, 16 rows 1.2-1.5x this kernel's
 // time, the weight in cache). Here each NB x MB tile of dot products runs along K in
 // AVX-512 BF16 pair products (vdpbf16ps: 16 lanes, each adding two products to a
 // float32 sum), its NB weight rows read once from memory (fetched ahead) and kept in

@@ -79,7 +79,7 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """F.linear, or at decode-sized batches a GEMM made for few rows: on CUDA (<= 8
     rows) the skinny GEMM, which streams the weight at close to memory bandwidth where
     cuBLAS does not (it splits K only when given split_counters); on the CPU in bf16
-    (<= 32 rows) cpu_kernels.bf16_linear, 1.2-6x torch's there. invariant: the
+    (<= 32 rows) cpu_kernels.bf16_linear, faster than torch's GEMM there. invariant: the
     batch-invariant GEMM (batch_invariant.py) instead."""
     if invariant:
         from spindle.layers.batch_invariant import invariant_linear

@@ -1,0 +1,243 @@
+"""Where the "nano" workload's time goes, on one GPU: prefill vs decode steps, decode
+steps by batch size (the tail of the run, when few sequences remain), host vs device,
+and each kernel's share of device time in a window of full-batch decode steps and in
+a window of the tail.
+
+Same checkpoint, engine settings and workload as benchmarks/throughput.py. Every
+engine step is recorded: its wall time, its scheduled tokens (a decode request has
+one, a prefill chunk more), the context its decode requests read, and how long the
+host waited for the device in it (with async scheduling a step launches its own work
+and then waits for the previous step's: a step that never waits is host-bound). A
+step's roofline is that of throughput.py: all weights plus the KV of its decode
+requests, at the copy bandwidth measured in the same run. The kernel shares come from
+torch.profiler over two windows of steps (CUDA graph replays included).
+
+    python benchmarks/nano_breakdown.py [--json out.json]
+    python benchmarks/nano_breakdown.py --smoke     # a tiny CPU run of the bookkeeping
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import (QWEN3_06B, copy_bandwidth, nano_params,  # noqa: E402
+                        nano_workload, write_random_checkpoint)
+
+TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=128,
+            tie_word_embeddings=True)
+# Decode steps are grouped by how many sequences they decode.
+BATCH_BUCKETS = ((192, 10**9), (128, 191), (64, 127), (16, 63), (1, 15))
+
+
+@dataclass
+class Step:
+    wall_s: float
+    wait_s: float  # host blocked on the device
+    decode_reqs: int
+    prefill_tokens: int
+    decode_context: int  # tokens of KV the decode requests read
+
+
+class StepRecorder:
+    """Wraps the engine's step and its executor's launch to record a Step per step,
+    and runs torch.profiler over the steps given in windows ({name: (first, last)})."""
+
+    def __init__(self, engine, windows: dict[str, tuple[int, int]], cuda: bool) -> None:
+        self.steps: list[Step] = []
+        self.profiles: dict[str, object] = {}
+        self._windows, self._cuda = windows, cuda
+        self._active: tuple[str, object] | None = None
+        self._current = dict(wait=0.0, decode=0, prefill=0, context=0)
+        core = engine.core
+        scheduler = core.scheduler
+        launch = core.executor.execute_model_async
+
+        def recorded_launch(sched):
+            pending = launch(sched)
+            for rid, n in sched.num_scheduled_tokens.items():
+                if n == 1:
+                    self._current["decode"] += 1
+                    self._current["context"] += scheduler.requests[rid].num_computed_tokens
+                else:
+                    self._current["prefill"] += n
+            return _TimedPending(pending, self._current)
+
+        core.executor.execute_model_async = recorded_launch
+        step = engine.step
+
+        def recorded_step():
+            self._profile_edge(len(self.steps))
+            start = time.perf_counter()
+            out = step()
+            c = self._current
+            self.steps.append(Step(time.perf_counter() - start, c["wait"], c["decode"],
+                                   c["prefill"], c["context"]))
+            self._current.update(wait=0.0, decode=0, prefill=0, context=0)
+            return out
+
+        engine.step = recorded_step
+
+    def _profile_edge(self, index: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if self._active is not None and index > self._windows[self._active[0]][1]:
+            name, prof = self._active
+            prof.stop()
+            self.profiles[name] = prof
+            self._active = None
+        for name, (first, _) in self._windows.items():
+            if index == first and self._active is None:
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
+                prof = profile(activities=activities)
+                prof.start()
+                self._active = (name, prof)
+
+    def finish(self) -> None:
+        if self._active is not None:
+            name, prof = self._active
+            prof.stop()
+            self.profiles[name] = prof
+            self._active = None
+
+
+class _TimedPending:
+    """A launched step whose get() adds the time it blocks to the step being recorded
+    (with async scheduling, the step that collects it)."""
+
+    def __init__(self, pending, current: dict) -> None:
+        self._pending, self._current = pending, current
+
+    def get(self):
+        start = time.perf_counter()
+        out = self._pending.get()
+        self._current["wait"] += time.perf_counter() - start
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._pending, name)
+
+
+def kernel_shares(prof, cuda: bool, top: int = 14) -> list[dict]:
+    """Device time per kernel name (host time per op on CPU), largest first, with its
+    share of the window's total."""
+    rows = []
+    for event in prof.key_averages():
+        t = (event.self_device_time_total if cuda else event.self_cpu_time_total)
+        if t > 0 and (not cuda or event.device_type.name == "CUDA"):
+            rows.append((event.key, t, event.count))
+    total = sum(t for _, t, _ in rows) or 1
+    rows.sort(key=lambda r: -r[1])
+    return [dict(name=name[:90], ms=t / 1e3, calls=count, share=t / total)
+            for name, t, count in rows[:top]] + [dict(name="(total)", ms=total / 1e3,
+                                                       calls=0, share=1.0)]
+
+
+def summarize(steps: list[Step], weight_bytes: int, kv_per_token: int,
+              bandwidth: float) -> dict:
+    def roof(s: Step) -> float:
+        return (weight_bytes + s.decode_context * kv_per_token) / bandwidth if s.decode_reqs else 0.0
+
+    def row(label, chosen):
+        wall = sum(s.wall_s for s in chosen)
+        floor = sum(roof(s) for s in chosen)
+        return dict(label=label, steps=len(chosen), wall_s=wall,
+                    tokens=sum(s.decode_reqs for s in chosen),
+                    host_bound_steps=sum(1 for s in chosen if s.wait_s < 1e-4),
+                    wait_s=sum(s.wait_s for s in chosen), roofline_s=floor,
+                    x_roofline=floor / wall if wall else 0.0)
+
+    rows = [row("steps with prefill tokens", [s for s in steps if s.prefill_tokens])]
+    decode = [s for s in steps if not s.prefill_tokens and s.decode_reqs]
+    for low, high in BATCH_BUCKETS:
+        label = f"decode, {low}+ sequences" if high > 10**8 else f"decode, {low}-{high} sequences"
+        rows.append(row(label, [s for s in decode if low <= s.decode_reqs <= high]))
+    rows.append(row("all steps", steps))
+    return dict(rows=rows)
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'steps':34s} {'n':>5s} {'wall s':>7s} {'tokens':>7s} {'waited s':>8s} "
+             f"{'host-bound':>10s} {'roofline s':>10s} {'x roof':>6s}"]
+    for r in rows:
+        lines.append(f"{r['label']:34s} {r['steps']:5d} {r['wall_s']:7.3f} {r['tokens']:7d} "
+                     f"{r['wait_s']:8.3f} {r['host_bound_steps']:10d} {r['roofline_s']:10.3f} "
+                     f"{r['x_roofline']:6.2f}")
+    return "\n".join(lines)
+
+
+def format_kernels(name: str, rows: list[dict]) -> str:
+    lines = [f"--- {name}: time per kernel ---"]
+    for r in rows:
+        lines.append(f"{r['share'] * 100:5.1f}% {r['ms']:9.2f} ms {r['calls']:6d}  {r['name']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny model on the CPU, 8 sequences: checks the bookkeeping")
+    args = parser.parse_args()
+    from spindle import LLM
+
+    cuda = not args.smoke
+    shape = TINY if args.smoke else QWEN3_06B
+    num_seqs = 8 if args.smoke else args.num_seqs
+    prompts, outputs = nano_workload(num_seqs)
+    if args.smoke:
+        prompts = [[t % TINY["vocab_size"] for t in p[:40]] for p in prompts]
+        outputs = [o // 40 for o in outputs]
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    bandwidth = copy_bandwidth() if cuda else 20e9
+    result["copy_bandwidth_TBps"] = bandwidth / 1e12
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_random_checkpoint(Path(tmp) / "model", shape)
+        llm = LLM(str(path), dtype="bfloat16", device="cuda" if cuda else "cpu",
+                  max_model_len=4096 if cuda else 256, max_num_seqs=num_seqs,
+                  max_num_batched_tokens=8192 if cuda else 512, enable_prefix_caching=False)
+        runner = llm.engine.core.executor.worker.runner
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        kv_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
+        params = nano_params(outputs)
+        llm.generate(prompts[:16], params[:16], use_tqdm=False)  # warm-up call
+        # Windows: 30 full-batch decode steps after the prefills, and 30 steps of the
+        # tail (the longest output is max(outputs) steps; the last 30 have few sequences).
+        last = max(outputs)
+        windows = {"full batch": (last // 4, last // 4 + 29), "tail": (last - 40, last - 11)}
+        recorder = StepRecorder(llm.engine, windows, cuda)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        recorder.finish()
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        result.update(nano_tok_s=produced / seconds, nano_seconds=seconds,
+                      output_tokens=produced, weight_bytes=weight_bytes)
+        result.update(summarize(recorder.steps, weight_bytes, kv_per_token, bandwidth))
+        result["kernels"] = {name: kernel_shares(prof, cuda)
+                             for name, prof in recorder.profiles.items()}
+        result["steps"] = [asdict(s) for s in recorder.steps]
+        llm.shutdown()
+    for name, rows in result["kernels"].items():
+        print(format_kernels(name, rows))
+    print(format_rows(result["rows"]))
+    print(f"nano: {result['nano_tok_s']:.0f} tok/s in {result['nano_seconds']:.2f} s, "
+          f"{len(result['steps'])} steps")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
