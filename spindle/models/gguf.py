@@ -124,12 +124,14 @@ SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", 
 
 def check_tensor_types(gguf: Path) -> None:
     """ValueError naming the first tensor of a type outside SUPPORTED_TENSOR_TYPES
-    (read from the file's header; no tensor is dequantized)."""
-    from gguf import GGUFReader
+    (read from the file's header by gguf_weights.GGUFIndex, which skips the tokenizer's
+    arrays: the gguf package's reader decodes all of them, some 5 s for SmolLM2's
+    100,000 strings; no tensor is dequantized)."""
+    from spindle.models.gguf_weights import GGUFIndex
 
-    for tensor in GGUFReader(str(gguf)).tensors:
-        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
-            raise ValueError(f"tensor {tensor.name} is {tensor.tensor_type.name}, a GGUF "
+    for tensor in GGUFIndex(gguf).tensors.values():
+        if tensor.type_name not in SUPPORTED_TENSOR_TYPES:
+            raise ValueError(f"tensor {tensor.name} is {tensor.type_name}, a GGUF "
                              f"type spindle does not read; it reads "
                              f"{', '.join(SUPPORTED_TENSOR_TYPES)}")
 
