@@ -126,6 +126,57 @@ def test_check_rejects_a_wrong_output():
         _check(_run(x[:, 128:], w[:, 128:].contiguous(), b), ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("n,k", pick([(1024, 3072), (1000, 272)], [(192, 768), (200, 272)]))
+@pytest.mark.parametrize("m", pick([1, 3, 8], [1, 3]))
+def test_silu_and_mul_applied_as_it_loads(m, n, k, with_bias):
+    """silu_and_mul=True on [gate | up]: bit for bit the activation kernel then the
+    GEMM (split K and a masked K tail included), and close to the float32 definition."""
+    from spindle.layers.fused_kernels import silu_and_mul
+
+    gate_up, w, b = _inputs(m, n, 2 * k, HALF, with_bias, seed=m + n + k)
+    w = w[:, :k].contiguous() * 2 ** 0.5  # (outputs of order one again)
+    fused = _run(gate_up, w, b, silu_and_mul=True)
+    assert torch.equal(fused, _run(silu_and_mul(gate_up), w, b))
+    h = gate_up.float().cpu()
+    act = torch.nn.functional.silu(h[:, :k]) * h[:, k:]
+    _check(fused, _reference(act, w, b), HALF)
+
+
+def test_silu_and_mul_needs_twice_the_weights_columns():
+    from spindle.layers.skinny_gemm import skinny_linear
+
+    x, w, _ = _inputs(2, 64, 256, HALF, False, seed=1)
+    with pytest.raises(ValueError, match=r"x \[M, 2K\]"):
+        skinny_linear(x, w, silu_and_mul=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers dispatch on CUDA only")
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_the_mlp_fuses_its_activation_into_the_down_projection(monkeypatch, switch):
+    """LlamaMLP on a decode-sized CUDA batch: the same bits with the activation applied
+    in the down projection's loads (one launch fewer) as with its own kernel; more rows
+    than the skinny GEMM takes, or SPINDLE_SKINNY_SILU=0, keep the separate kernel."""
+    from spindle.distributed.parallel_state import TensorParallelGroup
+    from spindle.layers import fused_kernels
+    from spindle.models.llama import LlamaMLP
+
+    monkeypatch.setenv("SPINDLE_SKINNY_SILU", switch)
+    with torch.device("cuda"):
+        mlp = LlamaMLP(1024, 3072, bias=False, tp_group=TensorParallelGroup(rank=0, size=1))
+    for p in mlp.parameters():
+        p.data = (torch.randn_like(p, dtype=torch.float32) / 32).to(torch.bfloat16).cuda()
+    activations = []
+    real = fused_kernels.silu_and_mul
+    monkeypatch.setattr(fused_kernels, "silu_and_mul",
+                        lambda x: activations.append(len(x)) or real(x))
+    for m in (1, 8, 9):
+        x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+        expected = mlp.down_proj(real(mlp.gate_up_proj(x)))
+        assert torch.equal(mlp(x), expected)
+    assert activations == ([9] if switch == "1" else [1, 8, 9])
+
+
 def test_when_the_skinny_gemm_applies(monkeypatch):
     from spindle.layers.skinny_gemm import skinny_gemm_applies, use_skinny_gemm
 

@@ -22,6 +22,7 @@ uses it to report partially loaded parameters).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import torch
@@ -60,6 +61,10 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
         raise ValueError(f"replicated parameter got a shard id {shard_id!r}")
     copy_checked(param.data, loaded_weight)
 
+
+# "0": a SwiGLU MLP's down projection on a CUDA decode step runs the activation kernel
+# and then the skinny GEMM, instead of the GEMM applying the activation as it loads.
+SKINNY_SILU_ENV = "SPINDLE_SKINNY_SILU"
 
 # The smallest N tile the skinny GEMM may use: it sizes the split-K counters.
 SKINNY_MIN_BLOCK_N = 16
@@ -308,9 +313,31 @@ class RowParallelLinear(_ParallelLinearBase):
         self._copy_rows(param, loaded_weight.narrow(1, self.tp_group.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduced(lambda bias: self._matmul(x, bias))
+
+    def silu_and_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """forward(silu(gate) * up) for gate_up = [gate | up] [M, 2K] in one skinny GEMM
+        launch that applies the activation as it loads (a SwiGLU MLP's down projection
+        on a CUDA decode step), or None where that does not apply: not CUDA, more rows
+        than the skinny GEMM takes, a quantized or batch-invariant weight, or
+        SPINDLE_SKINNY_SILU=0. The rounding is that of the separate activation kernel."""
+        from spindle.layers.skinny_gemm import skinny_linear, use_skinny_gemm
+
+        k = self.weight.shape[1]
+        if (not gate_up.is_cuda or gate_up.dim() != 2 or gate_up.shape[1] != 2 * k
+                or self.int4 is not None or self.weight_scale is not None
+                or self.batch_invariant or os.environ.get(SKINNY_SILU_ENV, "1") == "0"
+                or not use_skinny_gemm(gate_up[:, :k], self.weight)):
+            return None
+        return self._reduced(lambda bias: skinny_linear(
+            gate_up, self.weight, bias, counters=self.split_counters, silu_and_mul=True))
+
+    def _reduced(self, matmul) -> torch.Tensor:
+        """matmul(bias) -> this rank's product; then the all-reduce across ranks and the
+        bias added once (with one rank, the bias goes into the product)."""
         if self.tp_group.size == 1:
-            return self._matmul(x, self.bias)
-        y = self._matmul(x, None)
+            return matmul(self.bias)
+        y = matmul(None)
         if self.reduce_results:
             y = self._all_reduce(y)
         if self.bias is not None:

@@ -62,21 +62,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None,
                   counters: torch.Tensor | None = None,
-                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  weight_scale: torch.Tensor | None = None,
+                  silu_and_mul: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias [N]) in float32, returned in x's dtype.
 
     out: an optional [M, N] contiguous destination. config: block sizes and split-K
     (default: pick_config's choice for the shape; benchmarks sweep it). counters: the
     caller's new_split_counters(N); without them the K dimension is not split.
     weight_scale: a float32 [N] scale per row of a float8 weight (W = weight * scale),
-    which is widened to x's dtype tile by tile."""
+    which is widened to x's dtype tile by tile. silu_and_mul: x is [..., 2K] = [gate |
+    up] and the product is of silu(gate) * up, computed as it is loaded, rounded where
+    fused_kernels.silu_and_mul rounds (a SwiGLU MLP's down projection without the
+    activation's own launch)."""
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
-    (m, k), n = x.shape, weight.shape[0]
-    if weight.shape[1] != k or not weight.is_contiguous():
-        raise ValueError(f"skinny_linear needs a contiguous weight [N, {k}], got "
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if x.shape[1] != (2 * k if silu_and_mul else k) or not weight.is_contiguous():
+        raise ValueError(f"skinny_linear needs a contiguous weight [N, K] with x [M, "
+                         f"{'2K' if silu_and_mul else 'K'}], got x {tuple(x.shape)}, weight "
                          f"{tuple(weight.shape)} (contiguous={weight.is_contiguous()})")
     if m > MAX_M:
         raise ValueError(f"skinny_linear serves at most {MAX_M} rows, got {m}")
@@ -114,7 +119,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # CPU tensors reach a Triton kernel only under Triton's interpreter, which
         # multiplies bf16 dot operands as raw integers: it gets float32 operands (bf16 x
         # bf16 products are exact in float32, as in the matrix units).
-        IEEE=x.dtype == torch.float32 or not x.is_cuda,
+        IEEE=x.dtype == torch.float32 or not x.is_cuda, SILU_MUL=silu_and_mul,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*lead, n)
 
@@ -159,7 +164,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
                         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr):
+                        IEEE: tl.constexpr, SILU_MUL: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -175,11 +180,17 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
     for k0 in range(0, k_per_split, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            xt = tl.load(x_ptrs, mask=m_valid[None, :], other=0.0)
+            x_mask = m_valid[None, :]
         else:
             k_valid = offs_k + k0 < K
             w = tl.load(w_ptrs, mask=k_valid[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=k_valid[:, None] & m_valid[None, :], other=0.0)
+            x_mask = k_valid[:, None] & m_valid[None, :]
+        xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if SILU_MUL:  # xt is the gate; the up half starts K columns on
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
+            g = xt.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(xt.dtype)
+            xt = (act.to(tl.float32) * up.to(tl.float32)).to(xt.dtype)
         if HAS_SCALE:
             w = w.to(xt.dtype)  # float8 -> the activations' dtype: exact
         if IEEE:

@@ -122,7 +122,9 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        fused = self.down_proj.silu_and_mul_forward(gate_up)  # (CUDA decode steps)
+        return fused if fused is not None else self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaAttention(nn.Module):
