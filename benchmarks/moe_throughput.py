@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import (batch1_decode, copy_bandwidth, nano_params,  # noqa: E402
-                        nano_workload, write_wordlevel_tokenizer)
+from throughput import (batch1_decode, copy_bandwidth, kv_bytes_per_token,  # noqa: E402
+                        nano_params, nano_workload, write_wordlevel_tokenizer)
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
@@ -46,8 +46,8 @@ def expected_distinct(tokens: int, k: int, experts: int) -> float:
 def step_bytes(batch: int, context: int, dense: int, expert: int, shape: dict) -> float:
     """Bytes one decode step of batch sequences holding context tokens in all reads."""
     layers, e, k = shape["num_hidden_layers"], shape["num_experts"], shape["num_experts_per_tok"]
-    kv = layers * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
-    return dense + layers * expected_distinct(batch, k, e) * expert + context * kv
+    return (dense + layers * expected_distinct(batch, k, e) * expert
+            + context * kv_bytes_per_token(shape))
 
 
 def measured_distinct(llm, batches: list[int]) -> dict[int, float]:

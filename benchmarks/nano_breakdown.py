@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import (QWEN3_06B, copy_bandwidth, nano_params,  # noqa: E402
-                        nano_workload, write_random_checkpoint)
+from throughput import (QWEN3_06B, copy_bandwidth, kv_bytes_per_token,  # noqa: E402
+                        nano_params, nano_workload, write_random_checkpoint)
 
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, intermediate_size=128,
@@ -88,8 +89,6 @@ class StepRecorder:
         engine.step = recorded_step
 
     def _profile_edge(self, index: int) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
         if self._active is not None and index > self._windows[self._active[0]][1]:
             name, prof = self._active
             prof.stop()
@@ -210,7 +209,7 @@ def main() -> None:
                   max_num_batched_tokens=8192 if cuda else 512, enable_prefix_caching=False)
         runner = llm.engine.core.executor.worker.runner
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        kv_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
+        kv_per_token = kv_bytes_per_token(shape)
         params = nano_params(outputs)
         llm.generate(prompts[:16], params[:16], use_tqdm=False)  # warm-up call
         # Windows: 30 full-batch decode steps after the prefills, and 30 steps of the

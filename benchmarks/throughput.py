@@ -150,6 +150,11 @@ def copy_bandwidth() -> float:
     return 2 * 2 * 2**30 / times[len(times) // 2]
 
 
+def kv_bytes_per_token(shape: dict) -> int:
+    """Bytes of bf16 KV cache one token holds across all layers of a dense model."""
+    return shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
+
+
 def roofline_seconds(prompts, outputs, weight_bytes: int, kv_bytes_per_token: int,
                      bandwidth: float) -> float:
     """Sum over decode steps of (all weights + KV of every live sequence) / bandwidth."""
@@ -472,8 +477,7 @@ def run(args) -> dict:
         weight_bytes = sum(p.numel() * p.element_size()
                            for p in llm.engine.core.executor.worker.runner.model.parameters())
         result["weight_bytes"] = weight_bytes
-        kv_per_token = (QWEN3_06B["num_hidden_layers"] * 2 * QWEN3_06B["num_key_value_heads"]
-                        * QWEN3_06B["head_dim"] * 2)
+        kv_per_token = kv_bytes_per_token(QWEN3_06B)
 
         if args.nano_first:
             result.update(nano_run(llm, args, weight_bytes, kv_per_token, bandwidth,

@@ -90,18 +90,18 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         from spindle.layers.batch_invariant import invariant_linear
 
         return invariant_linear(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x.is_cuda:
         from spindle.layers.skinny_gemm import skinny_linear, use_skinny_gemm
 
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        if use_skinny_gemm(x2, weight):
-            y = skinny_linear(x2, weight, bias, counters=split_counters)
-            return y.reshape(*x.shape[:-1], weight.shape[0])
+        if not use_skinny_gemm(x2, weight):
+            return F.linear(x, weight, bias)
+        y = skinny_linear(x2, weight, bias, counters=split_counters)
     elif cpu_kernels.applies(x):
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         y = cpu_kernels.bf16_linear(x2, weight, bias)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+    else:
+        return F.linear(x, weight, bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def set_weight_loader(param: nn.Parameter, loader: Any, shard_ids: Sequence[Any] = (None,)) -> None:
