@@ -12,9 +12,9 @@ Kernels:
   query head) pairs, request, KV head); online softmax over the context, causal
   relative to the context length.
 * ``decode``: one new token per request (flash-decoding), one launch per layer.
-  One program per (request, KV head, split): the query heads sharing a KV head are
-  packed into one tile (GQA), and the context is split so that small batches still
-  fill the GPU. Each program applies the q/k norm + rotary (when given) to its
+  One program per (KV head, request, split), a request's KV heads side by side: the
+  query heads sharing a KV head are packed into one tile (GQA), and the context is
+  split so that small batches still fill the GPU. Each program applies the q/k norm + rotary (when given) to its
   queries and to the new token's key; the one whose split ends at the new token
   writes the new k and v into the cache and attends to them from registers. The
   last split to finish (a per-(request, KV head) counter) merges the splits' partial
@@ -296,7 +296,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rope = qk_transform
     has_norm = rope is not None and rope.q_weight is not None
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    _decode_kernel[(num_reqs, num_kv_heads, splits)](
+    _decode_kernel[(num_kv_heads, num_reqs, splits)](
         q, k, v, key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
         rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
         rope.sin_cache if rope else q, rope.q_weight if has_norm else q,
@@ -325,11 +325,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLITS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # The KV heads of one request are neighbouring programs: they run together and read
+    # the same pages (a token's heads are adjacent in the cache), which kept DRAM reads
+    # closer together than request-major order (0.90 -> 0.95 of copy bandwidth at 256
+    # requests on the H200).
+    kv_head = tl.program_id(0)
+    req = tl.program_id(1)
     split = tl.program_id(2)
-    num_reqs = tl.num_programs(0)
-    num_heads = tl.num_programs(1) * GQA
+    num_reqs = tl.num_programs(1)
+    num_heads = tl.num_programs(0) * GQA
     seq_len = tl.load(seq_lens_ptr + req)
     first = 0  # the first context position the query sees
     if SLIDING:
@@ -372,7 +376,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
         # Every thread's partial is written before the arrival is counted (release);
         # the program that arrives last sees all partials (acquire) and merges them.
         tl.debug_barrier()
-        counter = counters_ptr + req * tl.num_programs(1) + kv_head
+        counter = counters_ptr + req * tl.num_programs(0) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
             used_splits = tl.cdiv(span, tl.maximum(per_split, 1))
             _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_reqs,
