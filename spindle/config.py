@@ -169,6 +169,11 @@ class EngineArgs:
         from spindle.platforms import resolve_platform
 
         platform = resolve_platform(self.device)
+        if platform.compiles_kernels_on_first_use and self.tensor_parallel_size == 1 \
+                and self.pipeline_parallel_size == 1:  # (an engine in this process)
+            from spindle.runner.compile_ahead import hash_triton_in_background
+
+            hash_triton_in_background()  # beside the config's import of transformers
         model = ModelConfig.create(self, platform.device_type)
         sched = SchedulerConfig.create(self, model)
         parallel = ParallelConfig.create(self)

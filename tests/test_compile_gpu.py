@@ -41,7 +41,8 @@ at_ready = triton_variants()
 run_varied_workload(llm, (1, 2, 3, 8, 9, 17, max_seqs),
                     (1, 2, 7, 15, 16, 17, 33, 100, 255, 256, 300, 480), 400)
 print("RESULT " + json.dumps({"at_ready": at_ready, "after": triton_variants(),
-                              "ahead": runner.kernels_compiled_ahead}))
+                              "ahead": runner.kernels_compiled_ahead,
+                              "plan_used": runner.kernel_plan.used}))
 llm.shutdown()
 """
 
@@ -70,3 +71,17 @@ def test_without_compiling_ahead_nothing_compiles_after_ready_either(tiny_model)
     result = _run(tiny_model(arch="llama"), "bfloat16", False, SPINDLE_COMPILE_AHEAD="0")
     assert result["ahead"] == 0, result
     assert result["after"] == result["at_ready"] > 0, result
+
+
+def test_a_second_start_loads_every_kernel_from_its_plan(tiny_model, tmp_path):
+    """The first start (an empty Triton cache) compiles ahead and saves its kernel plan;
+    the second loads the plan's kernels on threads, runs no compile-only pass, and still
+    compiles nothing once ready."""
+    path, cache = tiny_model(arch="qwen3"), tmp_path / "triton"
+    first = _run(path, "bfloat16", False, TRITON_CACHE_DIR=str(cache))
+    assert not first["plan_used"] and first["ahead"] == first["at_ready"], first
+    assert len(list((cache / "spindle_plans").glob("*.json"))) == 1
+    second = _run(path, "bfloat16", False, TRITON_CACHE_DIR=str(cache))
+    assert second["plan_used"], second
+    assert second["after"] == second["at_ready"] == first["at_ready"] > 0, (first, second)
+    assert second["ahead"] == second["at_ready"], second  # every variant from the plan

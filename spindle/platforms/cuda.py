@@ -46,6 +46,10 @@ class CudaPlatform(Platform):
     def device_key(self, device: torch.device) -> str:
         return f"cuda-{torch.cuda.get_device_properties(device).uuid}"
 
+    def device_model(self, device: torch.device) -> str:
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} sm_{props.major}{props.minor}"
+
     def is_cumem_allocator_available(self) -> bool:
         try:
             from cuda.bindings import driver  # noqa: F401

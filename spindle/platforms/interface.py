@@ -77,6 +77,10 @@ class Platform(abc.ABC):
         (the per-device sleep lock is named after it)."""
         return f"{self.device_type}-{device.index or 0}"
 
+    def device_model(self, device: torch.device) -> str:
+        """The kind of device (what compiled kernels are specific to)."""
+        return self.device_type
+
     def is_cumem_allocator_available(self) -> bool:
         return False
 

@@ -56,7 +56,8 @@ def compile_threads(processes_per_host: int = 1) -> int:
 def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
     """Inside: launches from this thread that would compile are skipped and compiled on
     `threads` threads. Yields a dict that reports, once the context is left, how many
-    kernels were compiled ("kernels") and the seconds spent waiting for them ("wait_s").
+    kernels were compiled ("kernels"), the seconds spent waiting for them ("wait_s") and
+    each one's (JITFunction, specialization data) ("variants", what a KernelPlan keeps).
     A compile error is raised on leaving (as the launch would have raised it).
 
     Other threads' launches compile as usual, so engines warming up side by side in
@@ -68,6 +69,7 @@ def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
     report = {"kernels": 0, "wait_s": 0.0}
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spindle-compile")
     pending: dict[tuple[int, str], Future] = {}
+    variants: dict[tuple[int, str], tuple] = {}  # (JITFunction, specialization data)
     previous = knobs.runtime.jit_cache_hook
     owner = threading.get_ident()
     active = True
@@ -81,6 +83,7 @@ def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
         jit_function = fn.jit_function
         ident = (id(jit_function), str(key))
         if ident not in pending:
+            variants[ident] = (jit_function, compile["specialization_data"])
             pending[ident] = pool.submit(_preload, jit_function,
                                          compile["specialization_data"], device)
         return True  # no launch
@@ -98,7 +101,59 @@ def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
                 future.result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        report.update(kernels=len(pending), wait_s=time.perf_counter() - start)
+        report.update(kernels=len(pending), wait_s=time.perf_counter() - start,
+                      variants=list(variants.values()))
+
+
+@contextlib.contextmanager
+def recording_compiles() -> Iterator[list]:
+    """Inside: kernels compile on launch as usual, and the (JITFunction, specialization
+    data) of each variant this thread compiles is appended to the yielded list (the
+    variants a kernel plan missed)."""
+    from triton import knobs
+
+    compiled: list = []
+    previous = knobs.runtime.jit_cache_hook
+    owner = threading.get_ident()
+    active = True
+
+    def hook(*, key, fn, compile, is_manual_warmup, **kwargs):
+        if previous is not None and previous(key=key, fn=fn, compile=compile,
+                                             is_manual_warmup=is_manual_warmup, **kwargs):
+            return True
+        if active and not is_manual_warmup and threading.get_ident() == owner:
+            compiled.append((fn.jit_function, compile["specialization_data"]))
+        return None  # compile now
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield compiled
+    finally:
+        active = False
+        if knobs.runtime.jit_cache_hook is hook:
+            knobs.runtime.jit_cache_hook = previous
+
+
+_HASH_THREAD = "spindle-triton-key"
+
+
+def hash_triton_in_background() -> None:
+    """Start computing Triton's own cache key (a hash of its compiler sources and of
+    libtriton, some 450 MB: 0.3-0.5 s) on a daemon thread. Triton computes it before its
+    first cache lookup in a process; hashing and reading release the GIL, so started
+    early it overlaps the import of transformers and the config instead of delaying the
+    first kernel of the warm-up. Nothing happens when it is done or running already, or
+    when this Triton has no such function."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return
+    info = getattr(triton_key, "cache_info", None)
+    if info is None or info().currsize:
+        return
+    if any(t.name == _HASH_THREAD for t in threading.enumerate()):
+        return
+    threading.Thread(target=triton_key, name=_HASH_THREAD, daemon=True).start()
 
 
 def _preload(jit_function, specialization_data: str, device: torch.device) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from typing import Callable, ContextManager, Sequence
 
@@ -31,6 +32,7 @@ from spindle.runner import compile_ahead
 from spindle.runner.async_output import PendingOutput
 from spindle.runner.cuda_graph import CudaGraphRunner
 from spindle.runner.input_batch import InputBatch, StepBatch
+from spindle.runner.kernel_plan import KernelPlan, engine_fingerprint
 from spindle.runner.model_states import model_state_class
 from spindle.runner.model_states.base import ModelState
 from spindle.runner.pool import Pooler
@@ -177,11 +179,12 @@ class ModelRunner:
         budget must leave room for. With num_tokens: a forward of that many tokens
         (at most the budget) and the sampler over its requests, which only checks that
         the path runs."""
-        if self._compiles_ahead():
+        if self._compiles_ahead() and not (num_tokens is None and self._preload_kernel_plan()):
             with self._compiling_ahead("profile_run"):
                 self._profile_forward(num_tokens)
             self.platform.reset_peak_memory(self.device)  # (the pass above measures nothing)
-        self._profile_forward(num_tokens)
+        with self._recording_plan_misses():
+            self._profile_forward(num_tokens)
 
     def _profile_forward(self, num_tokens: int | None) -> None:
         state = self._require_state()
@@ -268,11 +271,14 @@ class ModelRunner:
             if compile_only and graphs is not None:
                 graphs.forward_each_size()  # (what capture would compile one by one)
 
-        if self._compiles_ahead():
+        if self._compiles_ahead() and not self.kernel_plan.used:
             with self._compiling_ahead("warmup"):
                 warm_passes(compile_only=True)
-        warm_passes(compile_only=False)
-        self._capture_cuda_graphs(graphs)
+        with self._recording_plan_misses():
+            warm_passes(compile_only=False)
+            self._capture_cuda_graphs(graphs)
+        if self._compiles_ahead():
+            self.kernel_plan.save()
 
     def _warmup_requests(self) -> list[tuple[int, list[list[int]]]]:
         """(prompt length, block ids per cache group) of the warm-up's throw-away
@@ -317,6 +323,36 @@ class ModelRunner:
         logger.debug("%s: %d Triton kernels compiled ahead on %d threads (%.2f s waited)",
                      what, report["kernels"], threads, report["wait_s"])
         self.kernels_compiled_ahead += report["kernels"]
+        self.kernel_plan.add(report["variants"])
+
+    @functools.cached_property
+    def kernel_plan(self) -> KernelPlan:
+        """This engine's kernel plan (runner/kernel_plan.py): its fingerprint covers the
+        configuration, the checkpoint's config, this rank and the device."""
+        hf_config = self.config.model.hf_config
+        to_json = getattr(hf_config, "to_json_string", None)
+        return KernelPlan(engine_fingerprint(
+            repr(self.config), to_json() if to_json else repr(hf_config),
+            f"tp rank {self.tp_group.rank} of {self.tp_group.size}",
+            f"stage {self.stage.rank} of {self.stage.size}",
+            self.platform.device_model(self.device)))
+
+    def _preload_kernel_plan(self) -> bool:
+        """Load every kernel of this engine's plan on threads; False when it has none."""
+        threads = compile_ahead.compile_threads(self.config.parallel.world_size)
+        report = self.kernel_plan.preload(self.device, threads)
+        if report is None:
+            return False
+        logger.debug("kernel plan: %d Triton kernels loaded on %d threads (%.2f s waited)",
+                     report["kernels"], threads, report["wait_s"])
+        self.kernels_compiled_ahead += report["kernels"]
+        return True
+
+    def _recording_plan_misses(self) -> ContextManager:
+        """Where a kernel plan was used: record what compiles anyway (into the plan)."""
+        if not (self._compiles_ahead() and self.kernel_plan.used):
+            return contextlib.nullcontext()
+        return self.kernel_plan.recording_misses()
 
     def _warmup_request(self, num_prompt: int, block_ids: list[list[int]]) -> None:
         """A throw-away greedy request: its prefill step, then one decode step."""

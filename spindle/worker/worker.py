@@ -86,6 +86,10 @@ class Worker:
             # leaves the collector's view now, so freeze_gc_heap's collection scans
             # only what the start made: a fifth of a second less on a big heap.
             gc.freeze()
+            if self.platform.compiles_kernels_on_first_use:
+                from spindle.runner.compile_ahead import hash_triton_in_background
+
+                hash_triton_in_background()  # (overlaps the rest of the start)
             self.device = self.platform.device_for_rank(self.local_rank)
             self.platform.set_device(self.device)
             torch.manual_seed(self.config.model.seed)
