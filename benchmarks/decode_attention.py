@@ -1,0 +1,99 @@
+"""The CUDA decode-attention kernel alone, at nano-like batches: how close its KV reads
+come to the device's copy bandwidth.
+
+Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head dim 128, bf16, 16-token
+pages); context lengths drawn uniformly from 100-2048 tokens (the nano workload's range
+during decode); block tables either in order (a fresh cache) or shuffled (a cache after
+churn). The bytes counted are the keys and values of every context token, read once.
+
+    python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
+
+
+def decode_case(num_reqs: int, shuffled: bool, seed: int = 0):
+    """(q, k, v, kv_cache, metadata, bytes of context K/V) for one decode step."""
+    from spindle.attention.metadata import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(100, 2049, (num_reqs,), generator=gen)
+    blocks = [(int(n) + PAGE - 1) // PAGE for n in lens]
+    order = torch.randperm(sum(blocks), generator=gen) if shuffled else torch.arange(sum(blocks))
+    tables = torch.zeros(num_reqs, max(blocks), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[start:start + n]
+        start += n
+    cache = torch.randn(2, sum(blocks), PAGE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
+                        device="cuda")
+    last = lens - 1
+    slots = tables[torch.arange(num_reqs), last // PAGE].long() * PAGE + last % PAGE
+    meta = AttentionMetadata(
+        num_reqs=num_reqs, num_tokens=num_reqs,
+        query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=lens.to(torch.int32).cuda(), block_tables=tables.cuda(),
+        slot_mapping=slots.cuda(), max_query_len=1, max_seq_len=int(lens.max()))
+    q = torch.randn(num_reqs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(num_reqs, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    return q, k, v, cache, meta, int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
+
+
+def seconds_per_call(fn, iters: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 128, 32])
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_attention.py needs a CUDA device")
+    from spindle.attention.backends.triton_attn import decode_attention, split_counters
+
+    buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+    copy_bw = 2 * buf.numel() / seconds_per_call(lambda: dst.copy_(buf), 10)
+    del buf, dst
+    rows = []
+    for num_reqs in args.batches:
+        for shuffled in (False, True):
+            q, k, v, cache, meta, nbytes = decode_case(num_reqs, shuffled)
+            out, counters = torch.empty_like(q), split_counters("cuda")
+            t = seconds_per_call(lambda: decode_attention(q, k, v, cache, meta, HEAD_DIM ** -0.5,
+                                                          out, counters))
+            rows.append({"requests": num_reqs, "block_tables": "shuffled" if shuffled else "in order",
+                         "us": t * 1e6, "tb_s": nbytes / t / 1e12, "of_copy": nbytes / t / copy_bw})
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    print(f"{'requests':>8}  {'block tables':<12} {'us':>8} {'TB/s':>6} {'x copy':>7}")
+    for r in rows:
+        print(f"{r['requests']:>8}  {r['block_tables']:<12} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
+              f"{r['of_copy']:>7.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                         "torch": torch.__version__, "python": platform.python_version(),
+                                         "copy_bandwidth": copy_bw, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
