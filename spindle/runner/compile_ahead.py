@@ -64,37 +64,22 @@ def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
     one process (a model pool) do not skip each other's kernels; a hook installed on
     top of this one while it was active is left in place, and this one then only
     passes calls on."""
-    from triton import knobs
-
     report = {"kernels": 0, "wait_s": 0.0}
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spindle-compile")
     pending: dict[tuple[int, str], Future] = {}
     variants: dict[tuple[int, str], tuple] = {}  # (JITFunction, specialization data)
-    previous = knobs.runtime.jit_cache_hook
-    owner = threading.get_ident()
-    active = True
 
-    def hook(*, key, fn, compile, is_manual_warmup, **kwargs):
-        if previous is not None and previous(key=key, fn=fn, compile=compile,
-                                             is_manual_warmup=is_manual_warmup, **kwargs):
-            return True
-        if not active or is_manual_warmup or threading.get_ident() != owner:
-            return None  # (a preload of ours, on a pool thread, comes here: compile now)
-        jit_function = fn.jit_function
+    def skip_and_compile_ahead(jit_function, key, specialization_data) -> bool:
         ident = (id(jit_function), str(key))
         if ident not in pending:
-            variants[ident] = (jit_function, compile["specialization_data"])
-            pending[ident] = pool.submit(_preload, jit_function,
-                                         compile["specialization_data"], device)
+            variants[ident] = (jit_function, specialization_data)
+            pending[ident] = pool.submit(_preload, jit_function, specialization_data, device)
         return True  # no launch
 
-    knobs.runtime.jit_cache_hook = hook
     try:
-        yield report
+        with _compile_hook(skip_and_compile_ahead):
+            yield report
     finally:
-        active = False  # (the hook reads this variable: a later call only passes on)
-        if knobs.runtime.jit_cache_hook is hook:
-            knobs.runtime.jit_cache_hook = previous
         start = time.perf_counter()
         try:
             for future in pending.values():
@@ -110,9 +95,27 @@ def recording_compiles() -> Iterator[list]:
     """Inside: kernels compile on launch as usual, and the (JITFunction, specialization
     data) of each variant this thread compiles is appended to the yielded list (the
     variants a kernel plan missed)."""
+    compiled: list = []
+
+    def record(jit_function, key, specialization_data) -> None:
+        compiled.append((jit_function, specialization_data))
+        return None  # compile now
+
+    with _compile_hook(record):
+        yield compiled
+
+
+@contextlib.contextmanager
+def _compile_hook(on_compile) -> Iterator[None]:
+    """Install a Triton jit_cache_hook that calls on_compile(jit_function, key,
+    specialization data) for each launch from this thread that would compile, and
+    returns what it returns (True: no launch, None: compile now). A hook installed
+    before is asked first (its True wins) and put back on leaving; other threads'
+    launches and Triton's own preloads (a pool thread's) are passed through. A hook
+    installed on top of this one while it was active stays, and this one then only
+    passes calls on."""
     from triton import knobs
 
-    compiled: list = []
     previous = knobs.runtime.jit_cache_hook
     owner = threading.get_ident()
     active = True
@@ -121,15 +124,15 @@ def recording_compiles() -> Iterator[list]:
         if previous is not None and previous(key=key, fn=fn, compile=compile,
                                              is_manual_warmup=is_manual_warmup, **kwargs):
             return True
-        if active and not is_manual_warmup and threading.get_ident() == owner:
-            compiled.append((fn.jit_function, compile["specialization_data"]))
-        return None  # compile now
+        if not active or is_manual_warmup or threading.get_ident() != owner:
+            return None
+        return on_compile(fn.jit_function, key, compile["specialization_data"])
 
     knobs.runtime.jit_cache_hook = hook
     try:
-        yield compiled
+        yield
     finally:
-        active = False
+        active = False  # (the hook reads this variable: a later call only passes on)
         if knobs.runtime.jit_cache_hook is hook:
             knobs.runtime.jit_cache_hook = previous
 
