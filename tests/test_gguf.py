@@ -159,3 +159,34 @@ def test_a_file_that_is_not_a_model_is_refused_by_name(tmp_path, monkeypatch):
         LLM(str(bad), device="cpu")
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "missing.gguf"), device="cpu")
+
+
+def test_a_conversion_reads_each_file_once_and_puts_the_reader_back(tmp_path):
+    """one_reader_per_file: transformers' repeated GGUFReader(path) calls of one
+    conversion share the first reader of that file; other files get their own, and
+    the package's class is back afterwards."""
+    gguf_package = pytest.importorskip("gguf")
+    import numpy as np
+
+    from spindle.models.gguf import one_reader_per_file
+
+    files = []
+    for name in ("a", "b"):
+        writer = gguf_package.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        writer.add_string("general.name", name)
+        writer.add_tensor("t", np.arange(4, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        files.append(tmp_path / f"{name}.gguf")
+    original = gguf_package.GGUFReader
+    with one_reader_per_file():
+        from gguf import GGUFReader  # (what transformers does on each call)
+
+        first = GGUFReader(str(files[0]))
+        assert GGUFReader(files[0]) is first
+        other = GGUFReader(str(files[1]))
+        assert other is not first and bytes(other.fields["general.name"].parts[-1]) == b"b"
+        assert isinstance(first, original)
+    assert gguf_package.GGUFReader is original
