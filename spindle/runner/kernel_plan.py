@@ -5,8 +5,9 @@ Compiling ahead (compile_ahead.py) discovers the variants by running the warm-up
 forward passes once with every compiling launch skipped. On a machine whose Triton
 cache already holds the kernels, that pass is pure overhead: some 20 forward passes
 (the warm-up steps and one per CUDA-graph batch size) and a wait for the kernels to
-load, about 0.5 s of a warm start of a 0.6B model on the H200 host. With a plan, the next start loads every variant of it on
-threads at once and skips the discovery passes.
+load, about 0.5 s of a warm start of a 0.6B model on the H200 host. With a plan, the
+next start loads every variant of it on threads at once and skips the discovery
+passes.
 
 A plan is a JSON file `<Triton cache dir>/spindle_plans/<fingerprint>.json`. The
 fingerprint hashes everything that decides which variants the warm-up launches: the
