@@ -81,7 +81,8 @@ def main() -> None:
             out, counters = torch.empty_like(q), split_counters("cuda")
             t = seconds_per_call(lambda: decode_attention(q, k, v, cache, meta, HEAD_DIM ** -0.5,
                                                           out, counters))
-            rows.append({"requests": num_reqs, "block_tables": "shuffled" if shuffled else "in order",
+            rows.append({"requests": num_reqs,
+                         "block_tables": "shuffled" if shuffled else "in order",
                          "us": t * 1e6, "tb_s": nbytes / t / 1e12, "of_copy": nbytes / t / copy_bw})
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
@@ -90,9 +91,10 @@ def main() -> None:
         print(f"{r['requests']:>8}  {r['block_tables']:<12} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
               f"{r['of_copy']:>7.3f}")
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "torch": torch.__version__, "python": platform.python_version(),
-                                         "copy_bandwidth": copy_bw, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps(
+            {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+             "python": platform.python_version(), "copy_bandwidth": copy_bw, "rows": rows},
+            indent=1))
 
 
 if __name__ == "__main__":

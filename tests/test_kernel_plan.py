@@ -83,7 +83,8 @@ def test_a_kernel_that_is_gone_makes_the_plan_stale(tmp_path, entry):
     assert load_plan(path) is None
 
 
-@pytest.mark.parametrize("text", ["", "{not json", "[]", json.dumps({"format": 999, "variants": []})])
+@pytest.mark.parametrize("text", ["", "{not json", "[]",
+                                  json.dumps({"format": 999, "variants": []})])
 def test_a_plan_that_cannot_be_read_is_not_used(tmp_path, text):
     path = tmp_path / "p.json"
     path.write_text(text)
