@@ -32,6 +32,7 @@ class StandInKernel:
         fn.__module__, fn.__qualname__ = __name__, name
         self.fn, self.cache_key, self.fail = fn, source_key, fail
         self.preloaded: list[str] = []
+        self.device_caches: dict = {}  # device -> (compiled variants by key, ...)
 
     def preload(self, specialization_data: str) -> None:
         if self.fail:
@@ -48,6 +49,7 @@ broken = StandInKernel("broken", "source-broken", fail=True)
 def fresh_kernels():
     for kernel in (kernel_a, kernel_b, broken):
         kernel.preloaded.clear()
+        kernel.device_caches = {}
     kernel_a.cache_key = "source-a"
     saved = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = None
@@ -135,6 +137,19 @@ def test_a_variant_that_fails_to_preload_leaves_the_plan(tmp_path, monkeypatch):
     assert report["kernels"] == 1 and report["failed"] == [(broken, "s9")]
     plan.save()
     assert load_plan(plan.path) == [(kernel_a, "s1")]
+
+
+def test_a_kernel_another_engine_of_the_process_compiled_is_left_alone(tmp_path,
+                                                                       monkeypatch):
+    """A second engine in one process (a model pool) does not reload, and so replace,
+    the variants the first one compiled of a kernel."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fingerprint = engine_fingerprint("engine")
+    save_plan(plan_path(fingerprint), [(kernel_a, "s1"), (kernel_b, "s2")])
+    kernel_b.device_caches = {0: ({"compiled key": object()}, {}, None, None, None)}
+    report = KernelPlan(fingerprint).preload(torch.device("cpu"), threads=2)
+    assert report["kernels"] == 1 and not report["failed"]
+    assert kernel_a.preloaded == ["s1"] and kernel_b.preloaded == []
 
 
 def _launch(kernel, key: str, manual: bool = False):

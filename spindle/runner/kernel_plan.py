@@ -138,22 +138,33 @@ def preload_variants(variants: list[tuple[Any, str]], device: torch.device,
                      threads: int) -> dict:
     """Load (from Triton's cache, or compile) every variant on `threads` threads and wait.
     Returns {"kernels", "wait_s", "failed"}: failed lists the variants that raised
-    (they will compile on first use instead)."""
+    (they will compile on first use instead).
+
+    A kernel that has compiled variants in this process already (another engine of
+    the process warmed up first) is left alone: a preload would replace its loaded
+    variants, and what this engine still lacks of it compiles on first use."""
     from spindle.runner.compile_ahead import _preload
 
     start = time.perf_counter()
     failed = []
+    todo = [v for v in variants if not _has_compiled_variants(v[0])]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spindle-plan") as pool:
         futures = [(variant, pool.submit(_preload, variant[0], variant[1], device))
-                   for variant in variants]
+                   for variant in todo]
         for variant, future in futures:
             try:
                 future.result()
             except Exception as e:  # a variant that no longer loads: compiled on use
                 logger.debug("kernel plan: %s did not preload: %s", variant[0].fn.__name__, e)
                 failed.append(variant)
-    return {"kernels": len(variants) - len(failed), "wait_s": time.perf_counter() - start,
+    return {"kernels": len(todo) - len(failed), "wait_s": time.perf_counter() - start,
             "failed": failed}
+
+
+def _has_compiled_variants(jit_function: Any) -> bool:
+    """Whether this process holds a compiled variant of the kernel on any device."""
+    caches = getattr(jit_function, "device_caches", None) or {}
+    return any(len(entry[0]) for entry in list(caches.values()))
 
 
 class KernelPlan:
