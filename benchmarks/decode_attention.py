@@ -7,6 +7,11 @@ during decode); block tables either in order (a fresh cache) or shuffled (a cach
 churn). The bytes counted are the keys and values of every context token, read once.
 
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
+        [--target-programs 264 528 1056]
+
+--target-programs: rerun every case with the split planner aiming at each number of
+programs (triton_attn._TARGET_PROGRAMS, set for the run), and report each output's
+largest difference from the first setting's.
 """
 
 from __future__ import annotations
@@ -65,31 +70,50 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 128, 32])
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--target-programs", type=int, nargs="+",
+                        help="split-planner targets to compare (default: the module's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_attention.py needs a CUDA device")
-    from spindle.attention.backends.triton_attn import decode_attention, split_counters
+    from spindle.attention.backends import triton_attn
+    from spindle.attention.backends.triton_attn import (decode_attention, num_decode_splits,
+                                                        split_counters)
+
+    targets = args.target_programs or [triton_attn._TARGET_PROGRAMS]
 
     buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(buf)
     copy_bw = 2 * buf.numel() / seconds_per_call(lambda: dst.copy_(buf), 10)
     del buf, dst
     rows = []
-    for num_reqs in args.batches:
-        for shuffled in (False, True):
-            q, k, v, cache, meta, nbytes = decode_case(num_reqs, shuffled)
-            out, counters = torch.empty_like(q), split_counters("cuda")
-            t = seconds_per_call(lambda: decode_attention(q, k, v, cache, meta, HEAD_DIM ** -0.5,
-                                                          out, counters))
-            rows.append({"requests": num_reqs,
-                         "block_tables": "shuffled" if shuffled else "in order",
-                         "us": t * 1e6, "tb_s": nbytes / t / 1e12, "of_copy": nbytes / t / copy_bw})
+    default_target = triton_attn._TARGET_PROGRAMS
+    try:
+        for num_reqs in args.batches:
+            for shuffled in (False, True):
+                q, k, v, cache, meta, nbytes = decode_case(num_reqs, shuffled)
+                first = None
+                for target in targets:
+                    triton_attn._TARGET_PROGRAMS = target
+                    out, counters = torch.empty_like(q), split_counters("cuda")
+                    t = seconds_per_call(lambda: decode_attention(
+                        q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters))
+                    first = out.clone() if first is None else first
+                    rows.append({"requests": num_reqs, "target_programs": target,
+                                 "splits": num_decode_splits(num_reqs, KV_HEADS),
+                                 "block_tables": "shuffled" if shuffled else "in order",
+                                 "us": t * 1e6, "tb_s": nbytes / t / 1e12,
+                                 "of_copy": nbytes / t / copy_bw,
+                                 "max_diff": (out.float() - first.float()).abs().max().item()})
+    finally:
+        triton_attn._TARGET_PROGRAMS = default_target
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'requests':>8}  {'block tables':<12} {'us':>8} {'TB/s':>6} {'x copy':>7}")
+    print(f"{'requests':>8} {'target':>6} {'splits':>6}  {'block tables':<12} {'us':>8} "
+          f"{'TB/s':>6} {'x copy':>7} {'max diff':>9}")
     for r in rows:
-        print(f"{r['requests']:>8}  {r['block_tables']:<12} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
-              f"{r['of_copy']:>7.3f}")
+        print(f"{r['requests']:>8} {r['target_programs']:>6} {r['splits']:>6}  "
+              f"{r['block_tables']:<12} {r['us']:>8.1f} {r['tb_s']:>6.2f} {r['of_copy']:>7.3f} "
+              f"{r['max_diff']:>9.2e}")
     if args.json:
         args.json.write_text(json.dumps(
             {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
