@@ -579,3 +579,13 @@ def test_prefill_with_gqa_packed_rows(num_heads, num_kv_heads, head_dim, dtype):
                       block_m=16, pack_gqa=True)
     assert not out.isnan().any()
     assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+def test_the_planner_target_is_264_unless_the_variable_says_otherwise():
+    from spindle.attention.backends.triton_attn import TARGET_PROGRAMS_ENV, target_programs
+
+    assert target_programs({}) == 264
+    assert target_programs({TARGET_PROGRAMS_ENV: "1056"}) == 1056
+    for bad in ("0", "-4", "many", ""):
+        with pytest.raises(ValueError, match=f"{TARGET_PROGRAMS_ENV} must be a positive"):
+            target_programs({TARGET_PROGRAMS_ENV: bad})

@@ -38,6 +38,8 @@ float32 run stays comparable with transformers.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -47,8 +49,27 @@ from spindle.attention.metadata import AttentionMetadata
 from spindle.layers.fused_kernels import cache_row, norm_rope_rows
 from spindle.layers.rotary import QKNormRope
 
-_TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100/H200
+TARGET_PROGRAMS_ENV = "SPINDLE_DECODE_TARGET_PROGRAMS"
 _MAX_SPLITS = 32
+
+
+def target_programs(environ=os.environ) -> int:
+    """The number of decode programs the split planner aims for: 264 (about two waves
+    on a 132-SM H100/H200), or SPINDLE_DECODE_TARGET_PROGRAMS. The variable is a
+    measuring knob: on the H200 the kernel alone reached a third of copy bandwidth at
+    32 requests with 264 (docs/benchmarks.md), and more programs per SM is what the
+    next measurement compares."""
+    raw = environ.get(TARGET_PROGRAMS_ENV, "264")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{TARGET_PROGRAMS_ENV} must be a positive integer, got {raw!r}")
+    return value
+
+
+_TARGET_PROGRAMS = target_programs()
 
 
 class TritonAttentionBackend:
