@@ -11,10 +11,12 @@ table, and writes JSON with --json.
 
 --startup (and --startup-only) also time `LLM(...)` from a fresh interpreter to ready,
 phase by phase, next to its worker-stage table: with an empty Triton cache (cold: every
-kernel compiles), with the cache that run filled (warm), and warm with the tokenizer
-loaded before the engine starts instead of in its thread beside it. That checkpoint has
-a Qwen3-style tokenizer (byte-level BPE of Qwen's size, Qwen2Tokenizer), which is what
-a real start loads; the throughput runs keep the cheaper word-level one.
+kernel compiles) and with the cache that run filled (warm: its kernel plan too). That
+checkpoint has a Qwen3-style tokenizer (byte-level BPE of Qwen's size, Qwen2Tokenizer),
+which is what a real start loads; the throughput runs keep the cheaper word-level one.
+The fresh interpreters may write bytecode (PYTHONDONTWRITEBYTECODE, which some images
+set, is dropped for them): a module without it is compiled in the cold start and read
+in the warm one, as after a pip install, which writes it.
 """
 
 from __future__ import annotations
@@ -362,7 +364,7 @@ _STARTUP_RUNS = (("cold", "cold Triton"), ("warm", "warm Triton"))
 
 def measure_startup(path: Path, importtime: Path | None = None) -> dict:
     """Process start to ready, in fresh interpreters: cold (an empty Triton cache: every
-    kernel compiles) and warm (the cache the cold run filled)."""
+    kernel compiles) and warm (the cache the cold run filled, with its kernel plan)."""
     import os
     import subprocess
     import sys
@@ -370,6 +372,7 @@ def measure_startup(path: Path, importtime: Path | None = None) -> dict:
     result = {}
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # (see the module docstring)
         runs = [(label, env) for label, _ in _STARTUP_RUNS]
         if importtime is not None:  # one more: -X importtime slows imports down
             runs.append(("importtime", {**env, "PYTHONPROFILEIMPORTTIME": "1"}))
