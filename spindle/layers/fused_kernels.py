@@ -193,7 +193,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, WIDTH: tl.constexpr, BLOCK: t
     mask = offs < WIDTH
     gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + WIDTH + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * WIDTH + offs, silu_mul(gate, up), mask=mask)
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in gate's dtype, rounded as the torch path rounds: silu in
+    float32 rounded to the dtype, then the product in float32 rounded again. (Also the
+    skinny GEMM's load of a down projection's input: the same bits.)"""
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-    tl.store(out_ptr + row * WIDTH + offs, y, mask=mask)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)

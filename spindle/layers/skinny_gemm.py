@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spindle.layers.fused_kernels import silu_mul
 from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this API)
 
 MAX_M = 8
@@ -187,10 +188,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
             x_mask = k_valid[:, None] & m_valid[None, :]
         xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
         if SILU_MUL:  # xt is the gate; the up half starts K columns on
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
-            g = xt.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(xt.dtype)
-            xt = (act.to(tl.float32) * up.to(tl.float32)).to(xt.dtype)
+            xt = silu_mul(xt, tl.load(x_ptrs + K, mask=x_mask, other=0.0))
         if HAS_SCALE:
             w = w.to(xt.dtype)  # float8 -> the activations' dtype: exact
         if IEEE:

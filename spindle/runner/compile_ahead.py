@@ -73,7 +73,7 @@ def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
         ident = (id(jit_function), str(key))
         if ident not in pending:
             variants[ident] = (jit_function, specialization_data)
-            pending[ident] = pool.submit(_preload, jit_function, specialization_data, device)
+            pending[ident] = pool.submit(preload, jit_function, specialization_data, device)
         return True  # no launch
 
     try:
@@ -159,7 +159,8 @@ def hash_triton_in_background() -> None:
     threading.Thread(target=triton_key, name=_HASH_THREAD, daemon=True).start()
 
 
-def _preload(jit_function, specialization_data: str, device: torch.device) -> None:
+def preload(jit_function, specialization_data: str, device: torch.device) -> None:
+    """Compile (or load from Triton's cache) one variant for device, on this thread."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # (preload compiles for the thread's current device)
     jit_function.preload(specialization_data)

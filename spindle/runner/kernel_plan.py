@@ -40,6 +40,8 @@ from typing import Any, Iterable
 
 import torch
 
+from spindle.runner.compile_ahead import preload, recording_compiles
+
 logger = logging.getLogger(__name__)
 
 PLAN_FORMAT = 1
@@ -143,13 +145,11 @@ def preload_variants(variants: list[tuple[Any, str]], device: torch.device,
     A kernel that has compiled variants in this process already (another engine of
     the process warmed up first) is left alone: a preload would replace its loaded
     variants, and what this engine still lacks of it compiles on first use."""
-    from spindle.runner.compile_ahead import _preload
-
     start = time.perf_counter()
     failed = []
     todo = [v for v in variants if not _has_compiled_variants(v[0])]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spindle-plan") as pool:
-        futures = [(variant, pool.submit(_preload, variant[0], variant[1], device))
+        futures = [(variant, pool.submit(preload, variant[0], variant[1], device))
                    for variant in todo]
         for variant, future in futures:
             try:
@@ -202,8 +202,6 @@ class KernelPlan:
     @contextlib.contextmanager
     def recording_misses(self):
         """Kernels compiled inside (on launch: the plan missed them) join the plan."""
-        from spindle.runner.compile_ahead import recording_compiles
-
         with recording_compiles() as compiled:
             yield
         if compiled:

@@ -14,9 +14,10 @@ Kernels:
 * ``decode``: one new token per request (flash-decoding), one launch per layer.
   One program per (KV head, request, split), a request's KV heads side by side: the
   query heads sharing a KV head are packed into one tile (GQA), and the context is
-  split so that small batches still fill the GPU. Each program applies the q/k norm + rotary (when given) to its
-  queries and to the new token's key; the one whose split ends at the new token
-  writes the new k and v into the cache and attends to them from registers. The
+  split so that small batches still fill the GPU. Each program applies the q/k norm +
+  rotary (when given) to its queries and to the new token's key; the one whose split
+  ends at the new token writes the new k and v into the cache and attends to them from
+  registers. The
   last split to finish (a per-(request, KV head) counter) merges the splits' partial
   results, so no separate reduce kernel runs. Each program derives its context range from the
   request's sequence length on the device, so the launch grid depends only on the
