@@ -17,12 +17,11 @@ Kernels:
   split so that small batches still fill the GPU. Each program applies the q/k norm +
   rotary (when given) to its queries and to the new token's key; the one whose split
   ends at the new token writes the new k and v into the cache and attends to them from
-  registers. The
-  last split to finish (a per-(request, KV head) counter) merges the splits' partial
-  results, so no separate reduce kernel runs. Each program derives its context range from the
-  request's sequence length on the device, so the launch grid depends only on the
-  batch size: the kernel can be captured in CUDA graphs and replayed for any
-  sequence lengths.
+  registers. The last split to finish (a per-(request, KV head) counter) merges the
+  splits' partial results, so no separate reduce kernel runs. Each program derives its
+  context range from the request's sequence length on the device, so the launch grid
+  depends only on the batch size: the kernel can be captured in CUDA graphs and
+  replayed for any sequence lengths.
 
 Sliding window W (the layer's ``sliding_window``; transformers' semantics, see
 torch_sdpa): a query at position p sees keys p - W < k <= p. Both kernels start
