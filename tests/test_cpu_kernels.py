@@ -378,3 +378,60 @@ def test_bf16_linear_switched_off_is_torchs_gemm():
                          env={**os.environ, "SPINDLE_CPU_BF16_GEMM": "0"}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"]
+
+
+# ---------------------------------------------------------------- greedy argmax
+
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 15), (16, 49152), (5, 151936), (7, 1000)])
+def test_argmax_rows_equals_torch_argmax(rows, n):
+    gen = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=gen)
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_ties_nan_and_infinities_as_torch():
+    """The first maximum of a tie wins (also 0.0 against -0.0), the first NaN beats
+    any number, and rows of -inf or +inf behave as torch's argmax."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 1000, generator=gen)
+    x[0, [17, 40, 999]] = 50.0                  # a three-way tie, across vector lanes
+    x[1, [3, 700]] = float("nan")               # two NaNs: the first one
+    x[1, 500] = 1e30
+    x[2, 999] = float("nan")                    # a NaN in the scalar tail
+    x[3] = float("-inf")                        # no finite value at all
+    x[4, [5, 6]] = float("inf")
+    x[5] = 0.0
+    x[5, 2] = -0.0                              # -0.0 == 0.0: index 0 is first
+    x[6, :] = -1.0
+    x[6, 998] = 0.0                             # the maximum in the tail only
+    x[7, 0] = 100.0                             # the first element
+    x[8, 992] = float("nan")                    # first lane of the last full vector
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_reads_a_view_and_refuses_bad_inputs():
+    x = torch.randn(6, 300)
+    assert torch.equal(cpu_kernels.argmax_rows(x[::2, 7:]), x[::2, 7:].argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="must be float32"):
+        cpu_kernels.argmax_rows(x.to(BF16))
+    with pytest.raises(RuntimeError, match=r"must be \[rows, n\] with n > 0"):
+        cpu_kernels.argmax_rows(torch.zeros(3, 0))
+    with pytest.raises(RuntimeError, match=r"must be \[rows, n\] with n > 0"):
+        cpu_kernels.argmax_rows(torch.zeros(10))
+
+
+def test_the_sampler_takes_its_greedy_rows_from_argmax_rows(monkeypatch):
+    from spindle.runner.sample.sampler import greedy_sample
+
+    x = torch.randn(4, 500)
+    x[2, [10, 20]] = 9.0
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "argmax_rows",
+                        lambda t: calls.append(t) or cpu_kernels.kernels().argmax_rows(t))
+    assert torch.equal(greedy_sample(x), x.argmax(dim=-1))
+    assert len(calls) == 1
+    # bf16 logits, or the kernels switched off: torch's argmax.
+    greedy_sample(x.to(BF16))
+    monkeypatch.setenv(cpu_kernels.SWITCH_ENV, "0")
+    assert torch.equal(greedy_sample(x), x.argmax(dim=-1))
+    assert len(calls) == 1

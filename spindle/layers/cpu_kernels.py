@@ -233,6 +233,18 @@ def int8_group_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     return kernels().int8_group_matmul(x, codes, scale, offset)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for a float32 CPU x [B, V], V > 0: int64 [B], each row's
+    first maximum (its first NaN, if it has one)."""
+    return kernels().argmax_rows(x)
+
+
+def argmax_applies(x: torch.Tensor) -> bool:
+    """Whether argmax_rows serves x: float32 [B, V > 0] on the CPU, the kernels on."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+            and x.shape[1] > 0 and switched_on() and available())
+
+
 def linear_args(layer) -> tuple | None:
     """A linear layer (layers/linear.py) as decode_layer takes it, (weight, scale_zero,
     planes, bias): its packed int4 weight, or a dense bf16 one; None for anything else

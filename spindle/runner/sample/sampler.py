@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spindle.layers import cpu_kernels
 from spindle.layers.batch_invariant import pad_vocab
 from spindle.runner.sample.logprobs import compute_logprobs, gather_logprobs
 from spindle.runner.sample.metadata import SamplingMetadata
@@ -116,6 +117,10 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row (the first maximum). On the CPU the fused kernels' argmax
+    gives the same index as torch's, several times faster (cpu_kernels.argmax_rows)."""
+    if cpu_kernels.argmax_applies(logits):
+        return cpu_kernels.argmax_rows(logits)
     return logits.argmax(dim=-1)
 
 
