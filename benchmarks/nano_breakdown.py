@@ -141,6 +141,47 @@ def kernel_shares(prof, cuda: bool, top: int = 14) -> list[dict]:
                                                        calls=0, share=1.0)]
 
 
+def device_timeline(prof, gap_us: float = 3.0, top: int = 8) -> dict:
+    """Whether the device idles inside a window: the span from its first kernel (or
+    copy) to its last, the time something ran, and the idle gaps of gap_us or more
+    grouped by the kernels on either side (e.g. between one step's graph and the
+    next step's LM head), largest total first."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name)
+                   for e in prof.events() if e.device_type.name == "CUDA")
+    if not spans:
+        return {}
+    busy, gaps = 0.0, {}
+    run_start, run_end, last_name = spans[0][0], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            if start - run_end >= gap_us:
+                key = f"{last_name[:40]} -> {name[:40]}"
+                total, count = gaps.get(key, (0.0, 0))
+                gaps[key] = (total + start - run_end, count + 1)
+            run_start = start
+        if end >= run_end:
+            run_end, last_name = end, name
+    busy += run_end - run_start
+    span = spans[-1][1] - spans[0][0]
+    ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(span_ms=span / 1e3, busy_ms=busy / 1e3, idle_share=1 - busy / span,
+                gaps=[dict(between=k, ms=t / 1e3, count=c) for k, (t, c) in ranked])
+
+
+def attention_bandwidth(steps: list[Step], kernels: list[dict], kv_per_token: int,
+                        bandwidth: float) -> dict:
+    """The decode-attention kernel's KV read rate over a window: the KV bytes its steps'
+    decode requests read (their context; this step's new token comes from registers)
+    over the kernel's device time there. Empty when the window ran no such kernel."""
+    ms = sum(r["ms"] for r in kernels if "_decode_kernel" in r["name"])
+    if not ms:
+        return {}
+    kv = sum(s.decode_context for s in steps) * kv_per_token
+    return dict(kv_gb=kv / 1e9, ms=ms, tb_s=kv / (ms / 1e3) / 1e12,
+                of_copy=kv / (ms / 1e3) / bandwidth)
+
+
 def summarize(steps: list[Step], weight_bytes: int, kv_per_token: int,
               bandwidth: float) -> dict:
     def roof(s: Step) -> float:
@@ -212,10 +253,11 @@ def main() -> None:
         kv_per_token = kv_bytes_per_token(shape)
         params = nano_params(outputs)
         llm.generate(prompts[:16], params[:16], use_tqdm=False)  # warm-up call
-        # Windows: 30 full-batch decode steps after the prefills, and 30 steps of the
-        # tail (the longest output is max(outputs) steps; the last 30 have few sequences).
+        # Windows: 6 steps of prompt chunks at the start, 30 full-batch decode steps
+        # after the prefills, and 30 steps of the tail (the longest output is max(outputs) steps; the last 30 have few sequences).
         last = max(outputs)
-        windows = {"full batch": (last // 4, last // 4 + 29), "tail": (last - 40, last - 11)}
+        windows = {"prefill": (1, 6), "full batch": (last // 4, last // 4 + 29),
+                   "tail": (last - 40, last - 11)}
         recorder = StepRecorder(llm.engine, windows, cuda)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -228,10 +270,25 @@ def main() -> None:
         result["kernels"] = {name: kernel_shares(prof, cuda)
                              for name, prof in recorder.profiles.items()}
         result["steps"] = [asdict(s) for s in recorder.steps]
+        result["timeline"] = {name: device_timeline(prof)
+                              for name, prof in recorder.profiles.items()} if cuda else {}
+        result["attention"] = {name: attention_bandwidth(
+            recorder.steps[first:last + 1], result["kernels"].get(name, []), kv_per_token,
+            bandwidth) for name, (first, last) in windows.items()}
         llm.shutdown()
     for name, rows in result["kernels"].items():
         print(format_kernels(name, rows))
     print(format_rows(result["rows"]))
+    for name, t in result["timeline"].items():
+        if t:
+            print(f"--- {name}: device busy {t['busy_ms']:.1f} of {t['span_ms']:.1f} ms "
+                  f"({t['idle_share'] * 100:.1f}% idle); largest gaps:")
+            for g in t["gaps"]:
+                print(f"  {g['ms']:7.2f} ms {g['count']:5d}x  {g['between']}")
+    for name, a in result["attention"].items():
+        if a:
+            print(f"decode attention, {name}: {a['kv_gb']:.1f} GB of KV in {a['ms']:.1f} ms, "
+                  f"{a['tb_s']:.2f} TB/s = {a['of_copy']:.2f} x copy bandwidth")
     print(f"nano: {result['nano_tok_s']:.0f} tok/s in {result['nano_seconds']:.2f} s, "
           f"{len(result['steps'])} steps")
     if args.json:

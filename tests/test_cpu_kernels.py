@@ -382,14 +382,16 @@ def test_bf16_linear_switched_off_is_torchs_gemm():
 
 # ---------------------------------------------------------------- greedy argmax
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("rows,n", [(1, 1), (3, 15), (16, 49152), (5, 151936), (7, 1000)])
-def test_argmax_rows_equals_torch_argmax(rows, n):
+def test_argmax_rows_equals_torch_argmax(rows, n, dtype):
     gen = torch.Generator().manual_seed(rows * n)
-    x = torch.randn(rows, n, generator=gen)
+    x = torch.randn(rows, n, generator=gen).to(dtype)  # (bf16: many ties)
     assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
 
 
-def test_argmax_rows_ties_nan_and_infinities_as_torch():
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_argmax_rows_ties_nan_and_infinities_as_torch(dtype):
     """The first maximum of a tie wins (also 0.0 against -0.0), the first NaN beats
     any number, and rows of -inf or +inf behave as torch's argmax."""
     gen = torch.Generator().manual_seed(7)
@@ -406,14 +408,16 @@ def test_argmax_rows_ties_nan_and_infinities_as_torch():
     x[6, 998] = 0.0                             # the maximum in the tail only
     x[7, 0] = 100.0                             # the first element
     x[8, 992] = float("nan")                    # first lane of the last full vector
+    x = x.to(dtype)
     assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
 
 
 def test_argmax_rows_reads_a_view_and_refuses_bad_inputs():
     x = torch.randn(6, 300)
     assert torch.equal(cpu_kernels.argmax_rows(x[::2, 7:]), x[::2, 7:].argmax(dim=-1))
-    with pytest.raises(RuntimeError, match="must be float32"):
-        cpu_kernels.argmax_rows(x.to(BF16))
+    assert torch.equal(cpu_kernels.argmax_rows(x.to(BF16)[1:4]), x.to(BF16)[1:4].argmax(-1))
+    with pytest.raises(RuntimeError, match="must be float32 or bfloat16"):
+        cpu_kernels.argmax_rows(x.half())
     with pytest.raises(RuntimeError, match=r"must be \[rows, n\] with n > 0"):
         cpu_kernels.argmax_rows(torch.zeros(3, 0))
     with pytest.raises(RuntimeError, match=r"must be \[rows, n\] with n > 0"):
@@ -430,8 +434,10 @@ def test_the_sampler_takes_its_greedy_rows_from_argmax_rows(monkeypatch):
                         lambda t: calls.append(t) or cpu_kernels.kernels().argmax_rows(t))
     assert torch.equal(greedy_sample(x), x.argmax(dim=-1))
     assert len(calls) == 1
-    # bf16 logits, or the kernels switched off: torch's argmax.
-    greedy_sample(x.to(BF16))
+    assert torch.equal(greedy_sample(x.to(BF16)), x.to(BF16).argmax(dim=-1))
+    assert len(calls) == 2
+    # float16 logits, or the kernels switched off: torch's argmax.
+    greedy_sample(x.half())
     monkeypatch.setenv(cpu_kernels.SWITCH_ENV, "0")
     assert torch.equal(greedy_sample(x), x.argmax(dim=-1))
-    assert len(calls) == 1
+    assert len(calls) == 2

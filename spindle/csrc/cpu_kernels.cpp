@@ -775,58 +775,86 @@ torch::Tensor int8_group_matmul(const torch::Tensor& x, const torch::Tensor& cod
 
 // ---------------------------------------------------------------- greedy argmax
 
+inline float as_float(float v) { return v; }
+inline float as_float(bf16 v) { return static_cast<float>(v); }
+
+// kLanes values of x from x[i], widened to float32.
+inline fVec load_lanes(const float* x) { return fVec::loadu(x); }
+inline fVec load_lanes(const bf16* x) {
+  fVec v;
+  at::vec::load_fp32_from_bf16(x, v);
+  return v;
+}
+
+// The largest value of x[0:n], NaN if x holds one (torch's max semantics).
+template <typename T>
+inline float max_or_nan(const T* x, int64_t n) {
+  fVec top(as_float(x[0]));
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) top = at::vec::maximum(top, load_lanes(x + i));
+  float lanes[kLanes];
+  top.store(lanes);
+  float best = as_float(x[0]);
+  for (int64_t l = 0; l < kLanes && !std::isnan(best); ++l) {
+    if (std::isnan(lanes[l]) || lanes[l] > best) best = lanes[l];
+  }
+  for (; i < n && !std::isnan(best); ++i) {
+    const float v = as_float(x[i]);
+    if (std::isnan(v) || v > best) best = v;
+  }
+  return best;
+}
+
 // The first index where x[i] == target (x[i] is NaN when target is): at most n.
-inline int64_t first_index_of(const float* x, int64_t n, float target) {
+template <typename T>
+inline int64_t first_index_of(const T* x, int64_t n, float target) {
   const bool nan = std::isnan(target);
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
+  static_assert(kLanes == 16, "AVX-512: 16 float lanes");
   const __m512 t = _mm512_set1_ps(target);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m512 v = load_lanes(x + i);
     const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, t, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif
   for (; i < n; ++i) {
-    if (nan ? std::isnan(x[i]) : x[i] == target) return i;
+    const float v = as_float(x[i]);
+    if (nan ? std::isnan(v) : v == target) return i;
   }
   return n;
 }
 
-// torch.argmax(x, dim=-1) of a float32 [B, V] tensor: the index of each row's first
-// maximum, or of its first NaN. torch's own CPU argmax carries (value, index) pairs
-// through a reduction that does not vectorise (0.7-1.3 ms for 16 x 49,152 on this
-// project's 2-core machine, against 45 us for amax); this takes the row's maximum with
-// vector max (NaN-propagating) and then finds its first position, both in cache.
+// torch.argmax(x, dim=-1) of a float32 or bf16 [B, V] tensor: the index of each row's
+// first maximum, or of its first NaN. torch's own CPU argmax carries (value, index)
+// pairs through a reduction that does not vectorise (0.7-2 ms for 16 x 49,152 float32
+// on this project's 2-core machine, against 45 us for amax); this takes the row's
+// maximum with vector max (NaN-propagating), then finds its first position, both in
+// cache.
 torch::Tensor argmax_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu(), "argmax_rows: x must be a CPU tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_rows: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "argmax_rows: x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_rows: x must be [rows, n] with n > 0, got ",
               x.sizes());
   const torch::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), n = xc.size(1);
   torch::Tensor out = torch::empty({rows}, x.options().dtype(at::kLong));
-  const float* data = xc.data_ptr<float>();
   int64_t* idx = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, grain_rows(n, 1 << 15), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = data + r * n;
-      fVec top(row[0]);
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) top = at::vec::maximum(top, fVec::loadu(row + i));
-      float lanes[kLanes];
-      top.store(lanes);
-      float best = row[0];
-      for (int64_t l = 0; l < kLanes; ++l) {
-        if (std::isnan(lanes[l]) || lanes[l] > best) best = lanes[l];
-        if (std::isnan(best)) break;
+  auto run = [&](auto* data) {
+    at::parallel_for(0, rows, grain_rows(n, 1 << 15), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const auto* row = data + r * n;
+        idx[r] = first_index_of(row, n, max_or_nan(row, n));
       }
-      for (; i < n && !std::isnan(best); ++i) {
-        if (std::isnan(row[i]) || row[i] > best) best = row[i];
-      }
-      idx[r] = first_index_of(row, n, best);
-    }
-  });
+    });
+  };
+  if (xc.scalar_type() == at::kFloat) {
+    run(xc.data_ptr<float>());
+  } else {
+    run(xc.data_ptr<bf16>());
+  }
   return out;
 }
 
@@ -850,5 +878,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_applies", &bf16_dot_applies, "whether bf16_linear runs its own kernel for x");
   m.def("int8_group_matmul", &int8_group_matmul,
         "float32 x @ W^T for W as int8 codes with a float32 scale and offset per group of 32");
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 [rows, n] tensor");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 or bf16 [rows, n] tensor");
 }

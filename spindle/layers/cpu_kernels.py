@@ -234,14 +234,16 @@ def int8_group_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, dim=-1) for a float32 CPU x [B, V], V > 0: int64 [B], each row's
-    first maximum (its first NaN, if it has one)."""
+    """torch.argmax(x, dim=-1) for a float32 or bf16 CPU x [B, V], V > 0: int64 [B],
+    each row's first maximum (its first NaN, if it has one)."""
     return kernels().argmax_rows(x)
 
 
 def argmax_applies(x: torch.Tensor) -> bool:
-    """Whether argmax_rows serves x: float32 [B, V > 0] on the CPU, the kernels on."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+    """Whether argmax_rows serves x: float32 or bf16 [B, V > 0] on the CPU, the
+    kernels on."""
+    return (x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
+            and x.dim() == 2
             and x.shape[1] > 0 and switched_on() and available())
 
 

@@ -682,7 +682,7 @@ class ModelRunner:
         if num_samples < batch.num_tokens:
             hidden = hidden[self.h2d.put(batch.logits_indices, torch.int64)]
         # else: every token samples (a decode step): its hidden rows are already in order.
-        logits = self._require_state().compute_logits(hidden).float()
+        logits = self._require_state().compute_logits(hidden)  # (the sampler widens them)
         if self.tp_group.rank != 0:
             # Tensor-parallel rank 0 samples and the others take its tokens: ranks cannot
             # diverge, whatever their random streams or kernels do.
