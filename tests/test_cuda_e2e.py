@@ -104,3 +104,27 @@ def test_bf16_teacher_forced_logprobs(tiny_model):
         llm.shutdown()
     print(f"worst bf16 logprob difference: {worst:.4f}")
     assert worst < BF16_LOGPROB_TOL
+
+
+def test_steps_copy_nothing_from_pageable_memory(tiny_model):
+    """Every host-to-device copy of a step comes from pinned memory. A copy from
+    pageable memory (e.g. of a strided slice of a pinned buffer, which torch first
+    packs into a pageable temporary) makes the host wait for the device, so the next
+    step can no longer be launched while this one runs. Prompts of different lengths
+    give block tables narrower than their buffer (the strided case), and CUDA graphs
+    and eager prefill steps both run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path = tiny_model(arch="qwen3", dtype="bfloat16")
+    prompts = _prompts(512, lengths=(3, 40, 90, 200, 17))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=1024,
+             max_num_seqs=8) as llm:
+        llm.generate(prompts, params, use_tqdm=False)  # warm: nothing compiles below
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    copies = [e.name for e in prof.events() if "Memcpy HtoD" in e.name]
+    assert copies, "the profile saw no host-to-device copy at all"
+    pageable = [name for name in copies if "Pageable" in name]
+    assert not pageable, f"{len(pageable)} of {len(copies)} copies from pageable memory"

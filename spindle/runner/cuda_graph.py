@@ -79,9 +79,12 @@ class CudaGraphRunner:
         # Pinned host mirrors of the per-step inputs (one H2D copy per buffer per step),
         # two sets used in turn: with async scheduling a step is staged while the
         # previous step's copies may still be queued (see runner/staging.py).
+        # A step's block tables are packed [num, cols] in their pinned buffer: a copy
+        # from a strided slice of pinned memory would go through a pageable temporary,
+        # and a pageable copy makes the host wait for the device (no step ahead).
         self._host_sets = [
             (torch.zeros((_FIRST_SLOTS + self.num_paged, t), dtype=torch.int64, pin_memory=True),
-             torch.zeros((max(1, self.num_paged), n, max_blocks_per_req), dtype=torch.int32,
+             torch.zeros((max(1, self.num_paged), n * max_blocks_per_req), dtype=torch.int32,
                          pin_memory=True)) for _ in range(2)]
         self._runs = 0
         self.num_replays: dict[tuple[int, int], int] = {}  # by graph key, since capture
@@ -163,7 +166,7 @@ class CudaGraphRunner:
         for g in range(self.num_paged):
             host[_FIRST_SLOTS + g, :tokens] = batch.slot_mappings[g]
             host[_FIRST_SLOTS + g, tokens:padded] = -1
-            tables_t.numpy()[g, :num, :cols] = batch.block_tables[g]
+            tables_t.numpy()[g, :num * cols].reshape(num, cols)[:] = batch.block_tables[g]
         self.input_ids[:padded].copy_(host_t[_INPUT_IDS, :padded], non_blocking=True)
         self.positions[:padded].copy_(host_t[_POSITIONS, :padded], non_blocking=True)
         self.seq_lens[:size].copy_(host_t[_SEQ_LENS, :size], non_blocking=True)
@@ -173,7 +176,8 @@ class CudaGraphRunner:
         for g in range(self.num_paged):
             self.slot_mappings[g][:padded].copy_(host_t[_FIRST_SLOTS + g, :padded],
                                                  non_blocking=True)
-            self.block_tables[g][:num, :cols].copy_(tables_t[g, :num, :cols], non_blocking=True)
+            self.block_tables[g][:num, :cols].copy_(tables_t[g, :num * cols].view(num, cols),
+                                                    non_blocking=True)
 
     def _metadata(self, size: int, query_len: int = 1) -> AttentionMetadata | MambaMetadata | list:
         """Per cache group, metadata over the static buffers (padded to size)."""
