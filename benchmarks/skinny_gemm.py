@@ -1,8 +1,7 @@
 """The skinny Triton GEMM against F.linear (cuBLAS) at decode batch sizes, on CUDA.
 
-For M in 1, 2, 4, 8 (or --m: larger M tile x in blocks of block_m rows) and
-Qwen3-0.6B's four projections plus its LM head: the time per call and the
-weight-streaming bandwidth it reaches. Each timed graph replays CALLS
+For M in 1, 2, 4, 8 and Qwen3-0.6B's four projections plus its LM head: the time per
+call and the weight-streaming bandwidth it reaches. Each timed graph replays CALLS
 calls that cycle through enough copies of the weight (over 256 MB) that no call finds
 its weight in L2, as in a decode step; a call's time is the replay time (CUDA events,
 median of --iters replays after a warm-up) over CALLS, launch gaps included as in a
@@ -11,7 +10,6 @@ device-to-device copy rate is printed as the bandwidth ceiling.
 
     python benchmarks/skinny_gemm.py                  # the table
     python benchmarks/skinny_gemm.py --sweep --m 1 8  # also the best tile configs
-    python benchmarks/skinny_gemm.py --sweep --m 64 256 --shapes qkv_proj o_proj
 """
 
 from __future__ import annotations
@@ -74,38 +72,17 @@ def copy_bandwidth() -> float:
 
 
 SWEEP_TILES = ((32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128))
-# Above 8 rows the programs hold a [block_n, block_m] accumulator: fewer, larger tiles.
-WIDE_TILES = ((64, 128), (128, 64), (128, 128))
 
 
-def block_ms(m: int) -> list[int]:
-    """Row blocks to try: 16 up to 8 rows; else all of x in one block (at most 128
-    rows) and half of that."""
-    if m <= 8:
-        return [16]
-    whole = min(128, triton_next_power_of_2(m))
-    return sorted({whole, max(16, whole // 2)})
-
-
-def triton_next_power_of_2(m: int) -> int:
-    return 1 << (m - 1).bit_length()
-
-
-def sweep_configs(n: int, k: int, num_sms: int, m: int = 1):
-    """Tiles x warps x stages, each with its default split, half and twice that (above
-    8 rows: the default split and none, over block_ms)."""
+def sweep_configs(n: int, k: int, num_sms: int):
+    """Tiles x warps x stages, each with its default split, half and twice that."""
     from spindle.layers.skinny_gemm import SkinnyConfig, pick_config
 
-    tiles = SWEEP_TILES if m <= 8 else WIDE_TILES
-    for block_m, (block_n, block_k), warps, stages in itertools.product(
-            block_ms(m), tiles, (4, 8), (3, 4) if m <= 8 else (3,)):
+    for (block_n, block_k), warps, stages in itertools.product(SWEEP_TILES, (4, 8), (3, 4)):
         if k % block_k:
             continue
-        auto = pick_config(n, k, num_sms, SkinnyConfig(block_m, block_n, block_k, 1, warps,
-                                                        stages))
-        splits = ({auto.split_k // 2, auto.split_k, auto.split_k * 2} if m <= 8
-                  else {1, auto.split_k})
-        for split in sorted(splits - {0}):
+        auto = pick_config(n, k, num_sms, SkinnyConfig(block_n, block_k, 1, warps, stages))
+        for split in sorted({auto.split_k // 2, auto.split_k, auto.split_k * 2} - {0}):
             if k % (split * block_k) == 0:
                 yield replace(auto, split_k=split)
 
@@ -121,8 +98,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
-    from spindle.layers.skinny_gemm import (SkinnyConfig, _num_sms, new_split_counters,
-                                            pick_config, skinny_linear)
+    from spindle.layers.skinny_gemm import (_num_sms, new_split_counters, pick_config,
+                                            skinny_linear)
 
     dtype = getattr(torch, args.dtype)
     num_sms = _num_sms(torch.device("cuda"))
@@ -134,25 +111,23 @@ def main() -> None:
         copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
                    for _ in range(copies)]
-        # As a layer's own buffer (room for several row blocks above 8 rows).
-        counters = new_split_counters(n * 16, "cuda")
+        counters = new_split_counters(n, "cuda")  # as a layer's own buffer
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = (x.float() @ weights[0].float().T)
             out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-            skinny_linear(x, weights[0], out=out, counters=counters,
-                          config=pick_config(n, k, num_sms, SkinnyConfig(block_m=block_ms(m)[-1])))
+            skinny_linear(x, weights[0], out=out, counters=counters)
             err = ((out.float() - ref).norm() / ref.norm()).item()
             if not err < 1e-2:  # (NaN fails too)
                 raise SystemExit(f"{name} M={m}: relative error {err:.2e}")
             moved = (n * k + m * k + m * n) * dtype.itemsize
             cublas = time_us(lambda i: F.linear(x, weights[i % copies]), args.iters)
-            auto = pick_config(n, k, num_sms, SkinnyConfig(block_m=block_ms(m)[-1]))
-            skinny = time_us(lambda i: skinny_linear(x, weights[i % copies], config=auto,
-                                                     counters=counters), args.iters)
+            auto = pick_config(n, k, num_sms)
+            skinny = time_us(lambda i: skinny_linear(x, weights[i % copies], counters=counters),
+                             args.iters)
             best, best_cfg = skinny, auto
             if args.sweep:
-                for cfg in sweep_configs(n, k, num_sms, m):
+                for cfg in sweep_configs(n, k, num_sms):
                     try:
                         t = time_us(lambda i: skinny_linear(x, weights[i % copies], config=cfg,
                                                             counters=counters),
@@ -164,25 +139,25 @@ def main() -> None:
                         best, best_cfg = t, cfg
             rows.append((name, n, k, m, cublas, moved / cublas / 1e6, skinny,
                          moved / skinny / 1e6, cublas / skinny, err, auto, best, best_cfg))
-            print(f"  {name} M={m}: F.linear {cublas:.2f} us, skinny {skinny:.2f} us, "
-                  f"best {best:.2f} us {best_cfg}", flush=True)
-    print(f"\n{'shape':>13} {'N':>6} {'K':>5} {'M':>3} | {'F.linear us':>11} {'TB/s':>5} | "
+            print(f"  {name} M={m}: F.linear {cublas:.2f} us, skinny {skinny:.2f} us",
+                  flush=True)
+    print(f"\n{'shape':>13} {'N':>6} {'K':>5} {'M':>2} | {'F.linear us':>11} {'TB/s':>5} | "
           f"{'skinny us':>9} {'TB/s':>5} | {'speedup':>7} | {'rel err':>7} | "
-          f"default tiles (m, n, k, split, warps, stages)")
+          f"default tiles (n, k, split, warps, stages)")
     for (name, n, k, m, cublas, cublas_bw, skinny, skinny_bw, speedup, err, auto, best,
          best_cfg) in rows:
-        print(f"{name:>13} {n:>6} {k:>5} {m:>3} | {cublas:>11.2f} {cublas_bw:>5.2f} | "
+        print(f"{name:>13} {n:>6} {k:>5} {m:>2} | {cublas:>11.2f} {cublas_bw:>5.2f} | "
               f"{skinny:>9.2f} {skinny_bw:>5.2f} | {speedup:>7.2f} | {err:>7.1e} | "
-              f"{auto.block_m}, {auto.block_n}, {auto.block_k}, {auto.split_k}, "
-              f"{auto.num_warps}, {auto.num_stages}")
+              f"{auto.block_n}, {auto.block_k}, {auto.split_k}, {auto.num_warps}, "
+              f"{auto.num_stages}")
     if args.sweep:
-        print(f"\n{'shape':>13} {'M':>3} | {'default us':>10} | {'best us':>7} {'TB/s':>5} | "
-              f"best tiles (m, n, k, split, warps, stages)")
+        print(f"\n{'shape':>13} {'M':>2} | {'default us':>10} | {'best us':>7} {'TB/s':>5} | "
+              f"best tiles (n, k, split, warps, stages)")
         for (name, n, k, m, _, _, skinny, _, _, _, _, best, cfg) in rows:
             moved = (n * k + m * k + m * n) * dtype.itemsize
-            print(f"{name:>13} {m:>3} | {skinny:>10.2f} | {best:>7.2f} {moved / best / 1e6:>5.2f}"
-                  f" | {cfg.block_m}, {cfg.block_n}, {cfg.block_k}, {cfg.split_k}, "
-                  f"{cfg.num_warps}, {cfg.num_stages}")
+            print(f"{name:>13} {m:>2} | {skinny:>10.2f} | {best:>7.2f} {moved / best / 1e6:>5.2f}"
+                  f" | {cfg.block_n}, {cfg.block_k}, {cfg.split_k}, {cfg.num_warps}, "
+                  f"{cfg.num_stages}")
     per_layer = {m: sum(r[6] for r in rows if r[3] == m and r[0] != "lm_head") for m in args.m}
     per_layer_ref = {m: sum(r[4] for r in rows if r[3] == m and r[0] != "lm_head")
                      for m in args.m}

@@ -25,6 +25,7 @@ from spindle.layers.fused_kernels import silu_mul
 from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this API)
 
 MAX_M = 8
+_BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -51,7 +52,6 @@ def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor,
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    block_m: int = 16  # rows of x per program (at least 16, the dot's smallest operand)
     block_n: int = 64
     block_k: int = 128
     split_k: int = 1
@@ -84,6 +84,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"skinny_linear needs a contiguous weight [N, K] with x [M, "
                          f"{'2K' if silu_and_mul else 'K'}], got x {tuple(x.shape)}, weight "
                          f"{tuple(weight.shape)} (contiguous={weight.is_contiguous()})")
+    if m > MAX_M:
+        raise ValueError(f"skinny_linear serves at most {MAX_M} rows, got {m}")
     if weight_scale is not None and (weight_scale.shape != (n,)
                                      or weight_scale.dtype != torch.float32):
         raise ValueError(f"weight_scale must be a float32 [{n}] tensor, got "
@@ -100,20 +102,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
         return out.reshape(*lead, n)
     cfg = config or _default_config(n, k, x.device)
-    n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
-    if counters is None or n_tiles * m_tiles > counters.numel():
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    if counters is None or n_tiles > counters.numel():
         cfg = replace(cfg, split_k=1)
     split, block_k = cfg.split_k, cfg.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     partials = (torch.empty(split, m, n_tiles * cfg.block_n, dtype=torch.float32,
                             device=x.device) if split > 1 else out)
-    _skinny_gemm_kernel[(n_tiles, split, m_tiles)](
+    _skinny_gemm_kernel[(n_tiles, split)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, partials,
         counters if counters is not None else out,
         m, n, k, x.stride(0), k_per_split,
         HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, SPLIT_K=split,
-        BLOCK_M=cfg.block_m,
+        BLOCK_M=_BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k == split * k_per_split,
         # CPU tensors reach a Triton kernel only under Triton's interpreter, which
         # multiplies bf16 dot operands as raw integers: it gets float32 operands (bf16 x
@@ -167,7 +169,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_k = split * k_per_split + tl.arange(0, BLOCK_K)
     m_valid = offs_m < M
     # The tail tile rereads row N - 1 instead of masking, so W loads stay unmasked.
@@ -208,7 +210,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
         # the program that arrives last sees all partials (acquire) and sums them in
         # split order, whichever order the splits finished in.
         tl.debug_barrier()
-        counter = counters_ptr + tl.program_id(2) * tl.num_programs(0) + pid_n
+        counter = counters_ptr + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
