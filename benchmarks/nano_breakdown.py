@@ -19,7 +19,10 @@ torch.profiler over two windows of steps (CUDA graph replays included).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -53,10 +56,12 @@ class StepRecorder:
     """Wraps the engine's step and its executor's launch to record a Step per step,
     and runs torch.profiler over the steps given in windows ({name: (first, last)})."""
 
-    def __init__(self, engine, windows: dict[str, tuple[int, int]], cuda: bool) -> None:
+    def __init__(self, engine, windows: dict[str, tuple[int, int]], cuda: bool,
+                 host_window: tuple[int, int] | None = None) -> None:
         self.steps: list[Step] = []
         self.profiles: dict[str, object] = {}
-        self._windows, self._cuda = windows, cuda
+        self.host_profile: cProfile.Profile | None = None
+        self._windows, self._cuda, self._host_window = windows, cuda, host_window
         self._active: tuple[str, object] | None = None
         self._current = dict(wait=0.0, decode=0, prefill=0, context=0)
         core = engine.core
@@ -78,8 +83,15 @@ class StepRecorder:
 
         def recorded_step():
             self._profile_edge(len(self.steps))
+            host = self._host_window is not None and \
+                self._host_window[0] <= len(self.steps) <= self._host_window[1]
+            if host:
+                self.host_profile = self.host_profile or cProfile.Profile()
+                self.host_profile.enable()
             start = time.perf_counter()
             out = step()
+            if host:
+                self.host_profile.disable()
             c = self._current
             self.steps.append(Step(time.perf_counter() - start, c["wait"], c["decode"],
                                    c["prefill"], c["context"]))
@@ -258,7 +270,9 @@ def main() -> None:
         last = max(outputs)
         windows = {"prefill": (1, 6), "full batch": (last // 4, last // 4 + 29),
                    "tail": (last - 40, last - 11)}
-        recorder = StepRecorder(llm.engine, windows, cuda)
+        # cProfile (host time by Python function) over prefill steps that no
+        # torch.profiler window covers: where a prefill step's host time goes.
+        recorder = StepRecorder(llm.engine, windows, cuda, host_window=(8, 13))
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -270,12 +284,19 @@ def main() -> None:
         result["kernels"] = {name: kernel_shares(prof, cuda)
                              for name, prof in recorder.profiles.items()}
         result["steps"] = [asdict(s) for s in recorder.steps]
+        if recorder.host_profile is not None:
+            text = io.StringIO()
+            pstats.Stats(recorder.host_profile, stream=text).sort_stats("tottime").print_stats(30)
+            result["prefill_host_profile"] = text.getvalue()
         result["timeline"] = {name: device_timeline(prof)
                               for name, prof in recorder.profiles.items()} if cuda else {}
         result["attention"] = {name: attention_bandwidth(
             recorder.steps[first:last + 1], result["kernels"].get(name, []), kv_per_token,
             bandwidth) for name, (first, last) in windows.items()}
         llm.shutdown()
+    if "prefill_host_profile" in result:
+        print("--- host time of prefill steps 8-13 (cProfile, by own time) ---")
+        print(result["prefill_host_profile"].strip()[-6000:])
     for name, rows in result["kernels"].items():
         print(format_kernels(name, rows))
     print(format_rows(result["rows"]))
