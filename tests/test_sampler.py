@@ -370,6 +370,36 @@ def test_fast_path_flags_do_not_change_results():
                        SAMPLER(logits, slow).sampled_token_ids)
 
 
+def test_plain_greedy_steps_take_the_argmax_of_the_logits_as_they_come(monkeypatch):
+    """All greedy and nothing to report or mask: the argmax of the logits in their own
+    dtype (bf16 here), no float32 copy; the same tokens as the full path. With
+    logprobs wanted, min_tokens or penalties the full path runs (it widens)."""
+    from spindle.runner.sample import sampler as sampler_module
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(4)).bfloat16()
+    logits[1, [7, 90]] = 12.0  # a tie: the first index
+    widened = []
+    original_draw = Sampler.draw
+    monkeypatch.setattr(Sampler, "draw", lambda self, x, m: widened.append(x.dtype)
+                        or original_draw(self, x, m))
+    plain = make_metadata([0.0] * 5)
+    assert sampler_module.argmax_suffices(plain)
+    got = SAMPLER(logits, plain)
+    assert widened == []
+    assert torch.equal(got.sampled_token_ids, logits.float().argmax(-1))
+    assert got.sampled_token_ids[1].item() == 7 and got.logprobs is None
+    for meta in (make_metadata([0.0] * 5, max_num_logprobs=2),
+                 make_metadata([0.0] * 5, min_tokens_blocked={0: {3}}),
+                 make_metadata([0.0] * 5, prompt_token_ids=[[1]] * 5, output_token_ids=[[]] * 5,
+                               repetition=[1.3] * 5, frequency=[0.0] * 5, presence=[0.0] * 5,
+                               vocab=300)):
+        assert not sampler_module.argmax_suffices(meta)
+        SAMPLER(logits, meta)
+    assert len(widened) == 3
+    with pytest.raises(ValueError, match=r"logits must be \[batch, vocab\]"):
+        SAMPLER(logits[0], plain)
+
+
 # ------------------------------------------------------------------ (f) logprobs
 
 
