@@ -1,7 +1,9 @@
 """Where the "nano" workload's time goes, on one GPU: prefill vs decode steps, decode
 steps by batch size (the tail of the run, when few sequences remain), host vs device,
-and each kernel's share of device time in a window of full-batch decode steps and in
-a window of the tail.
+and, in three windows of steps (prompt chunks at the start, full-batch decode, the
+tail), each kernel's share of device time, the device's idle gaps between kernels and
+decode attention's KV read rate; plus the host's time by Python function over a few
+prefill steps (cProfile).
 
 Same checkpoint, engine settings and workload as benchmarks/throughput.py. Every
 engine step is recorded: its wall time, its scheduled tokens (a decode request has
@@ -10,7 +12,7 @@ host waited for the device in it (with async scheduling a step launches its own 
 and then waits for the previous step's: a step that never waits is host-bound). A
 step's roofline is that of throughput.py: all weights plus the KV of its decode
 requests, at the copy bandwidth measured in the same run. The kernel shares come from
-torch.profiler over two windows of steps (CUDA graph replays included).
+torch.profiler over the windows (CUDA graph replays included).
 
     python benchmarks/nano_breakdown.py [--json out.json]
     python benchmarks/nano_breakdown.py --smoke     # a tiny CPU run of the bookkeeping
@@ -266,13 +268,15 @@ def main() -> None:
         params = nano_params(outputs)
         llm.generate(prompts[:16], params[:16], use_tqdm=False)  # warm-up call
         # Windows: 6 steps of prompt chunks at the start, 30 full-batch decode steps
-        # after the prefills, and 30 steps of the tail (the longest output is max(outputs) steps; the last 30 have few sequences).
+        # after the prefills, and 30 steps of the tail (the longest output is
+        # max(outputs) steps; the last 30 have few sequences).
         last = max(outputs)
         windows = {"prefill": (1, 6), "full batch": (last // 4, last // 4 + 29),
                    "tail": (last - 40, last - 11)}
         # cProfile (host time by Python function) over prefill steps that no
         # torch.profiler window covers: where a prefill step's host time goes.
-        recorder = StepRecorder(llm.engine, windows, cuda, host_window=(8, 13))
+        host_window = (8, 13)
+        recorder = StepRecorder(llm.engine, windows, cuda, host_window=host_window)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -288,6 +292,7 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(recorder.host_profile, stream=text).sort_stats("tottime").print_stats(30)
             result["prefill_host_profile"] = text.getvalue()
+            result["prefill_host_steps"] = host_window
         result["timeline"] = {name: device_timeline(prof)
                               for name, prof in recorder.profiles.items()} if cuda else {}
         result["attention"] = {name: attention_bandwidth(
@@ -295,7 +300,8 @@ def main() -> None:
             bandwidth) for name, (first, last) in windows.items()}
         llm.shutdown()
     if "prefill_host_profile" in result:
-        print("--- host time of prefill steps 8-13 (cProfile, by own time) ---")
+        first, last = result["prefill_host_steps"]
+        print(f"--- host time of prefill steps {first}-{last} (cProfile, by own time) ---")
         print(result["prefill_host_profile"].strip()[-6000:])
     for name, rows in result["kernels"].items():
         print(format_kernels(name, rows))

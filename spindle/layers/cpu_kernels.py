@@ -243,8 +243,7 @@ def argmax_applies(x: torch.Tensor) -> bool:
     """Whether argmax_rows serves x: float32 or bf16 [B, V > 0] on the CPU, the
     kernels on."""
     return (x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
-            and x.dim() == 2
-            and x.shape[1] > 0 and switched_on() and available())
+            and x.dim() == 2 and x.shape[1] > 0 and switched_on() and available())
 
 
 def linear_args(layer) -> tuple | None:

@@ -61,8 +61,7 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if argmax_suffices(metadata):
-            if logits.dim() != 2:
-                raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+            _check_logits(logits)
             # The logits as they come (a bf16 model's): widening them to float32 first
             # changes no comparison, and at 256 rows of a 152k vocabulary it was a
             # 230 MB round trip through device memory per step.
@@ -75,8 +74,7 @@ class Sampler(torch.nn.Module):
         """Steps 1-5: the tokens [B], the logits each was drawn from [B, V] (a greedy
         row's: its penalised logits), and the logprobs the reply reads (None when no
         row wants any)."""
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        _check_logits(logits)
         logits = logits.float()
         vocab = logits.shape[-1]
         if self.batch_invariant:
@@ -121,6 +119,11 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata
     is_greedy = metadata.temperature < GREEDY_TEMPERATURE_EPS
     return (torch.where(is_greedy, greedy_sample(logits), random_tokens),
             torch.where(is_greedy.unsqueeze(1), logits, filtered))
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
 
 
 def argmax_suffices(metadata: SamplingMetadata) -> bool:
