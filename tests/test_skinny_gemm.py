@@ -177,6 +177,84 @@ def test_the_mlp_fuses_its_activation_into_the_down_projection(monkeypatch, swit
     assert activations == ([9] if switch == "1" else [1, 8, 9])
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("n,k", pick([(4096, 1024), (6144, 1024), (1000, 272)],
+                                     [(192, 768), (200, 272)]))
+@pytest.mark.parametrize("m", pick([1, 2, 5, 8], [1, 3]))
+def test_norm_applied_as_it_loads(m, n, k, with_residual):
+    """skinny_norm_linear: bit for bit fused_kernels.rms_norm (with the residual add)
+    then skinny_linear (split K and a masked K tail included), the new residual too;
+    and close to the float32 definition of RMSNorm then the product."""
+    from spindle.layers.fused_kernels import rms_norm
+    from spindle.layers.skinny_gemm import skinny_norm_linear
+
+    x, w, b = _inputs(m, n, k, HALF, True, seed=7 * m + n + k)
+    gen = torch.Generator().manual_seed(m + k)
+    residual = (torch.randn(m, k, generator=gen).to(x) if with_residual else None)
+    norm_w = (torch.rand(k, generator=gen) + 0.5).to(x)
+    from spindle.layers.skinny_gemm import new_split_counters
+    counters = new_split_counters(n, x.device)
+    y, h = skinny_norm_linear(x, norm_w, 1e-6, w, residual, b, counters)
+    if with_residual:
+        normed, expected_h = rms_norm(x, norm_w, 1e-6, residual)
+        assert h.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+    else:
+        normed, expected_h = rms_norm(x, norm_w, 1e-6), x
+        assert h is x
+    assert torch.equal(h, expected_h)
+    assert torch.equal(y, _run(normed, w, b))
+    hf = x.float().cpu() + (residual.float().cpu() if with_residual else 0)
+    ref_normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.float().cpu()
+    _check(y, _reference(ref_normed, w, b), HALF)
+
+
+def test_norm_needs_matching_inputs():
+    from spindle.layers.skinny_gemm import skinny_norm_linear
+
+    x, w, _ = _inputs(2, 64, 256, HALF, False, seed=3)
+    norm_w = torch.ones(256, dtype=HALF, device=x.device)
+    with pytest.raises(ValueError, match="norm weight"):
+        skinny_norm_linear(x, norm_w[:128], 1e-6, w)
+    with pytest.raises(ValueError, match="residual"):
+        skinny_norm_linear(x, norm_w, 1e-6, w, residual=x[:1].contiguous())
+    with pytest.raises(ValueError, match="contiguous x"):
+        skinny_norm_linear(x.T.contiguous().T, norm_w, 1e-6, w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers dispatch on CUDA only")
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_norm_then_linear_fuses_on_decode_sized_batches(monkeypatch, switch):
+    """norm_then_linear (a pre-norm layer's norm and its qkv or gate/up projection) on
+    CUDA: with SPINDLE_SKINNY_NORM on, up to 8 rows launch no norm kernel and give the
+    bits of the norm then the projection, residual or not; 9 rows, or the switch off,
+    keep the norm's own launch."""
+    from spindle.distributed.parallel_state import TensorParallelGroup
+    from spindle.layers import fused_kernels
+    from spindle.layers.linear import ColumnParallelLinear
+    from spindle.layers.norm import RMSNorm, norm_then_linear
+
+    with torch.device("cuda"):
+        norm = RMSNorm(1024, eps=1e-6)
+        linear = ColumnParallelLinear(1024, 4096, bias=False,
+                                      tp_group=TensorParallelGroup(rank=0, size=1))
+    linear.weight.data = (torch.randn(4096, 1024) / 32).to(torch.bfloat16).cuda()
+    norm.weight.data = (torch.rand(1024) + 0.5).to(torch.bfloat16).cuda()
+    launches = []
+    real = fused_kernels.rms_norm
+    monkeypatch.setattr(fused_kernels, "rms_norm",
+                        lambda x, *a, **kw: launches.append(len(x)) or real(x, *a, **kw))
+    for m in (1, 8, 9):
+        for with_residual in (False, True):
+            x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+            residual = torch.randn_like(x) if with_residual else None
+            monkeypatch.setenv("SPINDLE_SKINNY_NORM", switch)
+            launches.clear()
+            y, h = norm_then_linear(norm, linear, x, residual)
+            assert launches == ([] if switch == "1" and m <= 8 else [m])
+            normed, expected_h = norm(x, residual) if with_residual else (norm(x), x)
+            assert torch.equal(y, linear(normed)) and torch.equal(h, expected_h)
+
+
 def test_when_the_skinny_gemm_applies(monkeypatch):
     from spindle.layers.skinny_gemm import skinny_gemm_applies, use_skinny_gemm
 
