@@ -10,7 +10,6 @@ device-to-device copy rate is printed as the bandwidth ceiling.
 
     python benchmarks/skinny_gemm.py                  # the table
     python benchmarks/skinny_gemm.py --sweep --m 1 8  # also the best tile configs
-    python benchmarks/skinny_gemm.py --norm           # RMSNorm fused into the GEMM or not
 """
 
 from __future__ import annotations
@@ -96,14 +95,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--sweep", action="store_true",
                         help="also time every tile config, report the best per shape")
-    parser.add_argument("--norm", action="store_true",
-                        help="instead: the residual add + RMSNorm before qkv_proj and "
-                             "gate_up_proj as its own kernel, or inside the GEMM's loads")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
-    if args.norm:
-        return norm_table(args)
     from spindle.layers.skinny_gemm import (_num_sms, new_split_counters, pick_config,
                                             skinny_linear)
 
@@ -170,42 +164,6 @@ def main() -> None:
     for m in args.m:
         print(f"M={m}: one layer's four projections {per_layer_ref[m]:.2f} us (F.linear) -> "
               f"{per_layer[m]:.2f} us (skinny)")
-
-
-def norm_table(args) -> None:
-    """Per M: rms_norm(x, w, eps, residual) then skinny_linear, against skinny_norm_linear
-    (one launch), for the two projections that follow a norm; the same bits checked."""
-    from spindle.layers.fused_kernels import rms_norm
-    from spindle.layers.skinny_gemm import new_split_counters, skinny_linear, skinny_norm_linear
-
-    dtype = getattr(torch, args.dtype)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'shape':>13} {'M':>2} | {'norm + GEMM us':>14} | {'fused us':>8} | {'saved us':>8}")
-    for name in ("qkv_proj", "gate_up_proj"):
-        n, k = SHAPES[name]
-        copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
-        weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
-                   for _ in range(copies)]
-        norm_w = torch.rand(k, device="cuda", dtype=dtype) + 0.5
-        counters = new_split_counters(n, "cuda")
-        for m in args.m:
-            x = torch.randn(m, k, device="cuda", dtype=dtype)
-            residual = torch.randn_like(x)
-            normed, _ = rms_norm(x, norm_w, 1e-6, residual)
-            fused, _ = skinny_norm_linear(x, norm_w, 1e-6, weights[0], residual,
-                                          counters=counters)
-            if not torch.equal(fused, skinny_linear(normed, weights[0], counters=counters)):
-                raise SystemExit(f"{name} M={m}: the fused launch gave other bits")
-
-            def separate(i):
-                h, _ = rms_norm(x, norm_w, 1e-6, residual)
-                skinny_linear(h, weights[i % copies], counters=counters)
-
-            apart = time_us(separate, args.iters)
-            together = time_us(lambda i: skinny_norm_linear(
-                x, norm_w, 1e-6, weights[i % copies], residual, counters=counters), args.iters)
-            print(f"{name:>13} {m:>2} | {apart:>14.2f} | {together:>8.2f} | "
-                  f"{apart - together:>8.2f}", flush=True)
 
 
 if __name__ == "__main__":

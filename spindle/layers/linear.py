@@ -207,26 +207,6 @@ class ColumnParallelLinear(_ParallelLinearBase):
             y = self.tp_group.all_gather(y, dim=-1)
         return y
 
-    def norm_forward(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                     residual: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(forward(rms_norm(h)), h) with h = x + residual (or x) in one skinny GEMM
-        launch that normalizes x as it loads (a pre-norm layer's norm and projection on
-        a CUDA decode step), or None where that does not apply: not CUDA, more rows than
-        skinny_norm_linear takes, a quantized or batch-invariant weight, a gathered
-        output, or SPINDLE_SKINNY_NORM=0. The bits are those of the separate norm."""
-        from spindle.layers.skinny_gemm import skinny_norm_applies, skinny_norm_linear
-
-        if (not x.is_cuda or x.dim() != 2 or self.int4 is not None
-                or self.weight_scale is not None or self.batch_invariant
-                or self.gather_output or norm_weight.dtype != x.dtype
-                or (residual is not None and (residual.dtype != x.dtype
-                                              or not residual.is_contiguous()))
-                or not skinny_norm_applies(x, self.weight)):
-            return None
-        return skinny_norm_linear(x, norm_weight, eps, self.weight, residual, self.bias,
-                                  self.split_counters)
-
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul

@@ -79,22 +79,6 @@ class RMSNorm(nn.Module):
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
 
 
-def norm_then_linear(norm: RMSNorm, linear, x: torch.Tensor,
-                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pre-norm block's start: (linear(norm(x + residual)), x + residual), or without
-    a residual (the first layer) (linear(norm(x)), x). One launch where the column-
-    parallel linear can normalize as it loads (ColumnParallelLinear.norm_forward: CUDA
-    decode steps); otherwise the norm, then the linear."""
-    if type(norm) is RMSNorm and not norm.batch_invariant:
-        fused = linear.norm_forward(x, norm.weight, norm.variance_epsilon, residual)
-        if fused is not None:
-            return fused
-    if residual is None:
-        return linear(norm(x)), x
-    normed, residual = norm(x, residual)
-    return linear(normed), residual
-
-
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is an offset from one, and the scaling happens in
     float32 before the one cast back (transformers' Gemma2RMSNorm). The weight loads

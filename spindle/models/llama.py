@@ -40,7 +40,7 @@ from spindle.layers.activation import SiluAndMul
 from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
-from spindle.layers.norm import RMSNorm, fp32_residual_stream, norm_then_linear
+from spindle.layers.norm import RMSNorm, fp32_residual_stream
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary
 from spindle.models.causal_lm import DecoderForCausalLM
 from spindle.models.weights import load_named_weights
@@ -122,11 +122,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The block after its gate/up projection (the decoder layer may have fused its
-        norm into that projection)."""
+        gate_up = self.gate_up_proj(x)
         fused = self.down_proj.silu_and_mul_forward(gate_up)  # (CUDA decode steps)
         return fused if fused is not None else self.down_proj(self.act_fn(gate_up))
 
@@ -160,17 +156,12 @@ class LlamaAttention(nn.Module):
         the rotary embedding (reading the tables, rope_tables, by position) are handed
         to the attention layer unapplied, so its backend can fuse them with the KV
         store (and, on CUDA decode steps, with attention itself)."""
-        return self.attend(self.qkv_proj(hidden_states), positions, cos, sin)
-
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
-               sin: torch.Tensor | None) -> torch.Tensor:
-        """The layer after its qkv projection (the decoder layer may have fused its norm
-        into that projection)."""
+        qkv = self.qkv_proj(hidden_states)
         q, k, v = self.qkv_proj.split_qkv(qkv)
         if cos is None:
             out = self.attn(q, k, v, qk_transform=self._qk_norm_rope(positions))
         else:
-            num_tokens = qkv.shape[0]
+            num_tokens = hidden_states.shape[0]
             if self.q_norm is None:  # q and k side by side in qkv: rotated in one go
                 heads = self.num_heads + self.num_kv_heads
                 qk = qkv[:, :heads * self.head_dim].view(num_tokens, heads, self.head_dim)
@@ -222,13 +213,12 @@ class LlamaDecoderLayer(nn.Module):
             fused = self.cpu_decode(hidden_states, residual, positions)
             if fused is not None:
                 return fused
-        qkv, residual = norm_then_linear(self.input_layernorm, self.self_attn.qkv_proj,
-                                         hidden_states, residual)
-        hidden_states = self.self_attn.attend(qkv, positions, cos, sin)
-        if isinstance(self.mlp, LlamaMLP):
-            gate_up, residual = norm_then_linear(self.post_attention_layernorm,
-                                                 self.mlp.gate_up_proj, hidden_states, residual)
-            return self.mlp.down(gate_up), residual
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, positions, cos, sin)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
