@@ -324,6 +324,10 @@ script_start, start = time.time(), time.perf_counter()
 from spindle import LLM
 phases = {"interpreter start": script_start - launched,
           "from spindle import LLM": time.perf_counter() - start}
+if sys.argv[3] == "warm-hf":  # as a script that made its checkpoint with transformers
+    start = time.perf_counter()
+    from transformers import AutoConfig, AutoTokenizer
+    phases["script imports transformers"] = time.perf_counter() - start
 import spindle.config as config_module
 import spindle.engine.llm_engine as engine_module
 
@@ -355,16 +359,20 @@ print("STARTUP_JSON " + json.dumps({"phases": phases, "loaded": loaded, "auto": 
 print(llm.engine.core.startup_table)
 llm.shutdown()
 """
-_PHASE_ORDER = ("interpreter start", "from spindle import LLM", "create_engine_config",
+_PHASE_ORDER = ("interpreter start", "from spindle import LLM", "script imports transformers",
+                "create_engine_config",
                 "EngineCore (executor + worker stages)", "  worker stages (table below)",
                 "tokenizer load", "LLM(...)",
                 "process start -> ready")
-_STARTUP_RUNS = (("cold", "cold Triton"), ("warm", "warm Triton"))
+_STARTUP_RUNS = (("cold", "cold Triton"), ("warm", "warm Triton"),
+                 ("warm-hf", "warm, HF imported"))
 
 
 def measure_startup(path: Path, importtime: Path | None = None) -> dict:
     """Process start to ready, in fresh interpreters: cold (an empty Triton cache: every
-    kernel compiles) and warm (the cache the cold run filled, with its kernel plan)."""
+    kernel compiles), warm (the cache the cold run filled, with its kernel plan), and
+    warm-hf: warm, in a script that imported transformers before `LLM()` (as one that
+    wrote its checkpoint with transformers has), so `LLM()` does not pay that import."""
     import os
     import subprocess
     import sys
