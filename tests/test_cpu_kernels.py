@@ -126,7 +126,10 @@ def reference_decode(q, keys, values, tables, lens, block_size, scale, window, c
 
 
 @pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 3.0)])
-@pytest.mark.parametrize("head_dim,num_q,num_k", [(64, 9, 3), (128, 8, 8), (80, 4, 2)])
+# Query heads per KV head: 3, 1, 2 (head_dim 80: the kernels' portable paths), 8 and 5
+# (the values summed for 4 heads at once, then the rest).
+@pytest.mark.parametrize("head_dim,num_q,num_k", [(64, 9, 3), (128, 8, 8), (80, 4, 2), (64, 16, 2),
+                                                  (128, 10, 2)])
 def test_decode_attention_equals_the_definition(window, cap, head_dim, num_q, num_k):
     gen = torch.Generator().manual_seed(head_dim * num_q + (window or 0))
     block_size, blocks = 16, 40

@@ -383,6 +383,117 @@ void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::
 
 // ---------------------------------------------------------------- decode attention
 
+// scores[g * span + j] = (q_g . k_j) * scale, soft-capped when cap > 0, for the group's
+// query rows q [group, d] and the keys [span, d] (float32). The products and sums are
+// dot()'s, in its order, so the scores are the same bits; with AVX-512, 16 keys' sums
+// come out of one transposing reduction instead of 16 horizontal sums.
+inline void attention_scores(const float* q, const float* keys, int64_t group, int64_t span, int64_t d,
+                             float scale, float cap, float* scores) {
+  auto finish = [&](float dot_value) {
+    float s = dot_value * scale;
+    return cap > 0.0f ? std::tanh(s / cap) * cap : s;
+  };
+  int64_t j0 = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (d % 16 == 0) {
+    alignas(64) float sums[16];
+    for (; j0 + 16 <= span; j0 += 16)
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; c += 16) {
+          const __m512 qc = _mm512_loadu_ps(q + g * d + c);
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys + (j0 + j) * d + c), acc[j]);
+        }
+        // Lane j of the result = _mm512_reduce_add_ps(acc[j]), added in its order: the
+        // 256-bit halves, then the 128-bit quarters, then lanes (0, 2) and (1, 3), then
+        // those two (IEEE addition commutes, so each sum is the same bits).
+        __m512 h[8], q4[4], p2[2];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i)
+          h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                               _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)  // [a, b, c, d] per 128-bit block: keys 4i .. 4i + 3
+          q4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xDD));
+#pragma GCC unroll 2
+        for (int i = 0; i < 2; ++i) {  // lanes (x0 + x2, x1 + x3) of two keys per block
+          const __m512d a = _mm512_castps_pd(q4[2 * i]), b = _mm512_castps_pd(q4[2 * i + 1]);
+          p2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+        }
+        const __m512 total = _mm512_add_ps(_mm512_shuffle_ps(p2[0], p2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                           _mm512_shuffle_ps(p2[0], p2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm512_store_ps(sums, total);
+        // Lane 4k + m holds key 4m + k.
+        for (int k = 0; k < 4; ++k)
+          for (int m = 0; m < 4; ++m) scores[g * span + j0 + 4 * m + k] = finish(sums[4 * k + m]);
+      }
+  }
+#endif
+  for (; j0 < span; ++j0)
+    for (int64_t g = 0; g < group; ++g) scores[g * span + j0] = finish(dot(q + g * d, keys + j0 * d, d));
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// weighted_sum for NH heads at once (w: NH rows of span weights), d a multiple of 64:
+// each row of values is loaded once for the NH heads.
+template <int NH>
+inline void weighted_heads(const float* w, const float* rows, int64_t span, int64_t d, float* out) {
+  for (int64_t c = 0; c < d; c += 64) {
+    __m512 a[NH][4];
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) a[h][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < span; ++j) {
+      const float* r = rows + j * d + c;
+      const __m512 r0 = _mm512_loadu_ps(r), r1 = _mm512_loadu_ps(r + 16), r2 = _mm512_loadu_ps(r + 32),
+                   r3 = _mm512_loadu_ps(r + 48);
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) {
+        const __m512 wj = _mm512_set1_ps(w[h * span + j]);
+        a[h][0] = _mm512_fmadd_ps(wj, r0, a[h][0]);
+        a[h][1] = _mm512_fmadd_ps(wj, r1, a[h][1]);
+        a[h][2] = _mm512_fmadd_ps(wj, r2, a[h][2]);
+        a[h][3] = _mm512_fmadd_ps(wj, r3, a[h][3]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + h * d + c + 16 * i, a[h][i]);
+  }
+}
+#endif
+
+// out[g * d : (g + 1) * d] = weighted_sum(w + g * span, rows, span, d) for g < group, the
+// same bits (each sum runs over j in order, as there); with AVX-512 and d a multiple of
+// 64, up to 4 heads at once, so each row of values is loaded once for them rather than
+// once per head.
+inline void weighted_sums(const float* w, const float* rows, int64_t group, int64_t span, int64_t d,
+                          float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (d % 64 == 0) {
+    for (int64_t g = 0; g < group; g += 4) {
+      const float* wg = w + g * span;
+      float* og = out + g * d;
+      switch (std::min<int64_t>(4, group - g)) {
+        case 4: weighted_heads<4>(wg, rows, span, d, og); break;
+        case 3: weighted_heads<3>(wg, rows, span, d, og); break;
+        case 2: weighted_heads<2>(wg, rows, span, d, og); break;
+        default: weighted_heads<1>(wg, rows, span, d, og); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) weighted_sum(w + g * span, rows, span, d, out + g * d);
+}
+
 // One query per request, q [B, H, D] (rows may be strided), over its context in the
 // paged caches (flat [slots, Hk, D], block_size tokens per block): request b's keys are
 // positions [start, seq_lens[b]), start = seq_len - window when a window is given.
@@ -444,20 +555,14 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
         p += n;
       }
       scores.resize(group * span);
-      for (int64_t j = 0; j < span; ++j)
-        for (int64_t g = 0; g < group; ++g) {
-          float s = dot(qf.data() + g * d, keys.data() + j * d, d) * fscale;
-          if (cap > 0.0f) s = std::tanh(s / cap) * cap;
-          scores[g * span + j] = s;
-        }
+      attention_scores(qf.data(), keys.data(), group, span, d, fscale, cap, scores.data());
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * span;
         const float top = max_of(sg, span);
         const float inv = 1.0f / exp_shifted(sg, top, span);
         for (int64_t j = 0; j < span; ++j) sg[j] *= inv;
       }
-      for (int64_t g = 0; g < group; ++g)
-        weighted_sum(scores.data() + g * span, values.data(), span, d, acc.data() + g * d);
+      weighted_sums(scores.data(), values.data(), group, span, d, acc.data());
       for (int64_t g = 0; g < group; ++g)
         from_float(acc.data() + g * d, op + (b * heads + kvh * group + g) * d, d);
     }
