@@ -602,9 +602,22 @@ inline void bf16_dot_tile(const bf16* w, const bf16* x, const float* bias, bf16*
     for (int mb = 0; mb < MB; ++mb) acc[nb][mb] = _mm512_setzero_ps();
   const bf16* wt = w + n0 * K;
   const bf16* xt = x + m0 * K;
-  for (int64_t k = 0; k < K; k += kDotChunk) {
-    // Whole chunks, or the first K - k values of the last one.
-    const __mmask32 mask = K - k >= kDotChunk ? ~(__mmask32)0 : (__mmask32)((1ull << (K - k)) - 1);
+  // Whole chunks with plain loads (masked ones were 7-10% slower on Zen 4), then the
+  // first K - k values of the last chunk, if any, masked.
+  int64_t k = 0;
+  for (; k + kDotChunk <= K; k += kDotChunk) {
+    __m512bh wv[NB], xv[MB];
+#pragma GCC unroll 8
+    for (int nb = 0; nb < NB; ++nb) wv[nb] = (__m512bh)_mm512_loadu_si512(wt + nb * K + k);
+#pragma GCC unroll 8
+    for (int mb = 0; mb < MB; ++mb) xv[mb] = (__m512bh)_mm512_loadu_si512(xt + mb * K + k);
+#pragma GCC unroll 8
+    for (int nb = 0; nb < NB; ++nb)
+#pragma GCC unroll 8
+      for (int mb = 0; mb < MB; ++mb) acc[nb][mb] = _mm512_dpbf16_ps(acc[nb][mb], wv[nb], xv[mb]);
+  }
+  if (k < K) {
+    const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
     __m512bh wv[NB], xv[MB];
 #pragma GCC unroll 8
     for (int nb = 0; nb < NB; ++nb) wv[nb] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wt + nb * K + k);
