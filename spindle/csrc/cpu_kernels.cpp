@@ -639,13 +639,16 @@ inline void bf16_dot_tile(const bf16* w, const bf16* x, const float* bias, bf16*
 // rows of x, kDotCols rows at a time (then the rest).
 constexpr int kDotRows = 4, kDotCols = 4;  // 16 accumulators + 8 operands of 32 registers
 constexpr int64_t kDotAhead = 8;           // weight rows between the tile and its prefetch
+constexpr int64_t kDotPrefetchMaxRows = 8; // rows of x up to which the weight is prefetched
 
 template <int NB>
 inline void bf16_dot_rows(const bf16* w, const bf16* x, const float* bias, bf16* out, int64_t n, int64_t M,
                           int64_t K, int64_t N) {
   // The weight rows kDotAhead on are asked for now: a row is a short stream (1-3 KB),
-  // too short for the hardware prefetchers, so the tile would wait on memory.
-  if (n + kDotAhead + NB <= N) {
+  // too short for the hardware prefetchers, so the tile would wait on memory. With more
+  // rows of x each weight row takes longer, the hardware keeps up, and the prefetches
+  // only cost (16 rows on Zen 4: 4-10% slower with them, 1 row: up to 25% faster).
+  if (M <= kDotPrefetchMaxRows && n + kDotAhead + NB <= N) {
     const char* next = reinterpret_cast<const char*>(w + (n + kDotAhead) * K);
     for (int64_t line = 0; line < NB * K * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
   }
