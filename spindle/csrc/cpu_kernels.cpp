@@ -432,8 +432,7 @@ inline void attention_scores(const float* q, const float* keys, int64_t group, i
 #pragma GCC unroll 16
           for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys + (j0 + j) * d + c), acc[j]);
         }
-        const __m512 total = horizontal_sums_16(acc);
-        _mm512_store_ps(sums, total);
+        _mm512_store_ps(sums, horizontal_sums_16(acc));
         // Lane 4k + m holds key 4m + k.
         for (int k = 0; k < 4; ++k)
           for (int m = 0; m < 4; ++m) scores[g * span + j0 + 4 * m + k] = finish(sums[4 * k + m]);
@@ -602,31 +601,27 @@ inline void bf16_dot_tile(const bf16* w, const bf16* x, const float* bias, bf16*
     for (int mb = 0; mb < MB; ++mb) acc[nb][mb] = _mm512_setzero_ps();
   const bf16* wt = w + n0 * K;
   const bf16* xt = x + m0 * K;
-  // Whole chunks with plain loads (masked ones were 7-10% slower on Zen 4), then the
-  // first K - k values of the last chunk, if any, masked.
-  int64_t k = 0;
-  for (; k + kDotChunk <= K; k += kDotChunk) {
+  // One chunk of K from k: the NB weight rows' and MB x rows' values (load), then
+  // their NB x MB pair products.
+  auto chunk = [&](int64_t k, auto load) {
     __m512bh wv[NB], xv[MB];
 #pragma GCC unroll 8
-    for (int nb = 0; nb < NB; ++nb) wv[nb] = (__m512bh)_mm512_loadu_si512(wt + nb * K + k);
+    for (int nb = 0; nb < NB; ++nb) wv[nb] = load(wt + nb * K + k);
 #pragma GCC unroll 8
-    for (int mb = 0; mb < MB; ++mb) xv[mb] = (__m512bh)_mm512_loadu_si512(xt + mb * K + k);
+    for (int mb = 0; mb < MB; ++mb) xv[mb] = load(xt + mb * K + k);
 #pragma GCC unroll 8
     for (int nb = 0; nb < NB; ++nb)
 #pragma GCC unroll 8
       for (int mb = 0; mb < MB; ++mb) acc[nb][mb] = _mm512_dpbf16_ps(acc[nb][mb], wv[nb], xv[mb]);
-  }
+  };
+  // Whole chunks with plain loads (all-ones masked loads were slower on Zen 4), then
+  // the first K - k values of the last chunk, if any, masked.
+  int64_t k = 0;
+  for (; k + kDotChunk <= K; k += kDotChunk)
+    chunk(k, [](const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); });
   if (k < K) {
     const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
-    __m512bh wv[NB], xv[MB];
-#pragma GCC unroll 8
-    for (int nb = 0; nb < NB; ++nb) wv[nb] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wt + nb * K + k);
-#pragma GCC unroll 8
-    for (int mb = 0; mb < MB; ++mb) xv[mb] = (__m512bh)_mm512_maskz_loadu_epi16(mask, xt + mb * K + k);
-#pragma GCC unroll 8
-    for (int nb = 0; nb < NB; ++nb)
-#pragma GCC unroll 8
-      for (int mb = 0; mb < MB; ++mb) acc[nb][mb] = _mm512_dpbf16_ps(acc[nb][mb], wv[nb], xv[mb]);
+    chunk(k, [mask](const bf16* p) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); });
   }
 #pragma GCC unroll 8
   for (int nb = 0; nb < NB; ++nb)
