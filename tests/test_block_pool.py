@@ -1,4 +1,5 @@
-"""BlockPool: LRU free queue, ref counts, the hash -> block map."""
+"""BlockPool: free blocks (plain ones last-freed first, cached ones LRU), ref counts,
+the hash -> block map."""
 
 import pytest
 
@@ -14,9 +15,12 @@ def h(i: int) -> bytes:
 
 
 def check_invariants(pool: BlockPool) -> None:
-    free = list(pool._free_queue.values())
-    assert all(b.ref_cnt == 0 for b in free)
-    assert all(b.ref_cnt > 0 for b in pool.blocks if b.block_id not in pool._free_queue)
+    free = {**pool._free_plain, **pool._free_cached}
+    assert len(free) == len(pool._free_plain) + len(pool._free_cached)  # in one only
+    assert all(b.ref_cnt == 0 for b in free.values())
+    assert all(b.ref_cnt > 0 for b in pool.blocks if b.block_id not in free)
+    assert all(b.block_hash is None for b in pool._free_plain.values())
+    assert all(b.block_hash is not None for b in pool._free_cached.values())
     for block_hash, block in pool._cached.items():
         assert block.block_hash == block_hash
     assert sum(b.block_hash is not None for b in pool.blocks) == len(pool._cached)
@@ -54,21 +58,39 @@ def test_get_new_blocks_in_order_with_ref_cnt_one():
     check_invariants(pool)
 
 
-def test_lru_order_follows_free_order():
+def test_plain_blocks_are_reused_last_freed_first():
     pool = BlockPool(4)
     b = pool.get_new_blocks(4)
     pool.free_blocks([b[2], b[0]])
     pool.free_blocks([b[3]])
     pool.free_blocks([b[1]])
-    assert ids(pool.get_new_blocks(4)) == [2, 0, 3, 1]
+    assert ids(pool.get_new_blocks(4)) == [1, 3, 0, 2]
     check_invariants(pool)
 
 
-def test_freed_blocks_go_after_never_used_ones():
+def test_freed_blocks_go_before_never_used_ones():
+    # A block written before is reused before one never written (on the CPU the
+    # latter's pages are not mapped yet).
     pool = BlockPool(4)
     b = pool.get_new_blocks(2)
     pool.free_blocks(reversed(b))
-    assert ids(pool.get_new_blocks(4)) == [2, 3, 1, 0]
+    assert ids(pool.get_new_blocks(4)) == [0, 1, 2, 3]
+    check_invariants(pool)
+
+
+def test_cached_blocks_are_evicted_last_in_lru_order():
+    pool = BlockPool(5)
+    b = pool.get_new_blocks(5)
+    pool.cache_full_blocks(b[:3], [h(0), h(1), h(2)])
+    pool.free_blocks([b[1], b[0], b[3], b[2], b[4]])
+    # Plain blocks first (last freed first), then cached ones, least recently freed
+    # first, each losing its hash.
+    assert ids(pool.get_new_blocks(3)) == [4, 3, 1]
+    assert pool.get_cached_block(h(1)) is None
+    assert pool.get_cached_block(h(0)) is b[0] and pool.get_cached_block(h(2)) is b[2]
+    assert ids(pool.get_new_blocks(2)) == [0, 2]
+    assert pool.num_cached_blocks == 0
+    check_invariants(pool)
 
 
 def test_double_free_raises():

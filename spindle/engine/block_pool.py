@@ -1,5 +1,6 @@
-"""The pool of physical KV cache blocks: ref counts, the LRU free queue and the
-prefix-cache map (block hash -> block).
+"""The pool of physical KV cache blocks: ref counts, the free blocks (those holding
+nothing reused last-freed first, cached ones in LRU order) and the prefix-cache map
+(block hash -> block).
 
 Pure bookkeeping: a block is an id into the runner's KV cache tensors; nothing
 here touches device memory.
@@ -14,7 +15,7 @@ from typing import Iterable, Sequence
 class KVCacheBlock:
     """One physical block of block_size token slots.
 
-    ref_cnt: how many running requests hold the block (0: it is in the free queue).
+    ref_cnt: how many running requests hold the block (0: it is free).
     block_hash: the chained hash of the block's tokens once the block is full and
     registered in the prefix cache; None otherwise.
     """
@@ -35,11 +36,17 @@ class BlockPool:
     """Owns every KVCacheBlock; hands them out and takes them back.
 
     Invariants:
-      * A block is in the free queue iff its ref_cnt == 0.
-      * The free queue is in LRU order: get_new_blocks() takes from the head (least
-        recently freed), free_blocks() appends to the tail. Free blocks that still
-        carry a hash are cached: a prefix hit may take them back (touch()) from
-        anywhere in the queue in O(1) until they are reused and their hash evicted.
+      * A block is free (in _free_plain or _free_cached) iff its ref_cnt == 0.
+      * Free blocks without a hash hold nothing anyone can ask for again. They are in
+        _free_plain, and get_new_blocks() takes the most recently freed of them first:
+        its memory is the warmest, and on the CPU a block never written yet costs page
+        faults on its first write (the cache is allocated untouched), so cycling
+        through every block of a large cache first made each step pay for new pages.
+        Never-used blocks start there in id order (block 0 first).
+      * Free blocks that carry a hash are cached: a prefix hit may take them back
+        (touch()) from anywhere until they are reused and their hash evicted. They are
+        in _free_cached in LRU order, and get_new_blocks() takes them only when no
+        plain block is left, the least recently freed first.
       * block.block_hash is not None iff the cache map holds block.block_hash -> block
         (so at most one block per hash; a duplicate full block simply stays unhashed).
       * Only full blocks whose tokens' KV is (or is being) written get a hash; that is
@@ -53,15 +60,17 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # block_id -> block; popitem() takes the last inserted (the most recently freed).
+        self._free_plain: dict[int, KVCacheBlock] = {
+            b.block_id: b for b in reversed(self.blocks)}
         # block_id -> block, in LRU order (head = next to be reused).
-        self._free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks)
+        self._free_cached: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self._cached: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds (cached-but-free blocks included: they are evictable)."""
-        return len(self._free_queue)
+        return len(self._free_plain) + len(self._free_cached)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -72,7 +81,8 @@ class BlockPool:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take num_blocks from the head of the free queue, evicting their hashes.
+        """Take num_blocks free blocks: plain ones last-freed first, then cached ones
+        least recently freed first, evicting their hashes.
 
         Returns blocks with ref_cnt == 1. Raises ValueError if fewer are free.
         """
@@ -83,15 +93,18 @@ class BlockPool:
                              f"{self.num_free_blocks} are free")
         out = []
         for _ in range(num_blocks):
-            _, block = self._free_queue.popitem(last=False)
-            self._evict(block)
+            if self._free_plain:
+                _, block = self._free_plain.popitem()
+            else:
+                _, block = self._free_cached.popitem(last=False)
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference to each block, in the given order; blocks reaching 0
-        join the tail of the free queue (keeping their hash: still cached).
+        become free (keeping their hash: still cached).
 
         Callers pass a request's blocks in reverse so its tail blocks (the least
         likely to be shared) are evicted before its head blocks.
@@ -101,14 +114,16 @@ class BlockPool:
                 raise ValueError(f"freeing {block!r} which no request holds")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free_queue[block.block_id] = block
+                free = self._free_plain if block.block_hash is None else self._free_cached
+                free[block.block_id] = block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference to each (prefix-hit) block, taking it off the
-        free queue if nobody held it."""
+        free blocks if nobody held it."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free_queue[block.block_id]
+                free = self._free_plain if block.block_hash is None else self._free_cached
+                del free[block.block_id]
             block.ref_cnt += 1
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock],
@@ -151,6 +166,8 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        self._free_plain.update(self._free_cached)
+        self._free_cached.clear()
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
