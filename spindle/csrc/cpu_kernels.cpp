@@ -533,6 +533,18 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   bf16* op = out.data_ptr<bf16>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+  // A task's positions in the cache: its block table row, [start, len), its head's offset.
+  struct TaskRows {
+    const int32_t* table = nullptr;
+    int64_t start = 0, len = 0, head = 0;
+  };
+  auto task_rows = [&](int64_t task) {
+    const int64_t b = task / kv_heads, len = lens[b];
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    // (len clipped to the table: a bad seq_len is its own task's error, not a read past it)
+    return TaskRows{tables + b * table_stride, start, std::min(len, max_blocks * block_size),
+                    (task % kv_heads) * d};
+  };
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), keys, values, acc(group * d), scores;
     for (int64_t task = begin; task < end; ++task) {
@@ -545,6 +557,11 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
       for (int64_t g = 0; g < group; ++g)
         to_float(qr.base + b * qr.token_stride + (kvh * group + g) * qr.head_stride, qf.data() + g * d, d);
       // This head's keys and values of positions [start, len), block by block, as float32.
+      // Each position's rows of the next task are asked for (into L2) as this task reads
+      // its own: they are 2 x d values per position, scattered over the cache, too short
+      // a stream for the hardware prefetchers (16 requests x 85 positions, SmolLM2's
+      // heads, the cache not in L3: 1.2-2x faster per layer with them).
+      const TaskRows next = task + 1 < end ? task_rows(task + 1) : TaskRows{};
       keys.resize(span * d);
       values.resize(span * d);
       for (int64_t p = start; p < len;) {
@@ -553,9 +570,20 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
         TORCH_CHECK(block >= 0 && (block + 1) * block_size <= slots, "block table entry ", block,
                     " is outside the cache");
         for (int64_t i = 0; i < n; ++i) {
+          const int64_t j = p - start + i;
+          if (next.start + j < next.len) {  // (a bad table entry is its own task's error)
+            const int64_t np = next.start + j, nblock = next.table[np / block_size];
+            if (nblock >= 0 && (nblock + 1) * block_size <= slots) {
+              const int64_t noffset = (nblock * block_size + np % block_size) * row + next.head;
+              for (int64_t line = 0; line < d * int64_t(sizeof(bf16)); line += 64) {
+                __builtin_prefetch(reinterpret_cast<const char*>(kc + noffset) + line, 0, 2);  // (L2)
+                __builtin_prefetch(reinterpret_cast<const char*>(vc + noffset) + line, 0, 2);
+              }
+            }
+          }
           const int64_t offset = (block * block_size + first + i) * row + kvh * d;
-          to_float(kc + offset, keys.data() + (p - start + i) * d, d);
-          to_float(vc + offset, values.data() + (p - start + i) * d, d);
+          to_float(kc + offset, keys.data() + j * d, d);
+          to_float(vc + offset, values.data() + j * d, d);
         }
         p += n;
       }
