@@ -571,9 +571,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
                     " is outside the cache");
         for (int64_t i = 0; i < n; ++i) {
           const int64_t j = p - start + i;
-          if (next.start + j < next.len) {  // (a bad table entry is its own task's error)
+          if (next.start + j < next.len) {
             const int64_t np = next.start + j, nblock = next.table[np / block_size];
-            if (nblock >= 0 && (nblock + 1) * block_size <= slots) {
+            if (nblock >= 0 && (nblock + 1) * block_size <= slots) {  // (else: that task's error)
               const int64_t noffset = (nblock * block_size + np % block_size) * row + next.head;
               for (int64_t line = 0; line < d * int64_t(sizeof(bf16)); line += 64) {
                 __builtin_prefetch(reinterpret_cast<const char*>(kc + noffset) + line, 0, 2);  // (L2)
