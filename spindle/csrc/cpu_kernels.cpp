@@ -541,17 +541,14 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
   auto task_rows = [&](int64_t task) {
     const int64_t b = task / kv_heads, len = lens[b];
     const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    // (len clipped to the table: a bad seq_len is its own task's error, not a read past it)
-    return TaskRows{tables + b * table_stride, start, std::min(len, max_blocks * block_size),
-                    (task % kv_heads) * d};
+    return TaskRows{tables + b * table_stride, start, len, (task % kv_heads) * d};
   };
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), keys, values, acc(group * d), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, kvh = task % kv_heads;
-      const int64_t len = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t span = len - start;
+      const TaskRows own = task_rows(task);
+      const int64_t len = own.len, start = own.start, span = len - start;
       TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= max_blocks,
                   "seq_len ", len, " does not fit the block table");
       for (int64_t g = 0; g < group; ++g)
@@ -562,6 +559,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
       // a stream for the hardware prefetchers (16 requests x 85 positions, SmolLM2's
       // heads, the cache not in L3: 1.2-2x faster per layer with them).
       const TaskRows next = task + 1 < end ? task_rows(task + 1) : TaskRows{};
+      // (its positions clipped to the table: a bad seq_len is its own task's error)
+      const int64_t next_end = std::min(next.len, max_blocks * block_size);
       keys.resize(span * d);
       values.resize(span * d);
       for (int64_t p = start; p < len;) {
@@ -571,7 +570,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& key_
                     " is outside the cache");
         for (int64_t i = 0; i < n; ++i) {
           const int64_t j = p - start + i;
-          if (next.start + j < next.len) {
+          if (next.start + j < next_end) {
             const int64_t np = next.start + j, nblock = next.table[np / block_size];
             if (nblock >= 0 && (nblock + 1) * block_size <= slots) {  // (else: that task's error)
               const int64_t noffset = (nblock * block_size + np % block_size) * row + next.head;
@@ -689,7 +688,7 @@ inline void bf16_dot_rows(const bf16* w, const bf16* x, const float* bias, bf16*
   // hardware prefetchers: without this the tiles waited on memory and read the weights
   // at about 10 GB/s, half of what the arithmetic could take at 16 rows of x.
   const int64_t lines = n + kDotAhead + NB <= N ? (NB * K * int64_t(sizeof(bf16)) + 63) / 64 : 0;
-  const char* next = reinterpret_cast<const char*>(w + (n + kDotAhead) * K);
+  const char* next = reinterpret_cast<const char*>(lines > 0 ? w + (n + kDotAhead) * K : w);
   const int64_t tiles = (M + kDotCols - 1) / kDotCols;
   const int64_t per_tile = (lines + tiles - 1) / tiles;
   auto ahead = [&](int64_t tile) {

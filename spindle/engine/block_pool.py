@@ -114,16 +114,14 @@ class BlockPool:
                 raise ValueError(f"freeing {block!r} which no request holds")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                free = self._free_plain if block.block_hash is None else self._free_cached
-                free[block.block_id] = block
+                self._free_set(block)[block.block_id] = block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference to each (prefix-hit) block, taking it off the
         free blocks if nobody held it."""
         for block in blocks:
             if block.ref_cnt == 0:
-                free = self._free_plain if block.block_hash is None else self._free_cached
-                del free[block.block_id]
+                del self._free_set(block)[block.block_id]
             block.ref_cnt += 1
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock],
@@ -169,6 +167,10 @@ class BlockPool:
         self._free_plain.update(self._free_cached)
         self._free_cached.clear()
         return True
+
+    def _free_set(self, block: KVCacheBlock) -> dict[int, KVCacheBlock]:
+        """Where block sits (or goes) while free: by whether it carries a hash."""
+        return self._free_plain if block.block_hash is None else self._free_cached
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
