@@ -3,7 +3,9 @@ steps by batch size (the tail of the run, when few sequences remain), host vs de
 and, in three windows of steps (prompt chunks at the start, full-batch decode, the
 tail), each kernel's share of device time, the device's idle gaps between kernels and
 decode attention's KV read rate; plus the host's time by Python function over a few
-prefill steps (cProfile).
+prefill steps (cProfile); and, for every step that runs eagerly (with prompt tokens),
+where its host time goes: launching the forward, the LM head, the sampler, against the
+step's device time, with the LM-head calls that held the host longer than 1 ms.
 
 Same checkpoint, engine settings and workload as benchmarks/throughput.py. Every
 engine step is recorded: its wall time, its scheduled tokens (a decode request has
@@ -138,6 +140,98 @@ class _TimedPending:
 
     def __getattr__(self, name):
         return getattr(self._pending, name)
+
+
+class EagerStepTimer:
+    """Host time inside the runner's eager steps (those with prompt tokens): from the
+    step's start to the end of the forward's launch, in the LM head and in the sampler,
+    and the whole step's host and device time (CUDA events; None on the CPU). Also every
+    LM-head call of the run that held the host more than 1 ms (cuBLAS's first call at a
+    row count it has not served blocks until the device catches up)."""
+
+    def __init__(self, runner, cuda: bool) -> None:
+        self.rows: list[dict] = []
+        self.slow_heads: list[tuple[int, float]] = []  # (rows, seconds)
+        self._cuda = cuda
+        self._marks: dict | None = None
+        state = runner._require_state()
+        forward, logits, sampler = state.forward, state.compute_logits, runner.sampler
+        launch = runner.execute_model_async
+
+        def timed_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            self._mark("forward")
+            return out
+
+        def timed_logits(hidden):
+            start = time.perf_counter()
+            out = logits(hidden)
+            seconds = time.perf_counter() - start
+            if seconds > 1e-3:
+                self.slow_heads.append((hidden.shape[0], seconds))
+            self._mark("head", seconds)
+            return out
+
+        def timed_sampler(*args, **kwargs):
+            start = time.perf_counter()
+            out = sampler(*args, **kwargs)
+            self._mark("sampler", time.perf_counter() - start)
+            return out
+
+        def timed_launch(sched):
+            tokens = sum(sched.num_scheduled_tokens.values())
+            if tokens <= len(sched.num_scheduled_tokens):  # a decode step (graphs)
+                return launch(sched)
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+            self._marks = {"start": time.perf_counter()}
+            if events:
+                events[0].record()
+            try:
+                return launch(sched)
+            finally:
+                if events:
+                    events[1].record()
+                marks, self._marks = self._marks, None
+                self.rows.append(dict(tokens=tokens, reqs=len(sched.num_scheduled_tokens),
+                                      host_s=time.perf_counter() - marks["start"],
+                                      forward_s=marks.get("forward", marks["start"]) - marks["start"],
+                                      head_s=marks.get("head", 0.0),
+                                      sampler_s=marks.get("sampler", 0.0), events=events))
+
+        state.forward, state.compute_logits = timed_forward, timed_logits
+        runner.sampler, runner.execute_model_async = timed_sampler, timed_launch
+
+    def _mark(self, name: str, seconds: float | None = None) -> None:
+        if self._marks is not None:
+            self._marks[name] = time.perf_counter() if seconds is None else seconds
+
+    def report(self) -> dict:
+        """The rows with device times filled in (call after the device is idle)."""
+        rows = []
+        for r in self.rows:
+            events = r.pop("events")
+            r["device_s"] = events[0].elapsed_time(events[1]) / 1e3 if events else None
+            rows.append(r)
+        return dict(eager_steps=rows, slow_lm_heads=[dict(rows=m, ms=s * 1e3)
+                                                     for m, s in self.slow_heads])
+
+
+def format_eager_steps(report: dict) -> str:
+    lines = ["--- eager steps (with prompt tokens): host ms from the step's start; those in "
+             "the prefill profiler window and the cProfile window carry those tools' host "
+             "time ---",
+             f"{'tokens':>6s} {'reqs':>4s} {'forward':>8s} {'LM head':>8s} {'sampler':>8s} "
+             f"{'host':>8s} {'device':>8s}"]
+    for r in report["eager_steps"]:
+        device = f"{r['device_s'] * 1e3:8.2f}" if r["device_s"] is not None else f"{'-':>8s}"
+        lines.append(f"{r['tokens']:6d} {r['reqs']:4d} {r['forward_s'] * 1e3:8.2f} "
+                     f"{r['head_s'] * 1e3:8.2f} {r['sampler_s'] * 1e3:8.2f} "
+                     f"{r['host_s'] * 1e3:8.2f} {device}")
+    slow = report["slow_lm_heads"]
+    lines.append(f"LM-head calls over 1 ms in the run: {len(slow)}, "
+                 f"{sum(h['ms'] for h in slow):.1f} ms in all"
+                 + (f", at rows {sorted({h['rows'] for h in slow})}" if slow else ""))
+    return "\n".join(lines)
 
 
 def kernel_shares(prof, cuda: bool, top: int = 14) -> list[dict]:
@@ -277,10 +371,14 @@ def main() -> None:
         # torch.profiler window covers: where a prefill step's host time goes.
         host_window = (8, 13)
         recorder = StepRecorder(llm.engine, windows, cuda, host_window=host_window)
+        eager = EagerStepTimer(runner, cuda)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         recorder.finish()
+        if cuda:
+            torch.cuda.synchronize()
+        result.update(eager.report())
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         result.update(nano_tok_s=produced / seconds, nano_seconds=seconds,
                       output_tokens=produced, weight_bytes=weight_bytes)
@@ -305,6 +403,7 @@ def main() -> None:
         print(result["prefill_host_profile"].strip()[-6000:])
     for name, rows in result["kernels"].items():
         print(format_kernels(name, rows))
+    print(format_eager_steps(result))
     print(format_rows(result["rows"]))
     for name, t in result["timeline"].items():
         if t:
