@@ -850,12 +850,16 @@ inline void group_tile(const int8_t* codes, const float* scale, const float* off
   const int64_t scale_lines = fetch ? (NB * groups * 4 + 63) / 64 : 0;
   const char* next_scale = reinterpret_cast<const char*>(scale + (n0 + kPrefetchRows) * groups);
   const char* next_offset = reinterpret_cast<const char*>(offset + (n0 + kPrefetchRows) * groups);
+  // A share of the lines per group, counted up without dividing in the loop.
+  const int64_t code_step = (code_lines + groups - 1) / groups;
+  const int64_t scale_step = (scale_lines + groups - 1) / groups;
+  int64_t code_line = 0, scale_line = 0;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t line = g * code_lines / groups; line < (g + 1) * code_lines / groups; ++line)
-      __builtin_prefetch(next_codes + 64 * line);
-    for (int64_t line = g * scale_lines / groups; line < (g + 1) * scale_lines / groups; ++line) {
-      __builtin_prefetch(next_scale + 64 * line);
-      __builtin_prefetch(next_offset + 64 * line);
+    for (const int64_t stop = std::min(code_lines, code_line + code_step); code_line < stop; ++code_line)
+      __builtin_prefetch(next_codes + 64 * code_line);
+    for (const int64_t stop = std::min(scale_lines, scale_line + scale_step); scale_line < stop; ++scale_line) {
+      __builtin_prefetch(next_scale + 64 * scale_line);
+      __builtin_prefetch(next_offset + 64 * scale_line);
     }
     fVec s[NB], o[NB];
     for (int nb = 0; nb < NB; ++nb) {
