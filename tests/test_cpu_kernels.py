@@ -444,3 +444,80 @@ def test_the_sampler_takes_its_greedy_rows_from_argmax_rows(monkeypatch):
     monkeypatch.setenv(cpu_kernels.SWITCH_ENV, "0")
     assert torch.equal(greedy_sample(x), x.argmax(dim=-1))
     assert len(calls) == 2
+
+
+# ---------------------------------------------------------------- int4 GEMM for a few rows
+
+def _packed_int4(n: int, k: int, gen: torch.Generator):
+    """torch's packed int4 weight of random codes with random bf16 scales and zeros, and
+    its float64 dequantization w = (q - 8) * s + z."""
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    scale_zero = torch.randn(k // 32, n, 2, generator=gen).mul(0.05).to(BF16)
+    scale_zero[..., 0] = scale_zero[..., 0].abs() + 0.01
+    s = scale_zero[..., 0].double().T.repeat_interleave(32, 1)
+    z = scale_zero[..., 1].double().T.repeat_interleave(32, 1)
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return packed, scale_zero, (codes.double() - 8) * s + z
+
+
+def _uses_own_int4(x, packed, scale_zero) -> bool:
+    return cpu_kernels.kernels().int4_dot_applies(x, packed, scale_zero)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 32])
+@pytest.mark.parametrize("n,k", [(64, 32), (960, 576), (576, 1536), (128, 96)])
+def test_int4_linear_equals_a_float64_product(rows, n, k):
+    """Fresh random codes, scales, zeros and inputs: the float64 product of the
+    dequantized weight rounded to bf16, within one rounding of a float32 sum, and
+    within one bf16 step of torch's own int4 kernel."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    packed, scale_zero, w = _packed_int4(n, k, gen)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    out = cpu_kernels.int4_linear(x, packed, scale_zero)
+    assert out.dtype == BF16 and out.shape == (rows, n)
+    ref = x.double() @ w.T
+    bound = ref.abs().to(BF16).double() * 2.0 ** -8 \
+        + (x.double().abs() @ w.abs().T) * k * 2.0 ** -24
+    assert ((out.double() - ref).abs() <= bound + 1e-30).all()
+    one_rounding_apart(out, torch._weight_int4pack_mm_for_cpu(x, packed, 32, scale_zero),
+                       equal_share=0.9)
+
+
+def test_int4_linear_runs_its_own_kernel_where_it_should():
+    """Its own kernel for 1-32 bf16 rows and whole 64-row blocks (with AVX-512 BF16 and
+    torch's 64-row packing), torch's kernel otherwise: its results there, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    packed, scale_zero, _ = _packed_int4(128, 64, gen)
+    if not _uses_own_int4(torch.zeros(1, 64, dtype=BF16), packed, scale_zero):
+        pytest.skip("this CPU or torch packs int4 weights otherwise: torch's kernel serves")
+    assert _uses_own_int4(torch.zeros(32, 64, dtype=BF16), packed, scale_zero)
+    assert not _uses_own_int4(torch.zeros(33, 64, dtype=BF16), packed, scale_zero)
+    odd, odd_sz, _ = _packed_int4(80, 64, gen)  # a last block of 16 rows
+    assert not _uses_own_int4(torch.zeros(4, 64, dtype=BF16), odd, odd_sz)
+    for x, p, sz in [(torch.randn(40, 64, generator=gen).to(BF16), packed, scale_zero),
+                     (torch.randn(4, 64, generator=gen).to(BF16), odd, odd_sz)]:
+        assert torch.equal(cpu_kernels.int4_linear(x, p, sz),
+                           torch._weight_int4pack_mm_for_cpu(x, p, 32, sz))
+    # A non-contiguous x reads the right rows.
+    x = torch.randn(8, 64, generator=gen).to(BF16)
+    assert torch.equal(cpu_kernels.int4_linear(x[::2], packed, scale_zero),
+                       cpu_kernels.int4_linear(x[::2].contiguous(), packed, scale_zero))
+
+
+def test_int4_linear_switched_off_is_torchs_kernel():
+    """SPINDLE_CPU_INT4_GEMM=0 (read once per process: a fresh interpreter) gives
+    torch's int4 kernel, bit for bit."""
+    import subprocess
+    import sys
+
+    script = ("import torch; from spindle.layers import cpu_kernels as c; "
+              "q = torch.randint(0, 16, (128, 64), dtype=torch.int32); "
+              "p = torch._convert_weight_to_int4pack_for_cpu(q, 1); "
+              "sz = torch.rand(2, 128, 2).to(torch.bfloat16); "
+              "x = torch.randn(4, 64).to(torch.bfloat16); "
+              "print(c.kernels().int4_dot_applies(x, p, sz), "
+              "torch.equal(c.int4_linear(x, p, sz), torch._weight_int4pack_mm_for_cpu(x, p, 32, sz)))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={**os.environ, "SPINDLE_CPU_INT4_GEMM": "0"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]

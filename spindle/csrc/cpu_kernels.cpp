@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -753,6 +754,205 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight,
   return out;
 }
 
+// ---------------------------------------------------------------- int4 GEMM for a few rows
+
+// y [M, N] = x [M, K] @ W^T in bf16 for W held in torch's packed CPU int4 layout
+// (layers/int4.py): w = (q - 8) * s + z for 4-bit codes q, with a bf16 scale s and zero
+// z per row and group of 32 along K (scale_zero [K / 32, N, 2]). torch's own kernel
+// (_weight_int4pack_mm_for_cpu) takes 6-7x its one-row time at 16 rows; here the codes are
+// dequantized once per call and every row of x reuses them. On AVX-512 torch packs
+// 64-row blocks one after another, each K-major: byte k * 32 + n % 32 of a block holds
+// row n's code at column k, rows 0-31 in the low nibble and 32-63 in the high one.
+// Per group the kernel sums (q - 8) * x in AVX-512 BF16 pair products (the codes -8..7
+// and the products are exact), then adds s * that sum + z * (the group's sum of x) to
+// each row's float32 total, and rounds the total to bf16 once, as torch's kernel
+// returns. The Python side checks the layout once per process against torch's kernel
+// (layers/int4.py) before it uses this.
+constexpr int64_t kQuantGroup = 32;    // values per scale and offset (layers/int4.py's GROUP)
+constexpr int64_t kInt4Block = 64;     // weight rows per packed block (torch on AVX-512)
+constexpr int64_t kInt4MaxRows = 32;   // rows of x up to which int4_linear runs its own kernel
+
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+constexpr bool kHaveInt4Dot = true;
+
+// The bf16 bits of q - 8 for q = 0..15 (entries 16-31 unused), a vpermw table.
+inline __m512i int4_code_table() {
+  alignas(64) uint16_t table[32] = {};
+  for (int q = 0; q < 16; ++q) {
+    const bf16 v(static_cast<float>(q - 8));
+    std::memcpy(&table[q], &v, sizeof(uint16_t));
+  }
+  return _mm512_load_si512(table);
+}
+
+// Codes of 16 rows at columns k and k + 1 as bf16 pairs (row i in lanes 2i, 2i + 1):
+// a holds column k's bytes for these rows, b column k + 1's; high: the high nibbles.
+inline __m512i int4_pairs(__m128i a, __m128i b, bool high, __m512i table) {
+  const __m256i bytes = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+  __m512i codes = _mm512_cvtepu8_epi16(bytes);
+  if (high) codes = _mm512_srli_epi16(codes, 4);
+  codes = _mm512_and_si512(codes, _mm512_set1_epi16(0x0F));
+  return _mm512_permutexvar_epi16(codes, table);
+}
+
+// MB rows of x from m0 against one group's code pairs: MB x 4 chains of pair products
+// (enough independent sums to keep the dot-product unit busy), then each row's totals
+// take s * sum + z * (the group's sum of x).
+template <int MB>
+inline void int4_rows(const __m512i* pairs, const __m512 (&s)[4], const __m512 (&z)[4], const bf16* x,
+                      const float* xsums, float* totals, int64_t m0, int64_t K, int64_t groups, int64_t g) {
+  __m512 acc[MB][4];
+#pragma GCC unroll 4
+  for (int mb = 0; mb < MB; ++mb)
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) acc[mb][q] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t kp = 0; kp < kQuantGroup / 2; ++kp) {
+    __m512bh xv[MB];
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; ++mb) {
+      int32_t word;
+      std::memcpy(&word, x + (m0 + mb) * K + g * kQuantGroup + 2 * kp, sizeof(word));
+      xv[mb] = (__m512bh)_mm512_set1_epi32(word);
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const __m512bh w = (__m512bh)pairs[kp * 4 + q];
+#pragma GCC unroll 4
+      for (int mb = 0; mb < MB; ++mb) acc[mb][q] = _mm512_dpbf16_ps(acc[mb][q], w, xv[mb]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int mb = 0; mb < MB; ++mb) {
+    const __m512 xs = _mm512_set1_ps(xsums[(m0 + mb) * groups + g]);
+    float* t = totals + (m0 + mb) * kInt4Block;
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const __m512 sum = _mm512_fmadd_ps(s[q], acc[mb][q], _mm512_loadu_ps(t + 16 * q));
+      _mm512_storeu_ps(t + 16 * q, _mm512_fmadd_ps(z[q], xs, sum));
+    }
+  }
+}
+
+// One 64-row block against all M rows of x: out rows [m, n0 .. n0 + 64).
+inline void int4_block(const uint8_t* block, const bf16* scale_zero, const bf16* x, const float* xsums,
+                       bf16* out, int64_t M, int64_t N, int64_t K, int64_t n0, __m512i table,
+                       float* totals, __m512i* pairs) {
+  const int64_t groups = K / kQuantGroup;
+  std::fill(totals, totals + M * kInt4Block, 0.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    // The group's codes as bf16 pairs: [column pair][16-row quarter], once for all rows of x.
+    for (int64_t kp = 0; kp < kQuantGroup / 2; ++kp) {
+      const uint8_t* col = block + (g * kQuantGroup + 2 * kp) * (kInt4Block / 2);
+      const __m128i a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col));
+      const __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16));
+      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 32));
+      const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 48));
+      pairs[kp * 4 + 0] = int4_pairs(a0, b0, false, table);
+      pairs[kp * 4 + 1] = int4_pairs(a1, b1, false, table);
+      pairs[kp * 4 + 2] = int4_pairs(a0, b0, true, table);
+      pairs[kp * 4 + 3] = int4_pairs(a1, b1, true, table);
+    }
+    // The 64 rows' scales and zeros: bf16 (s, z) pairs, widened to float32.
+    __m512 s[4], z[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m512i sz = _mm512_loadu_si512(scale_zero + (g * N + n0 + 16 * q) * 2);
+      s[q] = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+      z[q] = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    }
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) int4_rows<4>(pairs, s, z, x, xsums, totals, m, K, groups, g);
+    for (; m + 2 <= M; m += 2) int4_rows<2>(pairs, s, z, x, xsums, totals, m, K, groups, g);
+    if (m < M) int4_rows<1>(pairs, s, z, x, xsums, totals, m, K, groups, g);
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < kInt4Block; ++r) out[m * N + n0 + r] = bf16(totals[m * kInt4Block + r]);
+}
+#else
+constexpr bool kHaveInt4Dot = false;
+#endif
+
+torch::Tensor int4_dot(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_zero);
+
+// Whether this process's torch packs int4 weights as int4_block reads them: a small
+// weight of random codes, unit scales and zeros of one half, and small integer x, so
+// every product and sum is exact and both kernels must give the same bits.
+bool int4_layout_matches_torch() {
+  if (!kHaveInt4Dot) return false;
+  const int64_t N = 2 * kInt4Block, K = 2 * kQuantGroup, M = 3;
+  auto codes = torch::empty({N, K}, torch::kInt32);
+  auto x = torch::empty({M, K}, torch::kFloat);
+  uint32_t state = 12345;  // a fixed LCG: the check is the same in every process
+  auto next = [&state] { state = state * 1664525u + 1013904223u; return state >> 16; };
+  for (int64_t i = 0; i < N * K; ++i) codes.data_ptr<int32_t>()[i] = static_cast<int32_t>(next() % 16);
+  for (int64_t i = 0; i < M * K; ++i) x.data_ptr<float>()[i] = static_cast<float>(static_cast<int>(next() % 9) - 4);
+  auto scale_zero = torch::empty({K / kQuantGroup, N, 2}, torch::kFloat);
+  scale_zero.select(2, 0).fill_(1.0);
+  scale_zero.select(2, 1).fill_(0.5);
+  const auto packed = at::_convert_weight_to_int4pack_for_cpu(codes, 1);
+  const auto xb = x.to(at::kBFloat16);
+  const auto sz = scale_zero.to(at::kBFloat16);
+  return at::equal(int4_dot(xb, packed, sz), at::_weight_int4pack_mm_for_cpu(xb, packed, 32, sz));
+}
+
+// Whether int4_linear runs the kernel above (else torch's): this build has it, switched
+// on (SPINDLE_CPU_INT4_GEMM, read once), torch's packing checked once to be the one it
+// reads, a few bf16 rows, whole 64-row blocks.
+bool int4_dot_applies(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_zero) {
+  static const bool switched_on = [] {
+    const char* flag = std::getenv("SPINDLE_CPU_INT4_GEMM");
+    return flag == nullptr || std::string(flag) != "0";
+  }();
+  static const bool layout_ok = switched_on && int4_layout_matches_torch();
+  if (!(layout_ok && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+        packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+        scale_zero.dim() == 3 && scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous()))
+    return false;
+  const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
+  return M >= 1 && M <= kInt4MaxRows && N % kInt4Block == 0 && K % kQuantGroup == 0 && packed.size(1) * 2 == K &&
+         scale_zero.size(0) == K / kQuantGroup && scale_zero.size(1) == N && scale_zero.size(2) == 2;
+}
+
+// x [M, K] bf16 @ the packed int4 weight [N, K / 2] -> bf16 [M, N]: the kernel above at
+// a decode step's few rows, torch's _weight_int4pack_mm_for_cpu otherwise.
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_zero) {
+  if (!int4_dot_applies(x, packed, scale_zero)) return at::_weight_int4pack_mm_for_cpu(x, packed, 32, scale_zero);
+  return int4_dot(x, packed, scale_zero);
+}
+
+// The kernel itself, for shapes int4_dot_applies accepts (M >= 1, whole blocks).
+torch::Tensor int4_dot(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_zero) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  const auto xc = x.contiguous();
+  const int64_t M = x.size(0), N = packed.size(0), K = x.size(1), groups = K / kQuantGroup;
+  // Each group's sum of x, for the zeros' term (float32, in order).
+  auto xsums = torch::empty({M, groups}, x.options().dtype(at::kFloat));
+  const bf16* xp = xc.data_ptr<bf16>();
+  float* sp = xsums.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < kQuantGroup; ++j) sum += static_cast<float>(xp[m * K + g * kQuantGroup + j]);
+      sp[m * groups + g] = sum;
+    }
+  auto out = torch::empty({M, N}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const bf16* szp = scale_zero.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const __m512i table = int4_code_table();
+  at::parallel_for(0, N / kInt4Block, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> totals(M * kInt4Block);
+    alignas(64) __m512i pairs[kQuantGroup / 2 * 4];
+    for (int64_t b = begin; b < end; ++b)
+      int4_block(wp + b * kInt4Block * (K / 2), szp, xp, sp, op, M, N, K, b * kInt4Block, table, totals.data(),
+                 pairs);
+  });
+  return out;
+#else
+  return at::_weight_int4pack_mm_for_cpu(x, packed, 32, scale_zero);
+#endif
+}
+
 // ---------------------------------------------------------------- a whole decoder layer
 
 // One linear layer as the Python side hands it over: (weight, scale_zero, planes, bias).
@@ -763,7 +963,7 @@ using Linear = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, 
 torch::Tensor linear(const torch::Tensor& x, const Linear& layer) {
   const auto& [weight, scale_zero, planes, bias] = layer;
   if (!scale_zero.has_value()) return bf16_linear(x, weight, bias);
-  auto y = at::_weight_int4pack_mm_for_cpu(planes == 2 ? at::cat({x, x}, 1) : x, weight, 32, *scale_zero);
+  auto y = int4_linear(planes == 2 ? at::cat({x, x}, 1) : x, weight, *scale_zero);
   return bias.has_value() ? y + *bias : y;
 }
 
@@ -824,7 +1024,6 @@ inline fVec load_codes(const int8_t* c) {
 #endif
 }
 
-constexpr int64_t kQuantGroup = 32;  // values per scale and offset (layers/int4.py's GROUP)
 constexpr int64_t kRowBlock = 8;     // rows of x per pass over a tile of the weight
 constexpr int64_t kTileN = 64;       // weight rows per task (36 KB of codes at K = 576)
 constexpr int64_t kPrefetchRows = 16;  // how far ahead of the rows being read to prefetch
@@ -1051,6 +1250,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) in bf16, AVX-512 BF16 for a few rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("bf16_dot_applies", &bf16_dot_applies, "whether bf16_linear runs its own kernel for x");
+  m.def("int4_linear", &int4_linear, "x @ W^T for torch's packed CPU int4 weight, bf16; its own kernel for a few rows");
+  m.def("int4_dot_applies", &int4_dot_applies, "whether int4_linear runs its own kernel");
   m.def("int8_group_matmul", &int8_group_matmul,
         "float32 x @ W^T for W as int8 codes with a float32 scale and offset per group of 32");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 or bf16 [rows, n] tensor");

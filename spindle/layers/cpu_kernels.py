@@ -224,6 +224,16 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor,
     return kernels().bf16_linear(x, weight, bias)
 
 
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """bf16 x [M, K] @ W^T -> bf16 [M, N] for W in torch's packed CPU int4 layout
+    (packed uint8 [N, K / 2], scale_zero bf16 [K / 32, N, 2]: w = (q - 8) * s + z; see
+    layers/int4.py): up to 32 rows, with N a multiple of 64, a kernel of its own that
+    reads torch's layout (the layout is checked once per process against torch's kernel),
+    float32 sums rounded once to bf16; torch's _weight_int4pack_mm_for_cpu otherwise.
+    SPINDLE_CPU_INT4_GEMM=0 sends every call to torch's kernel (read once per process)."""
+    return kernels().int4_linear(x, packed, scale_zero)
+
+
 def int8_group_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                       offset: torch.Tensor) -> torch.Tensor:
     """x [M, K] (float32 or bf16) @ W^T -> float32 [M, N], W [N, K] held as int8 codes
