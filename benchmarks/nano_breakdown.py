@@ -152,7 +152,6 @@ class EagerStepTimer:
     def __init__(self, runner, cuda: bool) -> None:
         self.rows: list[dict] = []
         self.slow_heads: list[tuple[int, float]] = []  # (rows, seconds)
-        self._cuda = cuda
         self._marks: dict | None = None
         state = runner._require_state()
         forward, logits, sampler = state.forward, state.compute_logits, runner.sampler

@@ -370,17 +370,23 @@ def test_bf16_linear_refuses_a_bias_of_the_wrong_size():
 def test_bf16_linear_switched_off_is_torchs_gemm():
     """SPINDLE_CPU_BF16_GEMM=0 (read once per process: a fresh interpreter) gives
     torch's GEMM, bit for bit."""
-    import subprocess
-    import sys
-
     script = ("import torch; from spindle.layers import cpu_kernels as c; "
               "x = torch.randn(4, 96).to(torch.bfloat16); w = torch.randn(64, 96).to(torch.bfloat16); "
               "print(c.kernels().bf16_dot_applies(x, w), "
               "torch.equal(c.bf16_linear(x, w), torch.nn.functional.linear(x, w)))")
+    assert _printed_with_switch_off(script, "SPINDLE_CPU_BF16_GEMM") == ["False", "True"]
+
+
+def _printed_with_switch_off(script: str, switch: str) -> list[str]:
+    """What script prints (split) in a fresh interpreter with switch=0 (the kernels
+    read their switches once per process)."""
+    import subprocess
+    import sys
+
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env={**os.environ, "SPINDLE_CPU_BF16_GEMM": "0"}, timeout=300)
+                         env={**os.environ, switch: "0"}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "True"]
+    return out.stdout.split()
 
 
 # ---------------------------------------------------------------- greedy argmax
@@ -507,9 +513,6 @@ def test_int4_linear_runs_its_own_kernel_where_it_should():
 def test_int4_linear_switched_off_is_torchs_kernel():
     """SPINDLE_CPU_INT4_GEMM=0 (read once per process: a fresh interpreter) gives
     torch's int4 kernel, bit for bit."""
-    import subprocess
-    import sys
-
     script = ("import torch; from spindle.layers import cpu_kernels as c; "
               "q = torch.randint(0, 16, (128, 64), dtype=torch.int32); "
               "p = torch._convert_weight_to_int4pack_for_cpu(q, 1); "
@@ -517,7 +520,4 @@ def test_int4_linear_switched_off_is_torchs_kernel():
               "x = torch.randn(4, 64).to(torch.bfloat16); "
               "print(c.kernels().int4_dot_applies(x, p, sz), "
               "torch.equal(c.int4_linear(x, p, sz), torch._weight_int4pack_mm_for_cpu(x, p, 32, sz)))")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env={**os.environ, "SPINDLE_CPU_INT4_GEMM": "0"}, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "True"]
+    assert _printed_with_switch_off(script, "SPINDLE_CPU_INT4_GEMM") == ["False", "True"]

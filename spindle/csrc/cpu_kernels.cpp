@@ -173,6 +173,12 @@ inline float exp_shifted(float* x, float shift, int64_t n) {
 
 // Rows of at most `work` elements each: enough per task that a thread's start-up cost
 // (a few microseconds) pays off.
+// An A/B switch of a kernel: on unless the environment variable is "0".
+inline bool env_switch_on(const char* name) {
+  const char* flag = std::getenv(name);
+  return flag == nullptr || std::string(flag) != "0";
+}
+
 inline int64_t grain_rows(int64_t row_elems, int64_t work = 1 << 14) {
   return std::max<int64_t>(1, work / std::max<int64_t>(1, row_elems));
 }
@@ -728,10 +734,7 @@ void bf16_dot_gemm(const bf16*, const bf16*, const float*, bf16*, int64_t, int64
 // calls torch's linear.
 bool bf16_dot_applies(const torch::Tensor& x, const torch::Tensor& weight) {
   // SPINDLE_CPU_BF16_GEMM=0: torch's GEMM everywhere (the A/B switch), read once.
-  static const bool switched_on = [] {
-    const char* flag = std::getenv("SPINDLE_CPU_BF16_GEMM");
-    return flag == nullptr || std::string(flag) != "0";
-  }();
+  static const bool switched_on = env_switch_on("SPINDLE_CPU_BF16_GEMM");
   return kHaveBf16Dot && switched_on && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kBf16DotMaxRows &&
          x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
          weight.is_contiguous() && x.size(1) == weight.size(1) && x.device().is_cpu() &&
@@ -766,8 +769,8 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight,
 // Per group the kernel sums (q - 8) * x in AVX-512 BF16 pair products (the codes -8..7
 // and the products are exact), then adds s * that sum + z * (the group's sum of x) to
 // each row's float32 total, and rounds the total to bf16 once, as torch's kernel
-// returns. The Python side checks the layout once per process against torch's kernel
-// (layers/int4.py) before it uses this.
+// returns. int4_dot_applies checks the layout once per process against torch's kernel
+// (int4_layout_matches_torch) before this runs.
 constexpr int64_t kQuantGroup = 32;    // values per scale and offset (layers/int4.py's GROUP)
 constexpr int64_t kInt4Block = 64;     // weight rows per packed block (torch on AVX-512)
 constexpr int64_t kInt4MaxRows = 32;   // rows of x up to which int4_linear runs its own kernel
@@ -899,11 +902,7 @@ bool int4_layout_matches_torch() {
 // on (SPINDLE_CPU_INT4_GEMM, read once), torch's packing checked once to be the one it
 // reads, a few bf16 rows, whole 64-row blocks.
 bool int4_dot_applies(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_zero) {
-  static const bool switched_on = [] {
-    const char* flag = std::getenv("SPINDLE_CPU_INT4_GEMM");
-    return flag == nullptr || std::string(flag) != "0";
-  }();
-  static const bool layout_ok = switched_on && int4_layout_matches_torch();
+  static const bool layout_ok = env_switch_on("SPINDLE_CPU_INT4_GEMM") && int4_layout_matches_torch();
   if (!(layout_ok && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
         packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
         scale_zero.dim() == 3 && scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous()))
