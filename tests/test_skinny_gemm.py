@@ -273,3 +273,94 @@ def test_fp8_weight_needs_its_scale_to_apply():
     assert not skinny_gemm_applies(x, q.to(HALF), scale)  # scales for a half weight
     with pytest.raises(ValueError, match="weight_scale must be a float32 \\[64\\]"):
         skinny_linear(x, q, weight_scale=scale[:32])
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("n,k,split", pick([(1024, 2048, 8), (1024, 3072, 12)],
+                                           [(256, 1024, 4), (192, 768, 3)]))
+@pytest.mark.parametrize("m", pick([1, 3, 8], [1, 3]))
+def test_deferred_merge_gives_the_merged_bits(m, n, k, split, silu):
+    """defer_merge: the partials left unsummed add up (merged(), and the fused RMSNorm
+    as it loads them, with and without a residual) to the bits the GEMM's own merge
+    stores; a residual add and norm of those bits is what the norm of the partials
+    gives."""
+    from spindle.layers.fused_kernels import rms_norm
+    from spindle.layers.skinny_gemm import (SkinnyConfig, SplitKPartials, merged,
+                                            new_split_counters, skinny_linear)
+
+    gen = torch.Generator().manual_seed(m * 1000 + n + split)
+    x = torch.randn(m, 2 * k if silu else k, generator=gen).to(HALF).to(DEVICE)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(HALF).to(DEVICE)
+    weight = (1 + torch.randn(n, generator=gen) / 8).to(HALF).to(DEVICE)
+    residual = torch.randn(m, n, generator=gen).to(HALF).to(DEVICE)
+    cfg = SkinnyConfig(split_k=split)
+    counters = new_split_counters(n, x.device)
+    stored = skinny_linear(x, w, config=cfg, counters=counters, silu_and_mul=silu)
+    parts = skinny_linear(x, w, config=cfg, counters=counters, silu_and_mul=silu,
+                          defer_merge=True)
+    assert isinstance(parts, SplitKPartials) and parts.partials.shape[0] == split
+    assert not counters.any()  # (the deferred launch counts no arrivals)
+    assert torch.equal(merged(parts), stored) and merged(stored) is stored
+    assert torch.equal(rms_norm(parts, weight, 1e-6), rms_norm(stored, weight, 1e-6))
+    y, summed = rms_norm(parts, weight, 1e-6, residual)
+    y_ref, summed_ref = rms_norm(stored, weight, 1e-6, residual)
+    assert torch.equal(y, y_ref) and torch.equal(summed, summed_ref)
+
+
+def test_deferred_merge_only_where_k_is_split_without_bias():
+    """No split (one program per N tile has the whole sum), a bias, or no counters:
+    the output is stored as usual."""
+    from spindle.layers.skinny_gemm import SkinnyConfig, new_split_counters, skinny_linear
+
+    x, w, b = _inputs(2, 256, 1024, HALF, True, seed=3)
+    counters = new_split_counters(256, x.device)
+    for kwargs in (dict(config=SkinnyConfig(split_k=1), counters=counters),
+                   dict(config=SkinnyConfig(split_k=4)),  # (no counters: no split)
+                   dict(config=SkinnyConfig(split_k=4), counters=counters, bias=b)):
+        assert isinstance(skinny_linear(x, w, defer_merge=True, **kwargs), torch.Tensor)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers dispatch on CUDA only")
+def test_the_mlp_defers_its_merge_to_the_norm(monkeypatch):
+    """LlamaMLP on a decode-sized CUDA batch, asked to defer: its down projection leaves
+    its partials to the next RMSNorm (up to 8 rows), and they give that norm the bits of
+    the merged output; 9 rows (cuBLAS) give a tensor."""
+    from spindle.distributed.parallel_state import TensorParallelGroup
+    from spindle.layers import skinny_gemm
+    from spindle.layers.norm import RMSNorm
+    from spindle.models.llama import LlamaMLP
+
+    with torch.device("cuda"):
+        mlp = LlamaMLP(1024, 3072, bias=False, tp_group=TensorParallelGroup(rank=0, size=1))
+        norm = RMSNorm(1024)
+    for p in list(mlp.parameters()) + list(norm.parameters()):
+        p.data = (torch.randn_like(p, dtype=torch.float32) / 32).to(torch.bfloat16).cuda()
+    for m in (1, 8, 9):
+        x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+        residual = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+        deferred = mlp(x, defer_merge=True)
+        stored = mlp(x)
+        assert isinstance(deferred, skinny_gemm.SplitKPartials) == (m <= 8)
+        assert torch.equal(skinny_gemm.merged(deferred), stored)
+        for a, b in zip(norm(deferred, residual), norm(stored, residual)):
+            assert torch.equal(a, b)
+
+
+def test_pick_config_splits_k_only_for_few_n_tiles():
+    """On 132 SMs: Qwen3-0.6B's qkv and gate_up (64 and 96 N tiles) run unsplit in
+    256-deep K tiles, o_proj and down_proj (16 tiles) split K to about the SM count,
+    the LM head's 2374 tiles keep the base tiles; a K that 256 does not divide keeps
+    128."""
+    from spindle.layers.skinny_gemm import SkinnyConfig, pick_config
+
+    def chosen(n, k):
+        cfg = pick_config(n, k, 132)
+        return cfg.split_k, cfg.block_k
+
+    assert chosen(4096, 1024) == (1, 256)
+    assert chosen(6144, 1024) == (1, 256)
+    assert chosen(1024, 2048) == (8, 128)
+    assert chosen(1024, 3072) == (12, 128)
+    assert chosen(151936, 1024) == (1, 128)
+    assert chosen(4096, 1152) == (1, 128)
+    assert pick_config(4096, 1024, 132, SkinnyConfig(block_k=512)).block_k == 512

@@ -6,7 +6,8 @@ matter how small the batch, which dominated batch-1 decode. Each kernel here doe
 one of those stages in one launch and rounds to the activation dtype exactly where
 the plain-torch (Hugging Face) version rounds, so results stay bit-comparable:
 
-* rms_norm(x, weight, eps, residual=None): optional residual add, then RMSNorm.
+* rms_norm(x, weight, eps, residual=None): optional residual add, then RMSNorm; x
+  may be a skinny GEMM's unsummed split-K partials (skinny_gemm.SplitKPartials).
 * qk_norm_rope_(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps,
   [v, kv_cache, slot_mapping]): optional per-head RMSNorm of q and k, then the
   neox-style rotary embedding, in place; optionally also writes k and v into their
@@ -22,28 +23,47 @@ import triton
 import triton.language as tl
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
-    """x [T, H] -> y, or (y, x + residual) when residual is given."""
-    num_tokens, hidden = x.shape
-    out = torch.empty_like(x)
-    new_residual = torch.empty_like(x) if residual is not None else out
+def rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x [T, H] -> y, or (y, x + residual) when residual is given. x may be a
+    SplitKPartials of [T, H]: its partials are summed as they load, in split order from
+    zero, then rounded to its dtype, which is the tensor its GEMM would have stored."""
+    from spindle.layers.skinny_gemm import SplitKPartials
+
+    if isinstance(x, SplitKPartials):
+        source, parts = x.partials, x.partials.shape[0]
+        (num_tokens, hidden), dtype = (x.partials.shape[1], x.n), x.dtype
+        x_stride, part_stride = source.stride(1), source.stride(0)
+    else:
+        source, parts = x, 0
+        (num_tokens, hidden), dtype = x.shape, x.dtype
+        x_stride, part_stride = x.stride(0), 0
+    out = torch.empty(num_tokens, hidden, dtype=dtype, device=source.device)
+    new_residual = torch.empty_like(out) if residual is not None else out
     if num_tokens:
         _rms_norm_kernel[(num_tokens,)](
-            x, residual if residual is not None else x, weight, out, new_residual,
-            x.stride(0), (residual if residual is not None else x).stride(0), eps,
-            HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden),
-            HAS_RESIDUAL=residual is not None, num_warps=4 if hidden <= 4096 else 8)
+            source, residual if residual is not None else out, weight, out, new_residual,
+            x_stride, part_stride, (residual if residual is not None else out).stride(0),
+            eps, HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden),
+            HAS_RESIDUAL=residual is not None, PARTS=parts,
+            num_warps=4 if hidden <= 4096 else 8)
     return out if residual is None else (out, new_residual)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, x_stride, res_stride, eps,
-                     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, x_stride, part_stride,
+                     res_stride, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
-    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    if PARTS == 0:
+        x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    else:  # a GEMM's split-K partials (float32), summed as its own merge sums them
+        total = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(PARTS):
+            total += tl.load(x_ptr + s * part_stride + row * x_stride + offs, mask=mask,
+                             other=0.0)
+        x = total.to(out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         # The add rounds to the activation dtype, as `residual + x` does in torch.
         x = (x.to(tl.float32) + tl.load(res_ptr + row * res_stride + offs, mask=mask,

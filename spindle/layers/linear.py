@@ -66,6 +66,10 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
 # and then the skinny GEMM, instead of the GEMM applying the activation as it loads.
 SKINNY_SILU_ENV = "SPINDLE_SKINNY_SILU"
 
+# "0": the skinny GEMMs of o_proj and down_proj merge their split-K partials
+# themselves, instead of leaving them to the RMSNorm after them (skinny_gemm.SplitKPartials).
+SKINNY_DEFER_ENV = "SPINDLE_SKINNY_DEFER_MERGE"
+
 # The smallest N tile the skinny GEMM may use: it sizes the split-K counters.
 SKINNY_MIN_BLOCK_N = 16
 
@@ -78,14 +82,21 @@ def new_split_counters(n: int, device: torch.device | str | None = None) -> torc
     return torch.zeros(-(-n // SKINNY_MIN_BLOCK_N), dtype=torch.int32, device=device)
 
 
+def defers_merges() -> bool:
+    """Whether a caller's defer_merge is honoured (SPINDLE_SKINNY_DEFER_MERGE not "0")."""
+    return os.environ.get(SKINNY_DEFER_ENV, "1") != "0"
+
+
 def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  split_counters: torch.Tensor | None = None,
-                 invariant: bool = False) -> torch.Tensor:
+                 invariant: bool = False, defer_merge: bool = False):
     """F.linear, or at decode-sized batches a GEMM made for few rows: on CUDA (<= 8
     rows) the skinny GEMM, which streams the weight at close to memory bandwidth where
     cuBLAS does not (it splits K only when given split_counters); on the CPU in bf16
     (<= 32 rows) cpu_kernels.bf16_linear, faster than torch's GEMM there. invariant: the
-    batch-invariant GEMM (batch_invariant.py) instead."""
+    batch-invariant GEMM (batch_invariant.py) instead. defer_merge: the skinny GEMM may
+    return its split-K partials unsummed (skinny_gemm.SplitKPartials) for an RMSNorm to
+    add up."""
     if invariant:
         from spindle.layers.batch_invariant import invariant_linear
 
@@ -96,7 +107,10 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
         if not use_skinny_gemm(x2, weight):
             return F.linear(x, weight, bias)
-        y = skinny_linear(x2, weight, bias, counters=split_counters)
+        y = skinny_linear(x2, weight, bias, counters=split_counters,
+                          defer_merge=defer_merge and x.dim() == 2 and defers_merges())
+        if not isinstance(y, torch.Tensor):
+            return y
     elif cpu_kernels.applies(x):
         y = cpu_kernels.bf16_linear(x2, weight, bias)
     else:
@@ -166,12 +180,13 @@ class _ParallelLinearBase(nn.Module):
         copy_checked(dst, q)
         copy_checked(self.weight_scale.data.narrow(0, offset or 0, dst.shape[0]), scale)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, defer_merge: bool = False):
         if self.int4 is not None:
             return self.int4.matmul(x, bias)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.split_counters)
-        return apply_linear(x, self.weight, bias, self.split_counters, self.batch_invariant)
+        return apply_linear(x, self.weight, bias, self.split_counters, self.batch_invariant,
+                            defer_merge)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size} (per rank), "
@@ -312,15 +327,21 @@ class RowParallelLinear(_ParallelLinearBase):
         size = self.input_size  # (not param's: a packed int4 weight has other columns)
         self._copy_rows(param, loaded_weight.narrow(1, self.tp_group.rank * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_merge: bool = False):
+        """defer_merge: the caller's next step is an RMSNorm (norm.RMSNorm), which may
+        take the product as a skinny GEMM's unsummed split-K partials (with one rank,
+        a dense weight and no bias); see skinny_gemm.SplitKPartials."""
+        if defer_merge and self.tp_group.size == 1 and self.bias is None:
+            return self._matmul(x, None, defer_merge=True)
         return self._reduced(lambda bias: self._matmul(x, bias))
 
-    def silu_and_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+    def silu_and_mul_forward(self, gate_up: torch.Tensor, defer_merge: bool = False):
         """forward(silu(gate) * up) for gate_up = [gate | up] [M, 2K] in one skinny GEMM
         launch that applies the activation as it loads (a SwiGLU MLP's down projection
         on a CUDA decode step), or None where that does not apply: not CUDA, more rows
         than the skinny GEMM takes, a quantized or batch-invariant weight, or
-        SPINDLE_SKINNY_SILU=0. The rounding is that of the separate activation kernel."""
+        SPINDLE_SKINNY_SILU=0. The rounding is that of the separate activation kernel.
+        defer_merge: as forward's."""
         from spindle.layers.skinny_gemm import skinny_linear, use_skinny_gemm
 
         k = self.weight.shape[1]
@@ -329,8 +350,10 @@ class RowParallelLinear(_ParallelLinearBase):
                 or self.batch_invariant or os.environ.get(SKINNY_SILU_ENV, "1") == "0"
                 or not use_skinny_gemm(gate_up[:, :k], self.weight)):
             return None
+        defer = defer_merge and self.tp_group.size == 1 and defers_merges()
         return self._reduced(lambda bias: skinny_linear(
-            gate_up, self.weight, bias, counters=self.split_counters, silu_and_mul=True))
+            gate_up, self.weight, bias, counters=self.split_counters, silu_and_mul=True,
+            defer_merge=defer))
 
     def _reduced(self, matmul) -> torch.Tensor:
         """matmul(bias) -> this rank's product; then the all-reduce across ranks and the

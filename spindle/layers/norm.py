@@ -53,8 +53,10 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * h.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda and x.dim() == 2:
+    def forward(self, x, residual: torch.Tensor | None = None):
+        """x: a tensor, or on CUDA a skinny GEMM's unsummed output (SplitKPartials,
+        which only the fused kernel reads)."""
+        if not isinstance(x, torch.Tensor) or (x.is_cuda and x.dim() == 2):
             from spindle.layers.fused_kernels import rms_norm
 
             return rms_norm(x, self.weight, self.variance_epsilon, residual)

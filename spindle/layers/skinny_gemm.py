@@ -26,6 +26,7 @@ from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this
 
 MAX_M = 8
 _BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
+_DEEP_BLOCK_K = 256  # K tile of an unsplit program with few N tiles (pick_config)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -64,7 +65,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   config: SkinnyConfig | None = None,
                   counters: torch.Tensor | None = None,
                   weight_scale: torch.Tensor | None = None,
-                  silu_and_mul: bool = False) -> torch.Tensor:
+                  silu_and_mul: bool = False,
+                  defer_merge: bool = False) -> torch.Tensor | SplitKPartials:
     """x [..., K] @ weight[N, K]^T (+ bias [N]) in float32, returned in x's dtype.
 
     out: an optional [M, N] contiguous destination. config: block sizes and split-K
@@ -74,7 +76,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     which is widened to x's dtype tile by tile. silu_and_mul: x is [..., 2K] = [gate |
     up] and the product is of silu(gate) * up, computed as it is loaded, rounded where
     fused_kernels.silu_and_mul rounds (a SwiGLU MLP's down projection without the
-    activation's own launch)."""
+    activation's own launch). defer_merge: when K is split, and there is no bias or
+    weight_scale, return the split partials (SplitKPartials) unsummed, for the next
+    kernel to add up as it loads them (out is then left unwritten); otherwise the
+    output as usual."""
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:
@@ -92,14 +97,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {tuple(bias.shape)}")
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or not out.is_contiguous() or out.dtype != x.dtype:
+    if out is not None and (out.shape != (m, n) or not out.is_contiguous()
+                            or out.dtype != x.dtype):
         raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
-    if m == 0 or n == 0:
-        return out.reshape(*lead, n)
-    if k == 0:
-        out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
+    if m == 0 or n == 0 or k == 0:
+        out = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if k == 0:
+            out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
         return out.reshape(*lead, n)
     cfg = config or _default_config(n, k, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
@@ -107,8 +111,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         cfg = replace(cfg, split_k=1)
     split, block_k = cfg.split_k, cfg.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    defer = defer_merge and split > 1 and bias is None and weight_scale is None
+    if out is None and not defer:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partials = (torch.empty(split, m, n_tiles * cfg.block_n, dtype=torch.float32,
                             device=x.device) if split > 1 else out)
+    if defer:
+        out = partials  # (not written)
     _skinny_gemm_kernel[(n_tiles, split)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, partials,
@@ -121,22 +130,53 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # multiplies bf16 dot operands as raw integers: it gets float32 operands (bf16 x
         # bf16 products are exact in float32, as in the matrix units).
         IEEE=x.dtype == torch.float32 or not x.is_cuda, SILU_MUL=silu_and_mul,
+        MERGE=not defer,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if defer:
+        return SplitKPartials(partials, n, x.dtype, tuple(lead))
     return out.reshape(*lead, n)
+
+
+@dataclass(frozen=True)
+class SplitKPartials:
+    """A skinny GEMM's output left as its split-K partial products, float32 [S, M, W]
+    (W >= N: whole N tiles), for the kernel that reads the output next to add up as it
+    loads them (fused_kernels.rms_norm): the GEMM then ends without one program
+    waiting for the others. Summed in split order from zero and rounded to dtype, they
+    are the bits the GEMM's own merge stores (merged())."""
+    partials: torch.Tensor
+    n: int
+    dtype: torch.dtype
+    lead: tuple = ()
+
+    def merged(self) -> torch.Tensor:
+        """The output [..., N] the GEMM would have stored."""
+        total = torch.zeros_like(self.partials[0, :, :self.n])
+        for part in self.partials[:, :, :self.n]:
+            total += part
+        return total.to(self.dtype).reshape(*self.lead, self.n)
 
 
 def pick_config(n: int, k: int, num_sms: int,
                 base: SkinnyConfig = SkinnyConfig()) -> SkinnyConfig:
-    """base's tiles (64 x 128); K split when the N tiles alone are fewer than num_sms.
+    """base's tiles (64 x 128); K split only when the N tiles cover less than a third
+    of num_sms.
 
-    The split divides K into whole BLOCK_K chunks (no masked tail), keeps at least two
-    chunks per program so its loads pipeline, and is the smallest such divisor that
-    reaches num_sms programs (else the largest there is). Qwen3-0.6B on 132 SMs:
-    qkv 4096x1024 -> 64 tiles x 4 splits, gate_up 6144x1024 -> 96 x 2, o_proj
-    1024x2048 -> 16 x 8, down_proj 1024x3072 -> 16 x 12, LM head 151936x1024 -> 2374."""
+    From a third of the SMs up, a program runs all of K (in tiles of at least
+    _DEEP_BLOCK_K, where K allows): on the H200 that beat splitting, whose programs
+    wait for the last split's merge (batch-1 decode graph 1.02 -> 0.94 ms with the
+    deferred merges, docs/benchmarks.md). Below, the split divides K into whole
+    BLOCK_K chunks (no masked tail), keeps at least two chunks per program so its
+    loads pipeline, and is the smallest such divisor that reaches num_sms programs
+    (else the largest there is). Qwen3-0.6B on 132 SMs: qkv 4096x1024 -> 64 tiles,
+    gate_up 6144x1024 -> 96 (both K tiles of 256), o_proj 1024x2048 -> 16 x 8 splits,
+    down_proj 1024x3072 -> 16 x 12, LM head 151936x1024 -> 2374."""
     n_tiles = triton.cdiv(n, base.block_n)
     if n_tiles >= num_sms or k % base.block_k:
         return replace(base, split_k=1)
+    if 3 * n_tiles >= num_sms:
+        deep = max(base.block_k, _DEEP_BLOCK_K)
+        return replace(base, split_k=1, block_k=deep if k % deep == 0 else base.block_k)
     chunks = k // base.block_k
     splits = [d for d in range(1, chunks // 2 + 1) if chunks % d == 0] or [1]
     return replace(base, split_k=next((d for d in splits if n_tiles * d >= num_sms),
@@ -165,7 +205,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
                         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr, SILU_MUL: tl.constexpr):
+                        IEEE: tl.constexpr, SILU_MUL: tl.constexpr, MERGE: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -206,6 +246,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
         width = tl.num_programs(0) * BLOCK_N
         part = part_ptr + offs_m[None, :] * width + offs_n[:, None]
         tl.store(part + split * M * width, acc, mask=m_valid[None, :])
+        if not MERGE:  # the next kernel adds the partials up (SplitKPartials)
+            return
         # Every thread's partial is written before the arrival is counted (release);
         # the program that arrives last sees all partials (acquire) and sums them in
         # split order, whichever order the splits finished in.
@@ -228,3 +270,8 @@ def _store_output(acc, b_ptr, s_ptr, rows, y_ptrs, y_mask, HAS_BIAS: tl.constexp
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
     tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=y_mask)
+
+
+def merged(x):
+    """x as a tensor: a SplitKPartials summed (SplitKPartials.merged), anything else as is."""
+    return x.merged() if isinstance(x, SplitKPartials) else x

@@ -121,10 +121,13 @@ class LlamaMLP(nn.Module):
                                            tp_group=tp_group)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_merge: bool = False):
+        """defer_merge: an RMSNorm reads the output next, so it may be the down
+        projection's unsummed split-K partials (RowParallelLinear.forward)."""
         gate_up = self.gate_up_proj(x)
-        fused = self.down_proj.silu_and_mul_forward(gate_up)  # (CUDA decode steps)
-        return fused if fused is not None else self.down_proj(self.act_fn(gate_up))
+        fused = self.down_proj.silu_and_mul_forward(gate_up, defer_merge)  # (CUDA decode)
+        return fused if fused is not None else self.down_proj(self.act_fn(gate_up),
+                                                              defer_merge)
 
 
 class LlamaAttention(nn.Module):
@@ -151,11 +154,13 @@ class LlamaAttention(nn.Module):
                               logits_soft_cap=options.logits_soft_cap)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
-                cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+                cos: torch.Tensor | None, sin: torch.Tensor | None,
+                defer_merge: bool = False):
         """cos/sin None: the fused path (CUDA, and bf16 on the CPU). The q/k norms and
         the rotary embedding (reading the tables, rope_tables, by position) are handed
         to the attention layer unapplied, so its backend can fuse them with the KV
-        store (and, on CUDA decode steps, with attention itself)."""
+        store (and, on CUDA decode steps, with attention itself). defer_merge: as
+        LlamaMLP.forward's, for o_proj."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = self.qkv_proj.split_qkv(qkv)
         if cos is None:
@@ -172,7 +177,7 @@ class LlamaAttention(nn.Module):
                 k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
-        return self.o_proj(out)
+        return self.o_proj(out, defer_merge)
 
     def _qk_norm_rope(self, positions: torch.Tensor):
         """This layer's q/k norms and rotary embedding, as a rotary.QKNormRope."""
@@ -208,8 +213,12 @@ class LlamaDecoderLayer(nn.Module):
                 positions: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block with the residual stream carried separately: returns the MLP
-        output and the residual it must be added to (the next norm does the add)."""
-        if cos is None and not hidden_states.is_cuda:  # (bf16 on the CPU)
+        output and the residual it must be added to (the next norm does the add). On a
+        CUDA decode step the MLP output may be the down projection's unsummed split-K
+        partials (skinny_gemm.SplitKPartials), which that norm sums: o_proj's and
+        down_proj's GEMMs then end without a merge of their own."""
+        if (cos is None and isinstance(hidden_states, torch.Tensor)  # (not partials)
+                and not hidden_states.is_cuda):  # (bf16 on the CPU)
             fused = self.cpu_decode(hidden_states, residual, positions)
             if fused is not None:
                 return fused
@@ -218,8 +227,10 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, positions, cos, sin)
+        hidden_states = self.self_attn(hidden_states, positions, cos, sin, defer_merge=True)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp(hidden_states, defer_merge=True), residual
         return self.mlp(hidden_states), residual
 
     def cpu_decode(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
@@ -332,7 +343,9 @@ class LlamaModel(nn.Module):
         for layer in self.own_layers():
             hidden_states, residual = layer(hidden_states, residual, positions, cos, sin)
         if not self.stage.is_last:
-            return IntermediateTensors(hidden_states, residual)
+            from spindle.layers.skinny_gemm import merged
+
+            return IntermediateTensors(merged(hidden_states), residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
