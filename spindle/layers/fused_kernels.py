@@ -27,16 +27,14 @@ def rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None 
     """x [T, H] -> y, or (y, x + residual) when residual is given. x may be a
     SplitKPartials of [T, H]: its partials are summed as they load, in split order from
     zero, then rounded to its dtype, which is the tensor its GEMM would have stored."""
-    from spindle.layers.skinny_gemm import SplitKPartials
-
-    if isinstance(x, SplitKPartials):
-        source, parts = x.partials, x.partials.shape[0]
-        (num_tokens, hidden), dtype = (x.partials.shape[1], x.n), x.dtype
-        x_stride, part_stride = source.stride(1), source.stride(0)
-    else:
+    if isinstance(x, torch.Tensor):
         source, parts = x, 0
         (num_tokens, hidden), dtype = x.shape, x.dtype
         x_stride, part_stride = x.stride(0), 0
+    else:  # (skinny_gemm.SplitKPartials; not imported: it imports this module)
+        source, parts = x.partials, x.partials.shape[0]
+        (num_tokens, hidden), dtype = (x.partials.shape[1], x.n), x.dtype
+        x_stride, part_stride = source.stride(1), source.stride(0)
     out = torch.empty(num_tokens, hidden, dtype=dtype, device=source.device)
     new_residual = torch.empty_like(out) if residual is not None else out
     if num_tokens:

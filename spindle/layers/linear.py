@@ -82,11 +82,6 @@ def new_split_counters(n: int, device: torch.device | str | None = None) -> torc
     return torch.zeros(-(-n // SKINNY_MIN_BLOCK_N), dtype=torch.int32, device=device)
 
 
-def defers_merges() -> bool:
-    """Whether a caller's defer_merge is honoured (SPINDLE_SKINNY_DEFER_MERGE not "0")."""
-    return os.environ.get(SKINNY_DEFER_ENV, "1") != "0"
-
-
 def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  split_counters: torch.Tensor | None = None,
                  invariant: bool = False, defer_merge: bool = False):
@@ -108,7 +103,7 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if not use_skinny_gemm(x2, weight):
             return F.linear(x, weight, bias)
         y = skinny_linear(x2, weight, bias, counters=split_counters,
-                          defer_merge=defer_merge and x.dim() == 2 and defers_merges())
+                          defer_merge=defer_merge and x.dim() == 2)
         if not isinstance(y, torch.Tensor):
             return y
     elif cpu_kernels.applies(x):
@@ -331,9 +326,8 @@ class RowParallelLinear(_ParallelLinearBase):
         """defer_merge: the caller's next step is an RMSNorm (norm.RMSNorm), which may
         take the product as a skinny GEMM's unsummed split-K partials (with one rank,
         a dense weight and no bias); see skinny_gemm.SplitKPartials."""
-        if defer_merge and self.tp_group.size == 1 and self.bias is None:
-            return self._matmul(x, None, defer_merge=True)
-        return self._reduced(lambda bias: self._matmul(x, bias))
+        defer = self._may_defer(defer_merge)
+        return self._reduced(lambda bias: self._matmul(x, bias, defer))
 
     def silu_and_mul_forward(self, gate_up: torch.Tensor, defer_merge: bool = False):
         """forward(silu(gate) * up) for gate_up = [gate | up] [M, 2K] in one skinny GEMM
@@ -350,10 +344,17 @@ class RowParallelLinear(_ParallelLinearBase):
                 or self.batch_invariant or os.environ.get(SKINNY_SILU_ENV, "1") == "0"
                 or not use_skinny_gemm(gate_up[:, :k], self.weight)):
             return None
-        defer = defer_merge and self.tp_group.size == 1 and defers_merges()
+        defer = self._may_defer(defer_merge)
         return self._reduced(lambda bias: skinny_linear(
             gate_up, self.weight, bias, counters=self.split_counters, silu_and_mul=True,
             defer_merge=defer))
+
+    def _may_defer(self, defer_merge: bool) -> bool:
+        """A caller's defer_merge, where the product needs no all-reduce (one rank) and
+        SPINDLE_SKINNY_DEFER_MERGE is not "0". (With one rank the bias goes into the
+        product, and the skinny GEMM does not defer a product with a bias.)"""
+        return (defer_merge and self.tp_group.size == 1
+                and os.environ.get(SKINNY_DEFER_ENV, "1") != "0")
 
     def _reduced(self, matmul) -> torch.Tensor:
         """matmul(bias) -> this rank's product; then the all-reduce across ranks and the
