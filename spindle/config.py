@@ -169,14 +169,11 @@ class EngineArgs:
         from spindle.platforms import resolve_platform
 
         platform = resolve_platform(self.device)
-        if platform.compiles_kernels_on_first_use and self.tensor_parallel_size == 1 \
-                and self.pipeline_parallel_size == 1:  # (an engine in this process)
-            from spindle.runner.compile_ahead import hash_triton_in_background
-
-            hash_triton_in_background()  # beside the config's import of transformers
+        parallel = ParallelConfig.create(self)
+        if parallel.distributed_executor_backend == "uni":  # the worker is in this process
+            _start_in_process_worker_device(parallel, platform)
         model = ModelConfig.create(self, platform.device_type)
         sched = SchedulerConfig.create(self, model)
-        parallel = ParallelConfig.create(self)
         config = EngineConfig(
             model=model,
             cache=_cache_config(self, model),
@@ -193,6 +190,24 @@ class EngineArgs:
 
         check_config(config)  # the runner refuses what the model's state cannot serve
         return config
+
+
+def _start_in_process_worker_device(parallel: ParallelConfig, platform) -> None:
+    """Work the worker's start would begin with, begun now on threads so that it runs
+    beside the config's import of transformers: Triton's cache key, and the device's
+    runtime (platform.start_device_in_background). A bad device id is left for the
+    executor to report."""
+    from spindle.executor.devices import worker_device_indices
+
+    if platform.compiles_kernels_on_first_use:
+        from spindle.runner.compile_ahead import hash_triton_in_background
+
+        hash_triton_in_background()
+    try:
+        index = worker_device_indices(parallel, platform)[0]
+    except ValueError:
+        return
+    platform.start_device_in_background(platform.device_for_rank(index))
 
 
 # The default encoder budget holds at least this many encoder inputs (Whisper windows):

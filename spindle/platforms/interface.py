@@ -92,6 +92,15 @@ class Platform(abc.ABC):
     def supports_cuda_graphs(self) -> bool:
         return False
 
+    def start_device_in_background(self, device: torch.device) -> None:
+        """Begin readying device on a thread (its runtime and libraries) for a worker that
+        this process starts later. Where there is nothing to ready, nothing happens."""
+        return None
+
+    def wait_for_device_start(self, device: torch.device) -> None:
+        """Wait until what start_device_in_background began for device has ended."""
+        return None
+
     def worker_class(self) -> str:
         """Import path of the Worker class for this platform."""
         return "spindle.worker.worker:Worker"

@@ -29,6 +29,7 @@ what a test reads to show that nothing compiles once the engine is ready.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -37,6 +38,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SWITCH_ENV = "SPINDLE_COMPILE_AHEAD"
 MAX_THREADS = 16
@@ -160,10 +163,18 @@ def hash_triton_in_background() -> None:
 
 
 def preload(jit_function, specialization_data: str, device: torch.device) -> None:
-    """Compile (or load from Triton's cache) one variant for device, on this thread."""
+    """Compile (or load from Triton's cache) one variant for device, on this thread, and
+    load it onto the device: Triton does that at a variant's first launch (the module
+    load and the launcher), which would otherwise fall to the warm-up's thread."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # (preload compiles for the thread's current device)
-    jit_function.preload(specialization_data)
+    kernel = jit_function.preload(specialization_data)
+    load = getattr(kernel, "_init_handles", None)
+    if load is not None:
+        try:
+            load()
+        except Exception as e:  # (the first launch raises it again, where it belongs)
+            logger.debug("%s: not loaded ahead: %s", jit_function.fn.__name__, e)
 
 
 def triton_variants() -> int:

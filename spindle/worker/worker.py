@@ -91,6 +91,7 @@ class Worker:
 
                 hash_triton_in_background()  # (overlaps the rest of the start)
             self.device = self.platform.device_for_rank(self.local_rank)
+            self.platform.wait_for_device_start(self.device)
             self.platform.set_device(self.device)
             torch.manual_seed(self.config.model.seed)
             self._init_distributed()

@@ -1,0 +1,66 @@
+"""The CUDA context and cuBLAS started on a thread while the engine config is made
+(CudaPlatform.start_device_in_background), only where the worker runs in this process.
+
+Each case runs in a fresh interpreter: whether CUDA is initialized is per process.
+Run with `python -m pytest -m gpu tests/test_cuda_early_start.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# Makes the engine config, then reports whether this process has started CUDA (after
+# waiting for the start thread, if there is one).
+_SCRIPT = r"""
+import json, sys, threading
+import torch
+from spindle.config import EngineArgs
+from spindle.platforms import resolve_platform
+
+backend = sys.argv[2]
+config = EngineArgs(model=sys.argv[1], device="cuda", distributed_executor_backend=backend,
+                    device_ids=[int(sys.argv[3])]).create_engine_config()
+threads = [t.name for t in threading.enumerate() if t.name.startswith("spindle-start-")]
+resolve_platform("cuda").wait_for_device_start(torch.device("cuda", int(sys.argv[3])))
+print("RESULT " + json.dumps({"threads": threads, "initialized": torch.cuda.is_initialized()}))
+"""
+
+
+def _run(path: Path, backend: str, device_id: int = 0, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), backend, str(device_id)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env}, cwd=Path(__file__).resolve().parent.parent)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[0].split(" ", 1)[1])
+
+
+def test_an_in_process_worker_has_its_device_started_while_the_config_is_made(tiny_model):
+    last = torch.cuda.device_count() - 1  # (the start follows device_ids)
+    result = _run(tiny_model(arch="qwen3"), "uni", last)
+    assert result["initialized"], result
+    assert result["threads"] in ([], [f"spindle-start-cuda:{last}"]), result
+
+
+def test_no_cuda_in_the_engine_process_when_workers_run_elsewhere(tiny_model):
+    """mp workers drive the device from their own processes: the engine's process makes
+    no context (it would hold device memory, and a forked worker could not use CUDA)."""
+    result = _run(tiny_model(arch="qwen3"), "mp")
+    assert not result["initialized"] and not result["threads"], result
+
+
+def test_the_switch_leaves_the_start_to_the_worker(tiny_model):
+    result = _run(tiny_model(arch="qwen3"), "uni", SPINDLE_CUDA_EARLY_START="0")
+    assert not result["initialized"] and not result["threads"], result
