@@ -1,8 +1,8 @@
 """The CUDA context and cuBLAS started on a thread while the engine config is made
 (CudaPlatform.start_device_in_background), only where the worker runs in this process.
 
-Each case runs in a fresh interpreter: whether CUDA is initialized is per process.
-Run with `python -m pytest -m gpu tests/test_cuda_early_start.py`.
+The GPU cases run in a fresh interpreter: whether CUDA is initialized is per process.
+Run them with `python -m pytest -m gpu tests/test_cuda_early_start.py`.
 """
 
 from __future__ import annotations
@@ -11,15 +11,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+from spindle.platforms.cuda import CudaPlatform
 
 # Makes the engine config, then reports whether this process has started CUDA (after
 # waiting for the start thread, if there is one).
@@ -47,6 +45,7 @@ def _run(path: Path, backend: str, device_id: int = 0, **env: str) -> dict:
     return json.loads(lines[0].split(" ", 1)[1])
 
 
+@pytest.mark.gpu  # (conftest skips it where there is no CUDA device)
 def test_an_in_process_worker_has_its_device_started_while_the_config_is_made(tiny_model):
     last = torch.cuda.device_count() - 1  # (the start follows device_ids)
     result = _run(tiny_model(arch="qwen3"), "uni", last)
@@ -54,6 +53,7 @@ def test_an_in_process_worker_has_its_device_started_while_the_config_is_made(ti
     assert result["threads"] in ([], [f"spindle-start-cuda:{last}"]), result
 
 
+@pytest.mark.gpu  # (conftest skips it where there is no CUDA device)
 def test_no_cuda_in_the_engine_process_when_workers_run_elsewhere(tiny_model):
     """mp workers drive the device from their own processes: the engine's process makes
     no context (it would hold device memory, and a forked worker could not use CUDA)."""
@@ -61,6 +61,24 @@ def test_no_cuda_in_the_engine_process_when_workers_run_elsewhere(tiny_model):
     assert not result["initialized"] and not result["threads"], result
 
 
+@pytest.mark.gpu  # (conftest skips it where there is no CUDA device)
 def test_the_switch_leaves_the_start_to_the_worker(tiny_model):
     result = _run(tiny_model(arch="qwen3"), "uni", SPINDLE_CUDA_EARLY_START="0")
     assert not result["initialized"] and not result["threads"], result
+
+
+@pytest.mark.parametrize("initialized,switch,starts", [(False, None, True), (True, None, False),
+                                                         (False, "0", False)])
+def test_a_start_only_in_a_process_without_cuda_and_with_the_switch_on(
+        monkeypatch, initialized, switch, starts):
+    """Where the process uses CUDA already, a start's cuBLAS handle would stay beside the
+    one in use, with its own workspace, for good: none starts then."""
+    began = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(threading.Thread, "start", lambda self: began.append(self.name))
+    if switch is None:
+        monkeypatch.delenv("SPINDLE_CUDA_EARLY_START", raising=False)
+    else:
+        monkeypatch.setenv("SPINDLE_CUDA_EARLY_START", switch)
+    CudaPlatform().start_device_in_background(torch.device("cuda", 1))
+    assert began == (["spindle-start-cuda:1"] if starts else []), began

@@ -73,9 +73,15 @@ class CudaPlatform(Platform):
         """Create device's CUDA context and load cuBLAS (a first matmul) on a daemon thread.
         On an H200 host that takes 0.3-0.5 s, nearly all of it in driver and library calls
         that release the GIL, so started before the config's import of transformers it
-        runs beside it instead of at the head of the worker's stages. Nothing happens when
-        SPINDLE_CUDA_EARLY_START=0 or when a start of device is running already."""
-        if os.environ.get(EARLY_START_ENV, "1") == "0" or _start_thread(device) is not None:
+        runs beside it instead of at the head of the worker's stages. The thread's cuBLAS
+        handle, and its workspace, go to the worker's thread when it ends.
+
+        Nothing happens when SPINDLE_CUDA_EARLY_START=0, when a start of device is running
+        already, or when this process uses CUDA already: the context is made then, and
+        beside a thread that holds a handle the start's handle would stay unused, with a
+        second cuBLAS workspace, for the life of the process."""
+        if (os.environ.get(EARLY_START_ENV, "1") == "0" or torch.cuda.is_initialized()
+                or _start_thread(device) is not None):
             return
         threading.Thread(target=_start_device, args=(device,), name=_start_thread_name(device),
                          daemon=True).start()
