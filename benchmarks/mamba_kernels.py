@@ -112,7 +112,7 @@ class Layer:
         dev = DEVICE
         self.weight = (torch.randn(self.channels, WIDTH, device=dev) / 2).bfloat16()
         self.bias = torch.randn(self.channels, device=dev).bfloat16()
-        self.A = -torch.exp(torch.rand(heads, device=dev) * 2)
+        self.A_log = torch.rand(heads, device=dev) * 2  # A = -exp(A_log), as the ops take it
         self.D = torch.ones(heads, device=dev)
         self.dt_bias = torch.rand(heads, device=dev) - 2
         self.conv_state = torch.randn(num_slots, self.channels, WIDTH - 1,
@@ -144,7 +144,7 @@ def prefill_rows(ops, layer: Layer, iters: int) -> list[tuple]:
 
     def ssd(impl, xbc):
         x, B, C = layer.split(xbc)
-        return lambda: impl.ssd_prefill(x, dt, layer.A, B, C, layer.D, layer.dt_bias, limit,
+        return lambda: impl.ssd_prefill(x, dt, layer.A_log, B, C, layer.D, layer.dt_bias, limit,
                                         CHUNK, layer.ssm_state, md)
 
     xbc = conv(ops["triton"])()
@@ -177,7 +177,7 @@ def decode_rows(ops, layer: Layer, batch: int, iters: int) -> list[tuple]:
                                                  layer.conv_state, idx, "silu")
 
     def ssd(impl):
-        return lambda: impl.ssd_decode(x, dt, layer.A, B, C, layer.D, layer.dt_bias, limit,
+        return lambda: impl.ssd_decode(x, dt, layer.A_log, B, C, layer.D, layer.dt_bias, limit,
                                        layer.ssm_state, idx)
 
     return [compare("conv1d decode", f"B={batch}", ops, conv, layer, iters, True, conv_moved),

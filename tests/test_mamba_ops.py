@@ -54,16 +54,20 @@ SHAPE_IDS = ["h3g1", "h6g2", "h5g5-k2"]
 
 @dataclass
 class Params:
-    A: torch.Tensor
+    A_log: torch.Tensor  # what the ops take; the references take A
     D: torch.Tensor
     dt_bias: torch.Tensor
     conv_weight: torch.Tensor
     conv_bias: torch.Tensor
 
+    @property
+    def A(self) -> torch.Tensor:
+        return -torch.exp(self.A_log)
+
 
 def make_params(shape: Shape, channels: int, g: torch.Generator) -> Params:
     h = shape.heads
-    return Params(A=-torch.exp(torch.rand(h, generator=g) * 2.7),  # decays of 1..15 per unit dt
+    return Params(A_log=torch.rand(h, generator=g) * 2.7,  # decays of 1..15 per unit dt
                   D=1.0 + 0.5 * torch.randn(h, generator=g),
                   dt_bias=-2.0 + torch.rand(h, generator=g) * 2,
                   conv_weight=0.5 * torch.randn(channels, shape.conv_width, generator=g),
@@ -153,7 +157,7 @@ def test_ssd_prefill_matches_recurrence_and_transformers(shape):
     p, (x, dt, B, C), _, _, ssm_state = prefill_setup(shape, seed=1)
     before = ssm_state.clone()
     state = ssm_state.clone()
-    y = ssd_prefill(x, dt, p.A, B, C, p.D, p.dt_bias, (0.0, float("inf")), CHUNK, state,
+    y = ssd_prefill(x, dt, p.A_log, B, C, p.D, p.dt_bias, (0.0, float("inf")), CHUNK, state,
                     metadata(LENGTHS, SLOTS, HAS_INITIAL))
     assert y.dtype == x.dtype and y.shape == x.shape
     chunk_scan = hf_bamba().mamba2_chunk_scan
@@ -207,12 +211,12 @@ def test_prefill_without_states_is_zero_history():
     p, (x, dt, B, C), conv_x, _, _ = prefill_setup(shape, seed=3)
     no_history = [False] * len(LENGTHS)
     md = metadata(LENGTHS, SLOTS, HAS_INITIAL)  # has_initial_state ignored without states
-    y = ssd_prefill(x, dt, p.A, B, C, p.D, p.dt_bias, (0.0, float("inf")), CHUNK, None, md)
+    y = ssd_prefill(x, dt, p.A_log, B, C, p.D, p.dt_bias, (0.0, float("inf")), CHUNK, None, md)
     conv = causal_conv1d_prefill(conv_x, p.conv_weight, p.conv_bias, None, md)
     scratch_ssm = torch.zeros(NUM_SLOTS, shape.heads, shape.head_dim, shape.state)
     scratch_conv = torch.zeros(NUM_SLOTS, conv_x.shape[1], shape.conv_width - 1)
     md_fresh = metadata(LENGTHS, SLOTS, no_history)
-    torch.testing.assert_close(y, ssd_prefill(x, dt, p.A, B, C, p.D, p.dt_bias,
+    torch.testing.assert_close(y, ssd_prefill(x, dt, p.A_log, B, C, p.D, p.dt_bias,
                                               (0.0, float("inf")), CHUNK, scratch_ssm, md_fresh),
                                atol=0, rtol=0)
     torch.testing.assert_close(conv, causal_conv1d_prefill(conv_x, p.conv_weight, p.conv_bias,
@@ -239,7 +243,7 @@ def test_chunked_prefill_equals_one_call(shape, split):
         ys, convs = [], []
         for start, end in parts:
             md = metadata([end - start], [1], [start > 0])
-            ys.append(ssd_prefill(x[start:end], dt[start:end], p.A, B[start:end],
+            ys.append(ssd_prefill(x[start:end], dt[start:end], p.A_log, B[start:end],
                                   C[start:end], p.D, p.dt_bias, limit, CHUNK, ssm, md))
             convs.append(causal_conv1d_prefill(conv_x[start:end], p.conv_weight,
                                                p.conv_bias, conv, md))
@@ -257,7 +261,7 @@ def test_dt_limit_clamps_the_step():
     limit = (0.05, 0.3)
     md = metadata(LENGTHS, SLOTS, HAS_INITIAL)
     state = ssm_state.clone()
-    y = ssd_prefill(x, dt, p.A, B, C, p.D, p.dt_bias, limit, CHUNK, state, md)
+    y = ssd_prefill(x, dt, p.A_log, B, C, p.D, p.dt_bias, limit, CHUNK, state, md)
     chunk_scan = hf_bamba().mamba2_chunk_scan
     start, end, slot, _ = list(spans())[3]
     want_y, want_state = naive_ssd(x[start:end], dt[start:end], B[start:end], C[start:end], p,
@@ -268,7 +272,7 @@ def test_dt_limit_clamps_the_step():
                       C[None, start:end], chunk_size=CHUNK, D=p.D, dt_bias=p.dt_bias,
                       initial_states=ssm_state[slot][None], dt_softplus=True, dt_limit=limit)
     close(y[start:end], hf_y[0])
-    unclamped = ssd_prefill(x, dt, p.A, B, C, p.D, p.dt_bias, (0.0, float("inf")), CHUNK,
+    unclamped = ssd_prefill(x, dt, p.A_log, B, C, p.D, p.dt_bias, (0.0, float("inf")), CHUNK,
                             ssm_state.clone(), md)
     assert (unclamped[start:end] - y[start:end]).abs().max() > 1e-2  # the clamp did bite
 
@@ -276,7 +280,7 @@ def test_dt_limit_clamps_the_step():
 def test_metadata_without_host_copies():
     shape = SHAPES[0]
     p, (x, dt, B, C), conv_x, conv_state, ssm_state = prefill_setup(shape, seed=5)
-    args = (x, dt, p.A, B, C, p.D, p.dt_bias, (0.0, float("inf")), CHUNK)
+    args = (x, dt, p.A_log, B, C, p.D, p.dt_bias, (0.0, float("inf")), CHUNK)
     y_host = ssd_prefill(*args, ssm_state.clone(), metadata(LENGTHS, SLOTS, HAS_INITIAL))
     y_dev = ssd_prefill(*args, ssm_state.clone(),
                         metadata(LENGTHS, SLOTS, HAS_INITIAL, host_copies=False))
@@ -299,7 +303,7 @@ def test_ssd_decode_matches_recurrence_and_transformers(shape):
     before = ssm_state.clone()
     state = ssm_state.clone()
     idx = torch.tensor(DECODE_SLOTS, dtype=torch.int32)
-    y = ssd_decode(x, dt, p.A, B, C, p.D, p.dt_bias, (0.0, float("inf")), state, idx)
+    y = ssd_decode(x, dt, p.A_log, B, C, p.D, p.dt_bias, (0.0, float("inf")), state, idx)
     assert torch.isfinite(y).all()
     P, N = shape.head_dim, shape.state
     for row, slot in enumerate(DECODE_SLOTS):
@@ -363,18 +367,18 @@ def test_prefill_then_decode_equals_longer_prefill():
     ssm = torch.zeros(3, shape.heads, shape.head_dim, shape.state)
     conv = torch.zeros(3, channels, shape.conv_width - 1)
     md = metadata([prompt], [2], [False])
-    ys = [ssd_prefill(x[:prompt], dt[:prompt], p.A, B[:prompt], C[:prompt], p.D, p.dt_bias,
+    ys = [ssd_prefill(x[:prompt], dt[:prompt], p.A_log, B[:prompt], C[:prompt], p.D, p.dt_bias,
                       limit, CHUNK, ssm, md)]
     convs = [causal_conv1d_prefill(conv_x[:prompt], p.conv_weight, p.conv_bias, conv, md)]
     idx = torch.tensor([2], dtype=torch.int32)
     for t in range(prompt, length):
         s = slice(t, t + 1)
-        ys.append(ssd_decode(x[s], dt[s], p.A, B[s], C[s], p.D, p.dt_bias, limit, ssm, idx))
+        ys.append(ssd_decode(x[s], dt[s], p.A_log, B[s], C[s], p.D, p.dt_bias, limit, ssm, idx))
         convs.append(causal_conv1d_decode(conv_x[s], p.conv_weight, p.conv_bias, conv, idx))
     ssm_ref = torch.zeros_like(ssm)
     conv_ref = torch.zeros_like(conv)
     md_all = metadata([length], [2], [False])
-    y_ref = ssd_prefill(x, dt, p.A, B, C, p.D, p.dt_bias, limit, CHUNK, ssm_ref, md_all)
+    y_ref = ssd_prefill(x, dt, p.A_log, B, C, p.D, p.dt_bias, limit, CHUNK, ssm_ref, md_all)
     conv_out_ref = causal_conv1d_prefill(conv_x, p.conv_weight, p.conv_bias, conv_ref, md_all)
     torch.testing.assert_close(torch.cat(ys), y_ref, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(torch.cat(convs), conv_out_ref, atol=ATOL, rtol=RTOL)
@@ -388,11 +392,11 @@ def test_low_precision_states_and_inputs():
     p, (x, dt, B, C), conv_x, conv_state, ssm_state = prefill_setup(shape, seed=9)
     md = metadata(LENGTHS, SLOTS, HAS_INITIAL)
     state16 = ssm_state.to(torch.bfloat16)
-    y16 = ssd_prefill(x.bfloat16(), dt.bfloat16(), p.A, B.bfloat16(), C.bfloat16(),
+    y16 = ssd_prefill(x.bfloat16(), dt.bfloat16(), p.A_log, B.bfloat16(), C.bfloat16(),
                       p.D.bfloat16(), p.dt_bias.bfloat16(), (0.0, float("inf")), CHUNK,
                       state16, md)
     assert y16.dtype == torch.bfloat16 and state16.dtype == torch.bfloat16
-    y32 = ssd_prefill(x, dt, p.A, B, C, p.D, p.dt_bias, (0.0, float("inf")), CHUNK,
+    y32 = ssd_prefill(x, dt, p.A_log, B, C, p.D, p.dt_bias, (0.0, float("inf")), CHUNK,
                       ssm_state.clone(), md)
     rel = (y16.float() - y32).norm() / y32.norm()
     assert rel < 3e-2, rel
@@ -408,14 +412,14 @@ def test_bad_inputs_raise_clear_errors():
     md = metadata(LENGTHS, SLOTS, HAS_INITIAL)
     limit = (0.0, float("inf"))
     with pytest.raises(ValueError, match="chunk_size"):
-        ssd_prefill(x, dt, p.A, B, C, p.D, p.dt_bias, limit, 0, ssm_state, md)
+        ssd_prefill(x, dt, p.A_log, B, C, p.D, p.dt_bias, limit, 0, ssm_state, md)
     with pytest.raises(ValueError, match="G dividing"):
-        ssd_prefill(x, dt, p.A, B[:, :1].expand(-1, 4, -1), C[:, :1].expand(-1, 4, -1), p.D,
+        ssd_prefill(x, dt, p.A_log, B[:, :1].expand(-1, 4, -1), C[:, :1].expand(-1, 4, -1), p.D,
                     p.dt_bias, limit, CHUNK, ssm_state, md)
     with pytest.raises(ValueError, match="dt"):
-        ssd_prefill(x, dt[:, :2], p.A, B, C, p.D, p.dt_bias, limit, CHUNK, ssm_state, md)
+        ssd_prefill(x, dt[:, :2], p.A_log, B, C, p.D, p.dt_bias, limit, CHUNK, ssm_state, md)
     with pytest.raises(ValueError, match="one state index per row"):
-        ssd_decode(x[:3], dt[:3], p.A, B[:3], C[:3], p.D, p.dt_bias, limit, ssm_state,
+        ssd_decode(x[:3], dt[:3], p.A_log, B[:3], C[:3], p.D, p.dt_bias, limit, ssm_state,
                    torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d_prefill(conv_x, p.conv_weight, p.conv_bias, conv_state, md,

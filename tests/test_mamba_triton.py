@@ -221,11 +221,12 @@ def _ssd_case(num_tokens, heads, groups, head_dim, state_size, dtype, seed,
     proj = (torch.randn(num_tokens, heads + 3, generator=gen) - 0.5).to(dtype)
     case = dict(
         conv_out=conv_out, proj=proj,
-        A=-torch.exp(torch.rand(heads, generator=gen) * 1.5 - 0.5),
+        A_log=torch.rand(heads, generator=gen) * 1.5 - 0.5,
         D=torch.randn(heads, generator=gen),
         dt_bias=torch.randn(heads, generator=gen) * 0.5,
         state=torch.randn(NUM_SLOTS, heads, head_dim, state_size, generator=gen)
         .to(state_dtype))
+    case["A"] = -torch.exp(case["A_log"])  # (what the references take)
     return case
 
 
@@ -263,7 +264,7 @@ def _run_ssd_prefill(case, views, md, chunk_size, dt_limit=(0.0, float("inf")),
     heads, head_dim = views["x"].shape[1:]
     groups, state_size = views["B"].shape[1:]
     dv = _ssd_views(dev, heads, groups, head_dim, state_size)
-    y = ssd_prefill(dv["x"], dv["dt"], dev["A"], dv["B"], dv["C"], dev["D"], dev["dt_bias"],
+    y = ssd_prefill(dv["x"], dv["dt"], dev["A_log"], dv["B"], dv["C"], dev["D"], dev["dt_bias"],
                     dt_limit, chunk_size, dev["state"] if with_state else None, md)
     return y, dev
 
@@ -335,7 +336,7 @@ def test_ssd_prefill_and_decode_clamp_dt(dt_limit):
         finals.append(ref_state)
     # One decode step for both requests from the states the prefill left.
     tail = {k: v[sum(lens):].to(DEVICE) for k, v in views.items()}
-    out = ssd_decode(tail["x"], tail["dt"], dev["A"], tail["B"], tail["C"], dev["D"],
+    out = ssd_decode(tail["x"], tail["dt"], dev["A_log"], tail["B"], tail["C"], dev["D"],
                      dev["dt_bias"], dt_limit, dev["state"],
                      torch.tensor(slots, dtype=torch.int32, device=DEVICE))
     for b, slot in enumerate(slots):
@@ -363,7 +364,7 @@ def test_ssd_prefill_split_equals_one_call(split):
     dv = _ssd_views(dev, heads, groups, head_dim, state_size)
     ys = []
     for lo, hi, init in ((0, split, False), (split, length, True)):
-        ys.append(ssd_prefill(dv["x"][lo:hi], dv["dt"][lo:hi], dev["A"], dv["B"][lo:hi],
+        ys.append(ssd_prefill(dv["x"][lo:hi], dv["dt"][lo:hi], dev["A_log"], dv["B"][lo:hi],
                               dv["C"][lo:hi], dev["D"], dev["dt_bias"], (0.0, float("inf")),
                               chunk, dev["state"], _metadata([hi - lo], [3], [init])))
     _close(torch.cat(ys), y_one, torch.float32)
@@ -400,7 +401,7 @@ def test_ssd_decode_against_definition_and_transformers(dtype, state_dtype, head
     views = _ssd_views(case, heads, groups, head_dim, state_size)
     dev = {k: v.to(DEVICE, copy=True) for k, v in case.items()}
     dv = _ssd_views(dev, heads, groups, head_dim, state_size)
-    out = ssd_decode(dv["x"], dv["dt"], dev["A"], dv["B"], dv["C"], dev["D"], dev["dt_bias"],
+    out = ssd_decode(dv["x"], dv["dt"], dev["A_log"], dv["B"], dv["C"], dev["D"], dev["dt_bias"],
                      (0.0, float("inf")), dev["state"],
                      torch.tensor(slots, dtype=torch.int32, device=DEVICE))
     assert out.dtype == dtype and out.isfinite().all()  # padding rows too
@@ -446,7 +447,7 @@ def test_prefill_then_decodes_equal_one_prefill():
     dv = _ssd_views({k: v.to(DEVICE, copy=True) for k, v in case.items()}, heads, groups, head_dim,
                     state_size)
     for t in range(prompt, prompt + steps):
-        y = ssd_decode(dv["x"][t:t + 1], dv["dt"][t:t + 1], dev["A"], dv["B"][t:t + 1],
+        y = ssd_decode(dv["x"][t:t + 1], dv["dt"][t:t + 1], dev["A_log"], dv["B"][t:t + 1],
                        dv["C"][t:t + 1], dev["D"], dev["dt_bias"], (0.0, float("inf")),
                        dev["state"], idx)
         _close(y, y_all[t:t + 1], torch.float32, f"token {t}")
@@ -476,9 +477,9 @@ def test_prefill_padding_tokens_are_not_read_and_give_zeros():
     dv = _ssd_views(dev, heads, groups, head_dim, state_size)
     limit, t = (0.0, float("inf")), sum(lens)
     ssm_ref = dev["state"].clone()
-    y = ssd_prefill(dv["x"], dv["dt"], dev["A"], dv["B"], dv["C"], dev["D"], dev["dt_bias"],
+    y = ssd_prefill(dv["x"], dv["dt"], dev["A_log"], dv["B"], dv["C"], dev["D"], dev["dt_bias"],
                     limit, 4, dev["state"], md)
-    y_ref = ssd_prefill(dv["x"][:t], dv["dt"][:t], dev["A"], dv["B"][:t], dv["C"][:t],
+    y_ref = ssd_prefill(dv["x"][:t], dv["dt"][:t], dev["A_log"], dv["B"][:t], dv["C"][:t],
                         dev["D"], dev["dt_bias"], limit, 4, ssm_ref, md)
     assert torch.equal(y[:t], y_ref) and torch.equal(dev["state"], ssm_ref)
     assert not y[t:].any()
@@ -521,7 +522,7 @@ def test_decode_graph_replays_with_new_inputs_and_slots(batch):
     dt_in = torch.zeros(batch, heads, dtype=dtype, device=DEVICE)
     idx = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
     weight = torch.randn(channels, width, generator=gen).to(DEVICE, dtype)
-    A = -torch.rand(heads, generator=gen).to(DEVICE) - 0.5
+    A_log = torch.log(torch.rand(heads, generator=gen) + 0.5).to(DEVICE)
     D, dt_bias = torch.randn(heads, generator=gen).to(DEVICE), torch.zeros(heads, device=DEVICE)
     conv_state = torch.zeros(slots_total, channels, width - 1, dtype=dtype, device=DEVICE)
     ssm_state = torch.zeros(slots_total, heads, head_dim, state_size, device=DEVICE)
@@ -532,7 +533,7 @@ def test_decode_graph_replays_with_new_inputs_and_slots(batch):
         x = xbc[:, :inner].view(batch, heads, head_dim)
         B = xbc[:, inner:inner + groups * state_size].view(batch, groups, state_size)
         C = xbc[:, inner + groups * state_size:].view(batch, groups, state_size)
-        return ssd_decode(x, dt_in, A, B, C, D, dt_bias, (0.0, float("inf")), ssm_state, idx)
+        return ssd_decode(x, dt_in, A_log, B, C, D, dt_bias, (0.0, float("inf")), ssm_state, idx)
 
     step()  # compile outside the graph
     graph = torch.cuda.CUDAGraph()

@@ -117,7 +117,7 @@ class MambaMixer(nn.Module):
         xbc = ops.causal_conv1d_decode(xbc, self.conv1d.weight, self.conv1d.bias, conv_state,
                                        state_indices)
         x, B, C = self._split_xbc(xbc)
-        return ops.ssd_decode(x, dt, self._A(), B, C, self.D, self.dt_bias,
+        return ops.ssd_decode(x, dt, self.A_log, B, C, self.D, self.dt_bias,
                               self.time_step_limit, ssm_state, state_indices)
 
     def _prefill(self, ops, xbc: torch.Tensor, dt: torch.Tensor,
@@ -127,7 +127,7 @@ class MambaMixer(nn.Module):
         xbc = ops.causal_conv1d_prefill(xbc, self.conv1d.weight, self.conv1d.bias,
                                         conv_state, md)
         x, B, C = self._split_xbc(xbc)
-        return ops.ssd_prefill(x, dt, self._A(), B, C, self.D, self.dt_bias,
+        return ops.ssd_prefill(x, dt, self.A_log, B, C, self.D, self.dt_bias,
                                self.time_step_limit, self.chunk_size, ssm_state, md)
 
     def _mixed(self, ops, xbc: torch.Tensor, dt: torch.Tensor,
@@ -147,9 +147,6 @@ class MambaMixer(nn.Module):
         return (x.reshape(num_tokens, self.num_heads, self.head_dim),
                 B.reshape(num_tokens, self.n_groups, self.state_size),
                 C.reshape(num_tokens, self.n_groups, self.state_size))
-
-    def _A(self) -> torch.Tensor:
-        return -torch.exp(self.A_log.float())
 
     def _metadata(self, num_tokens: int, device: torch.device) -> MambaMetadata:
         md = get_forward_context().for_group(self.cache_group)

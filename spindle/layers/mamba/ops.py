@@ -13,6 +13,10 @@ The recurrence (per request, head h of group g = h // (H // G)):
     state_t = exp(dt_t * A) * state_{t-1} + dt_t * x_t (outer) B_t     [P, N]
     y_t     = state_t @ C_t + D * x_t
 
+with A = -exp(A_log): the SSD ops take A_log, as checkpoints store it, and derive A in
+float32 themselves (on the GPU inside the decode kernel, where computing it apart cost
+three launches a layer and step).
+
 ssd_prefill evaluates it chunk by chunk (the SSD form: a masked "attention" inside a
 chunk, the state carried from one chunk to the next); ssd_decode takes one step.
 """
@@ -77,22 +81,22 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return _activate(y, activation).to(x.dtype)
 
 
-def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor,
                 C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                 dt_limit: tuple[float, float], chunk_size: int,
                 ssm_state: torch.Tensor | None, md: MambaMetadata) -> torch.Tensor:
     """The selective scan of each request's tokens: x [T, H, P], dt [T, H] (raw, before
-    dt_bias and softplus), A [H] (negative), B/C [T, G, N], D/dt_bias [H] -> y [T, H, P]
-    (with the D skip, no gating). The initial state is ssm_state[slot] ([H, P, N]) when
+    dt_bias and softplus), A_log [H] (A = -exp(A_log)), B/C [T, G, N], D/dt_bias [H]
+    -> y [T, H, P] (with the D skip, no gating). The initial state is ssm_state[slot] ([H, P, N]) when
     has_initial_state[i], else zeros; the final state is written back to the slot
     (ssm_state None: zeros, nothing stored). Rows past the last request are 0."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    _check_ssd_shapes(x, dt, A, B, C, D, dt_bias)
+    _check_ssd_shapes(x, dt, A_log, B, C, D, dt_bias)
     num_heads, head_dim = x.shape[1], x.shape[2]
     heads_per_group = num_heads // B.shape[1]
     step = _discretized_dt(dt, dt_bias, dt_limit)
-    A, D = A.float(), D.float()
+    A, D = decay_rates(A_log), D.float()
     y = torch.zeros_like(x)
     for i, start, end, slot, has_history in _requests(md):
         if end == start:
@@ -115,14 +119,14 @@ def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     return y
 
 
-def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor,
                C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                dt_limit: tuple[float, float], ssm_state: torch.Tensor,
                state_indices: torch.Tensor) -> torch.Tensor:
     """One step of the recurrence per request: x [B, H, P], dt [B, H], B/C [B, G, N]
     -> y [B, H, P]; ssm_state [S, H, P, N] updated in place at state_indices [B] (a
     negative index: padding, zero state, no write)."""
-    _check_ssd_shapes(x, dt, A, B, C, D, dt_bias)
+    _check_ssd_shapes(x, dt, A_log, B, C, D, dt_bias)
     _check_rows(x, state_indices)
     heads_per_group = x.shape[1] // B.shape[1]
     valid, slots = _slots(state_indices)
@@ -132,7 +136,7 @@ def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     xf = x.float()
     Bh = B.float().repeat_interleave(heads_per_group, dim=1)  # [B, H, N]
     Ch = C.float().repeat_interleave(heads_per_group, dim=1)
-    decay = torch.exp(step * A.float())
+    decay = torch.exp(step * decay_rates(A_log))
     state = (state * decay[..., None, None]
              + (step[..., None] * xf).unsqueeze(-1) * Bh.unsqueeze(2))
     _write_rows(ssm_state, slots, valid, state)
@@ -218,12 +222,18 @@ def _check_rows(x: torch.Tensor, state_indices: torch.Tensor) -> None:
                          f"state_indices has shape {tuple(state_indices.shape)}")
 
 
-def _check_ssd_shapes(x, dt, A, B, C, D, dt_bias) -> None:
+def decay_rates(A_log: torch.Tensor) -> torch.Tensor:
+    """A = -exp(A_log) in float32 (negative: a state decays by exp(dt * A) a step)."""
+    return -torch.exp(A_log.float())
+
+
+def _check_ssd_shapes(x, dt, A_log, B, C, D, dt_bias) -> None:
     num_heads = x.shape[1]
-    if dt.shape != x.shape[:2] or A.shape != (num_heads,) or D.shape != (num_heads,) \
+    if dt.shape != x.shape[:2] or A_log.shape != (num_heads,) or D.shape != (num_heads,) \
             or dt_bias.shape != (num_heads,):
-        raise ValueError(f"ssd: x {tuple(x.shape)} needs dt [T, H] and A, D, dt_bias [H]; got "
-                         f"dt {tuple(dt.shape)}, A {tuple(A.shape)}, D {tuple(D.shape)}, "
+        raise ValueError(f"ssd: x {tuple(x.shape)} needs dt [T, H] and A_log, D, dt_bias [H]; "
+                         f"got dt {tuple(dt.shape)}, A_log {tuple(A_log.shape)}, "
+                         f"D {tuple(D.shape)}, "
                          f"dt_bias {tuple(dt_bias.shape)}")
     if B.shape != C.shape or B.shape[0] != x.shape[0] or num_heads % B.shape[1] != 0:
         raise ValueError(f"ssd: B and C must be [T, G, N] with G dividing the {num_heads} "

@@ -26,7 +26,8 @@ which no request owns: they are never read, and their outputs are zeros.
 
 Discretisation (as transformers' Bamba): dt = clamp(softplus(dt + dt_bias), *dt_limit);
 state = exp(dt * A) * state + dt * B x; y = C . state + D x; head h reads group
-h // (H // G) of B and C.
+h // (H // G) of B and C. The SSD ops take A_log (A = -exp(A_log)); decode derives A in
+its kernel, so a decode step spends no launches on it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from spindle.layers.mamba.metadata import MambaMetadata
+from spindle.layers.mamba.ops import decay_rates
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -226,11 +228,11 @@ def _conv_decode_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, state_idx_pt
 
 
 # ---------------------------------------------------------------------- SSD prefill
-def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor,
                 C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                 dt_limit: tuple[float, float], chunk_size: int,
                 ssm_state: torch.Tensor | None, md: MambaMetadata) -> torch.Tensor:
-    """x [T, H, P], dt [T, H], A/D/dt_bias [H], B/C [T, G, N] -> y [T, H, P].
+    """x [T, H, P], dt [T, H], A_log/D/dt_bias [H], B/C [T, G, N] -> y [T, H, P].
 
     Request i starts from ssm_state[slot] [H, P, N] when has_initial_state[i] (else
     zeros) and its final state is written there. ssm_state None: zero initial states,
@@ -238,12 +240,13 @@ def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     prefill steps are not captured in CUDA graphs."""
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1], B.shape[2]
-    _check_ssd(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state)
+    _check_ssd(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     out = _output(num_tokens, (num_heads, head_dim), x, md)
     if md.num_reqs == 0:
         return out
+    A = decay_rates(A_log)  # (as the torch ops: prefill steps are eager, the launch is cheap)
     num_chunks, chunk_start, chunk_len, req_chunks = _chunk_table(md, chunk_size, x.device)
     dev = dict(device=x.device, dtype=torch.float32)
     dt_out = torch.empty((num_chunks, num_heads, chunk_size), **dev)
@@ -322,7 +325,7 @@ def _make_chunk_table(md: MambaMetadata, chunk_size: int, device: torch.device):
             table[2 * num_chunks:])
 
 
-def _check_ssd(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state) -> None:
+def _check_ssd(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state) -> None:
     if x.dim() != 3 or dt.dim() != 2 or B.dim() != 3:
         raise ValueError(f"the SSD needs x [T, H, P], dt [T, H], B and C [T, G, N], got "
                          f"{tuple(x.shape)}, {tuple(dt.shape)}, {tuple(B.shape)}")
@@ -334,7 +337,7 @@ def _check_ssd(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state) -> None:
                          f"B {tuple(B.shape)}, C {tuple(C.shape)}")
     if num_heads % num_groups:
         raise ValueError(f"{num_heads} heads do not split into {num_groups} groups")
-    for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+    for name, t in (("A_log", A_log), ("D", D), ("dt_bias", dt_bias)):
         if tuple(t.shape) != (num_heads,):
             raise ValueError(f"{name} must be [{num_heads}], got {tuple(t.shape)}")
     if not (x.dtype == B.dtype == C.dtype):
@@ -576,14 +579,14 @@ def _chunk_scan_kernel(x_ptr, C_ptr, D_ptr, dt_ptr, decay_ptr, cb_ptr, states_pt
 
 
 # ---------------------------------------------------------------------- SSD decode
-def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor,
                C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                dt_limit: tuple[float, float], ssm_state: torch.Tensor,
                state_indices: torch.Tensor) -> torch.Tensor:
     """One token per request: x [B, H, P], dt [B, H], B/C [B, G, N] -> y [B, H, P];
     updates ssm_state[state_indices[b]] in place (negative index: a padding row,
     state neither read nor written). One launch, CUDA-graph safe."""
-    _check_ssd(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state)
+    _check_ssd(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state)
     if ssm_state is None:
         raise ValueError("ssd_decode needs an ssm_state")
     num_reqs, num_heads, head_dim = x.shape
@@ -594,7 +597,7 @@ def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     # Small batches: narrower P tiles, so that enough programs stream the states.
     block_p = min(triton.next_power_of_2(head_dim), 16 if num_reqs * num_heads < 1024 else 32)
     _ssd_decode_kernel[(num_reqs, num_heads, triton.cdiv(head_dim, block_p))](
-        x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, out,
+        x, dt, A_log, B, C, D, dt_bias, ssm_state, state_indices, out,
         float(dt_limit[0]), float(dt_limit[1]), head_dim, state_size,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *ssm_state.stride(),
         *out.stride(), HEADS_PER_GROUP=num_heads // num_groups, BLOCK_P=block_p,
@@ -603,7 +606,7 @@ def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
 
 
 @triton.jit
-def _ssd_decode_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr,
+def _ssd_decode_kernel(x_ptr, dt_ptr, A_log_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr,
                        state_idx_ptr, out_ptr, dt_min, dt_max, head_dim, state_size,
                        x_stride_b, x_stride_h, x_stride_p, dt_stride_b, dt_stride_h,
                        b_stride_b, b_stride_g, b_stride_n, c_stride_b, c_stride_g, c_stride_n,
@@ -633,7 +636,8 @@ def _ssd_decode_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, s
                 mask=n_valid, other=0.0).to(tl.float32)
     dt = _softplus_dt(tl.load(dt_ptr + req * dt_stride_b + head * dt_stride_h),
                       tl.load(dt_bias_ptr + head), dt_min, dt_max)
-    decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
+    A = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
+    decay = tl.exp(dt * A)
     state = state * decay + (dt * x)[:, None] * b[None, :]
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=state_mask)
     y = tl.sum(state * c[None, :], 1) + tl.load(D_ptr + head).to(tl.float32) * x
