@@ -382,8 +382,10 @@ class Worker:
         self._last_stage = name
         self._last_activity = time.monotonic()
         device = self.device or self.platform.device_for_rank(self.local_rank)
-        before = self.platform.memory_in_use(device)
+        # (The clock starts first: on CUDA the first memory reading of a process makes
+        # the context, which belongs to init_device's time.)
         start = time.perf_counter()
+        before = self.platform.memory_in_use(device)
         record = StageRecord(stage=name, seconds=0.0, bytes=0)
         yield record
         self.platform.synchronize(device)
