@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spindle.layers import pdl
+
 
 def rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """x [T, H] -> y, or (y, x + residual) when residual is given. x may be a
@@ -42,15 +44,16 @@ def rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None 
             source, residual if residual is not None else out, weight, out, new_residual,
             x_stride, part_stride, (residual if residual is not None else out).stride(0),
             eps, HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden),
-            HAS_RESIDUAL=residual is not None, PARTS=parts,
-            num_warps=4 if hidden <= 4096 else 8)
+            HAS_RESIDUAL=residual is not None, PARTS=parts, PDL=pdl.enabled(out.device),
+            num_warps=4 if hidden <= 4096 else 8, **pdl.launch_options(out.device))
     return out if residual is None else (out, new_residual)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, x_stride, part_stride,
                      res_stride, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -107,7 +110,8 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         eps, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)),
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=key_cache.shape[1] if store else 1,
-        HAS_NORM=has_norm, STORE=store, num_warps=4)
+        HAS_NORM=has_norm, STORE=store, PDL=pdl.enabled(q.device), num_warps=4,
+        **pdl.launch_options(q.device))
 
 
 @triton.jit
@@ -117,8 +121,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr,
                          v_stride_h, cs_stride, c_stride_b, c_stride_t, c_stride_h, eps,
                          NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PAGE: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr):
+                         PAGE: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program per (token, q or k): all heads of that token's q (or k) at once."""
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     is_k = tl.program_id(1) == 1
     offs_h = tl.arange(0, BLOCK_H)
@@ -200,12 +206,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         block = min(1024, triton.next_power_of_2(width))
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
-            x, out, x.stride(0), WIDTH=width, BLOCK=block)
+            x, out, x.stride(0), WIDTH=width, BLOCK=block, PDL=pdl.enabled(x.device),
+            **pdl.launch_options(x.device))
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < WIDTH

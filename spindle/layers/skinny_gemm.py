@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spindle.layers import pdl
 from spindle.layers.fused_kernels import silu_mul
 from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this API)
 
@@ -130,8 +131,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # multiplies bf16 dot operands as raw integers: it gets float32 operands (bf16 x
         # bf16 products are exact in float32, as in the matrix units).
         IEEE=x.dtype == torch.float32 or not x.is_cuda, SILU_MUL=silu_and_mul,
-        MERGE=not defer,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        MERGE=not defer, PDL=pdl.enabled(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     if defer:
         return SplitKPartials(partials, n, x.dtype, tuple(lead))
     return out.reshape(*lead, n)
@@ -205,7 +206,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
                         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr, SILU_MUL: tl.constexpr, MERGE: tl.constexpr):
+                        IEEE: tl.constexpr, SILU_MUL: tl.constexpr, MERGE: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from spindle.attention.heads import set_head_geometry
 from spindle.attention.metadata import AttentionMetadata
+from spindle.layers import pdl
 from spindle.layers.fused_kernels import cache_row, norm_rope_rows
 from spindle.layers.rotary import QKNormRope
 
@@ -331,7 +332,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
         SPLITS=splits, ROPE=rope is not None, HAS_NORM=has_norm,
         SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        IEEE=q.dtype == torch.float32, PDL=pdl.enabled(q.device), num_warps=4, num_stages=2,
+        **pdl.launch_options(q.device))
 
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
@@ -345,7 +347,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                    GQA: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLITS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                   SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr):
+                   SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl.enter(PDL)
     # The KV heads of one request are neighbouring programs: they run together and read
     # the same pages (a token's heads are adjacent in the cache), which kept DRAM reads
     # closer together than request-major order (0.90 -> 0.95 of copy bandwidth at 256

@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL) for the decode path's Triton kernels (Hopper on).
+
+Launched with PDL, a kernel may be placed on the GPU while the kernel before it in the
+stream still runs. Each program of such a kernel first lets the kernel after it be
+launched (gdc_launch_dependents), then waits until the kernel before it has finished
+and its writes are visible (gdc_wait), and only then reads or writes anything. So the
+launch and ramp-up of each kernel overlap the one before; at batch 1 a decode step is
+some 200 kernels of a few microseconds each, where that overhead is a large share.
+
+Only kernels that call enter() may be launched with launch_options(): one that reads
+before waiting could see its predecessor's half-written output. A kernel launched
+without PDL waits for its predecessor as usual, whatever that one did.
+
+SPINDLE_PDL=1 switches it on (default off: not yet measured on the GPU). It applies to
+CUDA devices of compute capability 9.0 and later.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # (Triton 3.4 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAVE_GDC = True
+except ImportError:
+    HAVE_GDC = False
+
+    @triton.jit
+    def gdc_launch_dependents():  # never called: enabled() is False without them
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+SWITCH_ENV = "SPINDLE_PDL"
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels for device launch with PDL: switched on, a Triton that has it,
+    and a GPU that has it."""
+    return (os.environ.get(SWITCH_ENV, "0") == "1" and HAVE_GDC and device.type == "cuda"
+            and _capability(device) >= (9, 0))
+
+
+def launch_options(device: torch.device) -> dict:
+    """The extra launch keywords of a kernel that calls enter(PDL=enabled(device))."""
+    return {"launch_pdl": True} if enabled(device) else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """A PDL kernel's first step: let the next kernel launch, then wait for the last."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
