@@ -1,5 +1,5 @@
 """Programmatic dependent launch (layers/pdl.py): where it applies, and on the GPU the
-same bits with it as without it, kernel by kernel and through the engine's graphs.
+same bits with it as without it, in a chain of kernels and through the engine.
 
 Run the GPU cases with `python -m pytest -m gpu tests/test_pdl.py` (a Hopper GPU)."""
 
@@ -88,10 +88,13 @@ def test_decode_kernels_in_a_graph_give_the_same_bits_with_pdl(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="PDL needs compute capability 9.0")
-def test_greedy_tokens_and_logprobs_are_the_same_with_pdl(tiny_model, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3", "bamba"])
+def test_greedy_tokens_and_logprobs_are_the_same_with_pdl(tiny_model, monkeypatch, arch):
+    """Through the engine (decode in CUDA graphs, eager prefill): attention and Mamba
+    layers give the same tokens and log-probs with PDL on as off."""
     from spindle import LLM, SamplingParams
 
-    path = tiny_model(arch="qwen3", max_position_embeddings=2048)
+    path = tiny_model(arch=arch, max_position_embeddings=2048)
     prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(n)] for i, n in
                enumerate((1, 9, 33, 120))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)

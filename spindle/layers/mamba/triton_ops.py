@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spindle.layers import pdl
 from spindle.layers.mamba.metadata import MambaMetadata
 from spindle.layers.mamba.ops import decay_rates
 
@@ -96,7 +97,8 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         x, weight, bias if bias is not None else weight, conv_state, out, state_indices,
         channels, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         *conv_state.stride(), out.stride(0), WIDTH=width, HAS_BIAS=bias is not None,
-        SILU=activation is not None, BLOCK_C=block_c, num_warps=4)
+        SILU=activation is not None, BLOCK_C=block_c, PDL=pdl.enabled(x.device), num_warps=4,
+        **pdl.launch_options(x.device))
     return out
 
 
@@ -195,10 +197,11 @@ def _conv_decode_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, state_idx_pt
                         x_stride_t, x_stride_c, w_stride_c, w_stride_k,
                         s_stride_s, s_stride_c, s_stride_k, o_stride_t,
                         WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
+                        BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     """One program per (request, channel block). The history columns are read one by
     one and each is written one column to the left right after it is read (by the same
     thread: the loads and stores share the channel layout)."""
+    pdl.enter(PDL)
     req = tl.program_id(0).to(tl.int64)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_valid = offs_c < channels
@@ -601,7 +604,8 @@ def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch.
         float(dt_limit[0]), float(dt_limit[1]), head_dim, state_size,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *ssm_state.stride(),
         *out.stride(), HEADS_PER_GROUP=num_heads // num_groups, BLOCK_P=block_p,
-        BLOCK_N=triton.next_power_of_2(state_size), num_warps=4)
+        BLOCK_N=triton.next_power_of_2(state_size), PDL=pdl.enabled(x.device), num_warps=4,
+        **pdl.launch_options(x.device))
     return out
 
 
@@ -613,9 +617,10 @@ def _ssd_decode_kernel(x_ptr, dt_ptr, A_log_ptr, B_ptr, C_ptr, D_ptr, dt_bias_pt
                        s_stride_s, s_stride_h, s_stride_p, s_stride_n,
                        o_stride_b, o_stride_h, o_stride_p,
                        HEADS_PER_GROUP: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """One program per (request, head, P block): the state rows [BLOCK_P, N] are read,
     decayed, given dt * x B^T, written back, and read out through C."""
+    pdl.enter(PDL)
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -688,13 +693,15 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     block = triton.next_power_of_2(group_size)
     _gated_rms_norm_kernel[(num_tokens, width // group_size)](
         x, gate, weight, out, group_size, x.stride(0), gate.stride(0), out.stride(0),
-        float(eps), BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        float(eps), BLOCK=block, PDL=pdl.enabled(x.device),
+        num_warps=min(16, max(1, block // 256)), **pdl.launch_options(x.device))
     return out
 
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, group_size, x_stride, g_stride,
-                           o_stride, eps, BLOCK: tl.constexpr):
+                           o_stride, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     valid = tl.arange(0, BLOCK) < group_size
