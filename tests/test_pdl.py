@@ -71,6 +71,7 @@ def test_decode_kernels_in_a_graph_give_the_same_bits_with_pdl(monkeypatch):
     results = {}
     for switch in ("0", "1"):
         monkeypatch.setenv(pdl.SWITCH_ENV, switch)
+        assert pdl.enabled(x.device) == (switch == "1")  # (this Triton has PDL)
         layer()  # (compiles outside the graph)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -101,6 +102,7 @@ def test_greedy_tokens_and_logprobs_are_the_same_with_pdl(tiny_model, monkeypatc
     results = {}
     for switch in ("0", "1"):
         monkeypatch.setenv(pdl.SWITCH_ENV, switch)
+        assert pdl.enabled(torch.device("cuda")) == (switch == "1")
         llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=1024,
                   max_num_seqs=8)
         try:
