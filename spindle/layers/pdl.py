@@ -7,8 +7,10 @@ and its writes are visible (gdc_wait), and only then reads or writes anything. S
 launch and ramp-up of each kernel overlap the one before; at batch 1 a decode step is
 some 200 kernels of a few microseconds each, where that overhead is a large share.
 
-Only kernels that call enter() may be launched with launch_options(): one that reads
-before waiting could see its predecessor's half-written output. A kernel launched
+A launch site takes options = launch_options(device) once and passes the kernel
+PDL=bool(options) (for enter()) and **options. Only kernels that call enter() may be
+launched with those options: one that reads before waiting could see its predecessor's
+half-written output. A kernel launched
 without PDL waits for its predecessor as usual, whatever that one did.
 
 SPINDLE_PDL=1 switches it on (default off: not yet measured on the GPU). It applies to
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
@@ -48,9 +52,17 @@ def enabled(device: torch.device) -> bool:
             and _capability(device) >= (9, 0))
 
 
-def launch_options(device: torch.device) -> dict:
-    """The extra launch keywords of a kernel that calls enter(PDL=enabled(device))."""
-    return {"launch_pdl": True} if enabled(device) else {}
+def launch_options(device: torch.device) -> Mapping[str, bool]:
+    """The extra launch keywords of a kernel that calls enter(PDL=bool(them)): empty, or
+    launch_pdl where enabled(device). (Called at every launch: switched off, it costs
+    one lookup of the switch.)"""
+    if os.environ.get(SWITCH_ENV) != "1":
+        return _NO_OPTIONS
+    return _PDL_OPTIONS if enabled(device) else _NO_OPTIONS
+
+
+_NO_OPTIONS: Mapping[str, bool] = MappingProxyType({})
+_PDL_OPTIONS: Mapping[str, bool] = MappingProxyType({"launch_pdl": True})
 
 
 @functools.lru_cache(maxsize=None)
