@@ -40,13 +40,12 @@ def rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None 
     out = torch.empty(num_tokens, hidden, dtype=dtype, device=source.device)
     new_residual = torch.empty_like(out) if residual is not None else out
     if num_tokens:
-        pdl_options = pdl.launch_options(out.device)
+        res = residual if residual is not None else out  # (unread without a residual)
         _rms_norm_kernel[(num_tokens,)](
-            source, residual if residual is not None else out, weight, out, new_residual,
-            x_stride, part_stride, (residual if residual is not None else out).stride(0),
+            source, res, weight, out, new_residual, x_stride, part_stride, res.stride(0),
             eps, HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden),
-            HAS_RESIDUAL=residual is not None, PARTS=parts, PDL=bool(pdl_options),
-            num_warps=4 if hidden <= 4096 else 8, **pdl_options)
+            HAS_RESIDUAL=residual is not None, PARTS=parts,
+            num_warps=4 if hidden <= 4096 else 8, **pdl.kernel_args(out.device))
     return out if residual is None else (out, new_residual)
 
 
@@ -102,7 +101,6 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         raise ValueError("storing into kv_cache needs v and slot_mapping")
     key_cache, value_cache = (kv_cache[0], kv_cache[1]) if store else (k, k)
     v = v if store else k
-    pdl_options = pdl.launch_options(q.device)
     _qk_norm_rope_kernel[(num_tokens, 2)](
         q, k, v, positions, cos_cache, sin_cache,
         q_weight if has_norm else q, k_weight if has_norm else k,
@@ -112,8 +110,7 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         eps, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)),
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=key_cache.shape[1] if store else 1,
-        HAS_NORM=has_norm, STORE=store, PDL=bool(pdl_options), num_warps=4,
-        **pdl_options)
+        HAS_NORM=has_norm, STORE=store, num_warps=4, **pdl.kernel_args(q.device))
 
 
 @triton.jit
@@ -207,10 +204,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
     if num_tokens:
         block = min(1024, triton.next_power_of_2(width))
-        pdl_options = pdl.launch_options(x.device)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
-            x, out, x.stride(0), WIDTH=width, BLOCK=block, PDL=bool(pdl_options),
-            **pdl_options)
+            x, out, x.stride(0), WIDTH=width, BLOCK=block, **pdl.kernel_args(x.device))
     return out
 
 

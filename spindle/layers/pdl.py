@@ -7,11 +7,11 @@ and its writes are visible (gdc_wait), and only then reads or writes anything. S
 launch and ramp-up of each kernel overlap the one before; at batch 1 a decode step is
 some 200 kernels of a few microseconds each, where that overhead is a large share.
 
-A launch site takes options = launch_options(device) once and passes the kernel
-PDL=bool(options) (for enter()) and **options. Only kernels that call enter() may be
-launched with those options: one that reads before waiting could see its predecessor's
-half-written output. A kernel launched
-without PDL waits for its predecessor as usual, whatever that one did.
+A launch site passes **kernel_args(device): the kernel's PDL constexpr (for enter())
+and, where PDL is on, the launch_pdl keyword. Only kernels that call enter() may be
+launched that way: one that reads before waiting could see its predecessor's
+half-written output. A kernel launched without PDL waits for its predecessor as usual,
+whatever that one did.
 
 SPINDLE_PDL=1 switches it on (default off: not yet measured on the GPU). It applies to
 CUDA devices of compute capability 9.0 and later.
@@ -53,16 +53,21 @@ def enabled(device: torch.device) -> bool:
 
 
 def launch_options(device: torch.device) -> Mapping[str, bool]:
-    """The extra launch keywords of a kernel that calls enter(PDL=bool(them)): empty, or
-    launch_pdl where enabled(device). (Called at every launch: switched off, it costs
-    one lookup of the switch.)"""
-    if os.environ.get(SWITCH_ENV) != "1":
-        return _NO_OPTIONS
+    """The extra launch keywords for device: launch_pdl where enabled(device), else none."""
     return _PDL_OPTIONS if enabled(device) else _NO_OPTIONS
+
+
+def kernel_args(device: torch.device) -> Mapping[str, bool]:
+    """What a launch site passes a kernel that calls enter(PDL): the constexpr and the
+    launch keywords. (Called at every launch: switched off, it costs one lookup of the
+    switch.)"""
+    return _PDL_ARGS if enabled(device) else _NO_PDL_ARGS
 
 
 _NO_OPTIONS: Mapping[str, bool] = MappingProxyType({})
 _PDL_OPTIONS: Mapping[str, bool] = MappingProxyType({"launch_pdl": True})
+_NO_PDL_ARGS: Mapping[str, bool] = MappingProxyType({"PDL": False})
+_PDL_ARGS: Mapping[str, bool] = MappingProxyType({"PDL": True, **_PDL_OPTIONS})
 
 
 @functools.lru_cache(maxsize=None)

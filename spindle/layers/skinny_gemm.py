@@ -119,7 +119,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                             device=x.device) if split > 1 else out)
     if defer:
         out = partials  # (not written)
-    pdl_options = pdl.launch_options(x.device)
     _skinny_gemm_kernel[(n_tiles, split)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, partials,
@@ -132,8 +131,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # multiplies bf16 dot operands as raw integers: it gets float32 operands (bf16 x
         # bf16 products are exact in float32, as in the matrix units).
         IEEE=x.dtype == torch.float32 or not x.is_cuda, SILU_MUL=silu_and_mul,
-        MERGE=not defer, PDL=bool(pdl_options),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options)
+        MERGE=not defer,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kernel_args(x.device))
     if defer:
         return SplitKPartials(partials, n, x.dtype, tuple(lead))
     return out.reshape(*lead, n)

@@ -318,7 +318,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rope = qk_transform
     has_norm = rope is not None and rope.q_weight is not None
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    pdl_options = pdl.launch_options(q.device)
     _decode_kernel[(num_kv_heads, num_reqs, splits)](
         q, k, v, key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
         rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
@@ -333,8 +332,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
         SPLITS=splits, ROPE=rope is not None, HAS_NORM=has_norm,
         SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
-        IEEE=q.dtype == torch.float32, PDL=bool(pdl_options), num_warps=4, num_stages=2,
-        **pdl_options)
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        **pdl.kernel_args(q.device))
 
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)

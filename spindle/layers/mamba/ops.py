@@ -87,9 +87,10 @@ def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch
                 ssm_state: torch.Tensor | None, md: MambaMetadata) -> torch.Tensor:
     """The selective scan of each request's tokens: x [T, H, P], dt [T, H] (raw, before
     dt_bias and softplus), A_log [H] (A = -exp(A_log)), B/C [T, G, N], D/dt_bias [H]
-    -> y [T, H, P] (with the D skip, no gating). The initial state is ssm_state[slot] ([H, P, N]) when
-    has_initial_state[i], else zeros; the final state is written back to the slot
-    (ssm_state None: zeros, nothing stored). Rows past the last request are 0."""
+    -> y [T, H, P] (with the D skip, no gating). The initial state is ssm_state[slot]
+    ([H, P, N]) when has_initial_state[i], else zeros; the final state is written back
+    to the slot (ssm_state None: zeros, nothing stored). Rows past the last request
+    are 0."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     _check_ssd_shapes(x, dt, A_log, B, C, D, dt_bias)
@@ -233,8 +234,7 @@ def _check_ssd_shapes(x, dt, A_log, B, C, D, dt_bias) -> None:
             or dt_bias.shape != (num_heads,):
         raise ValueError(f"ssd: x {tuple(x.shape)} needs dt [T, H] and A_log, D, dt_bias [H]; "
                          f"got dt {tuple(dt.shape)}, A_log {tuple(A_log.shape)}, "
-                         f"D {tuple(D.shape)}, "
-                         f"dt_bias {tuple(dt_bias.shape)}")
+                         f"D {tuple(D.shape)}, dt_bias {tuple(dt_bias.shape)}")
     if B.shape != C.shape or B.shape[0] != x.shape[0] or num_heads % B.shape[1] != 0:
         raise ValueError(f"ssd: B and C must be [T, G, N] with G dividing the {num_heads} "
                          f"heads; got B {tuple(B.shape)}, C {tuple(C.shape)}")

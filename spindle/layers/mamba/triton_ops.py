@@ -93,13 +93,12 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if num_reqs == 0:
         return out
     block_c = min(256, triton.next_power_of_2(channels))
-    pdl_options = pdl.launch_options(x.device)
     _conv_decode_kernel[(num_reqs, triton.cdiv(channels, block_c))](
         x, weight, bias if bias is not None else weight, conv_state, out, state_indices,
         channels, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         *conv_state.stride(), out.stride(0), WIDTH=width, HAS_BIAS=bias is not None,
-        SILU=activation is not None, BLOCK_C=block_c, PDL=bool(pdl_options), num_warps=4,
-        **pdl_options)
+        SILU=activation is not None, BLOCK_C=block_c, num_warps=4,
+        **pdl.kernel_args(x.device))
     return out
 
 
@@ -600,14 +599,13 @@ def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch.
         return out
     # Small batches: narrower P tiles, so that enough programs stream the states.
     block_p = min(triton.next_power_of_2(head_dim), 16 if num_reqs * num_heads < 1024 else 32)
-    pdl_options = pdl.launch_options(x.device)
     _ssd_decode_kernel[(num_reqs, num_heads, triton.cdiv(head_dim, block_p))](
         x, dt, A_log, B, C, D, dt_bias, ssm_state, state_indices, out,
         float(dt_limit[0]), float(dt_limit[1]), head_dim, state_size,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *ssm_state.stride(),
         *out.stride(), HEADS_PER_GROUP=num_heads // num_groups, BLOCK_P=block_p,
-        BLOCK_N=triton.next_power_of_2(state_size), PDL=bool(pdl_options), num_warps=4,
-        **pdl_options)
+        BLOCK_N=triton.next_power_of_2(state_size), num_warps=4,
+        **pdl.kernel_args(x.device))
     return out
 
 
@@ -693,11 +691,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     if num_tokens == 0:
         return out
     block = triton.next_power_of_2(group_size)
-    pdl_options = pdl.launch_options(x.device)
     _gated_rms_norm_kernel[(num_tokens, width // group_size)](
         x, gate, weight, out, group_size, x.stride(0), gate.stride(0), out.stride(0),
-        float(eps), BLOCK=block, PDL=bool(pdl_options),
-        num_warps=min(16, max(1, block // 256)), **pdl_options)
+        float(eps), BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        **pdl.kernel_args(x.device))
     return out
 
 
