@@ -13,7 +13,7 @@ from spindle.layers import pdl
 
 @pytest.mark.parametrize("switch,device,capability,on", [
     ("1", "cuda", (9, 0), True), ("1", "cuda", (10, 0), True), ("1", "cuda", (8, 0), False),
-    ("0", "cuda", (9, 0), False), (None, "cuda", (9, 0), False), ("1", "cpu", None, False)])
+    ("0", "cuda", (9, 0), False), (None, "cuda", (9, 0), True), ("1", "cpu", None, False)])
 def test_pdl_only_where_switched_on_and_the_gpu_has_it(monkeypatch, switch, device,
                                                       capability, on):
     if switch is None:
@@ -24,6 +24,19 @@ def test_pdl_only_where_switched_on_and_the_gpu_has_it(monkeypatch, switch, devi
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
     assert pdl.enabled(dev) is on
     assert pdl.launch_options(dev) == ({"launch_pdl": True} if on else {})
+    for rows in (1, pdl.MAX_ROWS, pdl.MAX_ROWS + 1, 256):
+        expected = on and rows <= pdl.MAX_ROWS
+        args = pdl.kernel_args(dev, rows)
+        assert args["PDL"] is expected
+        assert args.get("launch_pdl", False) is expected
+
+
+def test_pdl_rows_bound_is_the_skinny_gemms():
+    """PDL pays where the decode GEMMs are the skinny Triton kernel (measured: from 16
+    rows, with cuBLAS between the kernels, it was slower), so the bounds agree."""
+    from spindle.layers import skinny_gemm
+
+    assert pdl.MAX_ROWS == skinny_gemm.MAX_M
 
 
 def _hopper() -> bool:

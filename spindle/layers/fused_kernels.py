@@ -45,7 +45,7 @@ def rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None 
             source, res, weight, out, new_residual, x_stride, part_stride, res.stride(0),
             eps, HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden),
             HAS_RESIDUAL=residual is not None, PARTS=parts,
-            num_warps=4 if hidden <= 4096 else 8, **pdl.kernel_args(out.device))
+            num_warps=4 if hidden <= 4096 else 8, **pdl.kernel_args(out.device, num_tokens))
     return out if residual is None else (out, new_residual)
 
 
@@ -110,7 +110,7 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         eps, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)),
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=key_cache.shape[1] if store else 1,
-        HAS_NORM=has_norm, STORE=store, num_warps=4, **pdl.kernel_args(q.device))
+        HAS_NORM=has_norm, STORE=store, num_warps=4, **pdl.kernel_args(q.device, num_tokens))
 
 
 @triton.jit
@@ -205,7 +205,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         block = min(1024, triton.next_power_of_2(width))
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
-            x, out, x.stride(0), WIDTH=width, BLOCK=block, **pdl.kernel_args(x.device))
+            x, out, x.stride(0), WIDTH=width, BLOCK=block, **pdl.kernel_args(x.device, num_tokens))
     return out
 
 

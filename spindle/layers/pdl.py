@@ -7,14 +7,17 @@ and its writes are visible (gdc_wait), and only then reads or writes anything. S
 launch and ramp-up of each kernel overlap the one before; at batch 1 a decode step is
 some 200 kernels of a few microseconds each, where that overhead is a large share.
 
-A launch site passes **kernel_args(device): the kernel's PDL constexpr (for enter())
+A launch site passes **kernel_args(device, rows): the kernel's PDL constexpr (for enter())
 and, where PDL is on, the launch_pdl keyword. Only kernels that call enter() may be
 launched that way: one that reads before waiting could see its predecessor's
 half-written output. A kernel launched without PDL waits for its predecessor as usual,
 whatever that one did.
 
-SPINDLE_PDL=1 switches it on (default off: not yet measured on the GPU). It applies to
-CUDA devices of compute capability 9.0 and later.
+It applies to launches of at most MAX_ROWS rows (tokens or requests), on CUDA devices of
+compute capability 9.0 and later. Measured on an H200 (docs/benchmarks.md): decode graphs
+of 1 to 8 requests replay 9-12% faster with it; from 16 requests, where cuBLAS GEMMs (which
+do not take part) sit between these kernels instead of the skinny Triton GEMM, 1.5-3.6%
+slower. SPINDLE_PDL=0 switches it off.
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ except ImportError:
         pass
 
 SWITCH_ENV = "SPINDLE_PDL"
+# The most rows a PDL launch has: skinny_gemm.MAX_M, the GEMMs' switch to cuBLAS.
+MAX_ROWS = 8
 
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels for device launch with PDL: switched on, a Triton that has it,
     and a GPU that has it."""
-    return (os.environ.get(SWITCH_ENV, "0") == "1" and HAVE_GDC and device.type == "cuda"
+    return (os.environ.get(SWITCH_ENV, "1") != "0" and HAVE_GDC and device.type == "cuda"
             and _capability(device) >= (9, 0))
 
 
@@ -57,11 +62,10 @@ def launch_options(device: torch.device) -> Mapping[str, bool]:
     return _PDL_OPTIONS if enabled(device) else _NO_OPTIONS
 
 
-def kernel_args(device: torch.device) -> Mapping[str, bool]:
-    """What a launch site passes a kernel that calls enter(PDL): the constexpr and the
-    launch keywords. (Called at every launch: switched off, it costs one lookup of the
-    switch.)"""
-    return _PDL_ARGS if enabled(device) else _NO_PDL_ARGS
+def kernel_args(device: torch.device, rows: int) -> Mapping[str, bool]:
+    """What a launch site of rows rows (tokens or requests) passes a kernel that calls
+    enter(PDL): the constexpr and the launch keywords. (Called at every launch.)"""
+    return _PDL_ARGS if rows <= MAX_ROWS and enabled(device) else _NO_PDL_ARGS
 
 
 _NO_OPTIONS: Mapping[str, bool] = MappingProxyType({})

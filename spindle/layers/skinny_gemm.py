@@ -132,7 +132,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # bf16 products are exact in float32, as in the matrix units).
         IEEE=x.dtype == torch.float32 or not x.is_cuda, SILU_MUL=silu_and_mul,
         MERGE=not defer,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kernel_args(x.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kernel_args(x.device, m))
     if defer:
         return SplitKPartials(partials, n, x.dtype, tuple(lead))
     return out.reshape(*lead, n)

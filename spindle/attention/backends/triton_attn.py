@@ -333,7 +333,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         SPLITS=splits, ROPE=rope is not None, HAS_NORM=has_norm,
         SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
-        **pdl.kernel_args(q.device))
+        **pdl.kernel_args(q.device, num_reqs))
 
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)

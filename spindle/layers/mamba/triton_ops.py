@@ -98,7 +98,7 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         channels, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         *conv_state.stride(), out.stride(0), WIDTH=width, HAS_BIAS=bias is not None,
         SILU=activation is not None, BLOCK_C=block_c, num_warps=4,
-        **pdl.kernel_args(x.device))
+        **pdl.kernel_args(x.device, num_reqs))
     return out
 
 
@@ -605,7 +605,7 @@ def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch.
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *ssm_state.stride(),
         *out.stride(), HEADS_PER_GROUP=num_heads // num_groups, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(state_size), num_warps=4,
-        **pdl.kernel_args(x.device))
+        **pdl.kernel_args(x.device, num_reqs))
     return out
 
 
@@ -694,7 +694,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     _gated_rms_norm_kernel[(num_tokens, width // group_size)](
         x, gate, weight, out, group_size, x.stride(0), gate.stride(0), out.stride(0),
         float(eps), BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        **pdl.kernel_args(x.device))
+        **pdl.kernel_args(x.device, num_tokens))
     return out
 
 
