@@ -1,4 +1,4 @@
-"""Hybrid (Bamba) models on CUDA: the Triton Mamba2 kernels, CUDA graphs for decode,
+"""Hybrid (Bamba, NemotronH) models on CUDA: the Triton Mamba2 kernels, CUDA graphs for decode,
 state snapshots, against transformers on the CPU in float32 (the oracle the CPU tests
 use: spindle's CUDA run must give the same greedy tokens)."""
 
@@ -42,6 +42,18 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
     expected = hf_greedy(path, prompts, MAX_NEW)
     (outputs,), graphs, _ = run_cuda(path, prompts, enforce_eager=enforce_eager)
     assert (graphs is None) == enforce_eager
+    check(expected, outputs)
+
+
+@pytest.mark.parametrize("shape", ["default", "odd-heads"])
+def test_cuda_nemotron_h_greedy_equals_cpu_transformers(tiny_model, shape):
+    """NemotronH: attention without rotary and squared-ReLU MLPs beside the Mamba2
+    layers, decode in CUDA graphs."""
+    path = tiny_model("nemotron_h", **SHAPES["nemotron_h"][shape])
+    prompts = prompts_for(seed=8)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    (outputs,), graphs, _ = run_cuda(path, prompts)
+    assert graphs is not None
     check(expected, outputs)
 
 

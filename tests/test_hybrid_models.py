@@ -1,5 +1,6 @@
-"""Models with state-space layers (Bamba: Mamba2 layers beside attention; Mamba2:
-nothing but state-space layers, so a cache of state slots and no paged blocks) end to
+"""Models with state-space layers (Bamba: Mamba2 layers beside attention; NemotronH:
+Mamba2, attention and MLP layers each on its own; Mamba2: nothing but state-space
+layers, so a cache of state slots and no paged blocks) end to
 end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
 random checkpoints, in float32 on CPU, under the regimes that cut the work
 differently (chunked prefill, prefix-cache hits served by state snapshots,
@@ -24,6 +25,13 @@ SHAPES = {
         "odd-heads": dict(hidden_size=48, num_layers=4, attn_layer_indices=(0, 3),
                           mamba_n_heads=3, mamba_n_groups=3, mamba_d_state=8,
                           mamba_chunk_size=4, mamba_d_conv=3),
+    },
+    "nemotron_h": {
+        "default": {},
+        "groups2": dict(num_layers=3, n_groups=2, chunk_size=8),
+        "odd-heads": dict(hidden_size=48, num_layers=5, num_heads=3, num_kv_heads=1,
+                          n_groups=3, ssm_state_size=8, chunk_size=4, conv_kernel=3,
+                          mlp_bias=True, use_conv_bias=False, use_bias=True),
     },
     "mamba2": {
         "default": {},
@@ -128,7 +136,8 @@ def test_tensor_parallel_equals_transformers(reference, arch):
     assert_equal(expected, got)
 
 
-@pytest.mark.parametrize("arch,level", [("bamba", 1), ("bamba", 2), ("mamba2", 2)])
+@pytest.mark.parametrize("arch,level", [("bamba", 1), ("bamba", 2), ("nemotron_h", 2),
+                                        ("mamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):
     path, prompts, expected = reference(arch, "default")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

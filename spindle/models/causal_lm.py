@@ -21,8 +21,13 @@ class DecoderForCausalLM(nn.Module):
     lm_head: ParallelLMHead | None
     stage: PipelineStage
 
-    def build_lm_head(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+    def build_lm_head(self, hf_config: Any, tp_group: TensorParallelGroup,
+                      tie: bool | None = None) -> None:
+        """tie: whether the head shares the embedding (default: the config's
+        tie_word_embeddings)."""
+        if tie is None:
+            tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = tie
         self.lm_head = None
         if self.stage.is_last:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,

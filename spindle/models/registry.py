@@ -20,6 +20,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma3ForCausalLM": "spindle.models.gemma:Gemma3ForCausalLM",
     "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
+    "NemotronHForCausalLM": "spindle.models.nemotron_h:NemotronHForCausalLM",
     "BertModel": "spindle.models.bert:BertModel",
     "RobertaModel": "spindle.models.bert:RobertaModel",
     "XLMRobertaModel": "spindle.models.bert:XLMRobertaModel",

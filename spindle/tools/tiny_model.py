@@ -1,5 +1,5 @@
-"""Make tiny, real Hugging Face checkpoints (Llama, Qwen2, Qwen3, Mistral, Bamba, Mamba2) for
-tests and demos.
+"""Make tiny, real Hugging Face checkpoints (Llama, Qwen2, Qwen3, Mistral, Bamba, Mamba2,
+NemotronH, ...) for tests and demos.
 
 The checkpoint is what transformers itself builds and loads: config.json,
 generation_config.json, safetensors weights (optionally sharded with an index),
@@ -50,6 +50,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "bamba": "BambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -58,7 +59,8 @@ ARCHITECTURES = {
 }
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
-                  "mamba2": "Mamba2Config", "qwen3_moe": "Qwen3MoeConfig",
+                  "mamba2": "Mamba2Config", "nemotron_h": "NemotronHConfig",
+                  "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
@@ -84,6 +86,12 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "mamba2":  # no attention: num_heads are the SSM heads, of 2 * hidden / heads
         return {"num_heads": num_heads, "head_dim": 2 * hidden_size // num_heads,
                 "n_groups": 1, "state_size": 16, "chunk_size": 16}
+    if arch == "nemotron_h":  # Mamba2 layers, MLPs between them, attention in the middle
+        kinds = ["mlp" if i % 2 else "linear_attention" for i in range(num_layers)]
+        kinds[num_layers // 2] = "full_attention"
+        return {"layers_block_type": kinds, "mamba_num_heads": num_heads,
+                "mamba_head_dim": 2 * hidden_size // num_heads, "n_groups": 1,
+                "ssm_state_size": 16, "chunk_size": 16}
     if arch == "qwen3_moe":  # 4 experts of 32, 2 per token, every layer sparse
         return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}

@@ -1,0 +1,214 @@
+"""NemotronHForCausalLM: NVIDIA's Nemotron-H hybrids (Nemotron-H 8B/47B, Nemotron Nano 2),
+Mamba2 layers, a few attention layers and squared-ReLU MLPs, each its own layer.
+
+Every layer is ``x + mixer(norm(x))`` where the mixer is one of (``layers_block_type``,
+or the older ``hybrid_override_pattern`` letters):
+
+- ``linear_attention`` (M): a Mamba2 block (spindle/layers/mamba/mixer.py), whose gated
+  norm normalises each B/C group's share of the features on its own;
+- ``full_attention`` (*): grouped-query attention without positions (no rotary) and
+  without biases, as transformers builds it whatever ``attention_bias`` says;
+- ``mlp`` (-): up_proj, relu(x)^2, down_proj.
+
+Mixture-of-experts layers (``moe``, E: Nemotron 3) are refused. The norms multiply by
+their weight in float32 before the one cast back (transformers' NemotronHRMSNorm); the
+residual stream stays in the model's dtype, as transformers adds it. Checkpoint names
+are transformers' (``model.layers.N.mixer.*``, ``model.embeddings``, ``model.norm_f``);
+the hub's ``backbone.`` prefix loads too, and multi-token-prediction tensors (``mtp.``)
+are skipped: they serve speculative decoding, which this model does not use. The LM head
+is never tied to the embedding, as in transformers (whose NemotronH ties nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from spindle.attention import Attention
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import PipelineStage
+from spindle.layers.embedding import VocabParallelEmbedding
+from spindle.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
+from spindle.layers.norm import RMSNorm
+from spindle.models.bamba import time_step_limit
+from spindle.models.causal_lm import DecoderForCausalLM
+from spindle.models.llama import _to_param_name, head_dim_of
+from spindle.models.weights import load_named_weights
+
+MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+# hybrid_override_pattern's letters (configs written before layers_block_type).
+PATTERN_LETTERS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
+
+
+def layer_types(hf_config: Any) -> list[str]:
+    """Each layer's kind, from layers_block_type or hybrid_override_pattern."""
+    types = getattr(hf_config, "layers_block_type", None)
+    if types is None:
+        pattern = getattr(hf_config, "hybrid_override_pattern", None)
+        if pattern is None:
+            raise ValueError("a NemotronH config needs layers_block_type or "
+                             "hybrid_override_pattern")
+        unknown = sorted(set(pattern) - set(PATTERN_LETTERS))
+        if unknown:
+            raise ValueError(f"hybrid_override_pattern {pattern!r} holds {unknown}; "
+                             f"known: {sorted(PATTERN_LETTERS)}")
+        types = [PATTERN_LETTERS[letter] for letter in pattern]
+    return list(types)
+
+
+def check_supported_config(hf_config: Any) -> None:
+    """Reject config features this implementation would silently get wrong."""
+    types = layer_types(hf_config)
+    unknown = sorted(set(types) - {MAMBA, ATTENTION, MLP, MOE})
+    if unknown:
+        raise ValueError(f"layers_block_type holds unknown layer types {unknown}")
+    if MOE in types:
+        raise ValueError("NemotronH mixture-of-experts layers ('moe') are not supported; "
+                         "Mamba2, attention and MLP layers are")
+    for field, expected in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        value = getattr(hf_config, field, expected)
+        if value != expected:
+            raise ValueError(f"{field} {value!r} is not supported (only {expected!r})")
+    if getattr(hf_config, "sliding_window", None) is not None:
+        raise ValueError("NemotronH attention with a sliding_window is not supported")
+    low, high = time_step_limit(hf_config)
+    if not 0.0 <= low <= high:
+        raise ValueError(f"time_step_limit must be (low, high) with 0 <= low <= high, "
+                         f"got {(low, high)}")
+
+
+class NemotronHNorm(RMSNorm):
+    """transformers' NemotronHRMSNorm: the weight multiplies the normalized rows in
+    float32, then one cast back (Llama's RMSNorm casts first). Torch code on every
+    device; forward(x) -> y only, the layers add their residual themselves."""
+
+    def _norm(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * h).to(dtype or x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            raise ValueError("NemotronHNorm takes no residual")
+        return self._normalize(x)
+
+
+class NemotronHAttention(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(hf_config)
+        self.qkv_proj = QKVParallelLinear(
+            hf_config.hidden_size, self.head_dim, hf_config.num_attention_heads,
+            hf_config.num_key_value_heads, bias=False, tp_group=tp_group)
+        self.num_heads = self.qkv_proj.num_heads  # rank-local
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim,
+                                        hf_config.hidden_size, bias=False, tp_group=tp_group)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        return self.o_proj(self.attn(q, k, v))
+
+
+class NemotronHMLP(nn.Module):
+    """down_proj(relu(up_proj(x))^2): no gate."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        self.up_proj = ColumnParallelLinear(hf_config.hidden_size, hf_config.intermediate_size,
+                                            bias=bias, tp_group=tp_group)
+        self.down_proj = RowParallelLinear(hf_config.intermediate_size, hf_config.hidden_size,
+                                           bias=bias, tp_group=tp_group)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.square(torch.relu(self.up_proj(hidden_states))))
+
+
+def make_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> MambaMixer:
+    heads, head_dim = hf_config.mamba_num_heads, hf_config.mamba_head_dim
+    n_groups = getattr(hf_config, "n_groups", 1)
+    return MambaMixer(
+        hidden_size=hf_config.hidden_size, num_heads=heads, head_dim=head_dim,
+        n_groups=n_groups, norm_group_size=norm_group_size(heads, head_dim, n_groups),
+        state_size=hf_config.ssm_state_size, conv_kernel=getattr(hf_config, "conv_kernel", 4),
+        chunk_size=hf_config.chunk_size, eps=hf_config.layer_norm_epsilon,
+        time_step_limit=time_step_limit(hf_config),
+        conv_bias=bool(getattr(hf_config, "use_conv_bias", True)),
+        proj_bias=bool(getattr(hf_config, "use_bias", False)), tp_group=tp_group)
+
+
+MIXERS = {MAMBA: make_mixer, ATTENTION: NemotronHAttention, MLP: NemotronHMLP}
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, hf_config: Any, kind: str, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.norm = NemotronHNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
+        self.mixer = MIXERS[kind](hf_config, tp_group)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.mixer(self.norm(hidden_states))
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                   tp_group=tp_group)
+        self.layers = nn.ModuleList(NemotronHBlock(hf_config, kind, tp_group)
+                                    for kind in layer_types(hf_config))
+        self.norm_f = NemotronHNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: Any = None) -> torch.Tensor:
+        """-> final-normed hidden states [T, hidden] (positions are unused: attention
+        has no rotary, and the Mamba states carry the order)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return self.norm_f(hidden_states)
+
+
+class NemotronHForCausalLM(DecoderForCausalLM):
+    model_kind = "hybrid"
+    supports_pipeline_parallel = False
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage | None = None) -> None:
+        super().__init__()
+        check_supported_config(hf_config)
+        if stage is not None and stage.size > 1:
+            raise ValueError("NemotronHForCausalLM does not support pipeline parallelism")
+        self.config = hf_config
+        self.tp_group = tp_group
+        self.stage = PipelineStage.single()
+        self.model = NemotronHModel(hf_config, tp_group)
+        # transformers' NemotronH ties nothing, whatever tie_word_embeddings says: its
+        # checkpoints always hold lm_head.weight.
+        self.build_lm_head(hf_config, tp_group, tie=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into this rank's parameters (q/k/v_proj into
+        the merged qkv_proj; the MLP's up_proj stays itself)."""
+        return load_named_weights(self, weights, self._param_name)
+
+    def _param_name(self, hf_name: str) -> tuple[str, Any] | None:
+        if hf_name.startswith("mtp."):
+            return None
+        if hf_name.startswith("backbone."):  # the hub checkpoints' prefix
+            hf_name = "model." + hf_name[len("backbone."):]
+        for old in ("model.embeddings.", "model.embedding."):
+            if hf_name.startswith(old):
+                hf_name = "model.embed_tokens." + hf_name[len(old):]
+        if hf_name.endswith((".up_proj.weight", ".up_proj.bias")):
+            return hf_name, None  # (not a gate_up shard: the MLP has no gate)
+        return _to_param_name(hf_name)

@@ -1,0 +1,103 @@
+"""NemotronH specifics beyond the end-to-end checks of test_hybrid_models.py: the layer
+kinds read from either config spelling, what is refused, the hub's tensor names, and
+the norm's rounding against transformers' own module."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from spindle import LLM, SamplingParams
+from spindle.models.nemotron_h import NemotronHNorm, check_supported_config, layer_types
+from test_generate_vs_hf import hf_greedy
+
+
+def test_layer_kinds_from_the_pattern_and_the_list():
+    listed = SimpleNamespace(layers_block_type=["linear_attention", "mlp", "full_attention"])
+    assert layer_types(listed) == ["linear_attention", "mlp", "full_attention"]
+    legacy = SimpleNamespace(hybrid_override_pattern="M-M*-E")
+    assert layer_types(legacy) == ["linear_attention", "mlp", "linear_attention",
+                                   "full_attention", "mlp", "moe"]
+    with pytest.raises(ValueError, match=r"holds \['X'\]"):
+        layer_types(SimpleNamespace(hybrid_override_pattern="M-X"))
+    with pytest.raises(ValueError, match="needs layers_block_type"):
+        layer_types(SimpleNamespace())
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(hybrid_override_pattern="M-E*"), "mixture-of-experts"),
+    (dict(mlp_hidden_act="silu"), "mlp_hidden_act 'silu'"),
+    (dict(mamba_hidden_act="gelu"), "mamba_hidden_act 'gelu'"),
+    (dict(sliding_window=16), "sliding_window"),
+    (dict(time_step_limit=[0.1, 0.01]), "time_step_limit"),
+])
+def test_unsupported_configs_are_refused(change, message):
+    config = SimpleNamespace(hybrid_override_pattern="M-*", mlp_hidden_act="relu2",
+                             mamba_hidden_act="silu", sliding_window=None,
+                             time_step_limit=[0.0, float("inf")])
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        check_supported_config(config)
+
+
+def test_hub_names_load_and_mtp_tensors_are_skipped(tiny_model, tmp_path):
+    """The hub's checkpoints name the model `backbone` (embeddings under
+    backbone.embeddings) and may carry multi-token-prediction layers (mtp.*): the same
+    tensors under those names give transformers' greedy tokens."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_model("nemotron_h")
+    renamed = tmp_path / "hub-names"
+    shutil.copytree(path, renamed)
+    tensors = load_file(str(renamed / "model.safetensors"))
+    hub = {("backbone." + name[len("model."):] if name.startswith("model.") else name): t
+           for name, t in tensors.items()}
+    assert "backbone.embeddings.weight" in hub
+    hub["mtp.layers.0.norm.weight"] = torch.ones(4)
+    save_file(hub, str(renamed / "model.safetensors"), metadata={"format": "pt"})
+
+    prompts = [[5, 6, 7], list(range(10, 40))]
+    expected = hf_greedy(path, prompts, 8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(renamed), dtype="float32", device="cpu", max_model_len=128) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [tokens for tokens, _ in expected]
+
+
+def test_a_tied_config_without_a_head_is_an_error(tiny_model, tmp_path):
+    """transformers' NemotronH never ties its head (it would start from a random one);
+    spindle asks for the tensor instead of guessing."""
+    path = tiny_model("nemotron_h")
+    tied = tmp_path / "tied"
+    shutil.copytree(path, tied)
+    config = json.loads((tied / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (tied / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tied / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        LLM(str(tied), dtype="float32", device="cpu", max_model_len=128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rounds_as_transformers(dtype):
+    """The weight multiplies in float32 before the cast (not after, as Llama's)."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 64, generator=gen).to(dtype)
+    weight = (1 + 0.5 * torch.randn(64, generator=gen)).to(dtype)
+    ours, theirs = NemotronHNorm(64, eps=1e-5).to(dtype), NemotronHRMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        theirs.weight.copy_(weight)
+    assert torch.equal(ours(x), theirs(x))
