@@ -1,4 +1,4 @@
-"""Hybrid (Bamba, NemotronH) models on CUDA: the Triton Mamba2 kernels, CUDA graphs for decode,
+"""Hybrid (Bamba, NemotronH, GraniteMoeHybrid) models on CUDA: the Triton Mamba2 kernels, CUDA graphs for decode,
 state snapshots, against transformers on the CPU in float32 (the oracle the CPU tests
 use: spindle's CUDA run must give the same greedy tokens)."""
 
@@ -45,11 +45,14 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
     check(expected, outputs)
 
 
-@pytest.mark.parametrize("shape", ["default", "odd-heads"])
-def test_cuda_nemotron_h_greedy_equals_cpu_transformers(tiny_model, shape):
-    """NemotronH: attention without rotary and squared-ReLU MLPs beside the Mamba2
-    layers, decode in CUDA graphs."""
-    path = tiny_model("nemotron_h", **SHAPES["nemotron_h"][shape])
+@pytest.mark.parametrize("arch,shape", [("nemotron_h", "default"), ("nemotron_h", "odd-heads"),
+                                        ("granite_hybrid", "groups2"),
+                                        ("granite_hybrid", "odd-heads")])
+def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape):
+    """NemotronH (attention without rotary, squared-ReLU MLPs beside the Mamba2 layers)
+    and GraniteMoeHybrid (Granite's multipliers; experts through the fused MoE
+    kernels), decode in CUDA graphs."""
+    path = tiny_model(arch, **SHAPES[arch][shape])
     prompts = prompts_for(seed=8)
     expected = hf_greedy(path, prompts, MAX_NEW)
     (outputs,), graphs, _ = run_cuda(path, prompts)

@@ -1,4 +1,5 @@
-"""Models with state-space layers (Bamba: Mamba2 layers beside attention; NemotronH:
+"""Models with state-space layers (Bamba and Granite 4.0's GraniteMoeHybrid: Mamba2
+layers beside attention; NemotronH:
 Mamba2, attention and MLP layers each on its own; Mamba2: nothing but state-space
 layers, so a cache of state slots and no paged blocks) end to
 end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
@@ -32,6 +33,18 @@ SHAPES = {
         "odd-heads": dict(hidden_size=48, num_layers=5, num_heads=3, num_kv_heads=1,
                           n_groups=3, ssm_state_size=8, chunk_size=4, conv_kernel=3,
                           mlp_bias=True, use_conv_bias=False, use_bias=True),
+    },
+    # Granite 4.0: Bamba's layout with Granite's multipliers (tiny_model's defaults); a
+    # mixture of experts beside the shared MLP; whole-head rotary, a tied head, biases.
+    "granite_hybrid": {
+        "default": {},
+        "groups2": dict(num_layers=3, mamba_n_groups=2, mamba_chunk_size=8,
+                        num_local_experts=4, num_experts_per_tok=2),
+        "odd-heads": dict(hidden_size=48, num_layers=4, num_heads=3, num_kv_heads=1,
+                          layer_types=("attention", "mamba", "mamba", "attention"),
+                          mamba_n_heads=3, mamba_n_groups=3, mamba_d_state=8,
+                          mamba_chunk_size=4, mamba_d_conv=3, position_embedding_type="rope",
+                          tie_word_embeddings=True, attention_bias=True),
     },
     "mamba2": {
         "default": {},
@@ -137,7 +150,7 @@ def test_tensor_parallel_equals_transformers(reference, arch):
 
 
 @pytest.mark.parametrize("arch,level", [("bamba", 1), ("bamba", 2), ("nemotron_h", 2),
-                                        ("mamba2", 2)])
+                                        ("granite_hybrid", 1), ("mamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):
     path, prompts, expected = reference(arch, "default")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -15,7 +15,8 @@ checkpoint, except the merged qkv_proj and gate_up_proj.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -89,10 +90,31 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
 
 
+@dataclass(frozen=True)
+class HybridLayout:
+    """What sets a Bamba-pattern hybrid's layers apart from Bamba's own (GraniteMoeHybrid
+    differs only in these): which layers attend, how much of each head the rotary
+    embedding turns (0: none), the attention's score scale, and the multipliers on the
+    embeddings and on each sublayer's output before it joins the residual stream."""
+
+    attention_layers: frozenset[int]
+    rotary_dim: int
+    attention_scale: float
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+
+
+def bamba_layout(hf_config: Any) -> HybridLayout:
+    return HybridLayout(frozenset(attention_layer_indices(hf_config)), rotary_dim(hf_config),
+                        head_dim_of(hf_config) ** -0.5)
+
+
 class BambaAttention(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, layout: HybridLayout,
+                 tp_group: TensorParallelGroup) -> None:
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
+        self.rotates = layout.rotary_dim > 0
         bias = bool(getattr(hf_config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
             hf_config.hidden_size, self.head_dim, hf_config.num_attention_heads,
@@ -101,17 +123,19 @@ class BambaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim,
                                         hf_config.hidden_size, bias=bias, tp_group=tp_group)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+        self.attn = Attention(self.num_heads, self.head_dim, layout.attention_scale,
                               self.num_kv_heads)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor | None,
+                sin: torch.Tensor | None) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
-        q = apply_partial_rotary(q.reshape(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_partial_rotary(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
-        return self.o_proj(out)
+        if self.rotates:
+            q = apply_partial_rotary(q.reshape(num_tokens, self.num_heads, self.head_dim),
+                                     cos, sin).reshape(num_tokens, -1)
+            k = apply_partial_rotary(k.reshape(num_tokens, self.num_kv_heads, self.head_dim),
+                                     cos, sin).reshape(num_tokens, -1)
+        return self.o_proj(self.attn(q, k, v))
 
 
 def make_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> MambaMixer:
@@ -127,23 +151,35 @@ def make_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> MambaMixer:
         proj_bias=bool(getattr(hf_config, "mamba_proj_bias", False)), tp_group=tp_group)
 
 
+def bamba_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                       ) -> nn.Module:
+    return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
+                    bool(getattr(hf_config, "mlp_bias", False)), tp_group)
+
+
+FeedForwardFactory = Callable[[Any, int, TensorParallelGroup], nn.Module]
+
+
 class BambaDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, is_attention: bool, tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
+                 feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
-        self.is_attention = is_attention
-        if is_attention:
-            self.self_attn = BambaAttention(hf_config, tp_group)
+        self.is_attention = layer_idx in layout.attention_layers
+        self.residual_multiplier = layout.residual_multiplier
+        if self.is_attention:
+            self.self_attn = BambaAttention(hf_config, layout, tp_group)
         else:
             self.mamba = make_mixer(hf_config, tp_group)
-        self.feed_forward = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
-                                     bool(getattr(hf_config, "mlp_bias", False)), tp_group)
+        self.feed_forward = feed_forward(hf_config, layer_idx, tp_group)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
         self.pre_ff_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block, residual carried separately (the next norm does the add)."""
+                cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block, residual carried separately (the next norm does the add of
+        this layer's output, scaled by the residual multiplier where there is one)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -153,31 +189,37 @@ class BambaDecoderLayer(nn.Module):
             hidden_states = self.self_attn(hidden_states, cos, sin)
         else:
             hidden_states = self.mamba(hidden_states)
-        hidden_states, residual = self.pre_ff_layernorm(hidden_states, residual)
-        return self.feed_forward(hidden_states), residual
+        hidden_states, residual = self.pre_ff_layernorm(self._scaled(hidden_states), residual)
+        return self._scaled(self.feed_forward(hidden_states)), residual
+
+    def _scaled(self, output: torch.Tensor) -> torch.Tensor:
+        return output if self.residual_multiplier == 1.0 else output * self.residual_multiplier
 
 
 class BambaModel(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
-                 stage: PipelineStage) -> None:
+    def __init__(self, hf_config: Any, layout: HybridLayout, feed_forward: FeedForwardFactory,
+                 tp_group: TensorParallelGroup, stage: PipelineStage) -> None:
         super().__init__()
         self.stage = stage
+        self.embedding_multiplier = layout.embedding_multiplier
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         if stage.is_first or (stage.is_last and tied):
             self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size,
                                                        hf_config.hidden_size, tp_group=tp_group)
         else:
             self.embed_tokens = None
-        attention = attention_layer_indices(hf_config)
         self.layers = nn.ModuleList(
-            BambaDecoderLayer(hf_config, i in attention, tp_group) if stage.owns_layer(i)
-            else MissingLayer() for i in range(hf_config.num_hidden_layers))
+            BambaDecoderLayer(hf_config, i, layout, feed_forward, tp_group)
+            if stage.owns_layer(i) else MissingLayer()
+            for i in range(hf_config.num_hidden_layers))
         self.final_layernorm = (RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
                                 if stage.is_last else None)
-        params = dict(rope_parameters_from_config(hf_config))
-        params.pop("partial_rotary_factor", None)  # the table is built for the rotated part only
-        self.rotary_emb = RotaryEmbedding(rotary_dim(hf_config),
-                                          hf_config.max_position_embeddings, params)
+        self.rotary_emb = None
+        if layout.rotary_dim > 0:
+            params = dict(rope_parameters_from_config(hf_config))
+            params.pop("partial_rotary_factor", None)  # the table covers the rotated part only
+            self.rotary_emb = RotaryEmbedding(layout.rotary_dim,
+                                              hf_config.max_position_embeddings, params)
 
     def own_layers(self) -> list[BambaDecoderLayer]:
         return [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
@@ -190,6 +232,8 @@ class BambaModel(nn.Module):
             if (input_ids is None) == (inputs_embeds is None):
                 raise ValueError("pass exactly one of input_ids and inputs_embeds")
             hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            if self.embedding_multiplier != 1.0:
+                hidden_states = hidden_states * self.embedding_multiplier
             residual = None
         else:
             if intermediate_tensors is None:
@@ -197,7 +241,9 @@ class BambaModel(nn.Module):
                                  "stage's intermediate_tensors")
             hidden_states = intermediate_tensors.hidden_states
             residual = intermediate_tensors.residual
-        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        cos = sin = None
+        if self.rotary_emb is not None:
+            cos, sin = self.rotary_emb(positions, hidden_states.dtype)
         for layer in self.own_layers():
             hidden_states, residual = layer(hidden_states, residual, cos, sin)
         if not self.stage.is_last:
@@ -213,19 +259,28 @@ class BambaForCausalLM(DecoderForCausalLM):
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
-        check_supported_config(hf_config)
+        self.check_config(hf_config)
         self.config = hf_config
         self.tp_group = tp_group
         self.stage = stage or PipelineStage.single()
-        self.model = BambaModel(hf_config, tp_group, self.stage)
+        self.model = BambaModel(hf_config, self.layout(hf_config), self.feed_forward,
+                                tp_group, self.stage)
         self.build_lm_head(hf_config, tp_group)
+
+    # What a Bamba-pattern model of another family overrides (granite_hybrid.py).
+    check_config = staticmethod(check_supported_config)
+    layout = staticmethod(bamba_layout)
+    feed_forward = staticmethod(bamba_feed_forward)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this rank's parameters (see
         LlamaForCausalLM.load_weights)."""
         return load_named_weights(
             self, weights,
-            lambda hf_name: None if self._skip_checkpoint_tensor(hf_name) else _to_param_name(hf_name))
+            lambda hf_name: None if self._skip_checkpoint_tensor(hf_name) else self.param_name(hf_name))
+
+    def param_name(self, hf_name: str) -> tuple[str, Any]:
+        return _to_param_name(hf_name)
 
     def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
         if "rotary_emb." in hf_name:

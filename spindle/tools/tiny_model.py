@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "bamba": "BambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "granite_hybrid": "GraniteMoeHybridForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -60,6 +61,7 @@ ARCHITECTURES = {
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "mamba2": "Mamba2Config", "nemotron_h": "NemotronHConfig",
+                  "granite_hybrid": "GraniteMoeHybridConfig",
                   "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
@@ -92,6 +94,14 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"layers_block_type": kinds, "mamba_num_heads": num_heads,
                 "mamba_head_dim": 2 * hidden_size // num_heads, "n_groups": 1,
                 "ssm_state_size": 16, "chunk_size": 16}
+    if arch == "granite_hybrid":  # Bamba's layout, dense (no experts), Granite's scalings
+        kinds = ["mamba"] * num_layers
+        kinds[num_layers // 2] = "attention"
+        return {"layer_types": kinds, "mamba_n_heads": num_heads, "mamba_n_groups": 1,
+                "mamba_d_state": 16, "mamba_chunk_size": 16, "num_local_experts": 0,
+                "shared_intermediate_size": 96, "embedding_multiplier": 1.5,
+                "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+                "logits_scaling": 1.25}
     if arch == "qwen3_moe":  # 4 experts of 32, 2 per token, every layer sparse
         return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
@@ -276,6 +286,9 @@ def checkpoint_tensors(model: torch.nn.Module):
     arch = next((a for a, cls in ARCHITECTURES.items()
                  if cls == model.config.architectures[0]), None)
     for name, tensor in model.state_dict().items():
+        if arch == "granite_hybrid":
+            yield _granite_hub_name(name), tensor
+            continue
         if arch not in MOE_CHECKPOINT_NAMES or ".mlp." not in name:
             yield name, tensor
             continue
@@ -293,6 +306,18 @@ def checkpoint_tensors(model: torch.nn.Module):
             yield f"{prefix}gate.weight", tensor
         else:  # a dense layer's MLP
             yield name, tensor
+
+
+# transformers' names of a GraniteMoeHybrid expert block's tensors -> the hub's (experts
+# stacked either way).
+GRANITE_HUB_NAMES = {"experts.gate_up_proj": "input_linear.weight",
+                     "experts.down_proj": "output_linear.weight",
+                     "router.weight": "router.layer.weight"}
+
+
+def _granite_hub_name(name: str) -> str:
+    stem, sep, leaf = name.rpartition(".block_sparse_moe.")
+    return stem + sep + GRANITE_HUB_NAMES.get(leaf, leaf) if sep else name
 
 
 def _split_balanced(names: list[str], sizes: list[int], parts: int) -> list[list[str]]:
