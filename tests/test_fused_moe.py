@@ -16,10 +16,10 @@ CASES = pick([(1, 1024, 768, 128, 8), (37, 1024, 768, 128, 8), (300, 512, 256, 8
              [(1, 64, 32, 4, 2), (9, 64, 48, 6, 3), (40, 32, 32, 4, 1)])
 
 
-def _inputs(tokens, hidden, inter, experts, top_k, dtype, seed):
+def _inputs(tokens, hidden, inter, experts, top_k, dtype, seed, gated=True):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w13 = torch.randn(experts, (2 if gated else 1) * inter, hidden, generator=gen) / hidden ** 0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
     # A skewed routing: expert 0 popular, the last one never chosen.
     scores = torch.randn(tokens, experts, generator=gen)
@@ -31,24 +31,28 @@ def _inputs(tokens, hidden, inter, experts, top_k, dtype, seed):
             ids.to(**to), weights.to(dtype=dtype, **to))
 
 
-def _torch_experts(x, w13, w2, ids, weights):
+def _torch_experts(x, w13, w2, ids, weights, gated=True):
     from spindle.distributed.parallel_state import TensorParallelGroup
     from spindle.layers.moe import FusedExperts
 
-    experts = FusedExperts(w13.shape[0], x.shape[1], w2.shape[2], TensorParallelGroup.single())
+    experts = FusedExperts(w13.shape[0], x.shape[1], w2.shape[2], TensorParallelGroup.single(),
+                           gated=gated)
     experts.w13.data, experts.w2.data = w13.float().cpu(), w2.float().cpu()
     return experts(x.float().cpu(), ids.cpu(), weights.float().cpu())
 
 
 @pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-def test_fused_experts_equal_the_torch_loop(tokens, hidden, inter, experts, top_k, dtype):
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "relu2"])
+def test_fused_experts_equal_the_torch_loop(tokens, hidden, inter, experts, top_k, dtype,
+                                            gated):
+    """SwiGLU experts, and NemotronH's two-projection squared-ReLU ones."""
     from spindle.layers.fused_moe import fused_experts
 
     x, w13, w2, ids, weights = _inputs(tokens, hidden, inter, experts, top_k, dtype,
-                                       seed=tokens + experts)
-    out = fused_experts(x, w13, w2, ids, weights)
-    ref = _torch_experts(x, w13, w2, ids, weights)
+                                       seed=tokens + experts, gated=gated)
+    out = fused_experts(x, w13, w2, ids, weights, gated)
+    ref = _torch_experts(x, w13, w2, ids, weights, gated)
     assert out.dtype == dtype and out.shape == x.shape
     if dtype == torch.float32:
         torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)

@@ -45,12 +45,13 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
     check(expected, outputs)
 
 
-@pytest.mark.parametrize("arch,shape", [("nemotron_h", "default"), ("nemotron_h", "odd-heads"),
+@pytest.mark.parametrize("arch,shape", [("nemotron_h", "groups2"), ("nemotron_h", "odd-heads"),
                                         ("granite_hybrid", "groups2"),
                                         ("granite_hybrid", "odd-heads")])
 def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape):
-    """NemotronH (attention without rotary, squared-ReLU MLPs beside the Mamba2 layers)
-    and GraniteMoeHybrid (Granite's multipliers; experts through the fused MoE
+    """NemotronH (attention without rotary, squared-ReLU MLPs and experts beside the
+    Mamba2 layers; the experts through the fused MoE kernels' gate-less variant) and
+    GraniteMoeHybrid (Granite's multipliers; experts through the fused MoE
     kernels), decode in CUDA graphs."""
     path = tiny_model(arch, **SHAPES[arch][shape])
     prompts = prompts_for(seed=8)

@@ -29,7 +29,10 @@ SHAPES = {
     },
     "nemotron_h": {
         "default": {},
-        "groups2": dict(num_layers=3, n_groups=2, chunk_size=8),
+        # (Nemotron 3's layer kinds: experts between Mamba2 and attention layers.)
+        "groups2": dict(num_layers=4, n_groups=2, chunk_size=8,
+                        layers_block_type=("linear_attention", "moe", "full_attention",
+                                           "moe")),
         "odd-heads": dict(hidden_size=48, num_layers=5, num_heads=3, num_kv_heads=1,
                           n_groups=3, ssm_state_size=8, chunk_size=4, conv_kernel=3,
                           mlp_bias=True, use_conv_bias=False, use_bias=True),

@@ -1,6 +1,8 @@
 """NemotronH specifics beyond the end-to-end checks of test_hybrid_models.py: the layer
-kinds read from either config spelling, what is refused, the hub's tensor names, and
-the norm's rounding against transformers' own module."""
+kinds read from either config spelling, what is refused, the hub's tensor names, the
+experts' routing variants (groups, no renormalisation, a latent projection) and
+transformers' stacked expert tensors, and the norm's rounding against transformers'
+own module."""
 
 from __future__ import annotations
 
@@ -30,16 +32,20 @@ def test_layer_kinds_from_the_pattern_and_the_list():
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(hybrid_override_pattern="M-E*"), "mixture-of-experts"),
+    (dict(n_group=3), r"n_routed_experts \(8\) must split into n_group \(3\)"),
+    (dict(n_group=8), "groups of at least 2"),
+    (dict(topk_group=5), r"topk_group \(5\) must be in 1..n_group \(4\)"),
+    (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) must be in 1..4"),
     (dict(mlp_hidden_act="silu"), "mlp_hidden_act 'silu'"),
     (dict(mamba_hidden_act="gelu"), "mamba_hidden_act 'gelu'"),
     (dict(sliding_window=16), "sliding_window"),
     (dict(time_step_limit=[0.1, 0.01]), "time_step_limit"),
 ])
 def test_unsupported_configs_are_refused(change, message):
-    config = SimpleNamespace(hybrid_override_pattern="M-*", mlp_hidden_act="relu2",
+    config = SimpleNamespace(hybrid_override_pattern="M-*E", mlp_hidden_act="relu2",
                              mamba_hidden_act="silu", sliding_window=None,
-                             time_step_limit=[0.0, float("inf")])
+                             time_step_limit=[0.0, float("inf")], n_routed_experts=8,
+                             n_group=4, topk_group=2, num_experts_per_tok=2)
     for key, value in change.items():
         setattr(config, key, value)
     with pytest.raises(ValueError, match=message):
@@ -68,6 +74,51 @@ def test_hub_names_load_and_mtp_tensors_are_skipped(tiny_model, tmp_path):
     with LLM(str(renamed), dtype="float32", device="cpu", max_model_len=128) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [tokens for tokens, _ in expected]
+
+
+def _greedy(path, prompts, max_new=8):
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=0)
+    with LLM(str(path), dtype="float32", device="cpu", max_model_len=128) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+@pytest.mark.parametrize("routing", [
+    dict(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+         routed_scaling_factor=2.5, norm_topk_prob=False),
+    dict(moe_latent_size=24, mlp_bias=True),
+], ids=["grouped", "latent"])
+def test_expert_routing_variants_equal_transformers(tiny_model, routing):
+    """Only the best topk_group groups' experts chosen, weights not renormalised and
+    scaled; or the experts behind a latent projection (with biases)."""
+    path = tiny_model("nemotron_h", num_layers=3,
+                      layers_block_type=("linear_attention", "moe", "full_attention"), **routing)
+    prompts = [[5, 6, 7], list(range(10, 40)), [9]]
+    expected = hf_greedy(path, prompts, 8)
+    for (tokens, lps), (hf_tokens, hf_lps) in zip(_greedy(path, prompts), expected):
+        assert tokens == hf_tokens
+        assert max(abs(a - b) for a, b in zip(lps, hf_lps)) < 1e-4
+
+
+def test_stacked_expert_tensors_load(tiny_model, tmp_path):
+    """transformers saves the experts stacked (mixer.experts.up_proj [E, I, H]); the hub
+    has them one by one (what tiny_model writes): both give the same model."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_model("nemotron_h", num_layers=3,
+                      layers_block_type=("linear_attention", "moe", "full_attention"))
+    stacked = tmp_path / "stacked"
+    shutil.copytree(path, stacked)
+    tensors = load_file(str(stacked / "model.safetensors"))
+    out = {name: t for name, t in tensors.items() if ".experts." not in name}
+    for leaf in ("up_proj", "down_proj"):
+        out[f"model.layers.1.mixer.experts.{leaf}"] = torch.stack(
+            [tensors[f"model.layers.1.mixer.experts.{e}.{leaf}.weight"] for e in range(4)])
+    save_file(out, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+    prompts = [[5, 6, 7], list(range(10, 40))]
+    assert _greedy(stacked, prompts) == _greedy(path, prompts)
 
 
 def test_a_tied_config_without_a_head_is_an_error(tiny_model, tmp_path):

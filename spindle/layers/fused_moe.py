@@ -6,7 +6,8 @@ GEMM launches, no host synchronisation (so it can be captured in CUDA graphs).
    blocks, and each block labelled with its expert. All torch ops of static shapes
    (the row list has room for T * k + E * (BLOCK_M - 1) rows, the worst case).
 2. gate/up: each block's rows of x times its expert's [gate | up] weight, SiLU(gate) *
-   up fused into the epilogue -> [rows, I].
+   up fused into the epilogue -> [rows, I] (experts without a gate: the up weight,
+   relu(x)^2 in the epilogue).
 3. down: those rows times the expert's down weight, each row scaled by its routing
    weight -> one row per (token, choice).
 4. A token's k rows are summed (in the order of its choices).
@@ -51,15 +52,17 @@ def align_by_expert(top_ids: torch.Tensor, num_experts: int, block_m: int = BLOC
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+                  top_ids: torch.Tensor, top_weights: torch.Tensor,
+                  gated: bool = True) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] ([gate | up]), w2 [E, H, I], top_ids / top_weights
     [T, k] -> sum over each token's choices of weight * down(silu(gate) * up), [T, H]
-    in x's dtype (the products accumulated in float32)."""
+    in x's dtype (the products accumulated in float32). gated=False: w13 [E, I, H] is
+    the up projection alone, and the experts compute down(relu(up)^2)."""
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
-    num_experts, double, _ = w13.shape
-    inter = double // 2
+    num_experts, first_rows, _ = w13.shape
+    inter = first_rows // 2 if gated else first_rows
     k = top_ids.shape[1]
     rows, block_experts = align_by_expert(top_ids, num_experts)
     capacity = rows.numel()
@@ -73,13 +76,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _grouped_gemm_kernel[(capacity // BLOCK_M, triton.cdiv(inter, block_n))](
         x, w13, act, rows, block_experts, weights, inter, hidden, num_experts,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        K_TOKENS=k, GATED=True, SCALE=False, GATHER_A=True, IEEE=ieee,
+        K_TOKENS=k, GATED=gated, RELU2=not gated, SCALE=False, GATHER_A=True, IEEE=ieee,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     # down: act rows -> one output row per (token, choice), scaled by its weight.
     _grouped_gemm_kernel[(capacity // BLOCK_M, triton.cdiv(hidden, block_n))](
         act, w2, out_rows, rows, block_experts, weights, hidden, inter, num_experts,
         act.stride(0), w2.stride(0), w2.stride(1), out_rows.stride(0),
-        K_TOKENS=k, GATED=False, SCALE=True, GATHER_A=False, IEEE=ieee,
+        K_TOKENS=k, GATED=False, RELU2=False, SCALE=True, GATHER_A=False, IEEE=ieee,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     return out_rows.view(num_tokens, k, hidden).sum(dim=1)
 
@@ -87,16 +90,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, block_experts_ptr, weights_ptr,
                          N, K, num_experts, stride_a, stride_we, stride_wn, stride_out,
-                         K_TOKENS: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr,
-                         GATHER_A: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         K_TOKENS: tl.constexpr, GATED: tl.constexpr, RELU2: tl.constexpr,
+                         SCALE: tl.constexpr, GATHER_A: tl.constexpr, IEEE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
     """One BLOCK_M block of padded rows (one expert's) x BLOCK_N output columns.
 
     GATHER_A: row r's input is a_ptr's row rows[r] // K_TOKENS (the token), and the
     output goes to padded row r; else the input is padded row r and the output goes
     to row rows[r] (the pair). GATED: the weight's rows are [gate | up], N columns
-    each; the output is silu(gate) * up. SCALE: the output row is multiplied by
-    weights_ptr[pair] (in float32)."""
+    each; the output is silu(gate) * up. RELU2: the output is relu(x)^2. SCALE: the
+    output row is multiplied by weights_ptr[pair] (in float32)."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= num_experts:
@@ -132,6 +136,9 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, block_experts_ptr, wei
         gate = acc.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = act * acc_up.to(dtype).to(tl.float32)
+    if RELU2:  # (relu is exact in the output dtype; the square rounds once)
+        relu = tl.maximum(acc.to(dtype).to(tl.float32), 0.0)
+        acc = relu * relu
     if SCALE:
         acc = acc.to(dtype).to(tl.float32) \
             * tl.load(weights_ptr + pair, mask=m_valid, other=0.0).to(tl.float32)[:, None]

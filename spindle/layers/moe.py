@@ -3,7 +3,8 @@
 A router (a replicated [E, H] linear) scores every token against E experts; each token
 goes to its top_k experts, weighted by their softmax probabilities (renormalised over
 the chosen ones when the model says so), and the block's output is the weighted sum
-of those experts' SwiGLU MLPs.
+of those experts' SwiGLU MLPs. (FusedExperts also serves NemotronH's experts, of
+squared-ReLU MLPs without a gate, routed by models/nemotron_h.py.)
 
 Tensor parallelism splits every expert like the dense MLP: each rank holds its slice of
 every expert's intermediate features (gate and up column-parallel, down row-parallel),
@@ -32,36 +33,43 @@ from spindle.layers.linear import (apply_linear, copy_checked, default_weight_lo
 class FusedExperts(nn.Module):
     """E experts' weights stacked: w13 [E, 2 * I_local, H] ([gate | up] of this rank's
     slice) and w2 [E, H, I_local]. Checkpoint tensors load with shard ids (e, "gate"),
-    (e, "up") and (e, "down")."""
+    (e, "up") and (e, "down").
+
+    gated=False: experts of two projections, down(relu(up(x))^2) (NemotronH's): w13 is
+    [E, I_local, H], the up projection alone, and there is no "gate" shard."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 tp_group: TensorParallelGroup) -> None:
+                 tp_group: TensorParallelGroup, gated: bool = True) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.tp_group = tp_group
+        self.gated = gated
         self.local_size = divide(intermediate_size, tp_group.size, "moe intermediate size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size),
-                                requires_grad=False)
+        parts = ("gate", "up") if gated else ("up",)
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, len(parts) * self.local_size, hidden_size),
+            requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size),
                                requires_grad=False)
         set_weight_loader(self.w13, self.weight_loader,
-                          [(e, part) for e in range(num_experts) for part in ("gate", "up")])
+                          [(e, part) for e in range(num_experts) for part in parts])
         set_weight_loader(self.w2, self.weight_loader, [(e, "down") for e in range(num_experts)])
         self.batch_invariant = False  # set by enable_batch_invariance
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
                       ) -> None:
+        parts = ("gate", "up", "down") if self.gated else ("up", "down")
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2
                 and isinstance(shard_id[0], int) and 0 <= shard_id[0] < self.num_experts
-                and shard_id[1] in ("gate", "up", "down")):
-            raise ValueError(f"expert weights need a shard id (expert, 'gate'|'up'|'down'), "
-                             f"got {shard_id!r}")
+                and shard_id[1] in parts):
+            raise ValueError(f"expert weights need a shard id (expert, "
+                             f"{'|'.join(repr(p) for p in parts)}), got {shard_id!r}")
         expert, part = shard_id
         size, rank = self.local_size, self.tp_group.rank
         if part == "down":
             copy_checked(param.data[expert], loaded.narrow(1, rank * size, size))
         else:
-            offset = 0 if part == "gate" else size
+            offset = size if part == "up" and self.gated else 0
             copy_checked(param.data[expert].narrow(0, offset, size),
                          loaded.narrow(0, rank * size, size))
 
@@ -73,14 +81,18 @@ class FusedExperts(nn.Module):
         if x.is_cuda and not self.batch_invariant:
             from spindle.layers.fused_moe import fused_experts
 
-            return fused_experts(x, self.w13, self.w2, top_ids, top_weights)
+            return fused_experts(x, self.w13, self.w2, top_ids, top_weights, self.gated)
         out = torch.zeros_like(x)
         by_rank = top_ids.T  # [k, T]: where() lists (rank, token) pairs rank-major, as HF
         for expert in torch.unique(top_ids).tolist():
             rank_of, tokens = torch.where(by_rank == expert)
             h = apply_linear(x[tokens], self.w13[expert], invariant=self.batch_invariant)
-            gate, up = h.chunk(2, dim=-1)
-            h = apply_linear(F.silu(gate) * up, self.w2[expert], invariant=self.batch_invariant)
+            if self.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = F.silu(gate) * up
+            else:
+                h = torch.square(torch.relu(h))
+            h = apply_linear(h, self.w2[expert], invariant=self.batch_invariant)
             h = h * top_weights[tokens, rank_of, None]
             out.index_add_(0, tokens, h.to(out.dtype))
         return out

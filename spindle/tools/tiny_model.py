@@ -93,7 +93,10 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         kinds[num_layers // 2] = "full_attention"
         return {"layers_block_type": kinds, "mamba_num_heads": num_heads,
                 "mamba_head_dim": 2 * hidden_size // num_heads, "n_groups": 1,
-                "ssm_state_size": 16, "chunk_size": 16}
+                "ssm_state_size": 16, "chunk_size": 16,
+                # for "moe" layers: 4 experts of 32, 2 per token, a shared one of 48
+                "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "moe_shared_expert_intermediate_size": 48}
     if arch == "granite_hybrid":  # Bamba's layout, dense (no experts), Granite's scalings
         kinds = ["mamba"] * num_layers
         kinds[num_layers // 2] = "attention"
@@ -210,6 +213,9 @@ def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD) -> 
                 param.copy_(0.1 * _randn_like(param, generator))
             else:  # linear / embedding weights, transformers' N(0, initializer_range)
                 param.mul_(WEIGHT_STD / param.std())
+        for name, buffer in model.named_buffers():
+            if name.endswith(".e_score_correction_bias"):  # (zeros in transformers' init)
+                buffer.copy_(0.1 * _randn_like(buffer, generator))
         # The final norm outputs ~unit rms, so logit std ~ head std * sqrt(hidden).
         # Tied: scaling the head scales the embedding too, which only strengthens the
         # token signal in the residual stream.
@@ -288,6 +294,11 @@ def checkpoint_tensors(model: torch.nn.Module):
     for name, tensor in model.state_dict().items():
         if arch == "granite_hybrid":
             yield _granite_hub_name(name), tensor
+            continue
+        if arch == "nemotron_h" and name.endswith((".experts.up_proj", ".experts.down_proj")):
+            for e, expert in enumerate(tensor):  # the hub's layout: one tensor per expert
+                stem, _, leaf = name.rpartition(".")
+                yield f"{stem}.{e}.{leaf}.weight", expert
             continue
         if arch not in MOE_CHECKPOINT_NAMES or ".mlp." not in name:
             yield name, tensor
