@@ -3,12 +3,11 @@ spellings of the expert tensors load, and what is refused."""
 
 from __future__ import annotations
 
-import shutil
 from types import SimpleNamespace
 
 import pytest
 
-from spindle import LLM, SamplingParams
+from checkpoint_utils import rewritten_checkpoint, same_tokens, spindle_greedy
 from spindle.models.granite_hybrid import check_supported_config, granite_layout
 from spindle.tools.tiny_model import GRANITE_HUB_NAMES
 from test_generate_vs_hf import hf_greedy
@@ -19,26 +18,20 @@ MOE = dict(num_layers=3, num_local_experts=4, num_experts_per_tok=2)
 def test_transformers_names_of_the_experts_load_too(tiny_model, tmp_path):
     """tiny_model writes the hub's names (input_linear, output_linear, router.layer);
     transformers saves its own (experts.gate_up_proj, experts.down_proj, router)."""
-    from safetensors.torch import load_file, save_file
+    back = {hub: ours for ours, hub in GRANITE_HUB_NAMES.items()}
+
+    def transformers_names(tensors):
+        moved = {}
+        for name, tensor in tensors.items():
+            stem, sep, leaf = name.rpartition(".block_sparse_moe.")
+            moved[stem + sep + back.get(leaf, leaf) if sep else name] = tensor
+        assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in moved
+        return moved
 
     path = tiny_model("granite_hybrid", **MOE)
-    renamed = tmp_path / "transformers-names"
-    shutil.copytree(path, renamed)
-    tensors = load_file(str(renamed / "model.safetensors"))
-    back = {hub: ours for ours, hub in GRANITE_HUB_NAMES.items()}
-    moved = {}
-    for name, tensor in tensors.items():
-        stem, sep, leaf = name.rpartition(".block_sparse_moe.")
-        moved[stem + sep + back.get(leaf, leaf) if sep else name] = tensor
-    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in moved
-    save_file(moved, str(renamed / "model.safetensors"), metadata={"format": "pt"})
-
+    renamed = rewritten_checkpoint(path, tmp_path / "transformers-names", transformers_names)
     prompts = [[5, 6, 7], list(range(10, 40))]
-    expected = hf_greedy(path, prompts, 8)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with LLM(str(renamed), dtype="float32", device="cpu", max_model_len=128) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == [tokens for tokens, _ in expected]
+    assert same_tokens(hf_greedy(path, prompts, 8), spindle_greedy(renamed, prompts))
 
 
 def _config(**change):

@@ -7,14 +7,13 @@ own module."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from spindle import LLM, SamplingParams
+from checkpoint_utils import rewritten_checkpoint, same_tokens, spindle_greedy
+from spindle import LLM
 from spindle.models.nemotron_h import NemotronHNorm, check_supported_config, layer_types
 from test_generate_vs_hf import hf_greedy
 
@@ -56,33 +55,17 @@ def test_hub_names_load_and_mtp_tensors_are_skipped(tiny_model, tmp_path):
     """The hub's checkpoints name the model `backbone` (embeddings under
     backbone.embeddings) and may carry multi-token-prediction layers (mtp.*): the same
     tensors under those names give transformers' greedy tokens."""
-    from safetensors.torch import load_file, save_file
+    def hub_names(tensors):
+        hub = {("backbone." + name[len("model."):] if name.startswith("model.") else name): t
+               for name, t in tensors.items()}
+        assert "backbone.embeddings.weight" in hub
+        hub["mtp.layers.0.norm.weight"] = torch.ones(4)
+        return hub
 
     path = tiny_model("nemotron_h")
-    renamed = tmp_path / "hub-names"
-    shutil.copytree(path, renamed)
-    tensors = load_file(str(renamed / "model.safetensors"))
-    hub = {("backbone." + name[len("model."):] if name.startswith("model.") else name): t
-           for name, t in tensors.items()}
-    assert "backbone.embeddings.weight" in hub
-    hub["mtp.layers.0.norm.weight"] = torch.ones(4)
-    save_file(hub, str(renamed / "model.safetensors"), metadata={"format": "pt"})
-
+    renamed = rewritten_checkpoint(path, tmp_path / "hub-names", hub_names)
     prompts = [[5, 6, 7], list(range(10, 40))]
-    expected = hf_greedy(path, prompts, 8)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with LLM(str(renamed), dtype="float32", device="cpu", max_model_len=128) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == [tokens for tokens, _ in expected]
-
-
-def _greedy(path, prompts, max_new=8):
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=0)
-    with LLM(str(path), dtype="float32", device="cpu", max_model_len=128) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids),
-             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in outs]
+    assert same_tokens(hf_greedy(path, prompts, 8), spindle_greedy(renamed, prompts))
 
 
 @pytest.mark.parametrize("routing", [
@@ -97,7 +80,7 @@ def test_expert_routing_variants_equal_transformers(tiny_model, routing):
                       layers_block_type=("linear_attention", "moe", "full_attention"), **routing)
     prompts = [[5, 6, 7], list(range(10, 40)), [9]]
     expected = hf_greedy(path, prompts, 8)
-    for (tokens, lps), (hf_tokens, hf_lps) in zip(_greedy(path, prompts), expected):
+    for (tokens, lps), (hf_tokens, hf_lps) in zip(spindle_greedy(path, prompts), expected):
         assert tokens == hf_tokens
         assert max(abs(a - b) for a, b in zip(lps, hf_lps)) < 1e-4
 
@@ -105,36 +88,31 @@ def test_expert_routing_variants_equal_transformers(tiny_model, routing):
 def test_stacked_expert_tensors_load(tiny_model, tmp_path):
     """transformers saves the experts stacked (mixer.experts.up_proj [E, I, H]); the hub
     has them one by one (what tiny_model writes): both give the same model."""
-    from safetensors.torch import load_file, save_file
+    def stacked(tensors):
+        out = {name: t for name, t in tensors.items() if ".experts." not in name}
+        for leaf in ("up_proj", "down_proj"):
+            out[f"model.layers.1.mixer.experts.{leaf}"] = torch.stack(
+                [tensors[f"model.layers.1.mixer.experts.{e}.{leaf}.weight"] for e in range(4)])
+        return out
 
     path = tiny_model("nemotron_h", num_layers=3,
                       layers_block_type=("linear_attention", "moe", "full_attention"))
-    stacked = tmp_path / "stacked"
-    shutil.copytree(path, stacked)
-    tensors = load_file(str(stacked / "model.safetensors"))
-    out = {name: t for name, t in tensors.items() if ".experts." not in name}
-    for leaf in ("up_proj", "down_proj"):
-        out[f"model.layers.1.mixer.experts.{leaf}"] = torch.stack(
-            [tensors[f"model.layers.1.mixer.experts.{e}.{leaf}.weight"] for e in range(4)])
-    save_file(out, str(stacked / "model.safetensors"), metadata={"format": "pt"})
     prompts = [[5, 6, 7], list(range(10, 40))]
-    assert _greedy(stacked, prompts) == _greedy(path, prompts)
+    assert (spindle_greedy(rewritten_checkpoint(path, tmp_path / "stacked", stacked), prompts)
+            == spindle_greedy(path, prompts))
 
 
 def test_a_tied_config_without_a_head_is_an_error(tiny_model, tmp_path):
     """transformers' NemotronH never ties its head (it would start from a random one);
     spindle asks for the tensor instead of guessing."""
-    path = tiny_model("nemotron_h")
-    tied = tmp_path / "tied"
-    shutil.copytree(path, tied)
+    def without_head(tensors):
+        del tensors["lm_head.weight"]
+        return tensors
+
+    tied = rewritten_checkpoint(tiny_model("nemotron_h"), tmp_path / "tied", without_head)
     config = json.loads((tied / "config.json").read_text())
     config["tie_word_embeddings"] = True
     (tied / "config.json").write_text(json.dumps(config))
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(tied / "model.safetensors"))
-    del tensors["lm_head.weight"]
-    save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lm_head.weight"):
         LLM(str(tied), dtype="float32", device="cpu", max_model_len=128)
 

@@ -14,6 +14,14 @@ from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.layers.embedding import ParallelLMHead
 
 
+def single_stage(model_name: str, stage: PipelineStage | None) -> PipelineStage:
+    """The one stage of a model that does not split into pipeline stages; ValueError
+    where a pipeline of several was asked for."""
+    if stage is not None and stage.size > 1:
+        raise ValueError(f"{model_name} does not support pipeline parallelism")
+    return PipelineStage.single()
+
+
 class DecoderForCausalLM(nn.Module):
     """Subclasses build ``self.model`` (with ``embed_tokens``), then call build_lm_head."""
 

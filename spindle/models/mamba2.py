@@ -27,6 +27,7 @@ from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
 from spindle.layers.norm import RMSNorm
+from spindle.models.causal_lm import single_stage
 from spindle.models.weights import load_named_weights
 
 
@@ -125,8 +126,7 @@ class Mamba2ForCausalLM(nn.Module):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         check_supported_config(hf_config)
-        if stage is not None and stage.size > 1:
-            raise ValueError("Mamba2ForCausalLM does not support pipeline parallelism")
+        single_stage(type(self).__name__, stage)
         self.config = hf_config
         self.tp_group = tp_group
         self.backbone = Mamba2Backbone(hf_config, tp_group)

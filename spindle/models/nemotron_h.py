@@ -42,7 +42,7 @@ from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
 from spindle.layers.moe import FusedExperts
 from spindle.layers.norm import RMSNorm
 from spindle.models.bamba import time_step_limit
-from spindle.models.causal_lm import DecoderForCausalLM
+from spindle.models.causal_lm import DecoderForCausalLM, single_stage
 from spindle.models.llama import _to_param_name, head_dim_of
 from spindle.models.moe import _expert_param
 from spindle.models.weights import load_named_weights
@@ -279,11 +279,9 @@ class NemotronHForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         check_supported_config(hf_config)
-        if stage is not None and stage.size > 1:
-            raise ValueError("NemotronHForCausalLM does not support pipeline parallelism")
+        self.stage = single_stage(type(self).__name__, stage)
         self.config = hf_config
         self.tp_group = tp_group
-        self.stage = PipelineStage.single()
         self.model = NemotronHModel(hf_config, tp_group)
         # transformers' NemotronH ties nothing, whatever tie_word_embeddings says: its
         # checkpoints always hold lm_head.weight.
