@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Any, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spindle.attention import Attention
@@ -37,7 +36,7 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   default_weight_loader, set_weight_loader)
+                                   apply_linear, default_weight_loader, set_weight_loader)
 from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
 from spindle.layers.moe import FusedExperts
 from spindle.layers.norm import RMSNorm
@@ -176,10 +175,12 @@ class NemotronHRouter(nn.Module):
                                                     requires_grad=False)
         for param in (self.weight, self.e_score_correction_bias):
             set_weight_loader(param, default_weight_loader)
+        self.batch_invariant = False  # set by enable_batch_invariance
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, k], their float32 weights [T, k])."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight))
+        scores = torch.sigmoid(apply_linear(x.float(), self.weight,
+                                            invariant=self.batch_invariant))
         choice = scores + self.e_score_correction_bias
         if self.top_groups < self.num_groups:
             grouped = choice.view(x.shape[0], self.num_groups, -1)
