@@ -7,6 +7,7 @@ own module."""
 from __future__ import annotations
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -83,6 +84,23 @@ def test_expert_routing_variants_equal_transformers(tiny_model, routing):
     for (tokens, lps), (hf_tokens, hf_lps) in zip(spindle_greedy(path, prompts), expected):
         assert tokens == hf_tokens
         assert max(abs(a - b) for a, b in zip(lps, hf_lps)) < 1e-4
+
+
+def test_a_config_in_the_hubs_older_spelling(tiny_model, tmp_path):
+    """Nemotron-H's hub configs spell the layers as hybrid_override_pattern letters and
+    some Mamba fields with a mamba_ prefix; transformers reads them, and so does spindle."""
+    path = tiny_model("nemotron_h", num_layers=4,
+                      layers_block_type=("linear_attention", "moe", "full_attention", "mlp"))
+    older = tmp_path / "older-spelling"
+    shutil.copytree(path, older)
+    config = json.loads((older / "config.json").read_text())
+    del config["layers_block_type"]
+    config.update(hybrid_override_pattern="ME*-", num_hidden_layers=4,
+                  mamba_n_groups=config.pop("n_groups"), mamba_d_conv=config.pop("conv_kernel"),
+                  mamba_chunk_size=config.pop("chunk_size"))
+    (older / "config.json").write_text(json.dumps(config))
+    prompts = [[5, 6, 7], list(range(10, 40))]
+    assert same_tokens(hf_greedy(older, prompts, 8), spindle_greedy(older, prompts))
 
 
 def test_stacked_expert_tensors_load(tiny_model, tmp_path):

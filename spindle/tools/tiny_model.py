@@ -104,7 +104,7 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "mamba_d_state": 16, "mamba_chunk_size": 16, "num_local_experts": 0,
                 "shared_intermediate_size": 96, "embedding_multiplier": 1.5,
                 "residual_multiplier": 0.5, "attention_multiplier": 0.2,
-                "logits_scaling": 1.25}
+                "logits_scaling": 1.25, "position_embedding_type": "nope"}
     if arch == "qwen3_moe":  # 4 experts of 32, 2 per token, every layer sparse
         return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
