@@ -1,5 +1,6 @@
-"""NemotronHForCausalLM: NVIDIA's Nemotron-H hybrids (Nemotron-H 8B/47B, Nemotron Nano 2),
-Mamba2 layers, a few attention layers and squared-ReLU MLPs, each its own layer.
+"""NemotronHForCausalLM: NVIDIA's Nemotron-H hybrids (Nemotron-H 8B/47B, Nemotron Nano 2,
+Nemotron 3): Mamba2 layers, a few attention layers and squared-ReLU MLPs or experts,
+each its own layer.
 
 Every layer is ``x + mixer(norm(x))`` where the mixer is one of (``layers_block_type``,
 or the older ``hybrid_override_pattern`` letters):
@@ -15,9 +16,9 @@ or the older ``hybrid_override_pattern`` letters):
   ``n_group`` expert groups first (DeepSeek-V3's routing, all in float32), plus a
   shared expert, and optionally a latent projection around the routed experts.
 
-The norms multiply by
-their weight in float32 before the one cast back (transformers' NemotronHRMSNorm); the
-residual stream stays in the model's dtype, as transformers adds it. Checkpoint names
+The norms multiply by their weight in float32 before the one cast back (transformers'
+NemotronHRMSNorm); the residual stream stays in the model's dtype, as transformers adds
+it. Checkpoint names
 are transformers' (``model.layers.N.mixer.*``, ``model.embeddings``, ``model.norm_f``);
 the hub's ``backbone.`` prefix loads too, and multi-token-prediction tensors (``mtp.``)
 are skipped: they serve speculative decoding, which this model does not use. The LM head
@@ -88,6 +89,7 @@ def check_supported_config(hf_config: Any) -> None:
 
 
 def check_routing(hf_config: Any) -> None:
+    """The experts' grouping and top-k must leave the router a choice to make."""
     experts, groups = hf_config.n_routed_experts, getattr(hf_config, "n_group", 1) or 1
     top_k, top_groups = hf_config.num_experts_per_tok, getattr(hf_config, "topk_group", 1) or 1
     if experts % groups or experts // groups < 2:
