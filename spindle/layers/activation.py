@@ -1,4 +1,4 @@
-"""Gated activations."""
+"""Activations of the MLPs: gated (SwiGLU, GeGLU) and the squared ReLU."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ class SiluAndMul(nn.Module):
 
             return rowwise(_silu_and_mul, x)
         return _silu_and_mul(x)
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (NemotronH's MLPs and experts; transformers' "relu2")."""
+    return torch.square(torch.relu(x))
 
 
 def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:

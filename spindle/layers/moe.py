@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.activation import relu_squared
 from spindle.layers.linear import (apply_linear, copy_checked, default_weight_loader, divide,
                                    set_weight_loader)
 
@@ -45,20 +46,20 @@ class FusedExperts(nn.Module):
         self.tp_group = tp_group
         self.gated = gated
         self.local_size = divide(intermediate_size, tp_group.size, "moe intermediate size")
-        parts = ("gate", "up") if gated else ("up",)
+        self.w13_parts = ("gate", "up") if gated else ("up",)
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, len(parts) * self.local_size, hidden_size),
+            torch.empty(num_experts, len(self.w13_parts) * self.local_size, hidden_size),
             requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size),
                                requires_grad=False)
         set_weight_loader(self.w13, self.weight_loader,
-                          [(e, part) for e in range(num_experts) for part in parts])
+                          [(e, part) for e in range(num_experts) for part in self.w13_parts])
         set_weight_loader(self.w2, self.weight_loader, [(e, "down") for e in range(num_experts)])
         self.batch_invariant = False  # set by enable_batch_invariance
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
                       ) -> None:
-        parts = ("gate", "up", "down") if self.gated else ("up", "down")
+        parts = (*self.w13_parts, "down")
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2
                 and isinstance(shard_id[0], int) and 0 <= shard_id[0] < self.num_experts
                 and shard_id[1] in parts):
@@ -91,7 +92,7 @@ class FusedExperts(nn.Module):
                 gate, up = h.chunk(2, dim=-1)
                 h = F.silu(gate) * up
             else:
-                h = torch.square(torch.relu(h))
+                h = relu_squared(h)
             h = apply_linear(h, self.w2[expert], invariant=self.batch_invariant)
             h = h * top_weights[tokens, rank_of, None]
             out.index_add_(0, tokens, h.to(out.dtype))

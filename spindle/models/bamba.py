@@ -275,9 +275,10 @@ class BambaForCausalLM(DecoderForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this rank's parameters (see
         LlamaForCausalLM.load_weights)."""
-        return load_named_weights(
-            self, weights,
-            lambda hf_name: None if self._skip_checkpoint_tensor(hf_name) else self.param_name(hf_name))
+        return load_named_weights(self, weights, self._checkpoint_param)
+
+    def _checkpoint_param(self, hf_name: str) -> tuple[str, Any] | None:
+        return None if self._skip_checkpoint_tensor(hf_name) else self.param_name(hf_name)
 
     def param_name(self, hf_name: str) -> tuple[str, Any]:
         return _to_param_name(hf_name)

@@ -33,7 +33,7 @@ from spindle.layers.moe import SparseMoeBlock
 from spindle.models.bamba import (BambaForCausalLM, HybridLayout, mamba_head_dim,
                                   time_step_limit)
 from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
-from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param
+from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param, one_per_expert
 
 ATTENTION_KINDS = ("attention", "full_attention")
 MAMBA_KINDS = ("mamba", "linear_attention")
@@ -71,6 +71,11 @@ def check_supported_config(hf_config: Any) -> None:
                          f"got {(low, high)}")
 
 
+def has_experts(hf_config: Any) -> bool:
+    """Whether each layer's feed-forward has routed experts beside its shared MLP."""
+    return (getattr(hf_config, "num_local_experts", 0) or 0) > 0
+
+
 def granite_layout(hf_config: Any) -> HybridLayout:
     rope = getattr(hf_config, "position_embedding_type", None) == "rope"
     return HybridLayout(
@@ -100,7 +105,7 @@ class GraniteMoeFeedForward(nn.Module):
 
 def granite_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
                          ) -> nn.Module:
-    if (getattr(hf_config, "num_local_experts", 0) or 0) > 0:
+    if has_experts(hf_config):
         return GraniteMoeFeedForward(hf_config, tp_group)
     return LlamaMLP(hf_config.hidden_size, hf_config.shared_intermediate_size, False, tp_group)
 
@@ -126,8 +131,7 @@ class GraniteMoeHybridForCausalLM(BambaForCausalLM):
         """Granite's tensors under the names of this model's modules: stacked [gate; up]
         and stacked experts split into the per-projection, per-expert tensors that the
         shared loaders take."""
-        moe = (getattr(self.config, "num_local_experts", 0) or 0) > 0
-        shared = ".feed_forward.shared." if moe else ".feed_forward."
+        shared = ".feed_forward.shared." if has_experts(self.config) else ".feed_forward."
         for name, tensor in weights:
             name = name.replace(".post_attention_layernorm.", ".pre_ff_layernorm.")
             if name.startswith("model.norm."):
@@ -149,13 +153,12 @@ class GraniteMoeHybridForCausalLM(BambaForCausalLM):
             elif leaf in ("router.layer.weight", "router.weight"):
                 yield f"{stem}.feed_forward.moe.gate.weight", tensor
             elif leaf in ("input_linear.weight", "experts.gate_up_proj"):
-                for e, expert in enumerate(tensor):
-                    gate, up = expert.chunk(2, dim=0)
-                    yield f"{stem}.feed_forward.moe.experts.{e}.gate_proj.weight", gate
-                    yield f"{stem}.feed_forward.moe.experts.{e}.up_proj.weight", up
+                gate, up = tensor.chunk(2, dim=1)  # [E, 2I, H]: each expert's [gate; up]
+                yield from one_per_expert(f"{stem}.feed_forward.moe.experts", "gate_proj", gate)
+                yield from one_per_expert(f"{stem}.feed_forward.moe.experts", "up_proj", up)
             elif leaf in ("output_linear.weight", "experts.down_proj"):
-                for e, expert in enumerate(tensor):
-                    yield f"{stem}.feed_forward.moe.experts.{e}.down_proj.weight", expert
+                yield from one_per_expert(f"{stem}.feed_forward.moe.experts", "down_proj",
+                                          tensor)
             else:
                 raise ValueError(f"checkpoint tensor {name!r}: unknown in a GraniteMoeHybrid "
                                  "mixture-of-experts block")

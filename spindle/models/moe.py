@@ -15,8 +15,9 @@ a sparse MoE block (layers/moe.py):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
+import torch
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
@@ -38,6 +39,15 @@ def _expert_param(hf_name: str, parts: dict[str, str]) -> tuple[str, Any] | None
     part = parts[pieces[-2]]
     stem = ".".join(pieces[:-3])
     return f"{stem}.{'w2' if part == 'down' else 'w13'}", (int(pieces[-3]), part)
+
+
+def one_per_expert(experts: str, part: str, stacked: torch.Tensor
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stacked expert tensor [E, ...] (as transformers saves them) as the hub's one
+    tensor per expert: (f"{experts}.{e}.{part}.weight", stacked[e]) for each e, which
+    _expert_param maps."""
+    for e, expert in enumerate(stacked):
+        yield f"{experts}.{e}.{part}.weight", expert
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -35,6 +35,7 @@ from torch import nn
 from spindle.attention import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
+from spindle.layers.activation import relu_squared
 from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    apply_linear, default_weight_loader, set_weight_loader)
@@ -44,7 +45,7 @@ from spindle.layers.norm import RMSNorm
 from spindle.models.bamba import time_step_limit
 from spindle.models.causal_lm import DecoderForCausalLM, single_stage
 from spindle.models.llama import _to_param_name, head_dim_of
-from spindle.models.moe import _expert_param
+from spindle.models.moe import _expert_param, one_per_expert
 from spindle.models.weights import load_named_weights
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -152,7 +153,7 @@ class NemotronHMLP(nn.Module):
                                            tp_group=tp_group)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.square(torch.relu(self.up_proj(hidden_states))))
+        return self.down_proj(relu_squared(self.up_proj(hidden_states)))
 
 
 class NemotronHRouter(nn.Module):
@@ -322,7 +323,6 @@ def _experts_one_by_one(weights: Iterable[tuple[str, torch.Tensor]]
     for name, tensor in weights:
         stem, sep, leaf = name.rpartition(".experts.")
         if sep and leaf in _EXPERT_PARTS:
-            for e, expert in enumerate(tensor):
-                yield f"{stem}.experts.{e}.{leaf}.weight", expert
+            yield from one_per_expert(stem + ".experts", leaf, tensor)
         else:
             yield name, tensor

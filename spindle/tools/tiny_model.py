@@ -296,9 +296,9 @@ def checkpoint_tensors(model: torch.nn.Module):
             yield _granite_hub_name(name), tensor
             continue
         if arch == "nemotron_h" and name.endswith((".experts.up_proj", ".experts.down_proj")):
-            for e, expert in enumerate(tensor):  # the hub's layout: one tensor per expert
-                stem, _, leaf = name.rpartition(".")
-                yield f"{stem}.{e}.{leaf}.weight", expert
+            from spindle.models.moe import one_per_expert
+
+            yield from one_per_expert(*name.rsplit(".", 1), tensor)  # (the hub's layout)
             continue
         if arch not in MOE_CHECKPOINT_NAMES or ".mlp." not in name:
             yield name, tensor
