@@ -52,10 +52,14 @@ def test_unsupported_configs_are_refused(change, message):
         check_supported_config(config)
 
 
-def test_hub_names_load_and_mtp_tensors_are_skipped(tiny_model, tmp_path):
+@pytest.mark.parametrize("layers", [{}, dict(
+    num_layers=3, layers_block_type=("linear_attention", "moe", "full_attention"))],
+    ids=["dense", "experts"])
+def test_hub_names_load_and_mtp_tensors_are_skipped(tiny_model, tmp_path, layers):
     """The hub's checkpoints name the model `backbone` (embeddings under
-    backbone.embeddings) and may carry multi-token-prediction layers (mtp.*): the same
-    tensors under those names give transformers' greedy tokens."""
+    backbone.embeddings, experts one by one) and may carry multi-token-prediction
+    layers (mtp.*): the same tensors under those names give transformers' greedy
+    tokens."""
     def hub_names(tensors):
         hub = {("backbone." + name[len("model."):] if name.startswith("model.") else name): t
                for name, t in tensors.items()}
@@ -63,7 +67,7 @@ def test_hub_names_load_and_mtp_tensors_are_skipped(tiny_model, tmp_path):
         hub["mtp.layers.0.norm.weight"] = torch.ones(4)
         return hub
 
-    path = tiny_model("nemotron_h")
+    path = tiny_model("nemotron_h", **layers)
     renamed = rewritten_checkpoint(path, tmp_path / "hub-names", hub_names)
     prompts = [[5, 6, 7], list(range(10, 40))]
     assert same_tokens(hf_greedy(path, prompts, 8), spindle_greedy(renamed, prompts))

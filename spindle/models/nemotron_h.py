@@ -300,14 +300,14 @@ class NemotronHForCausalLM(DecoderForCausalLM):
     def _param_name(self, hf_name: str) -> tuple[str, Any] | None:
         if hf_name.startswith("mtp."):
             return None
-        expert = _expert_param(hf_name, _EXPERT_PARTS)
-        if expert is not None:
-            return expert
         if hf_name.startswith("backbone."):  # the hub checkpoints' prefix
             hf_name = "model." + hf_name[len("backbone."):]
         for old in ("model.embeddings.", "model.embedding."):
             if hf_name.startswith(old):
                 hf_name = "model.embed_tokens." + hf_name[len(old):]
+        expert = _expert_param(hf_name, _EXPERT_PARTS)
+        if expert is not None:
+            return expert
         if hf_name.endswith((".up_proj.weight", ".up_proj.bias")):
             return hf_name, None  # (not a gate_up shard: the MLP has no gate)
         return _to_param_name(hf_name)
