@@ -7,6 +7,12 @@ and its writes are visible (gdc_wait), and only then reads or writes anything. S
 launch and ramp-up of each kernel overlap the one before; at batch 1 a decode step is
 some 200 kernels of a few microseconds each, where that overhead is a large share.
 
+A kernel may split enter() into release() and wait() and read, in between, what no
+kernel of the chain writes: the skinny GEMM loads its first weight tile there, and
+decode attention its first tile of cached keys and values (the cache below the new
+token was written by earlier steps). Those loads then overlap the previous kernel's
+tail: batch-1 decode 983 -> 1,090 tok/s on an H200 (docs/benchmarks.md).
+
 A launch site passes **kernel_args(device, rows): the kernel's PDL constexpr (for enter())
 and, where PDL is on, the launch_pdl keyword. Only kernels that call enter() may be
 launched that way: one that reads before waiting could see its predecessor's
@@ -82,6 +88,22 @@ def _capability(device: torch.device) -> tuple[int, int]:
 @triton.jit
 def enter(PDL: tl.constexpr):
     """A PDL kernel's first step: let the next kernel launch, then wait for the last."""
+    release(PDL)
+    wait(PDL)
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    """Let the next kernel launch (enter's first half). A kernel may read, between
+    release() and wait(), what no kernel of the chain writes (its weights, or inputs
+    copied in before the chain's first kernel), and nothing else."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait until the kernel before has finished and its writes are visible (enter's
+    second half)."""
+    if PDL:
         gdc_wait()

@@ -208,7 +208,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                         IEEE: tl.constexpr, SILU_MUL: tl.constexpr, MERGE: tl.constexpr,
                         PDL: tl.constexpr):
-    pdl.enter(PDL)
+    pdl.release(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -219,27 +219,18 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[None, :] * x_stride + offs_k[:, None]  # x^T: [BLOCK_K, BLOCK_M]
+    # The first weight tile is loaded before waiting for the kernel before (no kernel
+    # writes weights): under PDL its wait on memory overlaps that kernel's tail.
+    w = _weight_tile(w_ptrs, offs_k, K, EVEN_K)
+    pdl.wait(PDL)
     # y^T = W x^T: W is the dot's wide operand, so M pads only the narrow one.
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, k_per_split, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x_mask = m_valid[None, :]
-        else:
-            k_valid = offs_k + k0 < K
-            w = tl.load(w_ptrs, mask=k_valid[None, :], other=0.0)
-            x_mask = k_valid[:, None] & m_valid[None, :]
-        xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if SILU_MUL:  # xt is the gate; the up half starts K columns on
-            xt = silu_mul(xt, tl.load(x_ptrs + K, mask=x_mask, other=0.0))
-        if HAS_SCALE:
-            w = w.to(xt.dtype)  # float8 -> the activations' dtype: exact
-        if IEEE:
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    acc = _add_tile_product(acc, w, x_ptrs, offs_k, K, m_valid, EVEN_K, SILU_MUL, HAS_SCALE,
+                            IEEE)
+    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
+        w = _weight_tile(w_ptrs + k0, offs_k + k0, K, EVEN_K)
+        acc = _add_tile_product(acc, w, x_ptrs + k0, offs_k + k0, K, m_valid, EVEN_K,
+                                SILU_MUL, HAS_SCALE, IEEE)
     y_ptrs = y_ptr + offs_m[None, :] * N + offs_n[:, None]
     y_mask = m_valid[None, :] & (offs_n < N)[:, None]
     if SPLIT_K == 1:
@@ -263,6 +254,32 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
                                  cache_modifier=".cg")
             _store_output(total, b_ptr, s_ptr, rows, y_ptrs, y_mask, HAS_BIAS, HAS_SCALE)
             tl.store(counter, 0)  # ready for the next launch
+
+
+@triton.jit
+def _weight_tile(w_ptrs, offs_k, K, EVEN_K: tl.constexpr):
+    """The W tile [BLOCK_N, BLOCK_K] at columns offs_k (zeros past K)."""
+    if EVEN_K:
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _add_tile_product(acc, w, x_ptrs, offs_k, K, m_valid, EVEN_K: tl.constexpr,
+                      SILU_MUL: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """acc + w @ x^T for the x^T tile [BLOCK_K, BLOCK_M] at columns offs_k."""
+    if EVEN_K:
+        x_mask = m_valid[None, :]
+    else:
+        x_mask = (offs_k < K)[:, None] & m_valid[None, :]
+    xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    if SILU_MUL:  # xt is the gate; the up half starts K columns on
+        xt = silu_mul(xt, tl.load(x_ptrs + K, mask=x_mask, other=0.0))
+    if HAS_SCALE:
+        w = w.to(xt.dtype)  # float8 -> the activations' dtype: exact
+    if IEEE:
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(w, xt, acc)
 
 
 @triton.jit

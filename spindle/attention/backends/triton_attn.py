@@ -349,7 +349,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                    SPLITS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr,
                    PDL: tl.constexpr):
-    pdl.enter(PDL)
+    # Until pdl.wait (in _attend_split, or below for a split with no context), only
+    # what no kernel of the step writes is read: the step's inputs and the cache.
+    pdl.release(PDL)
     # The KV heads of one request are neighbouring programs: they run together and read
     # the same pages (a token's heads are adjacent in the cache), which kept DRAM reads
     # closer together than request-major order (0.90 -> 0.95 of copy bandwidth at 256
@@ -382,7 +384,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
             heads, g_valid, start, end, seq_len, q_stride_t, q_stride_h, k_stride_t,
             k_stride_h, v_stride_t, v_stride_h, bt_stride, c_stride_b, c_stride_t,
             c_stride_h, cs_stride,
-            PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, IEEE)
+            PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, IEEE, PDL)
         _store_rows(out_rows, g_valid, d_valid, offs_d, acc / _nonzero(l_i)[:, None])
     else:
         part_rows = (split * num_reqs + req).to(tl.int64) * num_heads + heads
@@ -393,11 +395,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                 soft_cap, req, kv_head, heads, g_valid, start, end, seq_len, q_stride_t,
                 q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, bt_stride,
                 c_stride_b, c_stride_t, c_stride_h, cs_stride,
-                PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, IEEE)
+                PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, IEEE, PDL)
             # A partial is stored as (log-sum-exp, normalised output).
             _store_rows(part_out_ptr + part_rows * HEAD_DIM, g_valid, d_valid, offs_d,
                         acc / l_i[:, None])
             tl.store(part_lse_ptr + part_rows, m_i + tl.log(l_i), mask=g_valid)
+        else:
+            pdl.wait(PDL)
         # Every thread's partial is written before the arrival is counted (release);
         # the program that arrives last sees all partials (acquire) and merges them.
         tl.debug_barrier()
@@ -418,17 +422,29 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                   bt_stride, c_stride_b, c_stride_t, c_stride_h, cs_stride,
                   PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-                  HAS_NORM: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr):
+                  HAS_NORM: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr,
+                  PDL: tl.constexpr):
     """Softmax state (m, l, acc) of one request's query heads `heads` over context
     positions [start, end). Positions before seq_len - 1 come from the cache; the new
     token (position seq_len - 1, in the last non-empty split) comes from k/v: it is
     rotated, written to its cache slot and attended from registers.
 
-    Every split loads and rotates the new token's k up front, although only one uses
-    it: the loads then overlap those of q instead of adding a round trip to memory
-    after the loop of the split that holds the new token."""
+    The first cached tile is loaded before pdl.wait: the cache below seq_len - 1 was
+    written by earlier steps, so under PDL that wait on memory overlaps the tail of the
+    kernel before (the q/k/v projection). Every split loads and rotates the new token's
+    k up front, although only one uses it: the loads then overlap those of q instead of
+    adding a round trip to memory after the loop of the split that holds the new
+    token."""
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
+    cached_end = tl.minimum(end, seq_len - 1)
+    block_table = block_tables_ptr + req * bt_stride
+    offs_first = start + tl.arange(0, BLOCK_N)
+    first_valid = offs_first < cached_end
+    k_first, v_first = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_table, offs_first,
+                                     first_valid, offs_d, d_valid, kv_head, c_stride_b,
+                                     c_stride_t, c_stride_h, PAGE)
+    pdl.wait(PDL)
     token = req.to(tl.int64)
     pos = tl.load(pos_ptr + token)
     slot = tl.load(slot_ptr + token)
@@ -451,16 +467,17 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    cached_end = tl.minimum(end, seq_len - 1)
-    for n in range(start, cached_end, BLOCK_N):
+    if start < cached_end:
+        m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_first, v_first, first_valid, scale,
+                                     soft_cap, SOFT_CAP, IEEE)
+    for n in range(start + BLOCK_N, cached_end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < cached_end
-        k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + req * bt_stride,
-                             offs_n, n_valid, offs_d, d_valid, kv_head,
-                             c_stride_b, c_stride_t, c_stride_h, PAGE)
-        scores = _capped(_dot(q, tl.trans(k), IEEE) * scale, soft_cap, SOFT_CAP)
-        scores = tl.where(n_valid[None, :], scores, float("-inf"))
-        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE, EMPTY_ROWS=False)
+        k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_table, offs_n, n_valid,
+                             offs_d, d_valid, kv_head, c_stride_b, c_stride_t, c_stride_h,
+                             PAGE)
+        m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k, v, n_valid, scale, soft_cap,
+                                     SOFT_CAP, IEEE)
 
     if (start < end) & (end == seq_len):  # this split holds the new token
         if slot >= 0:
@@ -472,6 +489,16 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                         SOFT_CAP)
         m_i, l_i, acc = _softmax_add_key(m_i, l_i, acc, score, v_new.to(tl.float32))
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_tile(m_i, l_i, acc, q, k, v, n_valid, scale, soft_cap, SOFT_CAP: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Fold a tile of cached keys and values (positions n_valid, at least one) into the
+    softmax state."""
+    scores = _capped(_dot(q, tl.trans(k), IEEE) * scale, soft_cap, SOFT_CAP)
+    scores = tl.where(n_valid[None, :], scores, float("-inf"))
+    return _softmax_step(m_i, l_i, acc, scores, v, IEEE, EMPTY_ROWS=False)
 
 
 @triton.jit
