@@ -125,11 +125,14 @@ class BambaAttention(nn.Module):
                                         hf_config.hidden_size, bias=bias, tp_group=tp_group)
         self.attn = Attention(self.num_heads, self.head_dim, layout.attention_scale,
                               self.num_kv_heads)
+        self.key_multiplier = 1.0  # (FalconH1 scales the keys before rotating them)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         if self.rotates:
             q = apply_partial_rotary(q.reshape(num_tokens, self.num_heads, self.head_dim),
                                      cos, sin).reshape(num_tokens, -1)
@@ -198,7 +201,8 @@ class BambaDecoderLayer(nn.Module):
 
 class BambaModel(nn.Module):
     def __init__(self, hf_config: Any, layout: HybridLayout, feed_forward: FeedForwardFactory,
-                 tp_group: TensorParallelGroup, stage: PipelineStage) -> None:
+                 tp_group: TensorParallelGroup, stage: PipelineStage,
+                 decoder_layer: type[nn.Module] = BambaDecoderLayer) -> None:
         super().__init__()
         self.stage = stage
         self.embedding_multiplier = layout.embedding_multiplier
@@ -209,7 +213,7 @@ class BambaModel(nn.Module):
         else:
             self.embed_tokens = None
         self.layers = nn.ModuleList(
-            BambaDecoderLayer(hf_config, i, layout, feed_forward, tp_group)
+            decoder_layer(hf_config, i, layout, feed_forward, tp_group)
             if stage.owns_layer(i) else MissingLayer()
             for i in range(hf_config.num_hidden_layers))
         self.final_layernorm = (RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
@@ -221,7 +225,7 @@ class BambaModel(nn.Module):
             self.rotary_emb = RotaryEmbedding(layout.rotary_dim,
                                               hf_config.max_position_embeddings, params)
 
-    def own_layers(self) -> list[BambaDecoderLayer]:
+    def own_layers(self) -> list[nn.Module]:
         return [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
@@ -264,13 +268,15 @@ class BambaForCausalLM(DecoderForCausalLM):
         self.tp_group = tp_group
         self.stage = stage or PipelineStage.single()
         self.model = BambaModel(hf_config, self.layout(hf_config), self.feed_forward,
-                                tp_group, self.stage)
+                                tp_group, self.stage, self.decoder_layer)
         self.build_lm_head(hf_config, tp_group)
 
-    # What a Bamba-pattern model of another family overrides (granite_hybrid.py).
+    # What a Bamba-pattern model of another family overrides (granite_hybrid.py,
+    # falcon_h1.py).
     check_config = staticmethod(check_supported_config)
     layout = staticmethod(bamba_layout)
     feed_forward = staticmethod(bamba_feed_forward)
+    decoder_layer = BambaDecoderLayer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this rank's parameters (see

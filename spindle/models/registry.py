@@ -19,6 +19,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "spindle.models.gemma:Gemma3ForCausalLM",
     "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",
+    "FalconH1ForCausalLM": "spindle.models.falcon_h1:FalconH1ForCausalLM",
     "GraniteMoeHybridForCausalLM": "spindle.models.granite_hybrid:GraniteMoeHybridForCausalLM",
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
     "NemotronHForCausalLM": "spindle.models.nemotron_h:NemotronHForCausalLM",

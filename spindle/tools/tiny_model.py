@@ -52,6 +52,7 @@ ARCHITECTURES = {
     "mamba2": "Mamba2ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "granite_hybrid": "GraniteMoeHybridForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -61,7 +62,7 @@ ARCHITECTURES = {
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "mamba2": "Mamba2Config", "nemotron_h": "NemotronHConfig",
-                  "granite_hybrid": "GraniteMoeHybridConfig",
+                  "granite_hybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config",
                   "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
@@ -105,6 +106,16 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "shared_intermediate_size": 96, "embedding_multiplier": 1.5,
                 "residual_multiplier": 0.5, "attention_multiplier": 0.2,
                 "logits_scaling": 1.25, "position_embedding_type": "nope"}
+    if arch == "falcon_h1":  # attention and a Mamba2 mixer in every layer; multipliers
+        # away from 1 (each one a test can catch), the mixer's norm before its gate
+        return {"mamba_n_heads": num_heads, "mamba_d_ssm": 2 * hidden_size,
+                "mamba_n_groups": 1, "mamba_d_state": 16, "mamba_chunk_size": 16,
+                "mamba_rms_norm": True, "mamba_norm_before_gate": True,
+                "embedding_multiplier": 1.25, "lm_head_multiplier": 0.8,
+                "key_multiplier": 0.7, "attention_in_multiplier": 1.2,
+                "attention_out_multiplier": 0.9, "ssm_in_multiplier": 0.8,
+                "ssm_out_multiplier": 1.1, "ssm_multipliers": [0.9, 1.1, 0.8, 1.2, 0.7],
+                "mlp_multipliers": [1.3, 0.75]}
     if arch == "qwen3_moe":  # 4 experts of 32, 2 per token, every layer sparse
         return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}

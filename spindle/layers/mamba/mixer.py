@@ -31,6 +31,9 @@ from spindle.layers.mamba.metadata import MambaMetadata
 
 # (first row in the full checkpoint tensor, number of rows) of one piece this rank holds.
 RowPiece = tuple[int, int]
+# How the scan's output meets the gate z (MambaMixer's gate argument).
+GATE_THEN_NORM, NORM_THEN_GATE, GATE_ONLY = "gate_then_norm", "norm_then_gate", "gate_only"
+GATE_MODES = (GATE_THEN_NORM, NORM_THEN_GATE, GATE_ONLY)
 
 
 class MambaMixer(nn.Module):
@@ -44,8 +47,21 @@ class MambaMixer(nn.Module):
     def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, n_groups: int,
                  state_size: int, conv_kernel: int, chunk_size: int, eps: float,
                  time_step_limit: tuple[float, float], conv_bias: bool, proj_bias: bool,
-                 tp_group: TensorParallelGroup, norm_group_size: int | None = None) -> None:
+                 tp_group: TensorParallelGroup, norm_group_size: int | None = None,
+                 gate: str = GATE_THEN_NORM, out_proj_bias: bool | None = None,
+                 in_proj_multipliers: Sequence[float] | None = None) -> None:
+        """gate: how the output meets the gate z: GATE_THEN_NORM (Mamba2's
+        weight * rmsnorm(y * silu(z))), NORM_THEN_GATE (weight * rmsnorm(y) * silu(z)) or
+        GATE_ONLY (y * silu(z), no norm and no weight). out_proj_bias: out_proj's own
+        bias switch (default: proj_bias, as in_proj's). in_proj_multipliers: five
+        factors for in_proj's z, x, B, C and dt outputs (FalconH1's maximal-update
+        multipliers), applied in the model's dtype after the projection."""
         super().__init__()
+        if gate not in GATE_MODES:
+            raise ValueError(f"gate must be one of {GATE_MODES}, got {gate!r}")
+        if in_proj_multipliers is not None and len(in_proj_multipliers) != 5:
+            raise ValueError("in_proj_multipliers must hold 5 factors (z, x, B, C, dt), got "
+                             f"{list(in_proj_multipliers)}")
         if conv_kernel < 2:
             raise ValueError(f"mamba_d_conv must be >= 2, got {conv_kernel}")
         if num_heads % n_groups != 0:
@@ -74,14 +90,24 @@ class MambaMixer(nn.Module):
         in_rows = ([x_rows] + [_shift(r, full_inter) for r in conv_rows]
                    + [_shift(head_rows[0], 2 * full_inter + 2 * full_groups)])
         self.in_proj = RowPiecesLinear(hidden_size, in_rows, bias=proj_bias)
+        scale = None
+        if in_proj_multipliers is not None and any(m != 1.0 for m in in_proj_multipliers):
+            widths = (self.intermediate, self.intermediate, self.group_width,
+                      self.group_width, self.num_heads)
+            scale = torch.cat([torch.full((w,), float(m))
+                               for w, m in zip(widths, in_proj_multipliers)])
+        self.register_buffer("in_proj_scale", scale, persistent=False)
         self.conv1d = DepthwiseConvWeights(conv_rows, conv_kernel, bias=conv_bias)
         self.A_log = _sharded_parameter(head_rows)
         self.D = _sharded_parameter(head_rows)
         self.dt_bias = _sharded_parameter(head_rows)
-        self.norm = GatedRMSNorm(self.intermediate, full_inter, eps, tp_group, [x_rows],
-                                 group_size=norm_group_size)
-        self.out_proj = RowParallelLinear(full_inter, hidden_size, bias=proj_bias,
-                                          tp_group=tp_group)
+        self.norm = (SiluGate() if gate == GATE_ONLY else
+                     GatedRMSNorm(self.intermediate, full_inter, eps, tp_group, [x_rows],
+                                  group_size=norm_group_size,
+                                  norm_first=gate == NORM_THEN_GATE))
+        self.out_proj = RowParallelLinear(
+            full_inter, hidden_size, bias=proj_bias if out_proj_bias is None else out_proj_bias,
+            tp_group=tp_group)
         self.kv_cache: list[torch.Tensor] | None = None
         self.cache_group = 0  # which cache group's metadata this layer reads (the runner sets it)
 
@@ -97,7 +123,10 @@ class MambaMixer(nn.Module):
         num_tokens = hidden_states.shape[0]
         md = self._metadata(num_tokens, hidden_states.device)
         ops = _ops_for(hidden_states)
-        gate, xbc, dt = self.in_proj(hidden_states).split(
+        projected = self.in_proj(hidden_states)
+        if self.in_proj_scale is not None:
+            projected = projected * self.in_proj_scale.to(projected.dtype)
+        gate, xbc, dt = projected.split(
             [self.intermediate, self.conv_channels, self.num_heads], dim=-1)
         if self.kv_cache is not None and md.is_pure_decode and _all_continuing(md):
             y = self._decode(ops, xbc, dt, md.state_indices)
@@ -203,8 +232,16 @@ class DepthwiseConvWeights(nn.Module):
             self.register_parameter("bias", None)
 
 
+class SiluGate(nn.Module):
+    """y * silu(gate), no norm (FalconH1 with mamba_rms_norm off)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return x * F.silu(gate)
+
+
 class GatedRMSNorm(nn.Module):
     """y = weight * rmsnorm(x * silu(gate)) (Mamba2's norm with the gate applied first),
+    or with norm_first weight * rmsnorm(x) * silu(gate) (FalconH1's norm_before_gate),
     in float32. The mean square is over groups of ``group_size`` consecutive features
     (intermediate / n_groups: see norm_group_size), or with group_size None over the
     full width of all ranks. A group never straddles two ranks: each rank holds whole
@@ -212,7 +249,7 @@ class GatedRMSNorm(nn.Module):
 
     def __init__(self, local_size: int, full_size: int, eps: float,
                  tp_group: TensorParallelGroup, rows: Sequence[RowPiece],
-                 group_size: int | None = None) -> None:
+                 group_size: int | None = None, norm_first: bool = False) -> None:
         super().__init__()
         if group_size is not None and (group_size <= 0 or local_size % group_size != 0):
             raise ValueError(f"the gated norm's group size ({group_size}) must divide this "
@@ -220,26 +257,32 @@ class GatedRMSNorm(nn.Module):
                              "a multiple of the tensor parallel size")
         self.full_size = full_size
         self.group_size = group_size
+        self.norm_first = norm_first
         self.variance_epsilon = eps
         self.tp_group = tp_group
         self.weight = nn.Parameter(torch.ones(local_size), requires_grad=False)
         set_weight_loader(self.weight, rows_loader(rows))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and (self.tp_group.size == 1 or self.group_size is not None):
+        if x.is_cuda and not self.norm_first and (self.tp_group.size == 1
+                                                  or self.group_size is not None):
             from spindle.layers.mamba import triton_ops
 
             return triton_ops.gated_rms_norm(x, gate, self.weight, self.variance_epsilon,
                                              self.group_size)
-        h = x.float() * F.silu(gate.float())
+        h = x.float() if self.norm_first else x.float() * F.silu(gate.float())
         if self.group_size is not None:
             grouped = h.unflatten(-1, (-1, self.group_size))
             grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True)
                                             + self.variance_epsilon)
-            return (self.weight.float() * grouped.flatten(-2)).to(x.dtype)
-        square_sum = self.tp_group.all_reduce(h.pow(2).sum(-1, keepdim=True))
-        h = h * torch.rsqrt(square_sum / self.full_size + self.variance_epsilon)
-        return (self.weight.float() * h).to(x.dtype)
+            h = grouped.flatten(-2)
+        else:
+            square_sum = self.tp_group.all_reduce(h.pow(2).sum(-1, keepdim=True))
+            h = h * torch.rsqrt(square_sum / self.full_size + self.variance_epsilon)
+        h = self.weight.float() * h
+        if self.norm_first:
+            h = h * F.silu(gate.float())
+        return h.to(x.dtype)
 
 
 def norm_group_size(num_heads: int, head_dim: int, n_groups: int) -> int | None:
