@@ -264,12 +264,11 @@ class GatedRMSNorm(nn.Module):
         set_weight_loader(self.weight, rows_loader(rows))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and not self.norm_first and (self.tp_group.size == 1
-                                                  or self.group_size is not None):
+        if x.is_cuda and (self.tp_group.size == 1 or self.group_size is not None):
             from spindle.layers.mamba import triton_ops
 
             return triton_ops.gated_rms_norm(x, gate, self.weight, self.variance_epsilon,
-                                             self.group_size)
+                                             self.group_size, self.norm_first)
         h = x.float() if self.norm_first else x.float() * F.silu(gate.float())
         if self.group_size is not None:
             grouped = h.unflatten(-1, (-1, self.group_size))

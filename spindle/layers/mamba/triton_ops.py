@@ -674,11 +674,13 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 # ---------------------------------------------------------------- gated RMSNorm
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                   eps: float, group_size: int | None = None) -> torch.Tensor:
-    """weight * rmsnorm(x * silu(gate)) over each row of x [T, W], the mean square taken
-    per group of group_size consecutive features (None: the whole width on this rank,
-    one tensor-parallel rank or a model without TP), in float32, returned in x's dtype.
-    One launch instead of torch's eight."""
+                   eps: float, group_size: int | None = None,
+                   norm_first: bool = False) -> torch.Tensor:
+    """weight * rmsnorm(x * silu(gate)) over each row of x [T, W] (with norm_first:
+    weight * rmsnorm(x) * silu(gate)), the mean square taken per group of group_size
+    consecutive features (None: the whole width on this rank, one tensor-parallel rank
+    or a model without TP), in float32, returned in x's dtype. One launch instead of
+    torch's eight."""
     num_tokens, width = x.shape
     if gate.shape != x.shape or weight.shape != (width,):
         raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)}, "
@@ -693,21 +695,26 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     block = triton.next_power_of_2(group_size)
     _gated_rms_norm_kernel[(num_tokens, width // group_size)](
         x, gate, weight, out, group_size, x.stride(0), gate.stride(0), out.stride(0),
-        float(eps), BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        float(eps), BLOCK=block, NORM_FIRST=norm_first, num_warps=min(16, max(1, block // 256)),
         **pdl.kernel_args(x.device, num_tokens))
     return out
 
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, group_size, x_stride, g_stride,
-                           o_stride, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                           o_stride, eps, BLOCK: tl.constexpr, NORM_FIRST: tl.constexpr,
+                           PDL: tl.constexpr):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     valid = tl.arange(0, BLOCK) < group_size
     x = tl.load(x_ptr + row * x_stride + offs, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * g_stride + offs, mask=valid, other=0.0).to(tl.float32)
-    h = x * (g * tl.sigmoid(g))
+    silu_g = g * tl.sigmoid(g)
+    h = x if NORM_FIRST else x * silu_g
     h = h * tl.rsqrt(tl.sum(h * h, 0) / group_size + eps)
     w = tl.load(w_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * o_stride + offs, (w * h).to(out_ptr.dtype.element_ty), mask=valid)
+    out = w * h
+    if NORM_FIRST:
+        out = out * silu_g
+    tl.store(out_ptr + row * o_stride + offs, out.to(out_ptr.dtype.element_ty), mask=valid)
