@@ -141,17 +141,22 @@ class BambaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-def make_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> MambaMixer:
-    n_groups, head_dim = getattr(hf_config, "mamba_n_groups", 1), mamba_head_dim(hf_config)
+def make_mixer(hf_config: Any, tp_group: TensorParallelGroup, head_dim: int | None = None,
+               **options: Any) -> MambaMixer:
+    """The Mamba2 mixer of Bamba's config fields (``mamba_*``). head_dim: where a family
+    resolves it otherwise; options: further MambaMixer arguments (FalconH1's)."""
+    heads = hf_config.mamba_n_heads
+    head_dim = head_dim or mamba_head_dim(hf_config)
+    n_groups = getattr(hf_config, "mamba_n_groups", 1)
     return MambaMixer(
-        hidden_size=hf_config.hidden_size, num_heads=hf_config.mamba_n_heads,
-        head_dim=head_dim, n_groups=n_groups,
-        norm_group_size=norm_group_size(hf_config.mamba_n_heads, head_dim, n_groups),
+        hidden_size=hf_config.hidden_size, num_heads=heads, head_dim=head_dim,
+        n_groups=n_groups, norm_group_size=norm_group_size(heads, head_dim, n_groups),
         state_size=hf_config.mamba_d_state, conv_kernel=getattr(hf_config, "mamba_d_conv", 4),
         chunk_size=hf_config.mamba_chunk_size, eps=hf_config.rms_norm_eps,
         time_step_limit=time_step_limit(hf_config),
         conv_bias=bool(getattr(hf_config, "mamba_conv_bias", True)),
-        proj_bias=bool(getattr(hf_config, "mamba_proj_bias", False)), tp_group=tp_group)
+        proj_bias=bool(getattr(hf_config, "mamba_proj_bias", False)), tp_group=tp_group,
+        **options)
 
 
 def bamba_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
-from spindle.layers.mamba.mixer import (GATE_ONLY, GATE_THEN_NORM, NORM_THEN_GATE,
-                                        MambaMixer, norm_group_size)
+from spindle.layers.mamba.mixer import GATE_ONLY, GATE_THEN_NORM, NORM_THEN_GATE, MambaMixer
 from spindle.layers.norm import RMSNorm
+from spindle.models import bamba
 from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
                                   HybridLayout, time_step_limit)
 from spindle.models.llama import LlamaMLP, head_dim_of
@@ -91,19 +91,12 @@ def gate_mode(hf_config: Any) -> str:
 
 
 def make_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> MambaMixer:
-    heads, head_dim = hf_config.mamba_n_heads, mamba_head_dim(hf_config)
-    n_groups = getattr(hf_config, "mamba_n_groups", 1)
-    return MambaMixer(
-        hidden_size=hf_config.hidden_size, num_heads=heads, head_dim=head_dim,
-        n_groups=n_groups, norm_group_size=norm_group_size(heads, head_dim, n_groups),
-        state_size=hf_config.mamba_d_state, conv_kernel=getattr(hf_config, "mamba_d_conv", 4),
-        chunk_size=hf_config.mamba_chunk_size, eps=hf_config.rms_norm_eps,
-        time_step_limit=time_step_limit(hf_config),
-        conv_bias=bool(getattr(hf_config, "mamba_conv_bias", True)),
-        proj_bias=bool(getattr(hf_config, "mamba_proj_bias", False)),
+    """Bamba's mixer with FalconH1's width, out_proj bias, gate and multipliers."""
+    return bamba.make_mixer(
+        hf_config, tp_group, head_dim=mamba_head_dim(hf_config),
         out_proj_bias=bool(getattr(hf_config, "projectors_bias", False)),
         gate=gate_mode(hf_config),
-        in_proj_multipliers=multipliers(hf_config, "ssm_multipliers", 5), tp_group=tp_group)
+        in_proj_multipliers=multipliers(hf_config, "ssm_multipliers", 5))
 
 
 class FalconH1MLP(LlamaMLP):
