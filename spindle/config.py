@@ -186,6 +186,8 @@ class EngineArgs:
         )
         if config.device.batch_invariant:
             _check_batch_invariance_fits(config)
+        if parallel.pipeline_parallel_size > 1:
+            _check_pipeline_stages_fit(config)
         from spindle.runner.model_states import check_config
 
         check_config(config)  # the runner refuses what the model's state cannot serve
@@ -682,6 +684,20 @@ def _check_speculation_fits(model: ModelConfig, parallel: "ParallelConfig") -> N
         raise ValueError(f"speculative_config needs a decoder model; {model.architecture} is "
                          f"a {model.model_kind!r} model (its state-space layers cannot roll "
                          "back rejected tokens)")
+
+
+def _check_pipeline_stages_fit(config: "EngineConfig") -> None:
+    """Refused by name before any worker starts: a model class that cannot be cut into
+    stages, or a config that does not say how many layers there are to cut."""
+    from spindle.models.registry import resolve_model_class
+
+    hf_config = config.model.hf_config
+    model_class = resolve_model_class(hf_config.architectures)
+    if not getattr(model_class, "supports_pipeline_parallel", False):
+        raise ValueError(f"{model_class.__name__} does not support pipeline_parallel_size > 1")
+    if not isinstance(getattr(hf_config, "num_hidden_layers", None), int):
+        raise ValueError("pipeline_parallel_size > 1 needs the model config's "
+                         "num_hidden_layers, which it does not give")
 
 
 def _check_batch_invariance_fits(config: "EngineConfig") -> None:

@@ -149,3 +149,51 @@ def generate_errors_in_thread(llm: LLM, wait: float) -> list[BaseException]:
     thread.join(wait)
     assert not thread.is_alive(), "the engine is still waiting for the hung stage"
     return errors
+
+
+# Hybrids: FalconH1 has attention and a Mamba2 mixer in every layer, so each stage
+# holds both cache groups; a Bamba with attention at layers 1 and 3 too, cut in two.
+HYBRID_CUTS = {"falcon_h1": {}, "bamba": dict(attn_layer_indices=(1, 3))}
+
+
+@pytest.mark.parametrize("arch", list(HYBRID_CUTS))
+def test_mp_pp2_hybrid_equals_transformers(tiny_model, arch):
+    """Each stage keeps its own layers' states in the slots the scheduler gives every
+    stage: greedy tokens and log-probs stay transformers', two batches in flight, with
+    chunked prefill and prefix hits served by state snapshots."""
+    from test_hybrid_models import LOGPROB_TOL
+    from test_generate_vs_hf import hf_greedy
+
+    path = tiny_model(arch, num_layers=4, **HYBRID_CUTS[arch])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    expected = hf_greedy(path, prompts(), 12)
+    with LLM(str(path), pipeline_parallel_size=2, distributed_executor_backend="mp",
+             dtype="float32", block_size=4, **ENGINE_ARGS) as llm:
+        runs = [llm.generate(prompts(), params, use_tqdm=False) for _ in range(2)]
+        core = llm.engine.core
+        assert core.batch_queue.peak_in_flight == 2
+        assert core.scheduler.prefix_cache_stats.hits > 0
+    for outputs in runs:
+        for (tokens, lps), out in zip(expected, outputs):
+            assert list(out.outputs[0].token_ids) == tokens
+            got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+            assert max(abs(a - b) for a, b in zip(lps, got)) < LOGPROB_TOL
+
+
+def test_mp_pp2_stages_with_different_cache_groups_are_refused(tiny_model):
+    """Bamba's default: attention in layer 2 of 4 only, so stage 0 would hold Mamba
+    layers alone."""
+    path = tiny_model("bamba", num_layers=4)
+    with pytest.raises(ValueError, match="different cache groups.*pipeline_layer_partition"):
+        LLM(str(path), pipeline_parallel_size=2, distributed_executor_backend="mp",
+            **ENGINE_ARGS)
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "mamba2"])
+def test_pp_is_refused_at_config_time_for_models_that_cannot_be_cut(tiny_model, arch):
+    from spindle.config import EngineArgs
+
+    args = EngineArgs(model=str(tiny_model(arch, num_layers=4)), pipeline_parallel_size=2,
+                      distributed_executor_backend="mp", device="cpu")
+    with pytest.raises(ValueError, match="does not support pipeline_parallel_size > 1"):
+        args.create_engine_config()

@@ -77,7 +77,9 @@ class EngineCore:
         if len({n.signature() for n in needs}) > 1:
             raise ValueError("the ranks' layers form different cache groups "
                              f"({[n.signature() for n in needs]}): pipeline stages that "
-                             "hold different kinds of layers are not supported")
+                             "hold different kinds of layers are not supported (choose a "
+                             "pipeline_layer_partition that gives every stage the same "
+                             "kinds)")
         self.cache_requirements = needs[0]
         kv_config = self._size_cache(budgets, needs)
         self.executor.initialize_kv_cache(kv_config)

@@ -8,11 +8,15 @@ each request owns and whether the request starts from zeros this step (its first
 token) or from the state its earlier steps left (chunked prefill, decode). A
 preempted request comes back with nothing computed, so it starts from zeros again
 and recomputes its state.
+
+Under pipeline parallelism each stage keeps the states of its own layers in the same
+slots (the scheduler's slot ids hold on every stage), so a stage's layers must form
+the same cache groups as every other stage's: FalconH1 (attention and a mixer in every
+layer), or a Bamba-pattern model cut where each stage holds attention and Mamba
+layers; otherwise the engine refuses the partition by name.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import torch
@@ -26,12 +30,6 @@ from spindle.runner.model_states.default import DefaultModelState
 class MambaHybridModelState(DefaultModelState):
     needs_kv_cache = True
     supports_cuda_graphs = True
-
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        if config.parallel.pipeline_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size > 1 is not supported for hybrid "
-                             "(state-space) models")
 
     def state_metadata(self, batch: StepBatch, group: CacheGroup, common: dict) -> MambaMetadata:
         if batch.state_slots is None:
