@@ -1,6 +1,7 @@
 """Models with state-space layers (Bamba and Granite 4.0's GraniteMoeHybrid: Mamba2
 layers beside attention; NemotronH: Mamba2, attention and MLP layers each on its own;
-FalconH1: attention and Mamba2 side by side in every layer; Mamba2: nothing but
+FalconH1: attention and Mamba2 side by side in every layer; LFM2: gated short
+convolutions beside attention; Mamba2: nothing but
 state-space layers, so a cache of state slots and no paged blocks) end to
 end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
 random checkpoints, in float32 on CPU, under the regimes that cut the work
@@ -62,6 +63,16 @@ SHAPES = {
                           mamba_chunk_size=4, mamba_d_conv=3, mamba_rms_norm=False,
                           mamba_proj_bias=True, projectors_bias=True, attention_bias=True,
                           mlp_bias=True, mamba_conv_bias=False, tie_word_embeddings=True),
+    },
+    # LFM2: gated short convolutions (a state of the last inputs only) and attention
+    # with per-head q/k norms. (No B/C groups here: "groups2" is the shape the chunked
+    # prefill and TP tests take, with a tied head and conv biases.)
+    "lfm2": {
+        "default": {},
+        "groups2": dict(num_layers=3, tie_word_embeddings=True, conv_bias=True),
+        "odd-heads": dict(hidden_size=48, num_layers=3, num_heads=3, num_kv_heads=1,
+                          conv_L_cache=4, block_auto_adjust_ff_dim=False,
+                          layer_types=("full_attention", "conv", "conv")),
     },
     "mamba2": {
         "default": {},
@@ -171,7 +182,7 @@ def test_tensor_parallel_equals_transformers(reference, arch):
 
 @pytest.mark.parametrize("arch,level", [("bamba", 1), ("bamba", 2), ("nemotron_h", 2),
                                         ("granite_hybrid", 1), ("falcon_h1", 2),
-                                        ("mamba2", 2)])
+                                        ("lfm2", 1), ("mamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):
     path, prompts, expected = reference(arch, "default")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -158,8 +158,9 @@ def test_conv_prefill_without_state_is_zero_history():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [4, 3])
-def test_conv_decode_against_definition_and_transformers(dtype, width):
+@pytest.mark.parametrize("width,activation", [(4, "silu"), (3, "silu"), (3, None)])
+def test_conv_decode_against_definition_and_transformers(dtype, width, activation):
+    """(Without activation: LFM2's short convolution.)"""
     from spindle.layers.mamba.triton_ops import causal_conv1d_decode
 
     slots = [4, -1, 0, 7, -1, 2]
@@ -168,18 +169,18 @@ def test_conv_decode_against_definition_and_transformers(dtype, width):
     dev_proj, dev_weight, dev_bias, dev_state = _to_device(proj, weight, bias, state)
     idx = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
     out = causal_conv1d_decode(dev_proj[:, 3:3 + channels], dev_weight, dev_bias, dev_state,
-                               idx, "silu")
+                               idx, activation)
     assert out.isfinite().all()  # padding rows too
     for b, slot in enumerate(slots):
         if slot < 0:
             continue
         ref, ref_state = _naive_conv(x[b:b + 1].double(), weight.double(), bias.double(),
-                                     state[slot].double(), "silu")
+                                     state[slot].double(), activation)
         _close(out[b:b + 1], ref, dtype, f"row {b}")
         _close(dev_state[slot], ref_state, dtype, f"row {b} state")
         hf_state = state[slot].float()[None].clone()
         hf = _hf("causal_conv1d_update")(x[b:b + 1].float().T[None], hf_state, weight.float(),
-                                         bias.float(), activation="silu")
+                                         bias.float(), activation=activation)
         _close(out[b:b + 1], hf[0].T, dtype, f"row {b} vs transformers")
         _close(dev_state[slot], hf_state[0], dtype, f"row {b} state vs transformers")
     for slot in set(range(NUM_SLOTS)) - set(slots):

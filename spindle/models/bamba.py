@@ -102,6 +102,8 @@ class HybridLayout:
     attention_scale: float
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
+    # The norms' epsilon where the config does not call it rms_norm_eps (LFM2's norm_eps).
+    norm_eps: float | None = None
 
 
 def bamba_layout(hf_config: Any) -> HybridLayout:
@@ -126,11 +128,16 @@ class BambaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, layout.attention_scale,
                               self.num_kv_heads)
         self.key_multiplier = 1.0  # (FalconH1 scales the keys before rotating them)
+        self.q_norm = self.k_norm = None  # (LFM2 normalises each head of q and k first)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         if self.rotates:
@@ -221,8 +228,8 @@ class BambaModel(nn.Module):
             decoder_layer(hf_config, i, layout, feed_forward, tp_group)
             if stage.owns_layer(i) else MissingLayer()
             for i in range(hf_config.num_hidden_layers))
-        self.final_layernorm = (RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
-                                if stage.is_last else None)
+        eps = hf_config.rms_norm_eps if layout.norm_eps is None else layout.norm_eps
+        self.final_layernorm = RMSNorm(hf_config.hidden_size, eps=eps) if stage.is_last else None
         self.rotary_emb = None
         if layout.rotary_dim > 0:
             params = dict(rope_parameters_from_config(hf_config))

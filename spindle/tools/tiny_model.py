@@ -53,6 +53,7 @@ ARCHITECTURES = {
     "nemotron_h": "NemotronHForCausalLM",
     "granite_hybrid": "GraniteMoeHybridForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -63,6 +64,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "mamba2": "Mamba2Config", "nemotron_h": "NemotronHConfig",
                   "granite_hybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config",
+                  "lfm2": "Lfm2Config",
                   "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
@@ -116,6 +118,13 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "attention_out_multiplier": 0.9, "ssm_in_multiplier": 0.8,
                 "ssm_out_multiplier": 1.1, "ssm_multipliers": [0.9, 1.1, 0.8, 1.2, 0.7],
                 "mlp_multipliers": [1.3, 0.75]}
+    if arch == "lfm2":  # short convolutions, attention in the middle layer; LFM2's own
+        # MLP width rule (2/3 of intermediate_size, times 1.5, to a multiple of 32)
+        kinds = ["conv"] * num_layers
+        kinds[num_layers // 2] = "full_attention"
+        return {"layer_types": kinds, "conv_L_cache": 3, "conv_bias": False,
+                "norm_eps": 1e-5, "block_auto_adjust_ff_dim": True,
+                "block_ffn_dim_multiplier": 1.5, "block_multiple_of": 32}
     if arch == "qwen3_moe":  # 4 experts of 32, 2 per token, every layer sparse
         return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}

@@ -121,21 +121,17 @@ class MambaMixer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        md = self._metadata(num_tokens, hidden_states.device)
+        md = step_metadata(self, num_tokens, hidden_states.device)
         ops = _ops_for(hidden_states)
         projected = self.in_proj(hidden_states)
         if self.in_proj_scale is not None:
             projected = projected * self.in_proj_scale.to(projected.dtype)
         gate, xbc, dt = projected.split(
             [self.intermediate, self.conv_channels, self.num_heads], dim=-1)
-        if self.kv_cache is not None and md.is_pure_decode and _all_continuing(md):
-            y = self._decode(ops, xbc, dt, md.state_indices)
-        else:
-            split = decode_prefill_split(md) if self.kv_cache is not None else None
-            if split is None:
-                y = self._prefill(ops, xbc, dt, md)
-            else:
-                y = self._mixed(ops, xbc, dt, split)
+        y = by_step_kind(
+            md, self.kv_cache is not None, (xbc, dt),
+            decode=lambda xbc, dt, slots: self._decode(ops, xbc, dt, slots),
+            prefill=lambda xbc, dt, md: self._prefill(ops, xbc, dt, md))
         y = self.norm(y.reshape(num_tokens, self.intermediate), gate)
         return self.out_proj(y)
 
@@ -159,35 +155,12 @@ class MambaMixer(nn.Module):
         return ops.ssd_prefill(x, dt, self.A_log, B, C, self.D, self.dt_bias,
                                self.time_step_limit, self.chunk_size, ssm_state, md)
 
-    def _mixed(self, ops, xbc: torch.Tensor, dt: torch.Tensor,
-               split: "DecodePrefillSplit") -> torch.Tensor:
-        """A step mixing decodes and prefills: the decode rows take the decode ops (a
-        prefill op would give each of them a whole chunk of work and scratch), the
-        others the prefill ops."""
-        decoded = self._decode(ops, split.take_decode(xbc), split.take_decode(dt),
-                               split.decode_slots)
-        prefilled = self._prefill(ops, split.take_prefill(xbc), split.take_prefill(dt),
-                                  split.prefill_md)
-        return split.merge(decoded, prefilled)
-
     def _split_xbc(self, xbc: torch.Tensor):
         num_tokens = xbc.shape[0]
         x, B, C = xbc.split([self.intermediate, self.group_width, self.group_width], dim=-1)
         return (x.reshape(num_tokens, self.num_heads, self.head_dim),
                 B.reshape(num_tokens, self.n_groups, self.state_size),
                 C.reshape(num_tokens, self.n_groups, self.state_size))
-
-    def _metadata(self, num_tokens: int, device: torch.device) -> MambaMetadata:
-        md = get_forward_context().for_group(self.cache_group)
-        if md is None:
-            if self.kv_cache is not None:
-                raise ValueError("a mamba layer with states needs MambaMetadata in the "
-                                 "forward context")
-            return single_sequence_metadata(num_tokens, device)
-        if not isinstance(md, MambaMetadata):
-            raise TypeError(f"mamba layer (cache group {self.cache_group}) found "
-                            f"{type(md).__name__} in the forward context, not MambaMetadata")
-        return md
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, groups={self.n_groups}, "
@@ -301,6 +274,39 @@ def local_groups(n_groups: int, tp_size: int, rank: int) -> tuple[int, int]:
         return 1, rank // (tp_size // n_groups)
     raise ValueError(f"mamba_n_groups ({n_groups}) and the tensor parallel size ({tp_size}) "
                      "must divide one another")
+
+
+def step_metadata(layer: nn.Module, num_tokens: int, device: torch.device) -> MambaMetadata:
+    """The step's MambaMetadata for a state layer (its ``cache_group``'s, from the
+    forward context); without any, the tokens as one request with no state, which only
+    a layer without states (the profiling forward) may take."""
+    md = get_forward_context().for_group(layer.cache_group)
+    if md is None:
+        if layer.kv_cache is not None:
+            raise ValueError("a state layer with states needs MambaMetadata in the forward "
+                             "context")
+        return single_sequence_metadata(num_tokens, device)
+    if not isinstance(md, MambaMetadata):
+        raise TypeError(f"state layer (cache group {layer.cache_group}) found "
+                        f"{type(md).__name__} in the forward context, not MambaMetadata")
+    return md
+
+
+def by_step_kind(md: MambaMetadata, has_states: bool, rows: Sequence[torch.Tensor],
+                 decode: Callable, prefill: Callable) -> torch.Tensor:
+    """A state layer's step: decode(*rows, state_indices) when every request feeds one
+    token and continues its stored state; prefill(*rows, md) otherwise (the profiling
+    forward, without states, too). A step mixing both sends its decode rows through
+    decode (a prefill op would give each of them a whole chunk of work and scratch) and
+    the others through prefill, and merges the two."""
+    if has_states and md.is_pure_decode and _all_continuing(md):
+        return decode(*rows, md.state_indices)
+    split = decode_prefill_split(md) if has_states else None
+    if split is None:
+        return prefill(*rows, md)
+    decoded = decode(*(split.take_decode(r) for r in rows), split.decode_slots)
+    prefilled = prefill(*(split.take_prefill(r) for r in rows), split.prefill_md)
+    return split.merge(decoded, prefilled)
 
 
 def single_sequence_metadata(num_tokens: int, device: torch.device) -> MambaMetadata:

@@ -1,0 +1,137 @@
+"""Lfm2ForCausalLM: Liquid AI's LFM2, gated short convolutions with a few attention
+layers among them (``layer_types``: ``conv`` / ``full_attention``).
+
+Bamba's layout (models/bamba.py) with other mixers: a ``conv`` layer is a gated
+short convolution (layers/mamba/short_conv.py: its state per sequence is the last
+``conv_L_cache`` - 1 inputs), an attention layer normalises each head of q and k
+(``q_layernorm`` / ``k_layernorm``) before rotating whole heads. Every layer is
+pre-norm (``operator_norm``, ``ffn_norm``) with a SwiGLU MLP (``w1``, ``w3``, ``w2``)
+whose width LFM2 derives from ``intermediate_size`` (``block_auto_adjust_ff_dim``);
+the final norm is ``embedding_norm``, and the head is tied by default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.mamba.short_conv import ShortConv
+from spindle.layers.norm import RMSNorm
+from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
+                                  HybridLayout)
+from spindle.models.llama import LlamaMLP, head_dim_of
+
+ATTENTION, CONV = "full_attention", "conv"
+
+
+def layer_types(hf_config: Any) -> list[str]:
+    kinds = getattr(hf_config, "layer_types", None)
+    if kinds is None:  # (older configs: the attention layers by index)
+        attention = set(getattr(hf_config, "full_attn_idxs", None)
+                        or range(hf_config.num_hidden_layers))
+        kinds = [ATTENTION if i in attention else CONV
+                 for i in range(hf_config.num_hidden_layers)]
+    return list(kinds)
+
+
+def check_supported_config(hf_config: Any) -> None:
+    """Reject config features this implementation would silently get wrong."""
+    kinds = layer_types(hf_config)
+    if len(kinds) != hf_config.num_hidden_layers:
+        raise ValueError(f"layer_types names {len(kinds)} layers, the model has "
+                         f"{hf_config.num_hidden_layers}")
+    unknown = sorted(set(kinds) - {ATTENTION, CONV})
+    if unknown:
+        raise ValueError(f"layer_types holds unknown layer types {unknown}")
+
+
+def mlp_width(hf_config: Any) -> int:
+    """The SwiGLU width, as LFM2 derives it from intermediate_size."""
+    width = hf_config.intermediate_size
+    if getattr(hf_config, "block_auto_adjust_ff_dim", False):
+        width = int(2 * width / 3)
+        multiplier = getattr(hf_config, "block_ffn_dim_multiplier", None)
+        if multiplier is not None:
+            multiple = hf_config.block_multiple_of
+            width = multiple * ((int(multiplier * width) + multiple - 1) // multiple)
+    return width
+
+
+def lfm2_layout(hf_config: Any) -> HybridLayout:
+    head_dim = head_dim_of(hf_config)
+    return HybridLayout(
+        attention_layers=frozenset(i for i, kind in enumerate(layer_types(hf_config))
+                                   if kind == ATTENTION),
+        rotary_dim=head_dim, attention_scale=head_dim ** -0.5, norm_eps=hf_config.norm_eps)
+
+
+def lfm2_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                      ) -> nn.Module:
+    return LlamaMLP(hf_config.hidden_size, mlp_width(hf_config), False, tp_group)
+
+
+class Lfm2DecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
+                 feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        eps = hf_config.norm_eps
+        self.is_attention = layer_idx in layout.attention_layers
+        if self.is_attention:
+            self.self_attn = BambaAttention(hf_config, layout, tp_group)
+            self.self_attn.q_norm = RMSNorm(self.self_attn.head_dim, eps=eps)
+            self.self_attn.k_norm = RMSNorm(self.self_attn.head_dim, eps=eps)
+        else:
+            self.conv = ShortConv(hf_config.hidden_size, hf_config.conv_L_cache,
+                                  bool(getattr(hf_config, "conv_bias", False)), tp_group)
+        self.feed_forward = feed_forward(hf_config, layer_idx, tp_group)
+        self.operator_norm = RMSNorm(hf_config.hidden_size, eps=eps)
+        self.ffn_norm = RMSNorm(hf_config.hidden_size, eps=eps)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block, residual carried separately (the next norm adds it)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.operator_norm(hidden_states)
+        else:
+            hidden_states, residual = self.operator_norm(hidden_states, residual)
+        if self.is_attention:
+            hidden_states = self.self_attn(hidden_states, cos, sin)
+        else:
+            hidden_states = self.conv(hidden_states)
+        hidden_states, residual = self.ffn_norm(hidden_states, residual)
+        return self.feed_forward(hidden_states), residual
+
+
+# The checkpoint's names of what this model names otherwise (the rest are the same).
+_RENAMES = ((".self_attn.q_layernorm.", ".self_attn.q_norm."),
+            (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+            (".self_attn.out_proj.", ".self_attn.o_proj."),
+            (".feed_forward.w1.", ".feed_forward.gate_proj."),
+            (".feed_forward.w3.", ".feed_forward.up_proj."),
+            (".feed_forward.w2.", ".feed_forward.down_proj."),
+            ("model.embedding_norm.", "model.final_layernorm."))
+
+
+class Lfm2ForCausalLM(BambaForCausalLM):
+    check_config = staticmethod(check_supported_config)
+    layout = staticmethod(lfm2_layout)
+    feed_forward = staticmethod(lfm2_feed_forward)
+    decoder_layer = Lfm2DecoderLayer
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(_in_our_names(weights))
+
+
+def _in_our_names(weights: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        for theirs, ours in _RENAMES:
+            if theirs in name:
+                name = name.replace(theirs, ours)
+                break
+        yield name, tensor

@@ -1,0 +1,57 @@
+"""LFM2 specifics beyond the end-to-end checks of test_hybrid_models.py (three tiny
+shapes against transformers: short convolutions of width 3 and 4, with and without
+biases, a tied head, attention first or in the middle): LFM2's MLP width rule, and
+what is refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.mamba.short_conv import ShortConv
+from spindle.models.lfm2 import check_supported_config, layer_types, lfm2_layout, mlp_width
+
+
+@pytest.mark.parametrize("fields", [
+    dict(block_auto_adjust_ff_dim=False),
+    dict(block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.25, block_multiple_of=64),
+    dict(block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.5, block_multiple_of=32),
+    dict(block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256),
+])
+def test_the_mlp_width_is_transformers(fields):
+    import transformers
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    config = transformers.Lfm2Config(hidden_size=64, intermediate_size=1000, **fields)
+    assert mlp_width(config) == Lfm2MLP(config).w1.out_features
+
+
+def _config(**change):
+    config = SimpleNamespace(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                             head_dim=16, norm_eps=1e-5)
+    for key, value in change.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(layer_types=["conv", "full_attention"]), "names 2 layers, the model has 3"),
+    (dict(layer_types=["conv", "sliding_attention", "conv"]),
+     r"unknown layer types \['sliding_attention'\]"),
+])
+def test_unsupported_configs_are_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        check_supported_config(_config(**change))
+
+
+def test_older_configs_name_the_attention_layers_by_index():
+    config = _config(layer_types=None, full_attn_idxs=[0, 2])
+    assert layer_types(config) == ["full_attention", "conv", "full_attention"]
+    assert lfm2_layout(config).attention_layers == {0, 2}
+
+
+def test_a_convolution_needs_a_history():
+    with pytest.raises(ValueError, match="conv_L_cache must be >= 2"):
+        ShortConv(64, 1, False, TensorParallelGroup.single())
