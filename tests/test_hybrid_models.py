@@ -1,6 +1,6 @@
 """Models with state-space layers (Bamba and Granite 4.0's GraniteMoeHybrid: Mamba2
 layers beside attention; NemotronH: Mamba2, attention and MLP layers each on its own;
-FalconH1: attention and Mamba2 side by side in every layer; LFM2: gated short
+FalconH1: attention and Mamba2 side by side in every layer; LFM2 and LFM2-MoE: gated short
 convolutions beside attention; Mamba2: nothing but
 state-space layers, so a cache of state slots and no paged blocks) end to
 end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
@@ -73,6 +73,15 @@ SHAPES = {
         "odd-heads": dict(hidden_size=48, num_layers=3, num_heads=3, num_kv_heads=1,
                           conv_L_cache=4, block_auto_adjust_ff_dim=False,
                           layer_types=("full_attention", "conv", "conv")),
+    },
+    # LFM2-MoE: LFM2 with experts (sigmoid routing with an expert bias, scaled) after
+    # its dense layers.
+    "lfm2_moe": {
+        "default": {},
+        "groups2": dict(num_layers=3, use_expert_bias=False, norm_topk_prob=False,
+                        tie_word_embeddings=True),
+        "odd-heads": dict(hidden_size=48, num_layers=4, num_heads=3, num_kv_heads=1,
+                          num_dense_layers=2, num_experts=6, num_experts_per_tok=3),
     },
     "mamba2": {
         "default": {},
@@ -182,7 +191,7 @@ def test_tensor_parallel_equals_transformers(reference, arch):
 
 @pytest.mark.parametrize("arch,level", [("bamba", 1), ("bamba", 2), ("nemotron_h", 2),
                                         ("granite_hybrid", 1), ("falcon_h1", 2),
-                                        ("lfm2", 1), ("mamba2", 2)])
+                                        ("lfm2", 1), ("lfm2_moe", 2), ("mamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):
     path, prompts, expected = reference(arch, "default")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -1,13 +1,19 @@
-"""LFM2 specifics beyond the end-to-end checks of test_hybrid_models.py (three tiny
-shapes against transformers: short convolutions of width 3 and 4, with and without
-biases, a tied head, attention first or in the middle): LFM2's MLP width rule, and
-what is refused."""
+"""LFM2 and LFM2-MoE specifics beyond the end-to-end checks of test_hybrid_models.py
+(three tiny shapes each against transformers: short convolutions of width 3 and 4,
+with and without biases, a tied head, attention first or in the middle; experts with
+and without the expert bias and renormalisation): LFM2's MLP width rule, transformers'
+names of the experts, and what is refused."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
+import torch
+
+from checkpoint_utils import rewritten_checkpoint, same_tokens, spindle_greedy
+from test_generate_vs_hf import hf_greedy
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.mamba.short_conv import ShortConv
@@ -55,3 +61,28 @@ def test_older_configs_name_the_attention_layers_by_index():
 def test_a_convolution_needs_a_history():
     with pytest.raises(ValueError, match="conv_L_cache must be >= 2"):
         ShortConv(64, 1, False, TensorParallelGroup.single())
+
+
+def test_transformers_names_of_the_experts_load_too(tiny_model, tmp_path):
+    """tiny_model writes the hub's experts one by one (experts.E.w1 / w3 / w2);
+    transformers' own modules stack them (experts.gate_up_proj, experts.down_proj)."""
+    def stacked(tensors):
+        out, experts = {}, {}
+        for name, tensor in tensors.items():
+            match = re.match(r"(.*\.feed_forward\.experts)\.(\d+)\.(w[123])\.weight$", name)
+            if match is None:
+                out[name] = tensor
+            else:
+                experts.setdefault(match[1], {})[(int(match[2]), match[3])] = tensor
+        for stem, parts in experts.items():
+            count = 1 + max(e for e, _ in parts)
+            out[f"{stem}.gate_up_proj"] = torch.stack(
+                [torch.cat([parts[e, "w1"], parts[e, "w3"]]) for e in range(count)])
+            out[f"{stem}.down_proj"] = torch.stack([parts[e, "w2"] for e in range(count)])
+        assert "model.layers.1.feed_forward.experts.gate_up_proj" in out
+        return out
+
+    path = tiny_model("lfm2_moe", num_layers=3)
+    renamed = rewritten_checkpoint(path, tmp_path / "stacked", stacked)
+    prompts = [[5, 6, 7], list(range(10, 40))]
+    assert same_tokens(hf_greedy(path, prompts, 8), spindle_greedy(renamed, prompts))

@@ -1,5 +1,6 @@
 """Lfm2ForCausalLM: Liquid AI's LFM2, gated short convolutions with a few attention
-layers among them (``layer_types``: ``conv`` / ``full_attention``).
+layers among them (``layer_types``: ``conv`` / ``full_attention``); Lfm2MoeForCausalLM,
+the same with mixtures of experts after the first ``num_dense_layers`` layers.
 
 Bamba's layout (models/bamba.py) with other mixers: a ``conv`` layer is a gated
 short convolution (layers/mamba/short_conv.py: its state per sequence is the last
@@ -18,11 +19,14 @@ import torch
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
 from spindle.layers.mamba.short_conv import ShortConv
+from spindle.layers.moe import FusedExperts, Router
 from spindle.layers.norm import RMSNorm
 from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
                                   HybridLayout)
-from spindle.models.llama import LlamaMLP, head_dim_of
+from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
+from spindle.models.moe import _MIXTRAL_EXPERT_PARTS, _expert_param, one_per_expert
 
 ATTENTION, CONV = "full_attention", "conv"
 
@@ -135,3 +139,72 @@ def _in_our_names(weights: Iterable[tuple[str, torch.Tensor]]
                 name = name.replace(theirs, ours)
                 break
         yield name, tensor
+
+
+class Lfm2MoeBlock(nn.Module):
+    """LFM2-MoE's experts: sigmoid scores of the router's logits (in the model's dtype);
+    the choice adds ``expert_bias`` (float32) where ``use_expert_bias``; the chosen
+    experts weigh by their scores, renormalised (+1e-6) where ``norm_topk_prob``, times
+    ``routed_scaling_factor``. SwiGLU experts (FusedExperts; the fused kernels on CUDA).
+    Checkpoint names: the hub's experts one by one (``experts.E.w1/w3/w2``), or
+    transformers' stacked ``experts.gate_up_proj`` / ``down_proj``."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        experts, self.top_k = hf_config.num_experts, hf_config.num_experts_per_tok
+        if not 1 <= self.top_k <= experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in 1..num_experts "
+                             f"({experts})")
+        self.normalize = bool(getattr(hf_config, "norm_topk_prob", True))
+        self.scaling = float(getattr(hf_config, "routed_scaling_factor", 1.0))
+        self.tp_group = tp_group
+        self.gate = Router(experts, hf_config.hidden_size)
+        self.expert_bias = None
+        if getattr(hf_config, "use_expert_bias", True):
+            self.expert_bias = nn.Parameter(torch.empty(experts, dtype=torch.float32),
+                                            requires_grad=False)
+            set_weight_loader(self.expert_bias, default_weight_loader)
+        self.experts = FusedExperts(experts, hf_config.hidden_size,
+                                    hf_config.moe_intermediate_size, tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.sigmoid(apply_linear(x, self.gate.weight))
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+        return self.tp_group.all_reduce(self.experts(x, ids, weights * self.scaling))
+
+
+def lfm2_moe_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                          ) -> nn.Module:
+    if layer_idx < hf_config.num_dense_layers:  # (its width as given: no LFM2 rule here)
+        return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, False, tp_group)
+    return Lfm2MoeBlock(hf_config, tp_group)
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    feed_forward = staticmethod(lfm2_moe_feed_forward)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(_experts_one_by_one(weights))
+
+    def param_name(self, hf_name: str) -> tuple[str, Any]:
+        """The hub's experts.E.w1 / w3 / w2 (gate, up, down) onto the stacked experts."""
+        return _expert_param(hf_name, _MIXTRAL_EXPERT_PARTS) or _to_param_name(hf_name)
+
+
+def _experts_one_by_one(weights: Iterable[tuple[str, torch.Tensor]]
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers' stacked experts as the hub's per-expert tensors; the rest as is."""
+    for name, tensor in weights:
+        stem, _, leaf = name.rpartition(".feed_forward.experts.")
+        if leaf == "gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)  # [E, 2I, H]: each expert's [gate; up]
+            yield from one_per_expert(f"{stem}.feed_forward.experts", "w1", gate)
+            yield from one_per_expert(f"{stem}.feed_forward.experts", "w3", up)
+        elif leaf == "down_proj":
+            yield from one_per_expert(f"{stem}.feed_forward.experts", "w2", tensor)
+        else:
+            yield name, tensor

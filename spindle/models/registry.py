@@ -22,6 +22,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "FalconH1ForCausalLM": "spindle.models.falcon_h1:FalconH1ForCausalLM",
     "GraniteMoeHybridForCausalLM": "spindle.models.granite_hybrid:GraniteMoeHybridForCausalLM",
     "Lfm2ForCausalLM": "spindle.models.lfm2:Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM": "spindle.models.lfm2:Lfm2MoeForCausalLM",
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
     "NemotronHForCausalLM": "spindle.models.nemotron_h:NemotronHForCausalLM",
     "BertModel": "spindle.models.bert:BertModel",

@@ -54,6 +54,7 @@ ARCHITECTURES = {
     "granite_hybrid": "GraniteMoeHybridForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -64,7 +65,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "mamba2": "Mamba2Config", "nemotron_h": "NemotronHConfig",
                   "granite_hybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config",
-                  "lfm2": "Lfm2Config",
+                  "lfm2": "Lfm2Config", "lfm2_moe": "Lfm2MoeConfig",
                   "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
@@ -125,6 +126,14 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"layer_types": kinds, "conv_L_cache": 3, "conv_bias": False,
                 "norm_eps": 1e-5, "block_auto_adjust_ff_dim": True,
                 "block_ffn_dim_multiplier": 1.5, "block_multiple_of": 32}
+    if arch == "lfm2_moe":  # LFM2 with 4 experts of 32 (2 per token) after one dense layer
+        kinds = ["conv"] * num_layers
+        kinds[num_layers // 2] = "full_attention"
+        return {"layer_types": kinds, "conv_L_cache": 3, "conv_bias": False,
+                "norm_eps": 1e-5, "num_dense_layers": 1, "num_experts": 4,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "use_expert_bias": True, "norm_topk_prob": True,
+                "routed_scaling_factor": 1.5}
     if arch == "qwen3_moe":  # 4 experts of 32, 2 per token, every layer sparse
         return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
@@ -234,7 +243,7 @@ def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD) -> 
             else:  # linear / embedding weights, transformers' N(0, initializer_range)
                 param.mul_(WEIGHT_STD / param.std())
         for name, buffer in model.named_buffers():
-            if name.endswith(".e_score_correction_bias"):  # (zeros in transformers' init)
+            if name.endswith((".e_score_correction_bias", ".expert_bias")):  # (zeros in HF)
                 buffer.copy_(0.1 * _randn_like(buffer, generator))
         # The final norm outputs ~unit rms, so logit std ~ head std * sqrt(hidden).
         # Tied: scaling the head scales the embedding too, which only strengthens the
@@ -314,6 +323,18 @@ def checkpoint_tensors(model: torch.nn.Module):
     for name, tensor in model.state_dict().items():
         if arch == "granite_hybrid":
             yield _granite_hub_name(name), tensor
+            continue
+        if arch == "lfm2_moe" and name.endswith((".experts.gate_up_proj",
+                                                 ".experts.down_proj")):
+            from spindle.models.moe import one_per_expert
+
+            stem, leaf = name.rsplit(".", 1)  # the hub's experts.E.w1 / w3 / w2
+            if leaf == "down_proj":
+                yield from one_per_expert(stem, "w2", tensor)
+            else:
+                gate, up = tensor.chunk(2, dim=1)
+                yield from one_per_expert(stem, "w1", gate)
+                yield from one_per_expert(stem, "w3", up)
             continue
         if arch == "nemotron_h" and name.endswith((".experts.up_proj", ".experts.down_proj")):
             from spindle.models.moe import one_per_expert
