@@ -14,7 +14,6 @@ checkpoint, except the merged qkv_proj and gate_up_proj.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -26,7 +25,7 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
-from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
+from spindle.layers.mamba.mixer import MambaMixer, norm_group_size, time_step_limit
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
 from spindle.models.llama import LlamaMLP, MissingLayer, _to_param_name, head_dim_of
@@ -51,10 +50,7 @@ def check_supported_config(hf_config: Any) -> None:
         if not 0 <= index < hf_config.num_hidden_layers:
             raise ValueError(f"attn_layer_indices holds {index}, outside the model's "
                              f"{hf_config.num_hidden_layers} layers")
-    low, high = time_step_limit(hf_config)
-    if not 0.0 <= low <= high:
-        raise ValueError(f"time_step_limit must be (low, high) with 0 <= low <= high, "
-                         f"got {(low, high)}")
+    time_step_limit(hf_config)  # (refuses a bad one)
 
 
 def attention_layer_indices(hf_config: Any) -> set[int]:
@@ -67,15 +63,6 @@ def mamba_head_dim(hf_config: Any) -> int:
         inter = int(getattr(hf_config, "mamba_expand", 2) * hf_config.hidden_size)
         return inter // hf_config.mamba_n_heads
     return int(head_dim)
-
-
-def time_step_limit(hf_config: Any) -> tuple[float, float]:
-    """(low, high) clamp of the discretized dt; read from a config object or from raw
-    config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
-    limit = getattr(hf_config, "time_step_limit", None)
-    if limit is None:
-        return 0.0, math.inf
-    return tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in limit)
 
 
 def rotary_dim(hf_config: Any) -> int:

@@ -16,7 +16,6 @@ original ``backbone.embedding`` spelling loads too.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
@@ -25,7 +24,7 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
+from spindle.layers.mamba.mixer import MambaMixer, norm_group_size, time_step_limit
 from spindle.layers.norm import RMSNorm
 from spindle.models.causal_lm import single_stage
 from spindle.models.weights import load_named_weights
@@ -40,23 +39,27 @@ def check_supported_config(hf_config: Any) -> None:
     if hf_config.num_heads * hf_config.head_dim != inter:
         raise ValueError(f"num_heads ({hf_config.num_heads}) * head_dim ({hf_config.head_dim}) "
                          f"must equal expand * hidden_size ({inter})")
-    low, high = time_step_limit(hf_config)
-    if not 0.0 <= low <= high:
-        raise ValueError(f"time_step_limit must be (low, high) with 0 <= low <= high, "
-                         f"got {(low, high)}")
+    time_step_limit(hf_config)  # (refuses a bad one)
 
 
 def intermediate_size(hf_config: Any) -> int:
     return int(getattr(hf_config, "expand", 2) * hf_config.hidden_size)
 
 
-def time_step_limit(hf_config: Any) -> tuple[float, float]:
-    """(low, high) clamp of the discretized dt; config.json writes infinity as
-    {"__float__": "Infinity"}."""
-    limit = getattr(hf_config, "time_step_limit", None)
-    if limit is None:
-        return 0.0, math.inf
-    return tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in limit)
+def mamba2_mixer(hf_config: Any, tp_group: TensorParallelGroup, num_heads: int,
+                 head_dim: int, state_size: int) -> MambaMixer:
+    """The mixer of a config in Mamba2's field names (``n_groups``, ``conv_kernel``,
+    ``use_conv_bias``, ...; Mamba2's and NemotronH's), with the sizes each family
+    names its own way."""
+    n_groups = getattr(hf_config, "n_groups", 1)
+    return MambaMixer(
+        hidden_size=hf_config.hidden_size, num_heads=num_heads, head_dim=head_dim,
+        n_groups=n_groups, norm_group_size=norm_group_size(num_heads, head_dim, n_groups),
+        state_size=state_size,
+        conv_kernel=getattr(hf_config, "conv_kernel", 4), chunk_size=hf_config.chunk_size,
+        eps=hf_config.layer_norm_epsilon, time_step_limit=time_step_limit(hf_config),
+        conv_bias=bool(getattr(hf_config, "use_conv_bias", True)),
+        proj_bias=bool(getattr(hf_config, "use_bias", False)), tp_group=tp_group)
 
 
 def norm_fp32_input(norm: RMSNorm, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -70,16 +73,8 @@ class Mamba2Block(nn.Module):
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
         super().__init__()
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
-        self.mixer = MambaMixer(
-            hidden_size=hf_config.hidden_size, num_heads=hf_config.num_heads,
-            head_dim=hf_config.head_dim, n_groups=hf_config.n_groups,
-            norm_group_size=norm_group_size(hf_config.num_heads, hf_config.head_dim,
-                                            hf_config.n_groups),
-            state_size=hf_config.state_size, conv_kernel=hf_config.conv_kernel,
-            chunk_size=hf_config.chunk_size, eps=hf_config.layer_norm_epsilon,
-            time_step_limit=time_step_limit(hf_config),
-            conv_bias=bool(getattr(hf_config, "use_conv_bias", True)),
-            proj_bias=bool(getattr(hf_config, "use_bias", False)), tp_group=tp_group)
+        self.mixer = mamba2_mixer(hf_config, tp_group, hf_config.num_heads,
+                                  hf_config.head_dim, hf_config.state_size)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 residual_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:

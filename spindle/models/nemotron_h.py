@@ -39,12 +39,12 @@ from spindle.layers.activation import relu_squared
 from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    apply_linear, default_weight_loader, set_weight_loader)
-from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
+from spindle.layers.mamba.mixer import MambaMixer, time_step_limit
 from spindle.layers.moe import FusedExperts
 from spindle.layers.norm import RMSNorm
-from spindle.models.bamba import time_step_limit
 from spindle.models.causal_lm import DecoderForCausalLM, single_stage
 from spindle.models.llama import _to_param_name, head_dim_of
+from spindle.models.mamba2 import mamba2_mixer
 from spindle.models.moe import _expert_param, one_per_expert
 from spindle.models.weights import load_named_weights
 
@@ -83,10 +83,7 @@ def check_supported_config(hf_config: Any) -> None:
             raise ValueError(f"{field} {value!r} is not supported (only {expected!r})")
     if getattr(hf_config, "sliding_window", None) is not None:
         raise ValueError("NemotronH attention with a sliding_window is not supported")
-    low, high = time_step_limit(hf_config)
-    if not 0.0 <= low <= high:
-        raise ValueError(f"time_step_limit must be (low, high) with 0 <= low <= high, "
-                         f"got {(low, high)}")
+    time_step_limit(hf_config)  # (refuses a bad one)
 
 
 def check_routing(hf_config: Any) -> None:
@@ -227,16 +224,8 @@ class NemotronHMoE(nn.Module):
 
 
 def make_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> MambaMixer:
-    heads, head_dim = hf_config.mamba_num_heads, hf_config.mamba_head_dim
-    n_groups = getattr(hf_config, "n_groups", 1)
-    return MambaMixer(
-        hidden_size=hf_config.hidden_size, num_heads=heads, head_dim=head_dim,
-        n_groups=n_groups, norm_group_size=norm_group_size(heads, head_dim, n_groups),
-        state_size=hf_config.ssm_state_size, conv_kernel=getattr(hf_config, "conv_kernel", 4),
-        chunk_size=hf_config.chunk_size, eps=hf_config.layer_norm_epsilon,
-        time_step_limit=time_step_limit(hf_config),
-        conv_bias=bool(getattr(hf_config, "use_conv_bias", True)),
-        proj_bias=bool(getattr(hf_config, "use_bias", False)), tp_group=tp_group)
+    return mamba2_mixer(hf_config, tp_group, hf_config.mamba_num_heads,
+                        hf_config.mamba_head_dim, hf_config.ssm_state_size)
 
 
 MIXERS = {MAMBA: make_mixer, ATTENTION: NemotronHAttention, MLP: NemotronHMLP,

@@ -15,7 +15,8 @@ forward context (``for_group(self.cache_group)``) and its states from ``kv_cache
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import math
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -255,6 +256,20 @@ class GatedRMSNorm(nn.Module):
         if self.norm_first:
             h = h * F.silu(gate.float())
         return h.to(x.dtype)
+
+
+def time_step_limit(hf_config: Any) -> tuple[float, float]:
+    """The config's (low, high) clamp of the discretized dt, (0, inf) without one; read
+    from a config object or from raw config.json, where transformers writes infinity
+    as {"__float__": "Infinity"}. A limit outside 0 <= low <= high is refused."""
+    limit = getattr(hf_config, "time_step_limit", None)
+    if limit is None:
+        return 0.0, math.inf
+    low, high = (float(v["__float__"] if isinstance(v, dict) else v) for v in limit)
+    if not 0.0 <= low <= high:
+        raise ValueError(f"time_step_limit must be (low, high) with 0 <= low <= high, "
+                         f"got {(low, high)}")
+    return low, high
 
 
 def norm_group_size(num_heads: int, head_dim: int, n_groups: int) -> int | None:
