@@ -56,7 +56,7 @@ def _run(x, w, b, **kwargs):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n,k", pick(QWEN_SHAPES, SMALL_SHAPES) + TAIL_SHAPES)
-@pytest.mark.parametrize("m", pick([1, 2, 3, 4, 8], [1, 3, 8]))
+@pytest.mark.parametrize("m", pick([1, 2, 3, 4, 8, 12, 16], [1, 3, 8, 16]))
 def test_skinny_linear(m, n, k, dtype, with_bias):
     x, w, b = _inputs(m, n, k, dtype, with_bias, seed=hash((m, n, k, with_bias)) % 1000)
     _check(_run(x, w, b), _reference(x, w, b), dtype)
@@ -128,7 +128,7 @@ def test_check_rejects_a_wrong_output():
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n,k", pick([(1024, 3072), (1000, 272)], [(192, 768), (200, 272)]))
-@pytest.mark.parametrize("m", pick([1, 3, 8], [1, 3]))
+@pytest.mark.parametrize("m", pick([1, 3, 8, 16], [1, 3, 16]))
 def test_silu_and_mul_applied_as_it_loads(m, n, k, with_bias):
     """silu_and_mul=True on [gate | up]: bit for bit the activation kernel then the
     GEMM (split K and a masked K tail included), and close to the float32 definition."""
@@ -186,7 +186,8 @@ def test_when_the_skinny_gemm_applies(monkeypatch):
     assert skinny_gemm_applies(x, w)  # default on
     assert skinny_gemm_applies(x[:1], w)
     assert not use_skinny_gemm(x, w)  # CPU tensors keep F.linear
-    assert not skinny_gemm_applies(torch.randn(9, 256, dtype=torch.bfloat16), w)  # M > 8
+    assert skinny_gemm_applies(torch.randn(16, 256, dtype=torch.bfloat16), w)
+    assert not skinny_gemm_applies(torch.randn(17, 256, dtype=torch.bfloat16), w)  # M > 16
     assert not skinny_gemm_applies(x.float(), w.float())
     assert not skinny_gemm_applies(x[:, :248], w[:, :248].contiguous())  # K % 16
     assert not skinny_gemm_applies(x, w.T.contiguous().T)  # non-contiguous weight
@@ -197,7 +198,7 @@ def test_when_the_skinny_gemm_applies(monkeypatch):
         xc, wc = x.cuda(), w.cuda()
         assert not use_skinny_gemm(xc, wc)
         monkeypatch.setenv("SPINDLE_SKINNY_GEMM", "1")
-        assert use_skinny_gemm(xc, wc) and not use_skinny_gemm(xc.repeat(2, 1), wc)
+        assert use_skinny_gemm(xc, wc) and not use_skinny_gemm(xc.repeat(3, 1), wc)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers dispatch on CUDA only")
@@ -255,7 +256,7 @@ def _fp8_inputs(m, n, k, dtype, with_bias, seed):
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n,k", pick(QWEN_SHAPES, SMALL_SHAPES) + TAIL_SHAPES[:2])
-@pytest.mark.parametrize("m", pick([1, 2, 4, 8], [1, 8]))
+@pytest.mark.parametrize("m", pick([1, 2, 4, 8, 16], [1, 8, 16]))
 def test_skinny_linear_fp8_weight(m, n, k, with_bias):
     """A float8 weight widened in registers and scaled per row (split K included) equals
     the product with the dequantized weight."""

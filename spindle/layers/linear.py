@@ -85,7 +85,7 @@ def new_split_counters(n: int, device: torch.device | str | None = None) -> torc
 def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  split_counters: torch.Tensor | None = None,
                  invariant: bool = False, defer_merge: bool = False):
-    """F.linear, or at decode-sized batches a GEMM made for few rows: on CUDA (<= 8
+    """F.linear, or at decode-sized batches a GEMM made for few rows: on CUDA (<= 16
     rows) the skinny GEMM, which streams the weight at close to memory bandwidth where
     cuBLAS does not (it splits K only when given split_counters); on the CPU in bf16
     (<= 32 rows) cpu_kernels.bf16_linear, faster than torch's GEMM there. invariant: the

@@ -53,7 +53,7 @@ except ImportError:
 
 SWITCH_ENV = "SPINDLE_PDL"
 # The most rows a PDL launch has: skinny_gemm.MAX_M, the GEMMs' switch to cuBLAS.
-MAX_ROWS = 8
+MAX_ROWS = 16
 
 
 def enabled(device: torch.device) -> bool:

@@ -1,6 +1,6 @@
-"""A Triton GEMM for decode-sized batches: y = x W^T (+ b) with x [M, K], M <= 8.
+"""A Triton GEMM for decode-sized batches: y = x W^T (+ b) with x [M, K], M <= 16.
 
-At M = 1..8 a linear layer is a pass over its weight: cuBLAS reaches about a quarter
+At M = 1..16 a linear layer is a pass over its weight: cuBLAS reaches about a quarter
 of an H200's memory bandwidth at these shapes. Here each program streams a
 [BLOCK_N, BLOCK_K] tile of W along K (K is contiguous: coalesced, pipelined loads),
 multiplies it by the M rows of x (padded to 16 for the matrix units; x is tiny and
@@ -25,7 +25,9 @@ from spindle.layers import pdl
 from spindle.layers.fused_kernels import silu_mul
 from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this API)
 
-MAX_M = 8
+# One 16-row block (the matrix units' narrowest operand) serves every M up to 16 with
+# the same kernel and tiles.
+MAX_M = 16
 _BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
 _DEEP_BLOCK_K = 256  # K tile of an unsplit program with few N tiles (pick_config)
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -198,7 +200,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 
-# M (1..8) is not specialized (Triton would compile M == 1 apart): one variant per
+# M (1..16) is not specialized (Triton would compile M == 1 apart): one variant per
 # shape and config serves every decode batch, so nothing compiles after warm-up.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr,
