@@ -1,11 +1,11 @@
 """FP8 weights on a GPU with float8 GEMMs (compute capability 8.9+), bf16.
 
-The float8 GEMM of batches over 8 rows (per-token activation scales, torch._scaled_mm)
+The float8 GEMM of batches over skinny_gemm.MAX_M rows (per-token activation scales, torch._scaled_mm)
 against the float32 product of the same rounded operands, on fresh random inputs, and
 replayed from a CUDA graph; the engine with quantization="fp8" decoding in CUDA graphs
 equal to its eager decode; and the real SmolLM2-135M-Instruct answering as bf16 does
 at nearly every position (teacher-forced top-1 agreement), where it is installed.
-(The skinny float8 path, at most 8 rows, is tested in test_skinny_gemm.py.)
+(The skinny float8 path, at most MAX_M rows, is tested in test_skinny_gemm.py.)
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def _inputs(m, n, k, seed, with_bias=True):
 
 def _reference(x, q, scale, b):
     """The float32 product; the activations rounded per token as fp8_linear rounds
-    them above 8 rows (up to 8, the skinny GEMM takes them as they are)."""
-    xs = round_rows(x) if x.shape[0] > 8 else x.float()
+    them above skinny_gemm.MAX_M rows (up to it, the skinny GEMM takes them as they are)."""
+    from spindle.layers.skinny_gemm import MAX_M
+
+    xs = round_rows(x) if x.shape[0] > MAX_M else x.float()
     ref = xs @ (q.float() * scale[:, None]).T
     return ref + b.float() if b is not None else ref
 
@@ -61,7 +63,7 @@ def _check(out, ref):
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("m", [9, 64, 333, 2048])
+@pytest.mark.parametrize("m", [17, 64, 333, 2048])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)])
 def test_scaled_mm_path(m, n, k, with_bias):
     from spindle.layers.fp8 import fp8_linear

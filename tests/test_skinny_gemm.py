@@ -158,7 +158,7 @@ def test_the_mlp_fuses_its_activation_into_the_down_projection(monkeypatch, swit
     in the down projection's loads (one launch fewer) as with its own kernel; more rows
     than the skinny GEMM takes, or SPINDLE_SKINNY_SILU=0, keep the separate kernel."""
     from spindle.distributed.parallel_state import TensorParallelGroup
-    from spindle.layers import fused_kernels
+    from spindle.layers import fused_kernels, skinny_gemm
     from spindle.models.llama import LlamaMLP
 
     monkeypatch.setenv("SPINDLE_SKINNY_SILU", switch)
@@ -170,11 +170,12 @@ def test_the_mlp_fuses_its_activation_into_the_down_projection(monkeypatch, swit
     real = fused_kernels.silu_and_mul
     monkeypatch.setattr(fused_kernels, "silu_and_mul",
                         lambda x: activations.append(len(x)) or real(x))
-    for m in (1, 8, 9):
+    past = skinny_gemm.MAX_M + 1
+    for m in (1, skinny_gemm.MAX_M, past):
         x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
         expected = mlp.down_proj(real(mlp.gate_up_proj(x)))
         assert torch.equal(mlp(x), expected)
-    assert activations == ([9] if switch == "1" else [1, 8, 9])
+    assert activations == ([past] if switch == "1" else [1, skinny_gemm.MAX_M, past])
 
 
 def test_when_the_skinny_gemm_applies(monkeypatch):
@@ -324,8 +325,8 @@ def test_deferred_merge_only_where_k_is_split_without_bias():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers dispatch on CUDA only")
 def test_the_mlp_defers_its_merge_to_the_norm(monkeypatch):
     """LlamaMLP on a decode-sized CUDA batch, asked to defer: its down projection leaves
-    its partials to the next RMSNorm (up to 8 rows), and they give that norm the bits of
-    the merged output; 9 rows (cuBLAS) give a tensor."""
+    its partials to the next RMSNorm (up to skinny_gemm.MAX_M rows), and they give that
+    norm the bits of the merged output; one row more (cuBLAS) gives a tensor."""
     from spindle.distributed.parallel_state import TensorParallelGroup
     from spindle.layers import skinny_gemm
     from spindle.layers.norm import RMSNorm
@@ -336,12 +337,12 @@ def test_the_mlp_defers_its_merge_to_the_norm(monkeypatch):
         norm = RMSNorm(1024)
     for p in list(mlp.parameters()) + list(norm.parameters()):
         p.data = (torch.randn_like(p, dtype=torch.float32) / 32).to(torch.bfloat16).cuda()
-    for m in (1, 8, 9):
+    for m in (1, skinny_gemm.MAX_M, skinny_gemm.MAX_M + 1):
         x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
         residual = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
         deferred = mlp(x, defer_merge=True)
         stored = mlp(x)
-        assert isinstance(deferred, skinny_gemm.SplitKPartials) == (m <= 8)
+        assert isinstance(deferred, skinny_gemm.SplitKPartials) == (m <= skinny_gemm.MAX_M)
         assert torch.equal(skinny_gemm.merged(deferred), stored)
         for a, b in zip(norm(deferred, residual), norm(stored, residual)):
             assert torch.equal(a, b)
