@@ -56,10 +56,8 @@ _MAX_SPLITS = 32
 
 def target_programs(environ=os.environ) -> int:
     """The number of decode programs the split planner aims for: 264 (about two waves
-    on a 132-SM H100/H200), or SPINDLE_DECODE_TARGET_PROGRAMS. The variable is a
-    measuring knob: on the H200 the kernel alone reached a third of copy bandwidth at
-    32 requests with 264 (docs/benchmarks.md), and more programs per SM is what the
-    next measurement compares."""
+    on a 132-SM H100/H200), or SPINDLE_DECODE_TARGET_PROGRAMS, a measuring knob.
+    Other targets measured no better on the H200 (docs/benchmarks.md)."""
     raw = environ.get(TARGET_PROGRAMS_ENV, "264")
     try:
         value = int(raw)
