@@ -22,6 +22,7 @@ import platform
 from pathlib import Path
 
 import torch
+from gpu_timing import copy_bandwidth, graph_us
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 
@@ -54,43 +55,6 @@ def decode_case(num_reqs: int, shuffled: bool, seed: int = 0):
     return q, k, v, cache, meta, int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
 
 
-def seconds_per_call(fn, iters: int = 30) -> float:
-    """Device seconds per call, launched back to back from Python: for the copy."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters / 1e3
-
-
-def seconds_per_graph_call(fn, iters: int = 20, repeats: int = 5) -> float:
-    """Device seconds per call of fn, iters calls captured in one CUDA graph, best of
-    repeats replays: as the engine runs the kernel. (Launched from Python one by one,
-    a launch's host time, tens of microseconds, is longer than the kernel at 32
-    requests: a first version of this script measured the host there.)"""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / iters / 1e3)
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 128, 32])
@@ -106,12 +70,7 @@ def main() -> None:
 
     targets = args.target_programs or [triton_attn._TARGET_PROGRAMS]
 
-    buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(buf)
-    # Eagerly: captured in a CUDA graph a copy of this size moved 2.78 TB/s (H200,
-    # 2026-12-04), against 4.2-4.3 eagerly in every other script's runs.
-    copy_bw = 2 * buf.numel() / seconds_per_call(lambda: dst.copy_(buf), 10)
-    del buf, dst
+    copy_bw = copy_bandwidth()
     rows = []
     default_target = triton_attn._TARGET_PROGRAMS
     try:
@@ -122,8 +81,10 @@ def main() -> None:
                 for target in targets:
                     triton_attn._TARGET_PROGRAMS = target
                     out, counters = torch.empty_like(q), split_counters("cuda")
-                    t = seconds_per_graph_call(lambda: decode_attention(
-                        q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters))
+                    # In a CUDA graph: launched from Python one at a time, the host's
+                    # launches take longer than the kernel at 32 requests.
+                    t = graph_us(lambda _: decode_attention(
+                        q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters), 5) / 1e6
                     first = out.clone() if first is None else first
                     rows.append({"requests": num_reqs, "target_programs": target,
                                  "splits": num_decode_splits(num_reqs, KV_HEADS),

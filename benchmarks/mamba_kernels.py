@@ -7,7 +7,7 @@ chunk 256 (H=64: a 2048-wide model with expand 2, as Bamba / Granite-4 1B-class)
   conv1d over the conv channels, then the chunked SSD scan on its output (x, B and C
   as views into it, as the mixer passes them);
 * decode: one token for each of B requests (B = 1 .. 256), timed as CUDA-graph replays
-  of CALLS calls, as a captured decode step runs them.
+  of gpu_timing.CALLS calls, as a captured decode step runs them.
 
 Columns: the kernel's time per call (median), the plain-torch ops' time
 (spindle/layers/mamba/ops.py, where that module exists) and the speed-up, the bytes
@@ -24,65 +24,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import statistics
 from typing import Callable
 
 import torch
+from gpu_timing import copy_bandwidth, eager_us, graph_us
 
 HEAD_DIM, STATE_SIZE, GROUPS, WIDTH, CHUNK = 64, 128, 1, 4, 256
 PREFILL_REQS, PREFILL_LEN = 8, 1024
 DECODE_BATCHES = (1, 8, 32, 128, 256)
-CALLS = 20
 DEVICE = "cuda"
 
 
-def time_eager_us(fn: Callable[[], object], iters: int) -> float:
-    """Median time of one fn() call, each timed on its own with CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def time_graph_us(fn: Callable[[], object], iters: int) -> float | None:
-    """Median time of one fn() call from CUDA-graph replays of CALLS calls; None when
-    fn cannot be captured."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    """gpu_timing.graph_us of fn; None when fn cannot be captured (a host sync inside)."""
     try:
-        with torch.cuda.graph(graph):
-            for _ in range(CALLS):
-                fn()
-    except Exception:  # noqa: BLE001 (a host sync inside: not capturable)
+        return graph_us(lambda _: fn(), iters)
+    except Exception:  # noqa: BLE001
         torch.cuda.synchronize()
         return None
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device-to-device copy, bytes read plus written."""
-    src = torch.randn(1 << 28, device=DEVICE)
-    dst = torch.empty_like(src)
-    us = time_eager_us(lambda: dst.copy_(src), 20)
-    return 2 * src.numel() * 4 / us / 1e3
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -187,7 +146,7 @@ def decode_rows(ops, layer: Layer, batch: int, iters: int) -> list[tuple]:
 def compare(name: str, shape: str, ops, make, layer: Layer, iters: int, graph: bool,
             moved: int | None) -> tuple:
     """(name, shape, triton us, torch us, speed-up, GB/s, rel diff) for one kernel."""
-    timer = time_graph_us if graph else time_eager_us
+    timer = time_graph_us if graph else eager_us
     torch_us = diff = None
     if "torch" in ops:  # one call of each from the same states, compared
         states = (layer.conv_state.clone(), layer.ssm_state.clone())
@@ -202,7 +161,7 @@ def compare(name: str, shape: str, ops, make, layer: Layer, iters: int, graph: b
     if "torch" in ops:
         # The plain-torch ops sync with the host (they are the CPU path): timed eagerly,
         # launch gaps included. (A failed capture leaves torch's RNG unusable.)
-        torch_us = time_eager_us(make(ops["torch"]), iters)
+        torch_us = eager_us(make(ops["torch"]), iters)
     speedup = torch_us / triton_us if torch_us else None
     gbs = moved / triton_us / 1e3 if moved else None
     return name, shape, triton_us, torch_us, speedup, gbs, diff
@@ -223,7 +182,7 @@ def main() -> None:
     ops = {"triton": importlib.import_module("spindle.layers.mamba.triton_ops")}
     if importlib.util.find_spec("spindle.layers.mamba.ops") is not None:
         ops["torch"] = importlib.import_module("spindle.layers.mamba.ops")
-    print(f"{torch.cuda.get_device_name()}: device copy {copy_bandwidth():.0f} GB/s; "
+    print(f"{torch.cuda.get_device_name()}: device copy {copy_bandwidth() / 1e9:.0f} GB/s; "
           f"P={HEAD_DIM} N={STATE_SIZE} G={GROUPS} K={WIDTH} chunk={CHUNK}, bf16 inputs, "
           f"{args.state_dtype} states; plain-torch ops: "
           f"{'spindle.layers.mamba.ops' if 'torch' in ops else 'absent'}")

@@ -1,10 +1,10 @@
 """The skinny Triton GEMM against F.linear (cuBLAS) at decode batch sizes, on CUDA.
 
 For M in 1, 2, 4, 8 and Qwen3-0.6B's four projections plus its LM head: the time per
-call and the weight-streaming bandwidth it reaches. Each timed graph replays CALLS
+call and the weight-streaming bandwidth it reaches. Each timed graph replays gpu_timing.CALLS
 calls that cycle through enough copies of the weight (over 256 MB) that no call finds
 its weight in L2, as in a decode step; a call's time is the replay time (CUDA events,
-median of --iters replays after a warm-up) over CALLS, launch gaps included as in a
+median of --iters replays after a warm-up) over those calls, launch gaps included as in a
 captured decode step. Outputs are checked against a float32 reference first. The
 device-to-device copy rate is printed as the bandwidth ceiling.
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import copy_bandwidth, graph_us
 
 SHAPES = {  # name: (N, K) of the weight
     "qkv_proj": (4096, 1024),
@@ -29,46 +29,7 @@ SHAPES = {  # name: (N, K) of the weight
     "down_proj": (1024, 3072),
     "lm_head": (151936, 1024),
 }
-CALLS = 20
 ROTATE_BYTES = 256 << 20
-
-
-def time_us(fn, iters: int) -> float:
-    """Median time of one fn() call, from graph replays of CALLS calls."""
-    fn(0)  # compile, allocate split-K counters, outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(i)
-    for _ in range(10):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """TB/s of a 1 GiB device-to-device copy, bytes read plus written."""
-    src = torch.randn(1 << 28, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(20):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * src.numel() * 4 / statistics.median(times) / 1e12
 
 
 SWEEP_TILES = ((32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128))
@@ -104,7 +65,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     num_sms = _num_sms(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: {num_sms} SMs, device copy "
-          f"{copy_bandwidth():.2f} TB/s (read + write)")
+          f"{copy_bandwidth() / 1e12:.2f} TB/s (read + write)")
     rows = []
     for name in args.shapes:
         n, k = SHAPES[name]
@@ -121,15 +82,15 @@ def main() -> None:
             if not err < 1e-2:  # (NaN fails too)
                 raise SystemExit(f"{name} M={m}: relative error {err:.2e}")
             moved = (n * k + m * k + m * n) * dtype.itemsize
-            cublas = time_us(lambda i: F.linear(x, weights[i % copies]), args.iters)
+            cublas = graph_us(lambda i: F.linear(x, weights[i % copies]), args.iters)
             auto = pick_config(n, k, num_sms)
-            skinny = time_us(lambda i: skinny_linear(x, weights[i % copies], counters=counters),
+            skinny = graph_us(lambda i: skinny_linear(x, weights[i % copies], counters=counters),
                              args.iters)
             best, best_cfg = skinny, auto
             if args.sweep:
                 for cfg in sweep_configs(n, k, num_sms):
                     try:
-                        t = time_us(lambda i: skinny_linear(x, weights[i % copies], config=cfg,
+                        t = graph_us(lambda i: skinny_linear(x, weights[i % copies], config=cfg,
                                                             counters=counters),
                                     max(50, args.iters // 4))
                     except Exception as exc:  # (a config that does not compile: skip it)

@@ -1,0 +1,60 @@
+"""Device time of the benchmarks' calls, by CUDA events: replays of a CUDA graph (as a
+captured decode step runs its kernels) or eager calls, and the device's copy bandwidth,
+the ceiling the kernel benchmarks compare against. Imported by scripts run from this
+folder (`python benchmarks/<script>.py` puts it on sys.path)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+CALLS = 20
+
+
+def _median_us(run: Callable[[], object], iters: int, per_run: int = 1) -> float:
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per_run)
+    return statistics.median(times)
+
+
+def graph_us(fn: Callable[[int], object], iters: int, calls: int = CALLS) -> float:
+    """Median microseconds of one fn(i) call, from iters replays of a CUDA graph of
+    `calls` calls (i = 0 .. calls - 1), launch gaps included. One eager fn(0) first (it
+    compiles and allocates outside the graph), and warm-up replays. Raises what the
+    capture raises (fn synchronizing with the host, say)."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    for _ in range(5):
+        graph.replay()
+    return _median_us(graph.replay, iters, calls)
+
+
+def eager_us(fn: Callable[[], object], iters: int) -> float:
+    """Median microseconds of one fn() call, each launched and timed on its own (its
+    host launch time shows where it is longer than the device work)."""
+    fn()
+    torch.cuda.synchronize()
+    return _median_us(fn, iters)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, read plus written, launched
+    eagerly (captured in a CUDA graph the same copy is much slower: 2.78 against about
+    4.2 TB/s on an H200, 2026-12-04)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    return 2 * src.numel() / (eager_us(lambda: dst.copy_(src), 20) / 1e6)
