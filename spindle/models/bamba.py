@@ -30,7 +30,7 @@ from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
 from spindle.models.llama import LlamaMLP, MissingLayer, _to_param_name, head_dim_of
 from spindle.models.causal_lm import DecoderForCausalLM
-from spindle.models.weights import load_named_weights
+from spindle.models.weights import load_named_weights, not_on_this_rank
 
 # transformers' BambaConfig forces it for every Bamba checkpoint.
 BAMBA_PARTIAL_ROTARY_FACTOR = 0.5
@@ -289,14 +289,4 @@ class BambaForCausalLM(DecoderForCausalLM):
         return _to_param_name(hf_name)
 
     def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
-        if "rotary_emb." in hf_name:
-            return True
-        if hf_name == "lm_head.weight":
-            return self.tie_word_embeddings or self.lm_head is None
-        if hf_name.startswith("model.embed_tokens."):
-            return self.model.embed_tokens is None
-        if hf_name.startswith("model.final_layernorm."):
-            return self.model.final_layernorm is None
-        if hf_name.startswith("model.layers."):
-            return not self.stage.owns_layer(int(hf_name.split(".")[2]))
-        return False
+        return not_on_this_rank(self, hf_name, final_norm="final_layernorm")

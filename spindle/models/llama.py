@@ -43,7 +43,7 @@ from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear
 from spindle.layers.norm import RMSNorm, fp32_residual_stream
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary
 from spindle.models.causal_lm import DecoderForCausalLM
-from spindle.models.weights import load_named_weights
+from spindle.models.weights import load_named_weights, not_on_this_rank
 
 
 @dataclass(frozen=True)
@@ -424,20 +424,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         return _to_param_name(hf_name)
 
     def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
-        # Rotary tables are recomputed from the config (old checkpoints saved inv_freq).
-        if "rotary_emb." in hf_name:
-            return True
-        # A tied head shares the embedding's parameter; some checkpoints still store it.
-        if hf_name == "lm_head.weight":
-            return self.tie_word_embeddings or self.lm_head is None
-        # Pipeline parallelism: tensors of what another stage owns.
-        if hf_name.startswith("model.embed_tokens."):
-            return self.model.embed_tokens is None
-        if hf_name.startswith("model.norm."):
-            return self.model.norm is None
-        if hf_name.startswith("model.layers."):
-            return not self.stage.owns_layer(int(hf_name.split(".")[2]))
-        return False
+        return not_on_this_rank(self, hf_name)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

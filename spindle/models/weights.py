@@ -41,6 +41,26 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     return with_dependents(model, complete)
 
 
+def not_on_this_rank(lm: nn.Module, hf_name: str, final_norm: str = "norm") -> bool:
+    """Whether a causal LM's checkpoint tensor hf_name has no parameter here: rotary
+    tables (recomputed from the config; old checkpoints saved inv_freq), an LM head tied
+    to the embedding (some checkpoints still store it) or on another stage, and under
+    pipeline parallelism the embedding, the final norm (``model.<final_norm>``) and the
+    layers another stage owns. lm: a model with ``tie_word_embeddings``, ``lm_head``,
+    ``stage`` and ``model.embed_tokens`` / ``model.<final_norm>`` (None off their stage)."""
+    if "rotary_emb." in hf_name:
+        return True
+    if hf_name == "lm_head.weight":
+        return lm.tie_word_embeddings or lm.lm_head is None
+    if hf_name.startswith("model.embed_tokens."):
+        return lm.model.embed_tokens is None
+    if hf_name.startswith(f"model.{final_norm}."):
+        return getattr(lm.model, final_norm) is None
+    if hf_name.startswith("model.layers."):
+        return not lm.stage.owns_layer(int(hf_name.split(".")[2]))
+    return False
+
+
 def with_dependents(model: nn.Module, complete: set[str]) -> set[str]:
     """complete plus the parameters filled by the loaders of those in it
     (``loaded_with``)."""
