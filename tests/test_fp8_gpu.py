@@ -1,11 +1,12 @@
 """FP8 weights on a GPU with float8 GEMMs (compute capability 8.9+), bf16.
 
-The float8 GEMM of batches over skinny_gemm.MAX_M rows (per-token activation scales, torch._scaled_mm)
-against the float32 product of the same rounded operands, on fresh random inputs, and
-replayed from a CUDA graph; the engine with quantization="fp8" decoding in CUDA graphs
-equal to its eager decode; and the real SmolLM2-135M-Instruct answering as bf16 does
-at nearly every position (teacher-forced top-1 agreement), where it is installed.
-(The skinny float8 path, at most MAX_M rows, is tested in test_skinny_gemm.py.)
+The float8 GEMM of batches over skinny_gemm.MAX_M rows (per-token activation scales,
+torch._scaled_mm) against the float32 product of the same rounded operands, on fresh
+random inputs, and replayed from a CUDA graph; the engine with quantization="fp8"
+decoding in CUDA graphs equal to its eager decode; and the real SmolLM2-135M-Instruct
+answering as bf16 does at nearly every position (teacher-forced top-1 agreement), where
+it is installed. (The skinny float8 path, at most MAX_M rows, is tested in
+test_skinny_gemm.py.)
 """
 
 from __future__ import annotations
