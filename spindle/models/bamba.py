@@ -23,13 +23,13 @@ from torch import nn
 from spindle.attention import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
-from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
 from spindle.layers.mamba.mixer import MambaMixer, norm_group_size, time_step_limit
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
-from spindle.models.llama import LlamaMLP, MissingLayer, _to_param_name, head_dim_of
-from spindle.models.causal_lm import DecoderForCausalLM
+from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
+from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, stage_embedding,
+                                      stage_layers)
 from spindle.models.weights import load_named_weights, not_on_this_rank
 
 # transformers' BambaConfig forces it for every Bamba checkpoint.
@@ -205,16 +205,9 @@ class BambaModel(nn.Module):
         super().__init__()
         self.stage = stage
         self.embedding_multiplier = layout.embedding_multiplier
-        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if stage.is_first or (stage.is_last and tied):
-            self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size,
-                                                       hf_config.hidden_size, tp_group=tp_group)
-        else:
-            self.embed_tokens = None
-        self.layers = nn.ModuleList(
-            decoder_layer(hf_config, i, layout, feed_forward, tp_group)
-            if stage.owns_layer(i) else MissingLayer()
-            for i in range(hf_config.num_hidden_layers))
+        self.embed_tokens = stage_embedding(hf_config, stage, tp_group)
+        self.layers = stage_layers(stage, hf_config.num_hidden_layers, lambda i: decoder_layer(
+            hf_config, i, layout, feed_forward, tp_group))
         eps = hf_config.rms_norm_eps if layout.norm_eps is None else layout.norm_eps
         self.final_layernorm = RMSNorm(hf_config.hidden_size, eps=eps) if stage.is_last else None
         self.rotary_emb = None

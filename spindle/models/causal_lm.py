@@ -4,14 +4,14 @@ step's flat tokens, its embedding, and the LM head that the last pipeline stage 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
-from spindle.layers.embedding import ParallelLMHead
+from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
 
 def single_stage(model_name: str, stage: PipelineStage | None) -> PipelineStage:
@@ -20,6 +20,29 @@ def single_stage(model_name: str, stage: PipelineStage | None) -> PipelineStage:
     if stage is not None and stage.size > 1:
         raise ValueError(f"{model_name} does not support pipeline parallelism")
     return PipelineStage.single()
+
+
+class MissingLayer(nn.Identity):
+    """Placeholder for a layer another pipeline stage owns (no parameters)."""
+
+
+def stage_layers(stage: PipelineStage, num_layers: int,
+                 build: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """build(i) for the layers this stage owns, a MissingLayer for the others: layer
+    indices stay global, so checkpoint names map unchanged on every stage."""
+    return nn.ModuleList(build(i) if stage.owns_layer(i) else MissingLayer()
+                         for i in range(num_layers))
+
+
+def stage_embedding(hf_config: Any, stage: PipelineStage,
+                    tp_group: TensorParallelGroup) -> VocabParallelEmbedding | None:
+    """The token embedding where this stage needs one: on the first stage, and on the
+    last when the LM head is tied to it; None elsewhere."""
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if stage.is_first or (stage.is_last and tied):
+        return VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                      tp_group=tp_group)
+    return None
 
 
 class DecoderForCausalLM(nn.Module):

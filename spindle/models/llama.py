@@ -37,12 +37,12 @@ from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.forward_context import get_forward_context
 from spindle.layers import cpu_kernels
 from spindle.layers.activation import SiluAndMul
-from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
 from spindle.layers.norm import RMSNorm, fp32_residual_stream
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary
-from spindle.models.causal_lm import DecoderForCausalLM
+from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, stage_embedding,
+                                      stage_layers)
 from spindle.models.weights import load_named_weights, not_on_this_rank
 
 
@@ -296,18 +296,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         windows = sliding_windows or [None] * hf_config.num_hidden_layers
         self.stage = stage = stage or PipelineStage.single()
-        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        # A pipeline stage builds only what it runs (layer indices stay global, so
-        # checkpoint names map unchanged); a tied head needs the embedding on the last stage.
-        if stage.is_first or (stage.is_last and tied):
-            self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size,
-                                                       hf_config.hidden_size, tp_group=tp_group)
-        else:
-            self.embed_tokens = None
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, options, tp_group, windows[i],
-                              mlp_for_layer(hf_config, i, tp_group)) if stage.owns_layer(i)
-            else MissingLayer() for i in range(hf_config.num_hidden_layers))
+        # A pipeline stage builds only what it runs.
+        self.embed_tokens = stage_embedding(hf_config, stage, tp_group)
+        self.layers = stage_layers(stage, hf_config.num_hidden_layers, lambda i: LlamaDecoderLayer(
+            hf_config, options, tp_group, windows[i], mlp_for_layer(hf_config, i, tp_group)))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps) if stage.is_last else None
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
         for layer in self.own_layers():  # plain tensor references, not submodules
@@ -348,10 +340,6 @@ class LlamaModel(nn.Module):
             return IntermediateTensors(merged(hidden_states), residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
-
-
-class MissingLayer(nn.Identity):
-    """Placeholder for a layer another pipeline stage owns (no parameters)."""
 
 
 # HF checkpoint projection name -> (merged parameter name, shard id).
