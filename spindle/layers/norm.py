@@ -69,6 +69,13 @@ class RMSNorm(nn.Module):
         summed = residual + x
         return self._normalize(summed, x.dtype), summed
 
+    def pre_norm(self, x, residual: torch.Tensor | None):
+        """A decoder layer's input norm: (norm(x), x) at the first layer, which has no
+        residual yet, else forward(x, residual)."""
+        if residual is None:
+            return self(x), x
+        return self(x, residual)
+
     def _normalize(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """_norm over x, row by row when batch-invariant (batch_invariant.py)."""
         if self.batch_invariant:

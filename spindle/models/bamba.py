@@ -99,8 +99,10 @@ def bamba_layout(hf_config: Any) -> HybridLayout:
 
 
 class BambaAttention(nn.Module):
-    def __init__(self, hf_config: Any, layout: HybridLayout,
-                 tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, layout: HybridLayout, tp_group: TensorParallelGroup,
+                 key_multiplier: float = 1.0, qk_norm_eps: float | None = None) -> None:
+        """key_multiplier: a factor on the keys before the rotary embedding (FalconH1's);
+        qk_norm_eps: RMSNorm each head of q and k first, with this epsilon (LFM2's)."""
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         self.rotates = layout.rotary_dim > 0
@@ -114,8 +116,11 @@ class BambaAttention(nn.Module):
                                         hf_config.hidden_size, bias=bias, tp_group=tp_group)
         self.attn = Attention(self.num_heads, self.head_dim, layout.attention_scale,
                               self.num_kv_heads)
-        self.key_multiplier = 1.0  # (FalconH1 scales the keys before rotating them)
-        self.q_norm = self.k_norm = None  # (LFM2 normalises each head of q and k first)
+        self.key_multiplier = key_multiplier
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None) -> torch.Tensor:
@@ -182,11 +187,7 @@ class BambaDecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block, residual carried separately (the next norm does the add of
         this layer's output, scaled by the residual multiplier where there is one)."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
         if self.is_attention:
             hidden_states = self.self_attn(hidden_states, cos, sin)
         else:

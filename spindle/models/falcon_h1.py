@@ -125,8 +125,9 @@ class FalconH1DecoderLayer(nn.Module):
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.mamba = make_mixer(hf_config, tp_group)
-        self.self_attn = BambaAttention(hf_config, layout, tp_group)
-        self.self_attn.key_multiplier = float(getattr(hf_config, "key_multiplier", 1.0))
+        self.self_attn = BambaAttention(
+            hf_config, layout, tp_group,
+            key_multiplier=float(getattr(hf_config, "key_multiplier", 1.0)))
         self.feed_forward = feed_forward(hf_config, layer_idx, tp_group)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
         self.pre_ff_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
@@ -140,11 +141,7 @@ class FalconH1DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm, the mixer and attention side by side; the residual is carried
         separately (the next norm adds this layer's output)."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
         mixed = _scaled(self.mamba(_scaled(hidden_states, self.ssm_in)), self.ssm_out)
         attended = _scaled(self.self_attn(_scaled(hidden_states, self.attention_in), cos, sin),
                            self.attention_out)
@@ -162,7 +159,9 @@ class FalconH1ForCausalLM(BambaForCausalLM):
     feed_forward = staticmethod(falcon_feed_forward)
     decoder_layer = FalconH1DecoderLayer
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lm_head_multiplier = float(getattr(self.config, "lm_head_multiplier", 1.0))
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden_states)
-        factor = float(getattr(self.config, "lm_head_multiplier", 1.0))
-        return logits if factor == 1.0 else logits * factor
+        return _scaled(super().compute_logits(hidden_states), self.lm_head_multiplier)

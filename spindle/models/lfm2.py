@@ -84,9 +84,7 @@ class Lfm2DecoderLayer(nn.Module):
         eps = hf_config.norm_eps
         self.is_attention = layer_idx in layout.attention_layers
         if self.is_attention:
-            self.self_attn = BambaAttention(hf_config, layout, tp_group)
-            self.self_attn.q_norm = RMSNorm(self.self_attn.head_dim, eps=eps)
-            self.self_attn.k_norm = RMSNorm(self.self_attn.head_dim, eps=eps)
+            self.self_attn = BambaAttention(hf_config, layout, tp_group, qk_norm_eps=eps)
         else:
             self.conv = ShortConv(hf_config.hidden_size, hf_config.conv_L_cache,
                                   bool(getattr(hf_config, "conv_bias", False)), tp_group)
@@ -98,11 +96,7 @@ class Lfm2DecoderLayer(nn.Module):
                 cos: torch.Tensor | None, sin: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block, residual carried separately (the next norm adds it)."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.operator_norm(hidden_states)
-        else:
-            hidden_states, residual = self.operator_norm(hidden_states, residual)
+        hidden_states, residual = self.operator_norm.pre_norm(hidden_states, residual)
         if self.is_attention:
             hidden_states = self.self_attn(hidden_states, cos, sin)
         else:

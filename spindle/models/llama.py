@@ -222,11 +222,7 @@ class LlamaDecoderLayer(nn.Module):
             fused = self.cpu_decode(hidden_states, residual, positions)
             if fused is not None:
                 return fused
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
         hidden_states = self.self_attn(hidden_states, positions, cos, sin, defer_merge=True)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         if isinstance(self.mlp, LlamaMLP):
