@@ -182,14 +182,14 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     feed_forward = staticmethod(lfm2_moe_feed_forward)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(_experts_one_by_one(weights))
+        return super().load_weights(experts_one_by_one(weights))
 
     def param_name(self, hf_name: str) -> tuple[str, Any]:
         """The hub's experts.E.w1 / w3 / w2 (gate, up, down) onto the stacked experts."""
         return _expert_param(hf_name, _MIXTRAL_EXPERT_PARTS) or _to_param_name(hf_name)
 
 
-def _experts_one_by_one(weights: Iterable[tuple[str, torch.Tensor]]
+def experts_one_by_one(weights: Iterable[tuple[str, torch.Tensor]]
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """transformers' stacked experts as the hub's per-expert tensors; the rest as is."""
     for name, tensor in weights:

@@ -324,17 +324,10 @@ def checkpoint_tensors(model: torch.nn.Module):
         if arch == "granite_hybrid":
             yield _granite_hub_name(name), tensor
             continue
-        if arch == "lfm2_moe" and name.endswith((".experts.gate_up_proj",
-                                                 ".experts.down_proj")):
-            from spindle.models.moe import one_per_expert
+        if arch == "lfm2_moe":  # the hub's experts one by one (experts.E.w1 / w3 / w2)
+            from spindle.models.lfm2 import experts_one_by_one
 
-            stem, leaf = name.rsplit(".", 1)  # the hub's experts.E.w1 / w3 / w2
-            if leaf == "down_proj":
-                yield from one_per_expert(stem, "w2", tensor)
-            else:
-                gate, up = tensor.chunk(2, dim=1)
-                yield from one_per_expert(stem, "w1", gate)
-                yield from one_per_expert(stem, "w3", up)
+            yield from experts_one_by_one([(name, tensor)])
             continue
         if arch == "nemotron_h" and name.endswith((".experts.up_proj", ".experts.down_proj")):
             from spindle.models.moe import one_per_expert
