@@ -49,11 +49,11 @@ def eager_us(fn: Callable[[], object], iters: int) -> float:
     return _median_us(fn, iters)
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a 1 GiB device-to-device copy, read plus written, launched
-    eagerly (captured in a CUDA graph the same copy is much slower: 2.78 against about
-    4.2 TB/s on an H200, 2026-12-04)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second of an nbytes device-to-device copy, read plus written (the
+    median of 20), launched eagerly (captured in a CUDA graph the same copy is much
+    slower: 2.78 against about 4.2 TB/s on an H200, 2026-12-04)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+import gpu_timing
+
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                  intermediate_size=3072, tie_word_embeddings=True)
@@ -134,22 +136,9 @@ def nano_params(outputs: list[int]):
 
 
 def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (median of 20)."""
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    del src, dst
-    return 2 * 2 * 2**30 / times[len(times) // 2]
+    """Device-to-device copy of 2 GiB, bytes read + written per second (median of 20):
+    the roofline's bandwidth."""
+    return gpu_timing.copy_bandwidth(2 << 30)
 
 
 def kv_bytes_per_token(shape: dict) -> int:
