@@ -1,4 +1,5 @@
-"""Hybrid (Bamba, NemotronH, GraniteMoeHybrid, FalconH1, LFM2, LFM2-MoE) models on CUDA: the Triton Mamba2 kernels, CUDA graphs for decode,
+"""Hybrid (Bamba, NemotronH, GraniteMoeHybrid, FalconH1, LFM2, LFM2-MoE, Qwen3-Next) models
+on CUDA: the Triton Mamba2 and gated delta kernels, CUDA graphs for decode,
 state snapshots, against transformers on the CPU in float32 (the oracle the CPU tests
 use: spindle's CUDA run must give the same greedy tokens)."""
 
@@ -50,7 +51,9 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
                                         ("granite_hybrid", "odd-heads"),
                                         ("falcon_h1", "default"), ("falcon_h1", "odd-heads"),
                                         ("lfm2", "default"), ("lfm2", "odd-heads"),
-                                        ("lfm2_moe", "odd-heads")])
+                                        ("lfm2_moe", "odd-heads"),
+                                        ("qwen3_next", "default"),
+                                        ("qwen3_next", "odd-heads")])
 def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape):
     """NemotronH (attention without rotary, squared-ReLU MLPs and experts beside the
     Mamba2 layers; the experts through the fused MoE kernels' gate-less variant) and
@@ -58,7 +61,9 @@ def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape
     kernels) and FalconH1 (attention beside the mixer in every layer, multipliers; the
     norm before the gate, and no norm) and LFM2 (short convolutions through the conv
     kernels without activation, attention with per-head q/k norms; LFM2-MoE's experts
-    through the fused MoE kernels), decode in CUDA graphs."""
+    through the fused MoE kernels) and Qwen3-Next (the gated delta rule's Triton decode
+    step and torch prefill, the conv kernels with SiLU, the per-head gated norm kernel,
+    gated attention, experts with a shared expert), decode in CUDA graphs."""
     path = tiny_model(arch, **SHAPES[arch][shape])
     prompts = prompts_for(seed=8)
     expected = hf_greedy(path, prompts, MAX_NEW)

@@ -1,7 +1,7 @@
 """Models with state-space layers (Bamba and Granite 4.0's GraniteMoeHybrid: Mamba2
 layers beside attention; NemotronH: Mamba2, attention and MLP layers each on its own;
 FalconH1: attention and Mamba2 side by side in every layer; LFM2 and LFM2-MoE: gated short
-convolutions beside attention; Mamba2: nothing but
+convolutions beside attention; Qwen3-Next: Gated DeltaNet beside gated attention; Mamba2: nothing but
 state-space layers, so a cache of state slots and no paged blocks) end to
 end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
 random checkpoints, in float32 on CPU, under the regimes that cut the work
@@ -82,6 +82,19 @@ SHAPES = {
                         tie_word_embeddings=True),
         "odd-heads": dict(hidden_size=48, num_layers=4, num_heads=3, num_kv_heads=1,
                           num_dense_layers=2, num_experts=6, num_experts_per_tok=3),
+    },
+    # Qwen3-Next: Gated DeltaNet layers (the gated delta rule, float32 states) and gated
+    # attention with a partial rotary, Gemma-style norms; experts with a shared expert
+    # (every layer by default, every other layer in odd-heads).
+    "qwen3_next": {
+        "default": {},
+        "groups2": dict(num_layers=3, tie_word_embeddings=True, linear_num_value_heads=8,
+                        linear_value_head_dim=8),
+        "odd-heads": dict(hidden_size=48, num_layers=4, num_heads=3, num_kv_heads=1,
+                          linear_num_key_heads=1, linear_num_value_heads=3,
+                          linear_key_head_dim=8, linear_value_head_dim=16,
+                          linear_conv_kernel_dim=3, decoder_sparse_step=2,
+                          attention_bias=True, partial_rotary_factor=0.5),
     },
     "mamba2": {
         "default": {},
@@ -191,7 +204,8 @@ def test_tensor_parallel_equals_transformers(reference, arch):
 
 @pytest.mark.parametrize("arch,level", [("bamba", 1), ("bamba", 2), ("nemotron_h", 2),
                                         ("granite_hybrid", 1), ("falcon_h1", 2),
-                                        ("lfm2", 1), ("lfm2_moe", 2), ("mamba2", 2)])
+                                        ("lfm2", 1), ("lfm2_moe", 2), ("qwen3_next", 1),
+                                        ("mamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):
     path, prompts, expected = reference(arch, "default")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -90,9 +90,10 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is an offset from one, and the scaling happens in
-    float32 before the one cast back (transformers' Gemma2RMSNorm). The weight loads
-    as stored (zeros mean identity). Torch code on every device (no fused kernel).
-    forward(x) -> y only; the Gemma layers add their residuals themselves."""
+    float32 before the one cast back (transformers' Gemma2RMSNorm; Qwen3-Next's norms
+    are the same). The weight loads as stored (zeros mean identity). Torch code on
+    every device (no fused kernel). forward(x) -> y, or forward(x, residual) ->
+    (y, x + residual) as RMSNorm's."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
@@ -105,6 +106,7 @@ class GemmaRMSNorm(RMSNorm):
         return (h * (1.0 + self.weight.float())).to(dtype or x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            raise ValueError("GemmaRMSNorm takes no residual")
-        return self._normalize(x)
+        if residual is None:
+            return self._normalize(x)
+        summed = residual + x
+        return self._normalize(summed, x.dtype), summed

@@ -23,7 +23,7 @@ from torch import nn
 from spindle.attention import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
-from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
+from spindle.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from spindle.layers.mamba.mixer import MambaMixer, norm_group_size, time_step_limit
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
@@ -91,6 +91,9 @@ class HybridLayout:
     residual_multiplier: float = 1.0
     # The norms' epsilon where the config does not call it rms_norm_eps (LFM2's norm_eps).
     norm_eps: float | None = None
+    # The RMSNorm of the final norm and the per-head q/k norms (Qwen3-Next: GemmaRMSNorm,
+    # a weight offset from one).
+    norm_class: type[RMSNorm] = RMSNorm
 
 
 def bamba_layout(hf_config: Any) -> HybridLayout:
@@ -100,9 +103,13 @@ def bamba_layout(hf_config: Any) -> HybridLayout:
 
 class BambaAttention(nn.Module):
     def __init__(self, hf_config: Any, layout: HybridLayout, tp_group: TensorParallelGroup,
-                 key_multiplier: float = 1.0, qk_norm_eps: float | None = None) -> None:
+                 key_multiplier: float = 1.0, qk_norm_eps: float | None = None,
+                 output_gate: bool = False) -> None:
         """key_multiplier: a factor on the keys before the rotary embedding (FalconH1's);
-        qk_norm_eps: RMSNorm each head of q and k first, with this epsilon (LFM2's)."""
+        qk_norm_eps: RMSNorm each head of q and k first (layout.norm_class), with this
+        epsilon (LFM2's, Qwen3-Next's); output_gate: the attention's output times
+        sigmoid(output_gate(x)), a projection of the layer's input per feature of every
+        head (Qwen3-Next's, whose checkpoints interleave it with q in q_proj)."""
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         self.rotates = layout.rotary_dim > 0
@@ -119,8 +126,13 @@ class BambaAttention(nn.Module):
         self.key_multiplier = key_multiplier
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps)
+            self.q_norm = layout.norm_class(self.head_dim, eps=qk_norm_eps)
+            self.k_norm = layout.norm_class(self.head_dim, eps=qk_norm_eps)
+        self.output_gate = None
+        if output_gate:
+            self.output_gate = ColumnParallelLinear(
+                hf_config.hidden_size, hf_config.num_attention_heads * self.head_dim,
+                bias=bias, tp_group=tp_group)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None) -> torch.Tensor:
@@ -137,7 +149,10 @@ class BambaAttention(nn.Module):
                                      cos, sin).reshape(num_tokens, -1)
             k = apply_partial_rotary(k.reshape(num_tokens, self.num_kv_heads, self.head_dim),
                                      cos, sin).reshape(num_tokens, -1)
-        return self.o_proj(self.attn(q, k, v))
+        out = self.attn(q, k, v)
+        if self.output_gate is not None:
+            out = out * torch.sigmoid(self.output_gate(hidden_states))
+        return self.o_proj(out)
 
 
 def make_mixer(hf_config: Any, tp_group: TensorParallelGroup, head_dim: int | None = None,
@@ -210,7 +225,8 @@ class BambaModel(nn.Module):
         self.layers = stage_layers(stage, hf_config.num_hidden_layers, lambda i: decoder_layer(
             hf_config, i, layout, feed_forward, tp_group))
         eps = hf_config.rms_norm_eps if layout.norm_eps is None else layout.norm_eps
-        self.final_layernorm = RMSNorm(hf_config.hidden_size, eps=eps) if stage.is_last else None
+        self.final_layernorm = (layout.norm_class(hf_config.hidden_size, eps=eps)
+                                if stage.is_last else None)
         self.rotary_emb = None
         if layout.rotary_dim > 0:
             params = dict(rope_parameters_from_config(hf_config))

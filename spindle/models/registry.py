@@ -25,6 +25,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Lfm2MoeForCausalLM": "spindle.models.lfm2:Lfm2MoeForCausalLM",
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
     "NemotronHForCausalLM": "spindle.models.nemotron_h:NemotronHForCausalLM",
+    "Qwen3NextForCausalLM": "spindle.models.qwen3_next:Qwen3NextForCausalLM",
     "BertModel": "spindle.models.bert:BertModel",
     "RobertaModel": "spindle.models.bert:RobertaModel",
     "XLMRobertaModel": "spindle.models.bert:XLMRobertaModel",

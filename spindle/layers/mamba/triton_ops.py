@@ -355,14 +355,20 @@ def _check_ssd(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state) -> None:
 
 @triton.jit
 def _softplus_dt(dt, dt_bias, dt_min, dt_max):
-    """clamp(softplus(dt + dt_bias), dt_min, dt_max) in float32. softplus(v) = max(v, 0)
-    + log1p(exp(-|v|)), with log1p(u) = log(1 + u) * u / ((1 + u) - 1), exact where
-    1 + u rounds (tl has no log1p that the interpreter runs too)."""
+    """clamp(softplus(dt + dt_bias), dt_min, dt_max) in float32."""
     v = dt.to(tl.float32) + dt_bias.to(tl.float32)
+    return tl.minimum(tl.maximum(softplus(v), dt_min), dt_max)
+
+
+@triton.jit
+def softplus(v):
+    """softplus(v) = max(v, 0) + log1p(exp(-|v|)) of a float32 v, with log1p(u) =
+    log(1 + u) * u / ((1 + u) - 1), exact where 1 + u rounds (tl has no log1p that the
+    interpreter runs too)."""
     u = tl.exp(-tl.abs(v))
     w = 1.0 + u
     log1p = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
-    return tl.minimum(tl.maximum(tl.maximum(v, 0.0) + log1p, dt_min), dt_max)
+    return tl.maximum(v, 0.0) + log1p
 
 
 @triton.jit

@@ -1,0 +1,153 @@
+"""The gated delta rule (Gated DeltaNet, the linear-attention layers of Qwen3-Next) in
+plain torch: the CPU path, and the reference GPU kernels are tested against.
+
+Per request and value head h, with a state S [Dk, Dv] (keys in, values out) and the
+query/key head that serves h (each key head serves Hv / Hk consecutive value heads):
+
+    g_t    = -exp(A_log) * softplus(a_t + dt_bias)       (log of the step's decay, <= 0)
+    beta_t = sigmoid(b_t)                                (how far the step writes)
+    q_t, k_t: L2-normalised (eps 1e-6), q_t also scaled by Dk ** -0.5
+    S_t = exp(g_t) * S_{t-1}
+    S_t = S_t + k_t (outer) beta_t * (v_t - S_t^T k_t)   (the delta rule: write the error)
+    o_t = S_t^T q_t
+
+Layout as in ops.py: token-major and packed ([T, heads, dim]), MambaMetadata saying
+where each request starts and which state slot it owns; prefill takes any number of
+tokens per request, decode exactly one. Everything is computed in float32; the state
+tensor ([S, Hv, Dk, Dv]) is float32 too, and outputs come back in v's dtype.
+
+The prefill evaluates a chunk of L tokens at once. Unrolling the recurrence from the
+state S0 entering the chunk, with G_t = g_1 + ... + g_t (the decay from the chunk's
+start), every step's write u_t = beta_t * (v_t - (exp(g_t) S_{t-1})^T k_t) satisfies
+
+    u_t + beta_t * sum_{s<t} exp(G_t - G_s) (k_t . k_s) u_s
+        = beta_t * v_t - beta_t * exp(G_t) * S0^T k_t
+
+a unit lower-triangular system for the L writes. Then
+
+    o_t   = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t . k_s) u_s
+    S_end = exp(G_L) S0 + sum_s exp(G_L - G_s) k_s (outer) u_s
+
+Every exponent is <= 0: nothing overflows, whatever the chunk length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from spindle.layers.mamba.metadata import MambaMetadata
+from spindle.layers.mamba.ops import _check_rows, _requests, _slots, _write_rows
+
+L2_EPS = 1e-6
+
+
+def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                        b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                        state: torch.Tensor | None, md: MambaMetadata,
+                        chunk_size: int = 64) -> torch.Tensor:
+    """Each request's tokens: q/k [T, Hk, Dk], v [T, Hv, Dv], a/b [T, Hv] (raw, before
+    the decay and beta), A_log/dt_bias [Hv] -> o [T, Hv, Dv]. The initial state is
+    state[slot] ([Hv, Dk, Dv]) when has_initial_state[i], else zeros; the final state
+    is written back to the slot (state None: zeros, nothing stored). Rows past the last
+    request are 0."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _check_shapes(q, k, v, a, b, A_log, dt_bias)
+    qf, kf = _expanded_unit_qk(q, k, v.shape[1])
+    g, beta = _decay_and_beta(a, b, A_log, dt_bias)
+    num_heads, key_dim, value_dim = v.shape[1], q.shape[2], v.shape[2]
+    out = torch.zeros_like(v)
+    for _, start, end, slot, has_history in _requests(md):
+        if end == start:
+            continue
+        if has_history and state is not None and slot >= 0:
+            s = state[slot].float()
+        else:
+            s = v.new_zeros(num_heads, key_dim, value_dim, dtype=torch.float32)
+        vf = v[start:end].float()
+        for c0 in range(start, end, chunk_size):
+            c1 = min(c0 + chunk_size, end)
+            out[c0:c1], s = _chunk(qf[c0:c1], kf[c0:c1], vf[c0 - start:c1 - start],
+                                   g[c0:c1], beta[c0:c1], s)
+        if state is not None and slot >= 0:
+            state[slot] = s.to(state.dtype)
+    return out
+
+
+def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                       b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                       state: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:
+    """One step per request: q/k [B, Hk, Dk], v [B, Hv, Dv], a/b [B, Hv] -> o [B, Hv, Dv];
+    state [S, Hv, Dk, Dv] updated in place at state_indices [B] (a negative index:
+    padding, zero state, no write)."""
+    _check_shapes(q, k, v, a, b, A_log, dt_bias)
+    _check_rows(v, state_indices)
+    qf, kf = _expanded_unit_qk(q, k, v.shape[1])
+    g, beta = _decay_and_beta(a, b, A_log, dt_bias)
+    valid, slots = _slots(state_indices)
+    s = state.index_select(0, slots).float()
+    s = torch.where(valid[:, None, None, None], s, 0.0)  # [B, Hv, Dk, Dv]
+    s = s * torch.exp(g)[..., None, None]
+    error = v.float() - torch.einsum("bhkv,bhk->bhv", s, kf)
+    s = s + kf.unsqueeze(-1) * (beta.unsqueeze(-1) * error).unsqueeze(-2)
+    _write_rows(state, slots, valid, s)
+    return torch.einsum("bhkv,bhk->bhv", s, qf).to(v.dtype)
+
+
+# ---------------------------------------------------------------------- helpers
+def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+           beta: torch.Tensor, s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of one request, float32: q/k [L, H, Dk] (per value head, normalised,
+    q scaled), v [L, H, Dv], g/beta [L, H], s0 [H, Dk, Dv] -> (o [L, H, Dv], the state
+    leaving the chunk). See the module docstring for the algebra."""
+    length = q.shape[0]
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
+    G = torch.cumsum(g.t(), dim=1)  # [H, L]
+    rows = torch.arange(length, device=q.device)
+    causal = rows[:, None] >= rows[None, :]
+    decay = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~causal, float("-inf")))
+    b = beta.t().unsqueeze(-1)  # [H, L, 1]
+    earlier = rows[:, None] > rows[None, :]  # s < t: the strictly lower triangle
+    system = (b * (k @ k.transpose(1, 2)) * decay).masked_fill(~earlier, 0.0)
+    system = system + torch.eye(length, device=q.device)
+    rhs = b * (v - torch.exp(G).unsqueeze(-1) * (k @ s0))
+    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    o = torch.exp(G).unsqueeze(-1) * (q @ s0) + ((q @ k.transpose(1, 2)) * decay) @ u
+    to_end = torch.exp(G[:, -1:] - G).unsqueeze(-1)  # [H, L, 1]
+    s = torch.exp(G[:, -1])[:, None, None] * s0 + (k * to_end).transpose(1, 2) @ u
+    return o.transpose(0, 1), s
+
+
+def _expanded_unit_qk(q: torch.Tensor, k: torch.Tensor, value_heads: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k in float32, L2-normalised, q scaled by Dk ** -0.5, each key head repeated
+    for the value heads it serves: [T, Hv, Dk]."""
+    repeat = value_heads // q.shape[1]
+    qf, kf = (_l2_normalised(x.float()).repeat_interleave(repeat, dim=1) for x in (q, k))
+    return qf * q.shape[2] ** -0.5, kf
+
+
+def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                    dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) in float32. beta is the sigmoid in b's own dtype, as transformers
+    computes it, before the rest goes to float32."""
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b).float()
+
+
+def _check_shapes(q, k, v, a, b, A_log, dt_bias) -> None:
+    tokens, value_heads = v.shape[0], v.shape[1]
+    if q.shape != k.shape or q.shape[0] != tokens or value_heads % q.shape[1] != 0:
+        raise ValueError(f"gated delta: q and k must be [T, Hk, Dk] with Hk dividing v's "
+                         f"{value_heads} heads; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if a.shape != (tokens, value_heads) or b.shape != a.shape \
+            or A_log.shape != (value_heads,) or dt_bias.shape != (value_heads,):
+        raise ValueError(f"gated delta: v {tuple(v.shape)} needs a/b [T, Hv] and A_log, "
+                         f"dt_bias [Hv]; got a {tuple(a.shape)}, b {tuple(b.shape)}, A_log "
+                         f"{tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)}")

@@ -1,0 +1,169 @@
+"""Gated DeltaNet (Qwen3-Next's ``linear_attn`` layers): in_proj -> causal conv1d over
+q, k and v (SiLU) -> the gated delta rule (layers/mamba/gated_delta.py) -> an RMSNorm
+of each value head gated by z -> out_proj, over per-sequence state slots.
+
+Checkpoint layout (transformers' Qwen3NextGatedDeltaNet): ``in_proj_qkvz`` holds, key
+head after key head, that head's [q (Dk) | k (Dk) | v (r * Dv) | z (r * Dv)] for the
+r = Hv / Hk value heads it serves; ``in_proj_ba`` likewise [b (r) | a (r)]. The conv
+channels are [q of every head | k | v]. Here in_proj's rows are taken apart into
+[q | k | v | z] of this rank's heads at load time, so the conv input is one slice.
+
+Tensor parallelism splits the key heads across ranks, and with each key head its value
+heads: every piece of the layer (conv channels, A_log, dt_bias, the states) splits
+with them; out_proj is row parallel. The output norm normalises each value head on
+its own, so no rank needs another's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from spindle.cache.spec import MambaCacheSpec
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.linear import RowParallelLinear, copy_checked, divide, set_weight_loader
+from spindle.layers.mamba import gated_delta
+from spindle.layers.mamba.metadata import MambaMetadata
+from spindle.layers.mamba.mixer import (DepthwiseConvWeights, GatedRMSNorm, RowPiecesLinear,
+                                        _ops_for, _sharded_parameter, by_step_kind,
+                                        step_metadata)
+
+
+class GatedDeltaNet(nn.Module):
+    """forward(hidden_states [T, hidden]) -> [T, hidden] for the step's flat batch.
+
+    ``kv_cache`` is None (the memory-profiling forward) or [conv_state [S, C, K-1],
+    recurrent_state [S, Hv, Dk, Dv]] with this rank's channels and value heads, assigned
+    by the runner. The recurrent state is float32 whatever the model's dtype, as
+    transformers keeps it: the delta rule subtracts what the state already predicts,
+    and a bf16 state would round that difference away."""
+
+    def __init__(self, *, hidden_size: int, num_key_heads: int, num_value_heads: int,
+                 key_head_dim: int, value_head_dim: int, conv_kernel: int, eps: float,
+                 tp_group: TensorParallelGroup, chunk_size: int = 64) -> None:
+        super().__init__()
+        if num_value_heads % num_key_heads != 0:
+            raise ValueError(f"linear_num_value_heads ({num_value_heads}) must be a multiple "
+                             f"of linear_num_key_heads ({num_key_heads})")
+        if conv_kernel < 2:
+            raise ValueError(f"linear_conv_kernel_dim must be >= 2, got {conv_kernel}")
+        tp, rank = tp_group.size, tp_group.rank
+        self.tp_group = tp_group
+        self.num_key_heads = divide(num_key_heads, tp, "linear_num_key_heads")  # rank-local
+        self.num_value_heads = num_value_heads // num_key_heads * self.num_key_heads
+        self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
+        self.conv_kernel = conv_kernel
+        self.chunk_size = chunk_size
+        self.key_width = self.num_key_heads * key_head_dim
+        self.value_width = self.num_value_heads * value_head_dim
+        self.conv_channels = 2 * self.key_width + self.value_width
+
+        per_key = num_value_heads // num_key_heads
+        heads = range(rank * self.num_key_heads, (rank + 1) * self.num_key_heads)
+        head_rows = 2 * key_head_dim + 2 * per_key * value_head_dim
+        offsets = (0, key_head_dim, 2 * key_head_dim, 2 * key_head_dim + per_key * value_head_dim)
+        widths = (key_head_dim, key_head_dim, per_key * value_head_dim, per_key * value_head_dim)
+        self.in_proj_qkvz = RowPiecesLinear(hidden_size, [
+            (h * head_rows + offset, width) for offset, width in zip(offsets, widths)
+            for h in heads], bias=False)
+        self.in_proj_ba = RowPiecesLinear(hidden_size, [
+            (h * 2 * per_key + offset, per_key) for offset in (0, per_key) for h in heads],
+            bias=False)
+        full_key = num_key_heads * key_head_dim
+        value_rows = (2 * full_key + rank * self.value_width, self.value_width)
+        self.conv1d = DepthwiseConvWeights(
+            [(rank * self.key_width, self.key_width),
+             (full_key + rank * self.key_width, self.key_width), value_rows],
+            conv_kernel, bias=False)
+        value_heads = [(rank * self.num_value_heads, self.num_value_heads)]
+        self.A_log = _sharded_parameter(value_heads)
+        self.dt_bias = _sharded_parameter(value_heads)
+        # One weight [Dv] for every value head, stored tiled so the gated norm's kernel
+        # reads it as a per-feature weight.
+        self.norm = GatedRMSNorm(self.value_width, self.value_width, eps, tp_group, [],
+                                 group_size=value_head_dim, norm_first=True)
+        set_weight_loader(self.norm.weight, tiled_loader(self.num_value_heads))
+        self.out_proj = RowParallelLinear(num_value_heads * value_head_dim, hidden_size,
+                                          bias=False, tp_group=tp_group)
+        self.kv_cache: list[torch.Tensor] | None = None
+        self.cache_group = 0  # which cache group's metadata this layer reads (the runner sets it)
+
+    def cache_spec(self, dtype: torch.dtype) -> MambaCacheSpec:
+        """Per sequence: the conv state [C, K-1] in the model's dtype and the recurrent
+        state [Hv, Dk, Dv] in float32."""
+        return MambaCacheSpec(
+            shapes=((self.conv_channels, self.conv_kernel - 1),
+                    (self.num_value_heads, self.key_head_dim, self.value_head_dim)),
+            dtypes=(dtype, torch.float32))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        md = step_metadata(self, num_tokens, hidden_states.device)
+        qkv, z = self.in_proj_qkvz(hidden_states).split(
+            [self.conv_channels, self.value_width], dim=-1)
+        b, a = self.in_proj_ba(hidden_states).chunk(2, dim=-1)
+        conv_ops, delta_ops = _ops_for(hidden_states), delta_ops_for(hidden_states)
+        states = self.kv_cache if self.kv_cache is not None else (None, None)
+
+        def decode(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+            qkv = conv_ops.causal_conv1d_decode(qkv, self.conv1d.weight, None, states[0], slots)
+            return delta_ops.gated_delta_decode(*self._split_qkv(qkv), a, b, self.A_log,
+                                                self.dt_bias, states[1], slots)
+
+        def prefill(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    md: MambaMetadata) -> torch.Tensor:
+            qkv = conv_ops.causal_conv1d_prefill(qkv, self.conv1d.weight, None, states[0], md)
+            return delta_ops.gated_delta_prefill(*self._split_qkv(qkv), a, b, self.A_log,
+                                                 self.dt_bias, states[1], md, self.chunk_size)
+
+        y = by_step_kind(md, self.kv_cache is not None, (qkv, a, b), decode, prefill)
+        y = self.norm(y.reshape(num_tokens, self.value_width), z)
+        return self.out_proj(y)
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.key_width, self.key_width, self.value_width], dim=-1)
+        return (q.reshape(num_tokens, self.num_key_heads, self.key_head_dim),
+                k.reshape(num_tokens, self.num_key_heads, self.key_head_dim),
+                v.reshape(num_tokens, self.num_value_heads, self.value_head_dim))
+
+    def extra_repr(self) -> str:
+        return (f"key_heads={self.num_key_heads}, value_heads={self.num_value_heads}, "
+                f"key_dim={self.key_head_dim}, value_dim={self.value_head_dim}, "
+                f"conv={self.conv_kernel} (per rank), tp_size={self.tp_group.size}")
+
+
+def delta_ops_for(x: torch.Tensor) -> Any:
+    """The gated delta rule's ops: torch on the CPU; on CUDA the Triton decode step
+    and the torch prefill (gated_delta_triton.py)."""
+    if x.is_cuda:
+        from spindle.layers.mamba import gated_delta_triton
+
+        return gated_delta_triton
+    return gated_delta
+
+
+def tiled_loader(copies: int):
+    """A weight_loader storing the checkpoint's [D] weight as ``copies`` copies end to end."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"this parameter takes no shard id, got {shard_id!r}")
+        copy_checked(param.data, loaded.repeat(copies))
+
+    return load
+
+
+def gated_delta_net(hf_config: Any, tp_group: TensorParallelGroup) -> GatedDeltaNet:
+    """The layer of a Qwen3-Next config's ``linear_*`` fields."""
+    return GatedDeltaNet(
+        hidden_size=hf_config.hidden_size, num_key_heads=hf_config.linear_num_key_heads,
+        num_value_heads=hf_config.linear_num_value_heads,
+        key_head_dim=hf_config.linear_key_head_dim,
+        value_head_dim=hf_config.linear_value_head_dim,
+        conv_kernel=hf_config.linear_conv_kernel_dim, eps=hf_config.rms_norm_eps,
+        tp_group=tp_group)
+

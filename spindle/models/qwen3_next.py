@@ -1,0 +1,156 @@
+"""Qwen3NextForCausalLM: Gated DeltaNet layers (``linear_attention``) with gated
+attention every few layers (``full_attention``), and mixtures of experts with a shared
+expert.
+
+Bamba's layout (models/bamba.py) with other pieces:
+- the ``linear_attn`` mixer is a Gated DeltaNet (layers/mamba/gated_delta_net.py): a
+  conv state and a float32 recurrent state per sequence, in the state slots;
+- attention normalises each head of q and k, rotates the first
+  ``partial_rotary_factor`` of each head (a quarter by default), and multiplies its
+  output by a sigmoid gate that q_proj computes beside q (checkpoints interleave the
+  two per head: [q | gate] of head 0, then head 1, ...);
+- every RMSNorm is Gemma's (a weight offset from one; the gated norm of the linear
+  layers excepted);
+- the MLP of layer i is sparse unless i is in ``mlp_only_layers`` or
+  (i + 1) % ``decoder_sparse_step`` != 0: softmax routing to ``num_experts_per_tok`` of
+  ``num_experts`` experts (renormalised where ``norm_topk_prob``), plus a shared expert
+  scaled by sigmoid(``shared_expert_gate``).
+The checkpoint's multi-token-prediction head (``mtp.*``) is not loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
+from spindle.layers.mamba.gated_delta_net import gated_delta_net
+from spindle.layers.moe import SparseMoeBlock
+from spindle.layers.norm import GemmaRMSNorm
+from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
+                                  HybridLayout, rotary_dim)
+from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
+from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param
+
+ATTENTION, LINEAR = "full_attention", "linear_attention"
+
+
+def check_supported_config(hf_config: Any) -> None:
+    """Reject config features this implementation would silently get wrong."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    kinds = list(hf_config.layer_types)
+    if len(kinds) != hf_config.num_hidden_layers:
+        raise ValueError(f"layer_types names {len(kinds)} layers, the model has "
+                         f"{hf_config.num_hidden_layers}")
+    unknown = sorted(set(kinds) - {ATTENTION, LINEAR})
+    if unknown:
+        raise ValueError(f"layer_types holds unknown layer types {unknown}")
+
+
+def qwen3_next_layout(hf_config: Any) -> HybridLayout:
+    return HybridLayout(
+        attention_layers=frozenset(i for i, kind in enumerate(hf_config.layer_types)
+                                   if kind == ATTENTION),
+        rotary_dim=rotary_dim(hf_config), attention_scale=head_dim_of(hf_config) ** -0.5,
+        norm_class=GemmaRMSNorm)
+
+
+class SharedExpertMoeBlock(nn.Module):
+    """Qwen3-MoE's routed experts plus a shared expert (a SwiGLU MLP) that every token
+    takes, weighted by sigmoid(shared_expert_gate(x)), one logit per token."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.routed = SparseMoeBlock(
+            hf_config.hidden_size, hf_config.num_experts, hf_config.num_experts_per_tok,
+            hf_config.moe_intermediate_size, normalize_top_k=bool(hf_config.norm_topk_prob),
+            weights_in_activation_dtype=True, tp_group=tp_group)
+        self.shared_expert = LlamaMLP(hf_config.hidden_size,
+                                      hf_config.shared_expert_intermediate_size, False,
+                                      tp_group)
+        self.shared_expert_gate = nn.Parameter(torch.empty(1, hf_config.hidden_size),
+                                               requires_grad=False)
+        set_weight_loader(self.shared_expert_gate, default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(apply_linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        return self.routed(x) + shared
+
+
+def qwen3_next_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                            ) -> nn.Module:
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    sparse = (layer_idx not in (getattr(hf_config, "mlp_only_layers", None) or [])
+              and hf_config.num_experts > 0 and (layer_idx + 1) % step == 0)
+    if sparse:
+        return SharedExpertMoeBlock(hf_config, tp_group)
+    return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, False, tp_group)
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
+                 feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.is_attention = layer_idx in layout.attention_layers
+        if self.is_attention:
+            self.self_attn = BambaAttention(hf_config, layout, tp_group, qk_norm_eps=eps,
+                                            output_gate=True)
+        else:
+            self.linear_attn = gated_delta_net(hf_config, tp_group)
+        self.mlp = feed_forward(hf_config, layer_idx, tp_group)
+        self.input_layernorm = GemmaRMSNorm(hf_config.hidden_size, eps=eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hf_config.hidden_size, eps=eps)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block, residual carried separately (the next norm adds it)."""
+        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
+        if self.is_attention:
+            hidden_states = self.self_attn(hidden_states, cos, sin)
+        else:
+            hidden_states = self.linear_attn(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen3NextForCausalLM(BambaForCausalLM):
+    check_config = staticmethod(check_supported_config)
+    layout = staticmethod(qwen3_next_layout)
+    feed_forward = staticmethod(qwen3_next_feed_forward)
+    decoder_layer = Qwen3NextDecoderLayer
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(_in_our_names(weights, head_dim_of(self.config)))
+
+    def param_name(self, hf_name: str) -> tuple[str, Any]:
+        return _expert_param(hf_name, _QWEN_EXPERT_PARTS) or _to_param_name(hf_name)
+
+    def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
+        return hf_name.startswith("mtp.") or super()._skip_checkpoint_tensor(hf_name)
+
+
+def _in_our_names(weights: Iterable[tuple[str, torch.Tensor]], head_dim: int
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's names and layout mapped onto this model's: q_proj's rows taken
+    apart into q and the output gate, the routed experts and the shared gate under the
+    MoE block's own names, the final norm as Bamba names it."""
+    for name, tensor in weights:
+        if ".self_attn.q_proj." in name:
+            per_head = tensor.unflatten(0, (-1, 2, head_dim))  # [heads, (q, gate), D, ...]
+            yield name, per_head[:, 0].flatten(0, 1)
+            yield name.replace(".q_proj.", ".output_gate."), per_head[:, 1].flatten(0, 1)
+        elif ".mlp.shared_expert_gate." in name:
+            yield name.replace(".shared_expert_gate.weight", ".shared_expert_gate"), tensor
+        elif ".mlp.gate." in name or ".mlp.experts." in name:
+            yield name.replace(".mlp.", ".mlp.routed.", 1), tensor
+        elif name.startswith("model.norm."):
+            yield name.replace("model.norm.", "model.final_layernorm.", 1), tensor
+        else:
+            yield name, tensor
