@@ -33,7 +33,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
     def factory(arch: str = "llama", **kwargs: Any) -> Path:
         _skip_if_transformers_is_no_oracle(arch, kwargs)
-        key = (arch, tuple(sorted(kwargs.items())))
+        key = (arch, repr(sorted(kwargs.items())))  # (values may be dicts: rope_parameters)
         if key not in cache:
             label = "-".join([arch] + [f"{k}{v}" for k, v in sorted(kwargs.items())])
             out = tmp_path_factory.mktemp(re.sub(r"[^A-Za-z0-9_.-]", "_", label)[:80])

@@ -1,4 +1,5 @@
-"""Hybrid (Bamba, NemotronH, GraniteMoeHybrid, FalconH1, LFM2, LFM2-MoE, Qwen3-Next) models
+"""Hybrid (Bamba, NemotronH, GraniteMoeHybrid, FalconH1, LFM2, LFM2-MoE, Qwen3-Next, Qwen3.5)
+models
 on CUDA: the Triton Mamba2 and gated delta kernels, CUDA graphs for decode,
 state snapshots, against transformers on the CPU in float32 (the oracle the CPU tests
 use: spindle's CUDA run must give the same greedy tokens)."""
@@ -53,7 +54,9 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
                                         ("lfm2", "default"), ("lfm2", "odd-heads"),
                                         ("lfm2_moe", "odd-heads"),
                                         ("qwen3_next", "default"),
-                                        ("qwen3_next", "odd-heads")])
+                                        ("qwen3_next", "odd-heads"),
+                                        ("qwen3_5", "odd-heads"),
+                                        ("qwen3_5_moe", "groups2")])
 def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape):
     """NemotronH (attention without rotary, squared-ReLU MLPs and experts beside the
     Mamba2 layers; the experts through the fused MoE kernels' gate-less variant) and

@@ -1,7 +1,7 @@
 """Models with state-space layers (Bamba and Granite 4.0's GraniteMoeHybrid: Mamba2
 layers beside attention; NemotronH: Mamba2, attention and MLP layers each on its own;
 FalconH1: attention and Mamba2 side by side in every layer; LFM2 and LFM2-MoE: gated short
-convolutions beside attention; Qwen3-Next: Gated DeltaNet beside gated attention; Mamba2: nothing but
+convolutions beside attention; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet beside gated attention; Mamba2: nothing but
 state-space layers, so a cache of state slots and no paged blocks) end to
 end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
 random checkpoints, in float32 on CPU, under the regimes that cut the work
@@ -21,6 +21,17 @@ from test_generate_vs_hf import hf_greedy
 MAX_NEW = 12
 LOGPROB_TOL = 1e-4
 PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 70]
+QWEN3_NEXT_ODD_HEADS = dict(hidden_size=48, num_layers=4, num_heads=3, num_kv_heads=1,
+                           linear_num_key_heads=1, linear_num_value_heads=3,
+                           linear_key_head_dim=8, linear_value_head_dim=16,
+                           linear_conv_kernel_dim=3)
+QWEN3_NEXT_SHAPES = {
+    "default": {},
+    "groups2": dict(num_layers=3, tie_word_embeddings=True, linear_num_value_heads=8,
+                    linear_value_head_dim=8),
+    "odd-heads": dict(QWEN3_NEXT_ODD_HEADS, decoder_sparse_step=2, attention_bias=True,
+                      partial_rotary_factor=0.5),
+}
 SHAPES = {
     "bamba": {
         "default": {},
@@ -86,15 +97,26 @@ SHAPES = {
     # Qwen3-Next: Gated DeltaNet layers (the gated delta rule, float32 states) and gated
     # attention with a partial rotary, Gemma-style norms; experts with a shared expert
     # (every layer by default, every other layer in odd-heads).
-    "qwen3_next": {
+    "qwen3_next": QWEN3_NEXT_SHAPES,
+    # Qwen3.5: Qwen3-Next's layers with the linear attention's projections apart, a dense
+    # MLP (Qwen3.5) or experts in every layer (Qwen3.5-MoE, stacked in the checkpoint);
+    # a multimodal rotary section that text leaves the plain rotary embedding.
+    "qwen3_5": {
         "default": {},
-        "groups2": dict(num_layers=3, tie_word_embeddings=True, linear_num_value_heads=8,
-                        linear_value_head_dim=8),
-        "odd-heads": dict(hidden_size=48, num_layers=4, num_heads=3, num_kv_heads=1,
-                          linear_num_key_heads=1, linear_num_value_heads=3,
-                          linear_key_head_dim=8, linear_value_head_dim=16,
-                          linear_conv_kernel_dim=3, decoder_sparse_step=2,
-                          attention_bias=True, partial_rotary_factor=0.5),
+        "groups2": QWEN3_NEXT_SHAPES["groups2"],
+        "odd-heads": dict(QWEN3_NEXT_ODD_HEADS,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.5,
+                                           "mrope_section": [2, 1, 1],
+                                           "mrope_interleaved": True}),
+    },
+    "qwen3_5_moe": {
+        "default": {},
+        "groups2": dict(num_layers=3, tie_word_embeddings=True),
+        "odd-heads": dict(hidden_size=48, num_layers=3, num_heads=3, num_kv_heads=1,
+                          linear_num_key_heads=3, linear_num_value_heads=3,
+                          linear_key_head_dim=8, linear_value_head_dim=8,
+                          num_experts=6, num_experts_per_tok=3),
     },
     "mamba2": {
         "default": {},
@@ -205,7 +227,7 @@ def test_tensor_parallel_equals_transformers(reference, arch):
 @pytest.mark.parametrize("arch,level", [("bamba", 1), ("bamba", 2), ("nemotron_h", 2),
                                         ("granite_hybrid", 1), ("falcon_h1", 2),
                                         ("lfm2", 1), ("lfm2_moe", 2), ("qwen3_next", 1),
-                                        ("mamba2", 2)])
+                                        ("qwen3_5", 2), ("qwen3_5_moe", 1), ("mamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):
     path, prompts, expected = reference(arch, "default")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

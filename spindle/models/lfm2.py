@@ -26,7 +26,8 @@ from spindle.layers.norm import RMSNorm
 from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
                                   HybridLayout)
 from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
-from spindle.models.moe import _MIXTRAL_EXPERT_PARTS, _expert_param, one_per_expert
+from spindle.models.moe import (_MIXTRAL_EXPERT_PARTS, _expert_param,
+                                stacked_experts_one_by_one)
 
 ATTENTION, CONV = "full_attention", "conv"
 
@@ -190,15 +191,6 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
 
 
 def experts_one_by_one(weights: Iterable[tuple[str, torch.Tensor]]
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """transformers' stacked experts as the hub's per-expert tensors; the rest as is."""
-    for name, tensor in weights:
-        stem, _, leaf = name.rpartition(".feed_forward.experts.")
-        if leaf == "gate_up_proj":
-            gate, up = tensor.chunk(2, dim=1)  # [E, 2I, H]: each expert's [gate; up]
-            yield from one_per_expert(f"{stem}.feed_forward.experts", "w1", gate)
-            yield from one_per_expert(f"{stem}.feed_forward.experts", "w3", up)
-        elif leaf == "down_proj":
-            yield from one_per_expert(f"{stem}.feed_forward.experts", "w2", tensor)
-        else:
-            yield name, tensor
+    return stacked_experts_one_by_one(weights, ".feed_forward.experts.", ("w1", "w3", "w2"))

@@ -15,7 +15,7 @@ a sparse MoE block (layers/moe.py):
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -48,6 +48,27 @@ def one_per_expert(experts: str, part: str, stacked: torch.Tensor
     _expert_param maps."""
     for e, expert in enumerate(stacked):
         yield f"{experts}.{e}.{part}.weight", expert
+
+
+def stacked_experts_one_by_one(weights: Iterable[tuple[str, torch.Tensor]], block: str,
+                               parts: tuple[str, str, str]
+                               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers' stacked experts as the hub's per-expert tensors, the rest as is:
+    f"...{block}gate_up_proj" [E, 2I, H] (each expert's [gate; up]) and
+    f"...{block}down_proj" [E, H, I] become f"...{block}e.{part}.weight" for parts
+    (gate, up, down) = parts. block: the experts' name with its dots (".mlp.experts.")."""
+    gate, up, down = parts
+    for name, tensor in weights:
+        stem, found, leaf = name.rpartition(block)
+        experts = stem + block.rstrip(".")
+        if found and leaf == "gate_up_proj":
+            gates, ups = tensor.chunk(2, dim=1)
+            yield from one_per_expert(experts, gate, gates)
+            yield from one_per_expert(experts, up, ups)
+        elif found and leaf == "down_proj":
+            yield from one_per_expert(experts, down, tensor)
+        else:
+            yield name, tensor
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

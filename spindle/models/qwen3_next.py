@@ -16,6 +16,14 @@ Bamba's layout (models/bamba.py) with other pieces:
   ``num_experts`` experts (renormalised where ``norm_topk_prob``), plus a shared expert
   scaled by sigmoid(``shared_expert_gate``).
 The checkpoint's multi-token-prediction head (``mtp.*``) is not loaded.
+
+Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM (Qwen3.5's text models) are the same
+layers with the linear attention's input projections stored apart (``in_proj_qkv``,
+``in_proj_z``, ``in_proj_b``, ``in_proj_a``: gated_delta_net.SPLIT), a dense MLP in
+every layer (Qwen3.5) or experts in every layer, always renormalised (Qwen3.5-MoE),
+whose checkpoints may stack them (``experts.gate_up_proj``, ``experts.down_proj``).
+Their rotary embedding is multimodal (``mrope_section``), which for text, whose three
+position components are equal, is the plain rotary embedding.
 """
 
 from __future__ import annotations
@@ -27,13 +35,14 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
-from spindle.layers.mamba.gated_delta_net import gated_delta_net
+from spindle.layers.mamba.gated_delta_net import (INTERLEAVED, SPLIT, SPLIT_PROJECTIONS,
+                                                   gated_delta_net)
 from spindle.layers.moe import SparseMoeBlock
 from spindle.layers.norm import GemmaRMSNorm
 from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
                                   HybridLayout, rotary_dim)
 from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
-from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param
+from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param, stacked_experts_one_by_one
 
 ATTENTION, LINEAR = "full_attention", "linear_attention"
 
@@ -68,7 +77,8 @@ class SharedExpertMoeBlock(nn.Module):
         super().__init__()
         self.routed = SparseMoeBlock(
             hf_config.hidden_size, hf_config.num_experts, hf_config.num_experts_per_tok,
-            hf_config.moe_intermediate_size, normalize_top_k=bool(hf_config.norm_topk_prob),
+            hf_config.moe_intermediate_size,
+            normalize_top_k=bool(getattr(hf_config, "norm_topk_prob", True)),
             weights_in_activation_dtype=True, tp_group=tp_group)
         self.shared_expert = LlamaMLP(hf_config.hidden_size,
                                       hf_config.shared_expert_intermediate_size, False,
@@ -87,12 +97,23 @@ def qwen3_next_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorPara
     step = getattr(hf_config, "decoder_sparse_step", 1) or 1
     sparse = (layer_idx not in (getattr(hf_config, "mlp_only_layers", None) or [])
               and hf_config.num_experts > 0 and (layer_idx + 1) % step == 0)
-    if sparse:
-        return SharedExpertMoeBlock(hf_config, tp_group)
+    return (sparse_feed_forward if sparse else dense_feed_forward)(hf_config, layer_idx,
+                                                                    tp_group)
+
+
+def dense_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                       ) -> nn.Module:
     return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, False, tp_group)
 
 
+def sparse_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                        ) -> nn.Module:
+    return SharedExpertMoeBlock(hf_config, tp_group)
+
+
 class Qwen3NextDecoderLayer(nn.Module):
+    projections = INTERLEAVED  # the linear attention's checkpoint layout
+
     def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
                  feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
         super().__init__()
@@ -102,7 +123,7 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.self_attn = BambaAttention(hf_config, layout, tp_group, qk_norm_eps=eps,
                                             output_gate=True)
         else:
-            self.linear_attn = gated_delta_net(hf_config, tp_group)
+            self.linear_attn = gated_delta_net(hf_config, tp_group, self.projections)
         self.mlp = feed_forward(hf_config, layer_idx, tp_group)
         self.input_layernorm = GemmaRMSNorm(hf_config.hidden_size, eps=eps)
         self.post_attention_layernorm = GemmaRMSNorm(hf_config.hidden_size, eps=eps)
@@ -154,3 +175,29 @@ def _in_our_names(weights: Iterable[tuple[str, torch.Tensor]], head_dim: int
             yield name.replace("model.norm.", "model.final_layernorm.", 1), tensor
         else:
             yield name, tensor
+
+
+class Qwen3_5DecoderLayer(Qwen3NextDecoderLayer):
+    projections = SPLIT
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    feed_forward = staticmethod(dense_feed_forward)
+    decoder_layer = Qwen3_5DecoderLayer
+
+    def param_name(self, hf_name: str) -> tuple[str, Any]:
+        """in_proj_qkv / _z / _b / _a onto the two input projections, by shard id."""
+        stem, _, leaf = hf_name.rpartition(".linear_attn.")
+        projection, _, tail = leaf.partition(".")
+        if projection in SPLIT_PROJECTIONS:
+            ours, shard_id = SPLIT_PROJECTIONS[projection]
+            return f"{stem}.linear_attn.{ours}.{tail}", shard_id
+        return super().param_name(hf_name)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    feed_forward = staticmethod(sparse_feed_forward)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(stacked_experts_one_by_one(
+            weights, ".mlp.experts.", ("gate_proj", "up_proj", "down_proj")))

@@ -26,6 +26,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
     "NemotronHForCausalLM": "spindle.models.nemotron_h:NemotronHForCausalLM",
     "Qwen3NextForCausalLM": "spindle.models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": "spindle.models.qwen3_next:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "spindle.models.qwen3_next:Qwen3_5MoeForCausalLM",
     "BertModel": "spindle.models.bert:BertModel",
     "RobertaModel": "spindle.models.bert:RobertaModel",
     "XLMRobertaModel": "spindle.models.bert:XLMRobertaModel",

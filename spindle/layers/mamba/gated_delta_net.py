@@ -2,11 +2,16 @@
 q, k and v (SiLU) -> the gated delta rule (layers/mamba/gated_delta.py) -> an RMSNorm
 of each value head gated by z -> out_proj, over per-sequence state slots.
 
-Checkpoint layout (transformers' Qwen3NextGatedDeltaNet): ``in_proj_qkvz`` holds, key
-head after key head, that head's [q (Dk) | k (Dk) | v (r * Dv) | z (r * Dv)] for the
-r = Hv / Hk value heads it serves; ``in_proj_ba`` likewise [b (r) | a (r)]. The conv
-channels are [q of every head | k | v]. Here in_proj's rows are taken apart into
-[q | k | v | z] of this rank's heads at load time, so the conv input is one slice.
+Checkpoint layouts of the input projection (``projections``):
+- INTERLEAVED (Qwen3-Next): ``in_proj_qkvz`` holds, key head after key head, that
+  head's [q (Dk) | k (Dk) | v (r * Dv) | z (r * Dv)] for the r = Hv / Hk value heads it
+  serves; ``in_proj_ba`` likewise [b (r) | a (r)].
+- SPLIT (Qwen3.5): ``in_proj_qkv`` [q of every head | k | v], ``in_proj_z``,
+  ``in_proj_b`` and ``in_proj_a``, loaded into the two projections here under the
+  shard ids "qkv", "z", "b" and "a".
+Either way the rows are arranged at load time as [q | k | v | z] and [b | a] of this
+rank's heads, the conv channels' order ([q of every head | k | v]), so that the conv
+input is one slice of one matmul's output.
 
 Tensor parallelism splits the key heads across ranks, and with each key head its value
 heads: every piece of the layer (conv channels, A_log, dt_bias, the states) splits
@@ -26,9 +31,15 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import RowParallelLinear, copy_checked, divide, set_weight_loader
 from spindle.layers.mamba import gated_delta
 from spindle.layers.mamba.metadata import MambaMetadata
-from spindle.layers.mamba.mixer import (DepthwiseConvWeights, GatedRMSNorm, RowPiecesLinear,
-                                        _ops_for, _sharded_parameter, by_step_kind,
-                                        step_metadata)
+from spindle.layers.mamba.mixer import (DepthwiseConvWeights, GatedRMSNorm, RowPiece,
+                                        RowPiecesLinear, _ops_for, _sharded_parameter,
+                                        by_step_kind, step_metadata)
+
+
+INTERLEAVED, SPLIT = "interleaved", "split"
+# The split layout's checkpoint tensors: (our projection, shard id).
+SPLIT_PROJECTIONS = {"in_proj_qkv": ("in_proj_qkvz", "qkv"), "in_proj_z": ("in_proj_qkvz", "z"),
+                     "in_proj_b": ("in_proj_ba", "b"), "in_proj_a": ("in_proj_ba", "a")}
 
 
 class GatedDeltaNet(nn.Module):
@@ -42,8 +53,12 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, *, hidden_size: int, num_key_heads: int, num_value_heads: int,
                  key_head_dim: int, value_head_dim: int, conv_kernel: int, eps: float,
-                 tp_group: TensorParallelGroup, chunk_size: int = 64) -> None:
+                 tp_group: TensorParallelGroup, projections: str = INTERLEAVED,
+                 chunk_size: int = 64) -> None:
         super().__init__()
+        if projections not in (INTERLEAVED, SPLIT):
+            raise ValueError(f"projections must be {INTERLEAVED!r} or {SPLIT!r}, "
+                             f"got {projections!r}")
         if num_value_heads % num_key_heads != 0:
             raise ValueError(f"linear_num_value_heads ({num_value_heads}) must be a multiple "
                              f"of linear_num_key_heads ({num_key_heads})")
@@ -60,24 +75,22 @@ class GatedDeltaNet(nn.Module):
         self.value_width = self.num_value_heads * value_head_dim
         self.conv_channels = 2 * self.key_width + self.value_width
 
-        per_key = num_value_heads // num_key_heads
-        heads = range(rank * self.num_key_heads, (rank + 1) * self.num_key_heads)
-        head_rows = 2 * key_head_dim + 2 * per_key * value_head_dim
-        offsets = (0, key_head_dim, 2 * key_head_dim, 2 * key_head_dim + per_key * value_head_dim)
-        widths = (key_head_dim, key_head_dim, per_key * value_head_dim, per_key * value_head_dim)
-        self.in_proj_qkvz = RowPiecesLinear(hidden_size, [
-            (h * head_rows + offset, width) for offset, width in zip(offsets, widths)
-            for h in heads], bias=False)
-        self.in_proj_ba = RowPiecesLinear(hidden_size, [
-            (h * 2 * per_key + offset, per_key) for offset in (0, per_key) for h in heads],
-            bias=False)
         full_key = num_key_heads * key_head_dim
-        value_rows = (2 * full_key + rank * self.value_width, self.value_width)
-        self.conv1d = DepthwiseConvWeights(
-            [(rank * self.key_width, self.key_width),
-             (full_key + rank * self.key_width, self.key_width), value_rows],
-            conv_kernel, bias=False)
+        conv_rows = [(rank * self.key_width, self.key_width),
+                     (full_key + rank * self.key_width, self.key_width),
+                     (2 * full_key + rank * self.value_width, self.value_width)]
         value_heads = [(rank * self.num_value_heads, self.num_value_heads)]
+        if projections == INTERLEAVED:
+            qkvz_rows, ba_rows = _interleaved_rows(
+                range(rank * self.num_key_heads, (rank + 1) * self.num_key_heads),
+                num_value_heads // num_key_heads, key_head_dim, value_head_dim)
+        else:
+            z_rows = [(rank * self.value_width, self.value_width)]
+            qkvz_rows = {"qkv": conv_rows, "z": z_rows}
+            ba_rows = {"b": value_heads, "a": value_heads}
+        self.in_proj_qkvz = RowPiecesLinear(hidden_size, qkvz_rows, bias=False)
+        self.in_proj_ba = RowPiecesLinear(hidden_size, ba_rows, bias=False)
+        self.conv1d = DepthwiseConvWeights(conv_rows, conv_kernel, bias=False)
         self.A_log = _sharded_parameter(value_heads)
         self.dt_bias = _sharded_parameter(value_heads)
         # One weight [Dv] for every value head, stored tiled so the gated norm's kernel
@@ -136,6 +149,19 @@ class GatedDeltaNet(nn.Module):
                 f"conv={self.conv_kernel} (per rank), tp_size={self.tp_group.size}")
 
 
+def _interleaved_rows(heads: range, per_key: int, key_dim: int, value_dim: int
+                      ) -> tuple[list[RowPiece], list[RowPiece]]:
+    """The rows of Qwen3-Next's in_proj_qkvz and in_proj_ba that the key heads hold, as
+    [q of each head | k | v | z] and [b | a]."""
+    head_rows = 2 * key_dim + 2 * per_key * value_dim
+    offsets = (0, key_dim, 2 * key_dim, 2 * key_dim + per_key * value_dim)
+    widths = (key_dim, key_dim, per_key * value_dim, per_key * value_dim)
+    qkvz = [(h * head_rows + offset, width) for offset, width in zip(offsets, widths)
+            for h in heads]
+    ba = [(h * 2 * per_key + offset, per_key) for offset in (0, per_key) for h in heads]
+    return qkvz, ba
+
+
 def delta_ops_for(x: torch.Tensor) -> Any:
     """The gated delta rule's ops: torch on the CPU; on CUDA the Triton decode step
     and the torch prefill (gated_delta_triton.py)."""
@@ -157,9 +183,10 @@ def tiled_loader(copies: int):
     return load
 
 
-def gated_delta_net(hf_config: Any, tp_group: TensorParallelGroup) -> GatedDeltaNet:
-    """The layer of a Qwen3-Next config's ``linear_*`` fields."""
-    return GatedDeltaNet(
+def gated_delta_net(hf_config: Any, tp_group: TensorParallelGroup,
+                    projections: str = INTERLEAVED) -> GatedDeltaNet:
+    """The layer of a Qwen3-Next or Qwen3.5 config's ``linear_*`` fields."""
+    return GatedDeltaNet(projections=projections,
         hidden_size=hf_config.hidden_size, num_key_heads=hf_config.linear_num_key_heads,
         num_value_heads=hf_config.linear_num_value_heads,
         key_head_dim=hf_config.linear_key_head_dim,

@@ -16,7 +16,7 @@ forward context (``for_group(self.cache_group)``) and its states from ``kv_cache
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -172,16 +172,21 @@ class MambaMixer(nn.Module):
 class RowPiecesLinear(nn.Module):
     """A column-parallel linear layer whose rank-local rows are pieces of the full
     checkpoint weight (any rows, in order), so that replicated and sharded
-    sub-projections can share one matmul."""
+    sub-projections can share one matmul. rows may also map shard ids to pieces: the
+    weight is then the pieces of several checkpoint tensors, one after the other in
+    the mapping's order, each loaded with its shard id."""
 
-    def __init__(self, input_size: int, rows: Sequence[RowPiece], bias: bool) -> None:
+    def __init__(self, input_size: int,
+                 rows: Sequence[RowPiece] | Mapping[Any, Sequence[RowPiece]], bias: bool
+                 ) -> None:
         super().__init__()
-        output_size = sum(n for _, n in rows)
+        sources = dict(rows) if isinstance(rows, Mapping) else {None: rows}
+        output_size = sum(n for pieces in sources.values() for _, n in pieces)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        set_weight_loader(self.weight, rows_loader(rows))
+        set_weight_loader(self.weight, sources_loader(sources), list(sources))
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            set_weight_loader(self.bias, rows_loader(rows))
+            set_weight_loader(self.bias, sources_loader(sources), list(sources))
         else:
             self.register_parameter("bias", None)
         self.register_buffer("split_counters", new_split_counters(output_size), persistent=False)
@@ -351,6 +356,26 @@ def rows_loader(rows: Sequence[RowPiece], squeeze_dim: int | None = None) -> Cal
             raise ValueError(f"checkpoint tensor has {loaded.shape[0]} rows, this rank's "
                              f"pieces need {end}")
         copy_checked(param.data, torch.cat([loaded.narrow(0, s, n) for s, n in rows]))
+
+    return load
+
+
+def sources_loader(sources: Mapping[Any, Sequence[RowPiece]]) -> Callable:
+    """A weight_loader taking, for each shard id, the given rows of that checkpoint
+    tensor into the parameter's rows after the earlier shard ids' (one source under
+    shard id None: rows_loader)."""
+    if list(sources) == [None]:
+        return rows_loader(sources[None])
+    starts, start = {}, 0
+    for shard_id, pieces in sources.items():
+        starts[shard_id] = (start, sum(n for _, n in pieces))
+        start += starts[shard_id][1]
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id not in sources:
+            raise ValueError(f"shard id {shard_id!r} is none of {list(sources)}")
+        first, count = starts[shard_id]
+        rows_loader(sources[shard_id])(param.data.narrow(0, first, count), loaded)
 
     return load
 
