@@ -65,16 +65,18 @@ def _metadata(lens, slots, has_init):
                          query_start_loc_cpu=qsl)
 
 
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("key_heads,value_heads,key_dim,value_dim,chunk", [
     (2, 2, 16, 8, 8), (1, 3, 8, 16, 5), (2, 6, 16, 8, 64)])
 def test_prefill_equals_the_token_by_token_rule(key_heads, value_heads, key_dim, value_dim,
-                                                chunk):
+                                                chunk, batched):
+    """Both evaluations: request by request (the CPU's) and all chunks batched (CUDA's)."""
     lens, slots, has_init = [1, 4, 19, 7], [3, 0, 5, -1], [True, False, True, False]
     x = _inputs(sum(lens), key_heads, value_heads, key_dim, value_dim, seed=chunk)
     state = torch.randn(NUM_SLOTS, value_heads, key_dim, value_dim)
     before = state.clone()
     out = gated_delta.gated_delta_prefill(**x, state=state, md=_metadata(lens, slots, has_init),
-                                          chunk_size=chunk)
+                                          chunk_size=chunk, batched=batched)
     start = 0
     for n, slot, init in zip(lens, slots, has_init):
         rows = slice(start, start + n)

@@ -45,15 +45,35 @@ L2_EPS = 1e-6
 def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                         b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                         state: torch.Tensor | None, md: MambaMetadata,
-                        chunk_size: int = 64) -> torch.Tensor:
+                        chunk_size: int = 64, batched: bool | None = None) -> torch.Tensor:
     """Each request's tokens: q/k [T, Hk, Dk], v [T, Hv, Dv], a/b [T, Hv] (raw, before
     the decay and beta), A_log/dt_bias [Hv] -> o [T, Hv, Dv]. The initial state is
     state[slot] ([Hv, Dk, Dv]) when has_initial_state[i], else zeros; the final state
     is written back to the slot (state None: zeros, nothing stored). Rows past the last
-    request are 0."""
+    request are 0.
+
+    Two evaluations of the same chunks (batched: default on CUDA):
+    - by request (the CPU's): request after request, chunk after chunk, the state
+      entering each chunk known, so each chunk solves for its writes directly. Its
+      state stays in cache; measured on the 2-core CPU machine it is 1.5-5x faster
+      than the batched form (which solves for twice the columns and streams every
+      request's state several times).
+    - batched: every chunk of every request is one batch entry (padded to the longest
+      chunk with tokens that neither decay nor write: g = 0, beta = 0, k = 0). The
+      systems are solved before any state is known, for the writes as values minus
+      keys times the entering state; only the state's passage from one chunk to the
+      next loops, once per chunk position, over all requests at once: a few dozen
+      launches a layer instead of a few dozen per chunk."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     _check_shapes(q, k, v, a, b, A_log, dt_bias)
+    if batched is None:
+        batched = v.is_cuda
+    run = _prefill_batched if batched else _prefill_by_request
+    return run(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size)
+
+
+def _prefill_by_request(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size) -> torch.Tensor:
     qf, kf = _expanded_unit_qk(q, k, v.shape[1])
     g, beta = _decay_and_beta(a, b, A_log, dt_bias)
     num_heads, key_dim, value_dim = v.shape[1], q.shape[2], v.shape[2]
@@ -72,6 +92,42 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: to
                                    g[c0:c1], beta[c0:c1], s)
         if state is not None and slot >= 0:
             state[slot] = s.to(state.dtype)
+    return out
+
+
+def _prefill_batched(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size) -> torch.Tensor:
+    out = torch.zeros_like(v)
+    plan = _ChunkPlan(md, chunk_size, v.device)
+    if plan.num_chunks == 0:
+        return out
+    qf, kf = _expanded_unit_qk(q, k, v.shape[1])
+    g, beta = _decay_and_beta(a, b, A_log, dt_bias)
+    # [chunks, H, L, ...]: the chunks' tokens, head-major.
+    qc, kc, vc = (plan.gather(x).permute(0, 2, 1, 3) for x in (qf, kf, v.float()))
+    gc, bc = (plan.gather(x).transpose(1, 2) for x in (g, beta))
+    G = torch.cumsum(gc, dim=-1)
+    rows = torch.arange(plan.length, device=v.device)
+    decay = torch.exp((G[..., :, None] - G[..., None, :])
+                      .masked_fill(rows[:, None] < rows[None, :], float("-inf")))
+    system = (bc[..., None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(
+        rows[:, None] <= rows[None, :], 0.0) + torch.eye(plan.length, device=v.device)
+    # A chunk's writes are u = values - keys @ S0 for the state S0 entering it.
+    solved = torch.linalg.solve_triangular(
+        system, torch.cat([bc[..., None] * vc, (bc * torch.exp(G))[..., None] * kc], dim=-1),
+        upper=False, unitriangular=True)
+    values, keys = solved.split([vc.shape[-1], kc.shape[-1]], dim=-1)
+    scores = (qc @ kc.transpose(-1, -2)) * decay  # (the diagonal included)
+    q_decayed = torch.exp(G)[..., None] * qc
+    k_to_end = (torch.exp(G[..., -1:] - G)[..., None] * kc).transpose(-1, -2)
+    s = plan.initial_states(state, qf.shape[1], kf.shape[2], vc.shape[-1])
+    outputs = torch.empty_like(vc)
+    for chunks, reqs in plan.by_position():
+        s_in = s[reqs]
+        u = values[chunks] - keys[chunks] @ s_in
+        outputs[chunks] = q_decayed[chunks] @ s_in + scores[chunks] @ u
+        s[reqs] = torch.exp(G[chunks, :, -1])[..., None, None] * s_in + k_to_end[chunks] @ u
+    plan.scatter(outputs.permute(0, 2, 1, 3), out)
+    plan.store_states(s, state)
     return out
 
 
@@ -96,6 +152,73 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
 
 
 # ---------------------------------------------------------------------- helpers
+class _ChunkPlan:
+    """Where each request's chunks sit in the step: chunk c holds tokens
+    index[c, 0:L] (the step's row count past its last token: padding), chunk_req[c]
+    is its request, and chunks are listed request by request, in order."""
+
+    def __init__(self, md: MambaMetadata, chunk_size: int, device: torch.device) -> None:
+        starts, ends, chunk_req, position = [], [], [], []
+        reads, writes = [], []  # (request, slot) pairs
+        for req, start, end, slot, has_history in _requests(md):
+            if slot >= 0 and end > start:
+                writes.append((req, slot))
+                if has_history:
+                    reads.append((req, slot))
+            for j, c0 in enumerate(range(start, end, chunk_size)):
+                starts.append(c0)
+                ends.append(min(c0 + chunk_size, end))
+                chunk_req.append(req)
+                position.append(j)
+        self.num_tokens, self.num_chunks = md.num_tokens, len(starts)
+        self.num_reqs = md.num_reqs
+        self._reads, self._writes = (
+            torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).t().to(device)
+            for pairs in (reads, writes))
+        # (Chunks as long as the longest one: a step of short prefills pads less.)
+        self.length = max((e - s for s, e in zip(starts, ends)), default=0)
+        offsets = torch.arange(self.length)
+        index = torch.tensor(starts, dtype=torch.int64)[:, None] + offsets
+        index = torch.where(index < torch.tensor(ends)[:, None], index, md.num_tokens)
+        self.index = index.to(device)
+        chunk_req_t = torch.tensor(chunk_req, dtype=torch.int64)
+        position_t = torch.tensor(position, dtype=torch.int64)
+        self._positions = [((position_t == j).nonzero().squeeze(1).to(device),
+                            chunk_req_t[position_t == j].to(device))
+                           for j in range(int(position_t.max()) + 1 if position else 0)]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] -> [chunks, L, ...], zeros at padding."""
+        padded = torch.cat([x[:self.num_tokens], x.new_zeros((1, *x.shape[1:]))])
+        return padded[self.index]
+
+    def scatter(self, chunks: torch.Tensor, out: torch.Tensor) -> None:
+        """chunks [chunks, L, ...] back to their tokens' rows of out [T, ...]."""
+        flat, rows = chunks.flatten(0, 1), self.index.flatten()
+        keep = rows < self.num_tokens
+        out[rows[keep]] = flat[keep].to(out.dtype)
+
+    def by_position(self):
+        """(chunk ids, their requests) of each requests' j-th chunk, j = 0, 1, ..."""
+        return self._positions
+
+    def initial_states(self, state: torch.Tensor | None, heads: int, key_dim: int,
+                       value_dim: int) -> torch.Tensor:
+        """[requests, H, Dk, Dv] float32: the stored state of each request that has one,
+        else zeros."""
+        s = torch.zeros(self.num_reqs, heads, key_dim, value_dim, device=self.index.device)
+        if state is not None:
+            reqs, slots = self._reads
+            s[reqs] = state[slots].float()
+        return s
+
+    def store_states(self, s: torch.Tensor, state: torch.Tensor | None) -> None:
+        """Each request's final state into its slot (those with tokens and a slot)."""
+        if state is not None:
+            reqs, slots = self._writes
+            state[slots] = s[reqs].to(state.dtype)
+
+
 def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
            beta: torch.Tensor, s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of one request, float32: q/k [L, H, Dk] (per value head, normalised,

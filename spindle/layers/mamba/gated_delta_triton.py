@@ -1,7 +1,7 @@
 """The gated delta rule's decode step as a Triton kernel (CUDA), same signature and
 results as gated_delta.gated_delta_decode, against which it is tested. The prefill on
-CUDA is gated_delta.gated_delta_prefill (torch: a few matmuls and a triangular solve a
-chunk of 64 tokens), outside CUDA graphs."""
+CUDA is gated_delta.gated_delta_prefill (torch, every chunk of the step batched: a few
+dozen launches a layer), outside CUDA graphs."""
 
 from __future__ import annotations
 
