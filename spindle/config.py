@@ -841,10 +841,12 @@ def _load_hf_config(path: Path) -> Any:
     # transformers' AutoConfig, imported only now (hf_config.py).
     from spindle.hf_config import load_hf_config, read_config_json
 
+    from spindle.models.registry import text_model_config
+
     raw = read_config_json(path)
     if not raw.get("architectures"):
         raise ValueError(f"{path / 'config.json'} names no 'architectures'")
-    return load_hf_config(path, raw)
+    return text_model_config(load_hf_config(path, raw))
 
 
 def _resolve_quantization(name: str | None, fp8_checkpoint: Any, gguf_file: Path | None,

@@ -201,9 +201,12 @@ def _child_id(request_id: str, index: int, n: int) -> str:
 
 def _tokenizer_dir_config(config: EngineConfig) -> Any:
     """The HF config of the tokenizer's directory when it is the model's (AutoTokenizer
-    would read it again), else None."""
+    would read it again), else None (also where spindle serves the text model of an
+    image-text config: AutoTokenizer picks its class from the outer one)."""
     model = config.model
-    return model.hf_config if model.tokenizer == model.model else None
+    if model.tokenizer != model.model or getattr(model.hf_config, "text_model_of", None):
+        return None
+    return model.hf_config
 
 
 def eos_token_ids(config: EngineConfig, tokenizer: Any) -> set[int]:

@@ -7,6 +7,7 @@ nothing until it is loaded.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "spindle.models.llama:LlamaForCausalLM",
@@ -35,8 +36,34 @@ MODEL_REGISTRY: dict[str, str] = {
 }
 
 
+# Image-text architectures served as their text model: the text model's architecture.
+# Their config's text_config is the model's config; images are refused (no vision tower
+# is loaded).
+TEXT_MODEL_OF = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+
+
 def supported_architectures() -> list[str]:
-    return sorted(MODEL_REGISTRY)
+    return sorted([*MODEL_REGISTRY, *TEXT_MODEL_OF])
+
+
+def text_model_config(hf_config: Any) -> Any:
+    """The config spindle serves for hf_config: itself, or for an image-text
+    architecture (TEXT_MODEL_OF) its text_config under the text model's architecture
+    name, with the outer config's tie_word_embeddings and dtype, and ``text_model_of``
+    naming the outer architecture."""
+    outer = (getattr(hf_config, "architectures", None) or [None])[0]
+    if outer not in TEXT_MODEL_OF:
+        return hf_config
+    text = hf_config.text_config
+    text.architectures = [TEXT_MODEL_OF[outer]]
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(hf_config, "dtype", None)
+    text.text_model_of = outer
+    return text
 
 
 def model_kind(model_class: type) -> str:

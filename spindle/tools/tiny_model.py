@@ -177,6 +177,14 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     return {}
 WEIGHT_STD = 0.2
 TARGET_LOGIT_STD = 4.0
+# Image-text checkpoints whose text model an arch above is: (that arch, transformers'
+# config class, the architecture name). Their vision tower: one tiny block.
+IMAGE_TEXT_MODELS = {
+    "qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+}
+TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4,
+                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
@@ -195,8 +203,9 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
     top-1 probability ~0.47 on average). config_extra: further config fields of the
     architecture (sliding_window=8, attn_layer_indices=(1,), ...); tuples become lists.
     """
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    if arch not in ARCHITECTURES and arch not in IMAGE_TEXT_MODELS:
+        raise ValueError(f"arch must be one of {', '.join([*ARCHITECTURES, *IMAGE_TEXT_MODELS])}, "
+                         f"got {arch!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if num_shards < 1:
@@ -206,14 +215,18 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    config = _hf_config(arch, vocab_size=vocab_size, hidden_size=hidden_size,
+    text_arch = IMAGE_TEXT_MODELS.get(arch, (arch,))[0]
+    config = _hf_config(text_arch, vocab_size=vocab_size, hidden_size=hidden_size,
                         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         intermediate_size=intermediate_size,
                         max_position_embeddings=max_position_embeddings,
                         tie_word_embeddings=tie_word_embeddings, head_dim=head_dim,
-                        extra={**default_config_extra(arch, num_layers, num_heads, hidden_size),
-                               **config_extra})
-    model = build_model(config, seed, logit_std)
+                        extra={**default_config_extra(text_arch, num_layers, num_heads,
+                                                      hidden_size), **config_extra})
+    auto_class = "AutoModelForCausalLM"
+    if arch in IMAGE_TEXT_MODELS:
+        config, auto_class = _image_text_config(arch, config), "AutoModelForImageTextToText"
+    model = build_model(config, seed, logit_std, auto_class)
     config.dtype = dtype  # from_config rewrote it to the build dtype
     config.save_pretrained(out)
     _write_generation_config(out)
@@ -223,6 +236,20 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
 
 
 # ---------------------------------------------------------------------- config / weights
+def _image_text_config(arch: str, text_config: Any) -> Any:
+    """transformers' image-text config around text_config, with a one-block vision tower
+    (IMAGE_TEXT_MODELS); the head is tied or not as the text config says."""
+    import transformers
+
+    _, config_class, architecture = IMAGE_TEXT_MODELS[arch]
+    text = text_config.to_dict()
+    config = getattr(transformers, config_class)(
+        text_config=text, vision_config=dict(TINY_VISION, out_hidden_size=text["hidden_size"]),
+        tie_word_embeddings=text_config.tie_word_embeddings)
+    config.architectures = [architecture]
+    return config
+
+
 def _hf_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
                num_kv_heads: int, intermediate_size: int, max_position_embeddings: int,
                tie_word_embeddings: bool, head_dim: int | None,
@@ -245,15 +272,18 @@ def _hf_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int,
     return config
 
 
-def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD) -> torch.nn.Module:
-    """transformers' model for config, seeded, with the rescaled init (see module doc)."""
-    from transformers import AutoModelForCausalLM
+def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD,
+                auto_class: str = "AutoModelForCausalLM") -> torch.nn.Module:
+    """transformers' model for config (made by its auto_class), seeded, with the rescaled
+    init (see module doc)."""
+    import transformers
 
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG alone
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        model = getattr(transformers, auto_class).from_config(
+            config, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(seed + 1)
-    head_std = logit_std / math.sqrt(config.hidden_size)
+    head_std = logit_std / math.sqrt(config.get_text_config().hidden_size)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(NORM_WEIGHTS):
@@ -465,7 +495,8 @@ def _write_tokenizer(out: Path, vocab_size: int, max_length: int) -> None:
 # ---------------------------------------------------------------------- CLI
 def add_cli_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("out", help="Output directory.")
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama",
+    parser.add_argument("--arch", choices=sorted([*ARCHITECTURES, *IMAGE_TEXT_MODELS]),
+                        default="llama",
                         help="Architecture of the checkpoint.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random weights.")
     parser.add_argument("--vocab-size", type=int, default=512,
