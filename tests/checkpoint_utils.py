@@ -3,6 +3,7 @@ layouts) and compare what spindle generates from it."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -38,3 +39,24 @@ def spindle_greedy(path: Path, prompts: list[list[int]], max_new: int = 8
 
 def same_tokens(expected, got) -> bool:
     return [tokens for tokens, _ in expected] == [tokens for tokens, _ in got]
+
+
+def stacked_experts(tensors: Tensors, gate: str, up: str, down: str) -> Tensors:
+    """The hub's experts one by one (...feed_forward.experts.E.<gate|up|down>.weight) as
+    transformers' modules stack them (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]); the other tensors as they are."""
+    out: Tensors = {}
+    experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    pattern = re.compile(rf"(.*\.feed_forward\.experts)\.(\d+)\.({gate}|{up}|{down})\.weight$")
+    for name, tensor in tensors.items():
+        match = pattern.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = tensor
+    for stem, parts in experts.items():
+        count = 1 + max(e for e, _ in parts)
+        out[f"{stem}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[e, gate], parts[e, up]]) for e in range(count)])
+        out[f"{stem}.down_proj"] = torch.stack([parts[e, down] for e in range(count)])
+    return out

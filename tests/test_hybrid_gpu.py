@@ -1,6 +1,6 @@
-"""Hybrid (Bamba, NemotronH, GraniteMoeHybrid, FalconH1, LFM2, LFM2-MoE, Qwen3-Next, Qwen3.5)
-models
-on CUDA: the Triton Mamba2 and gated delta kernels, CUDA graphs for decode,
+"""Hybrid (Bamba, NemotronH, GraniteMoeHybrid, FalconH1, LFM2, LFM2-MoE, Qwen3-Next, Qwen3.5,
+Jamba) models
+on CUDA: the Triton Mamba2, gated delta and selective scan kernels, CUDA graphs for decode,
 state snapshots, against transformers on the CPU in float32 (the oracle the CPU tests
 use: spindle's CUDA run must give the same greedy tokens)."""
 
@@ -56,7 +56,8 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
                                         ("qwen3_next", "default"),
                                         ("qwen3_next", "odd-heads"),
                                         ("qwen3_5", "odd-heads"),
-                                        ("qwen3_5_moe", "groups2")])
+                                        ("qwen3_5_moe", "groups2"),
+                                        ("jamba", "default"), ("jamba", "odd-heads")])
 def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape):
     """NemotronH (attention without rotary, squared-ReLU MLPs and experts beside the
     Mamba2 layers; the experts through the fused MoE kernels' gate-less variant) and
@@ -66,7 +67,8 @@ def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape
     kernels without activation, attention with per-head q/k norms; LFM2-MoE's experts
     through the fused MoE kernels) and Qwen3-Next (the gated delta rule's Triton decode
     step and torch prefill, the conv kernels with SiLU, the per-head gated norm kernel,
-    gated attention, experts with a shared expert), decode in CUDA graphs."""
+    gated attention, experts with a shared expert) and Jamba (the selective scan's Triton
+    prefill and decode, attention without positions), decode in CUDA graphs."""
     path = tiny_model(arch, **SHAPES[arch][shape])
     prompts = prompts_for(seed=8)
     expected = hf_greedy(path, prompts, MAX_NEW)

@@ -1,7 +1,8 @@
 """Models with state-space layers (Bamba and Granite 4.0's GraniteMoeHybrid: Mamba2
 layers beside attention; NemotronH: Mamba2, attention and MLP layers each on its own;
 FalconH1: attention and Mamba2 side by side in every layer; LFM2 and LFM2-MoE: gated short
-convolutions beside attention; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet beside gated attention; Mamba2: nothing but
+convolutions beside attention; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet beside gated attention; Jamba: Mamba1
+beside attention; Mamba2: nothing but
 state-space layers, so a cache of state slots and no paged blocks) end to
 end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
 random checkpoints, in float32 on CPU, under the regimes that cut the work
@@ -118,6 +119,16 @@ SHAPES = {
                           linear_key_head_dim=8, linear_value_head_dim=8,
                           num_experts=6, num_experts_per_tok=3),
     },
+    # Jamba: Mamba1 layers (a state per channel, its own decay per state element; norms on
+    # dt, B and C), attention without positions, experts in every other layer.
+    "jamba": {
+        "default": {},
+        "groups2": dict(num_layers=3, tie_word_embeddings=True),
+        "odd-heads": dict(hidden_size=48, num_layers=4, num_heads=3, num_kv_heads=1,
+                          attn_layer_period=3, attn_layer_offset=0, expert_layer_offset=0,
+                          num_experts=3, mamba_d_state=8, mamba_d_conv=3, mamba_dt_rank=5,
+                          mamba_proj_bias=True, mamba_conv_bias=False),
+    },
     "mamba2": {
         "default": {},
         "groups2": dict(num_layers=3, n_groups=2, chunk_size=8),
@@ -227,7 +238,8 @@ def test_tensor_parallel_equals_transformers(reference, arch):
 @pytest.mark.parametrize("arch,level", [("bamba", 1), ("bamba", 2), ("nemotron_h", 2),
                                         ("granite_hybrid", 1), ("falcon_h1", 2),
                                         ("lfm2", 1), ("lfm2_moe", 2), ("qwen3_next", 1),
-                                        ("qwen3_5", 2), ("qwen3_5_moe", 1), ("mamba2", 2)])
+                                        ("qwen3_5", 2), ("qwen3_5_moe", 1), ("jamba", 1),
+                                        ("mamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):
     path, prompts, expected = reference(arch, "default")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -6,13 +6,12 @@ names of the experts, and what is refused."""
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from checkpoint_utils import rewritten_checkpoint, same_tokens, spindle_greedy
+from checkpoint_utils import (rewritten_checkpoint, same_tokens, spindle_greedy,
+                              stacked_experts)
 from test_generate_vs_hf import hf_greedy
 
 from spindle.distributed.parallel_state import TensorParallelGroup
@@ -67,18 +66,7 @@ def test_transformers_names_of_the_experts_load_too(tiny_model, tmp_path):
     """tiny_model writes the hub's experts one by one (experts.E.w1 / w3 / w2);
     transformers' own modules stack them (experts.gate_up_proj, experts.down_proj)."""
     def stacked(tensors):
-        out, experts = {}, {}
-        for name, tensor in tensors.items():
-            match = re.match(r"(.*\.feed_forward\.experts)\.(\d+)\.(w[123])\.weight$", name)
-            if match is None:
-                out[name] = tensor
-            else:
-                experts.setdefault(match[1], {})[(int(match[2]), match[3])] = tensor
-        for stem, parts in experts.items():
-            count = 1 + max(e for e, _ in parts)
-            out[f"{stem}.gate_up_proj"] = torch.stack(
-                [torch.cat([parts[e, "w1"], parts[e, "w3"]]) for e in range(count)])
-            out[f"{stem}.down_proj"] = torch.stack([parts[e, "w2"] for e in range(count)])
+        out = stacked_experts(tensors, "w1", "w3", "w2")
         assert "model.layers.1.feed_forward.experts.gate_up_proj" in out
         return out
 

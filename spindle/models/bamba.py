@@ -183,6 +183,9 @@ FeedForwardFactory = Callable[[Any, int, TensorParallelGroup], nn.Module]
 
 
 class BambaDecoderLayer(nn.Module):
+    # The state-space mixer of a non-attention layer (Jamba's: a Mamba1 mixer).
+    mixer_factory = staticmethod(make_mixer)
+
     def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
                  feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
         super().__init__()
@@ -192,7 +195,7 @@ class BambaDecoderLayer(nn.Module):
         if self.is_attention:
             self.self_attn = BambaAttention(hf_config, layout, tp_group)
         else:
-            self.mamba = make_mixer(hf_config, tp_group)
+            self.mamba = self.mixer_factory(hf_config, tp_group)
         self.feed_forward = feed_forward(hf_config, layer_idx, tp_group)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
         self.pre_ff_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)

@@ -21,6 +21,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma3ForCausalLM": "spindle.models.gemma:Gemma3ForCausalLM",
     "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",
     "FalconH1ForCausalLM": "spindle.models.falcon_h1:FalconH1ForCausalLM",
+    "JambaForCausalLM": "spindle.models.jamba:JambaForCausalLM",
     "GraniteMoeHybridForCausalLM": "spindle.models.granite_hybrid:GraniteMoeHybridForCausalLM",
     "Lfm2ForCausalLM": "spindle.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "spindle.models.lfm2:Lfm2MoeForCausalLM",

@@ -56,6 +56,7 @@ ARCHITECTURES = {
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "jamba": "JambaForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -70,6 +71,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "granite_hybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config",
                   "lfm2": "Lfm2Config", "lfm2_moe": "Lfm2MoeConfig",
                   "qwen3_next": "Qwen3NextConfig", "qwen3_5": "Qwen3_5TextConfig",
+                  "jamba": "JambaConfig",
                   "qwen3_5_moe": "Qwen3_5MoeTextConfig",
                   "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "phi3": "Phi3Config",
@@ -156,6 +158,12 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         if arch == "qwen3_next":
             fields.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
         return fields
+    if arch == "jamba":  # Mamba1 layers, attention in the middle layer, 4 experts (2 per
+        # token) in every other layer
+        return {"attn_layer_period": num_layers, "attn_layer_offset": num_layers // 2,
+                "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4,
+                "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4,
+                "mamba_expand": 2, "mamba_dt_rank": "auto"}
     if arch == "qwen3_moe":  # 4 experts of 32, 2 per token, every layer sparse
         return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
@@ -375,6 +383,12 @@ def checkpoint_tensors(model: torch.nn.Module):
     for name, tensor in model.state_dict().items():
         if arch == "granite_hybrid":
             yield _granite_hub_name(name), tensor
+            continue
+        if arch == "jamba":  # the hub's experts one by one (experts.E.gate_proj / ...)
+            from spindle.models.moe import stacked_experts_one_by_one
+
+            yield from stacked_experts_one_by_one([(name, tensor)], ".feed_forward.experts.",
+                                                  ("gate_proj", "up_proj", "down_proj"))
             continue
         if arch == "lfm2_moe":  # the hub's experts one by one (experts.E.w1 / w3 / w2)
             from spindle.models.lfm2 import experts_one_by_one
