@@ -1,13 +1,17 @@
-"""GPU throughput of a hybrid (Mamba2 + attention) model: a ~1B-parameter
-Bamba-shaped random bf16 checkpoint on the "nano" workload, and batch-1 decode.
+"""GPU throughput of a hybrid (state-space + attention) model: a ~1B-parameter random
+bf16 checkpoint on the "nano" workload, and batch-1 decode. --arch picks its shape:
+Bamba (Mamba2, the default), Qwen3.5 (Gated DeltaNet, dense) or Jamba (Mamba1, experts
+every other layer).
 
-The roofline counts what every decode step must read at least once: all weights, the
+The roofline counts what every decode step must read at least once: all weights (for
+Jamba's experts: all of them, so its bound is generous at small batches), the
 attention KV of every live sequence (only the attention layers have one), and every
-live sequence's Mamba state (conv + SSM state of each Mamba layer; the step also
-writes it back, which the bound leaves out, so the bound is generous). The copy
-bandwidth is measured in the same run.
+live sequence's state (each state layer's cache spec: conv + SSM or recurrent state;
+the step also writes it back, which the bound leaves out, so the bound is generous).
+The copy bandwidth is measured in the same run.
 
-    python benchmarks/hybrid_throughput.py [--json out.json] [--num-seqs 256]
+    python benchmarks/hybrid_throughput.py [--arch bamba|qwen3_5|jamba] [--json out.json]
+                                           [--num-seqs 256]
 """
 
 from __future__ import annotations
@@ -33,12 +37,36 @@ BAMBA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=4096, num_
                 pad_token_id=2)
 
 
-def write_bamba_checkpoint(out: Path, shape: dict) -> Path:
-    """transformers' own BambaForCausalLM with its random init, in bf16."""
-    from transformers import AutoModelForCausalLM, BambaConfig
+# Qwen3.5-shaped: Gated DeltaNet layers (16 key heads of 128 for 16 value heads of 128)
+# with gated attention every 4th layer, a dense MLP: 1.28B parameters.
+QWEN3_5_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144,
+                  num_hidden_layers=20, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                  tie_word_embeddings=False, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
+# Jamba-shaped: Mamba1 layers (state 16, 2x expansion), attention every 8th layer, 8
+# experts (2 per token) every other layer: 1.34B parameters.
+JAMBA_1B = dict(vocab_size=32000, hidden_size=1536, intermediate_size=3072,
+                num_hidden_layers=16, num_attention_heads=12, num_key_value_heads=4,
+                attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2,
+                expert_layer_offset=1, num_experts=8, num_experts_per_tok=2, mamba_d_state=16,
+                mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto",
+                tie_word_embeddings=False, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                bos_token_id=0, eos_token_id=1, pad_token_id=2)
+SHAPES = {"bamba": ("BambaConfig", "BambaForCausalLM", BAMBA_1B),
+          "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5_1B),
+          "jamba": ("JambaConfig", "JambaForCausalLM", JAMBA_1B)}
 
-    config = BambaConfig(**shape)
-    config.architectures = ["BambaForCausalLM"]
+
+def write_checkpoint(out: Path, arch: str) -> Path:
+    """transformers' own model of SHAPES[arch] with its random init, in bf16."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config_class, architecture, shape = SHAPES[arch]
+    config = getattr(transformers, config_class)(**shape)
+    config.architectures = [architecture]
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -49,18 +77,21 @@ def write_bamba_checkpoint(out: Path, shape: dict) -> Path:
     return out
 
 
-def state_bytes_per_sequence(shape: dict) -> int:
-    inner = shape["mamba_expand"] * shape["hidden_size"]
-    conv_dim = inner + 2 * shape["mamba_n_groups"] * shape["mamba_d_state"]
-    per_layer = (conv_dim * (shape["mamba_d_conv"] - 1)
-                 + shape["mamba_n_heads"] * shape["mamba_d_head"] * shape["mamba_d_state"])
-    mamba_layers = shape["num_hidden_layers"] - len(shape["attn_layer_indices"])
-    return mamba_layers * per_layer * 2
+def cache_bytes(model: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
+    """(KV bytes per token, state bytes per sequence) of model's layers, from the cache
+    spec each declares."""
+    from spindle.cache.spec import AttentionCacheSpec
 
-
-def kv_bytes_per_token(shape: dict) -> int:
-    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    return len(shape["attn_layer_indices"]) * 2 * shape["num_key_value_heads"] * head_dim * 2
+    kv_per_token = state_per_seq = 0
+    for module in model.modules():
+        if not hasattr(module, "cache_spec"):
+            continue
+        spec = module.cache_spec(dtype)
+        if isinstance(spec, AttentionCacheSpec):
+            kv_per_token += spec.block_bytes(1)
+        else:
+            state_per_seq += spec.slot_bytes()
+    return kv_per_token, state_per_seq
 
 
 def roofline_seconds(prompts, outputs, weight_bytes, kv_per_token, state_per_seq, bandwidth):
@@ -131,13 +162,14 @@ def run(args) -> dict:
 
     result: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "transformers": transformers.__version__,
-                    "triton": triton.__version__, "shape": BAMBA_1B}
+                    "triton": triton.__version__, "arch": args.arch,
+                    "shape": SHAPES[args.arch][2]}
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_TBps"] = bandwidth / 1e12
     flops = matmul_flops()
     result["matmul_TFLOPs"] = flops / 1e12
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_bamba_checkpoint(Path(tmp) / "bamba-1b-shape", BAMBA_1B)
+        path = write_checkpoint(Path(tmp) / f"{args.arch}-1b-shape", args.arch)
         start = time.perf_counter()
         llm = LLM(str(path), dtype="bfloat16", max_model_len=4096, max_num_seqs=args.num_seqs,
                   enable_prefix_caching=False, enforce_eager=args.enforce_eager)
@@ -147,7 +179,7 @@ def run(args) -> dict:
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         result["weight_bytes"] = weight_bytes
         result["params_b"] = sum(p.numel() for p in runner.model.parameters()) / 1e9
-        kv_per_token, state_per_seq = kv_bytes_per_token(BAMBA_1B), state_bytes_per_sequence(BAMBA_1B)
+        kv_per_token, state_per_seq = cache_bytes(runner.model, torch.bfloat16)
         result.update(kv_bytes_per_token=kv_per_token, state_bytes_per_seq=state_per_seq)
 
         result["batch1_tok_s"] = batch1_decode(llm)[0]
@@ -170,7 +202,8 @@ def run(args) -> dict:
                                  bandwidth)
         full_floor = full_floor_seconds(prompts, outputs, weight_bytes, kv_per_token,
                                         state_per_seq, bandwidth, flops,
-                                        matmul_params(result["params_b"] * 1e9, BAMBA_1B))
+                                        matmul_params(result["params_b"] * 1e9,
+                                                      SHAPES[args.arch][2]))
         result.update(full_floor_s=full_floor, ratio_to_full_floor=full_floor / seconds)
         result.update(nano_output_tokens=produced, nano_seconds=seconds,
                       nano_tok_s=produced / seconds, roofline_s=floor,
@@ -184,6 +217,8 @@ def run(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--arch", choices=sorted(SHAPES), default="bamba",
+                        help="the checkpoint's shape (default: bamba)")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--profile", action="store_true",
