@@ -153,9 +153,11 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
 
 # ---------------------------------------------------------------------- helpers
 class _ChunkPlan:
-    """Where each request's chunks sit in the step: chunk c holds tokens
-    index[c, 0:L] (the step's row count past its last token: padding), chunk_req[c]
-    is its request, and chunks are listed request by request, in order."""
+    """Where each request's chunks sit in the step: chunk c holds the tokens
+    index[c, 0:length] (the step's token count where it runs past its request's end:
+    padding); chunks are listed request by request, in order, and by_position() groups
+    them by their place in their request (first chunks, second chunks, ...), which is
+    the order the state passes through them."""
 
     def __init__(self, md: MambaMetadata, chunk_size: int, device: torch.device) -> None:
         starts, ends, chunk_req, position = [], [], [], []
