@@ -34,8 +34,8 @@ def inputs(lens: list[int], device: torch.device, seed: int = 0):
 
     tensors = dict(q=randn(tokens, KEY_HEADS, DIM), k=randn(tokens, KEY_HEADS, DIM),
                    v=randn(tokens, VALUE_HEADS, DIM), a=randn(tokens, VALUE_HEADS),
-                   b=randn(tokens, VALUE_HEADS),
-                   A_log=torch.rand(VALUE_HEADS, generator=g).to(device), dt_bias=randn(VALUE_HEADS))
+                   b=randn(tokens, VALUE_HEADS), dt_bias=randn(VALUE_HEADS),
+                   A_log=torch.rand(VALUE_HEADS, generator=g).to(device))
     qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     md = MambaMetadata(num_reqs=len(lens), num_tokens=tokens, query_start_loc=qsl.to(device),
                        state_indices=torch.arange(len(lens), dtype=torch.int32, device=device),

@@ -1,5 +1,5 @@
-"""The gated delta rule (spindle/layers/mamba/gated_delta.py, Qwen3-Next's linear
-attention) against transformers' token-by-token reference
+"""The gated delta rule (spindle/layers/mamba/gated_delta.py, the linear attention of
+Qwen3-Next, Qwen3.5 and OLMo Hybrid) against transformers' token-by-token reference
 (``torch_recurrent_gated_delta_rule``, run in float64), on fresh random inputs: packed
 requests of ragged lengths (one token, under a chunk, several chunks), some continuing a
 stored state, grouped heads (a key head serving several value heads), padding rows that
@@ -36,14 +36,15 @@ def _inputs(tokens, key_heads, value_heads, key_dim, value_dim, seed, device="cp
                 dt_bias=randn(value_heads).float())
 
 
-def _reference(x, rows, initial):
-    """transformers' recurrent rule over rows (a slice), float64, from initial [Hv, Dk, Dv]."""
+def _reference(x, rows, initial, beta_scale=1.0):
+    """transformers' recurrent rule over rows (a slice), float64, from initial [Hv, Dk, Dv]
+    (beta times beta_scale, as OLMo Hybrid's layer scales it before the rule)."""
     from transformers.models.qwen3_next.modeling_qwen3_next import (
         torch_recurrent_gated_delta_rule)
 
     d = {k: v.double() for k, v in x.items()}
     g = -d["A_log"].exp() * F.softplus(d["a"][rows] + d["dt_bias"])
-    beta = torch.sigmoid(x["b"][rows]).double()
+    beta = torch.sigmoid(x["b"][rows]).double() * beta_scale
     out, state = torch_recurrent_gated_delta_rule(
         d["q"][rows][None], d["k"][rows][None], d["v"][rows][None], g[None], beta[None],
         initial_state=initial.double()[None], output_final_state=True,
@@ -66,22 +67,23 @@ def _metadata(lens, slots, has_init):
 
 
 @pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("key_heads,value_heads,key_dim,value_dim,chunk", [
-    (2, 2, 16, 8, 8), (1, 3, 8, 16, 5), (2, 6, 16, 8, 64)])
+@pytest.mark.parametrize("key_heads,value_heads,key_dim,value_dim,chunk,beta_scale", [
+    (2, 2, 16, 8, 8, 1.0), (1, 3, 8, 16, 5, 2.0), (2, 6, 16, 8, 64, 1.0)])
 def test_prefill_equals_the_token_by_token_rule(key_heads, value_heads, key_dim, value_dim,
-                                                chunk, batched):
+                                                chunk, beta_scale, batched):
     """Both evaluations: request by request (the CPU's) and all chunks batched (CUDA's)."""
     lens, slots, has_init = [1, 4, 19, 7], [3, 0, 5, -1], [True, False, True, False]
     x = _inputs(sum(lens), key_heads, value_heads, key_dim, value_dim, seed=chunk)
     state = torch.randn(NUM_SLOTS, value_heads, key_dim, value_dim)
     before = state.clone()
     out = gated_delta.gated_delta_prefill(**x, state=state, md=_metadata(lens, slots, has_init),
-                                          chunk_size=chunk, batched=batched)
+                                          chunk_size=chunk, batched=batched,
+                                          beta_scale=beta_scale)
     start = 0
     for n, slot, init in zip(lens, slots, has_init):
         rows = slice(start, start + n)
         initial = before[slot] if init else torch.zeros_like(before[0])
-        ref_out, ref_state = _reference(x, rows, initial)
+        ref_out, ref_state = _reference(x, rows, initial, beta_scale)
         _close(out[rows], ref_out, f"output of the request at slot {slot}")
         if slot >= 0:
             _close(state[slot], ref_state, f"state of slot {slot}")
@@ -90,16 +92,18 @@ def test_prefill_equals_the_token_by_token_rule(key_heads, value_heads, key_dim,
         assert torch.equal(state[untouched], before[untouched])
 
 
-def test_decode_equals_the_token_by_token_rule():
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_decode_equals_the_token_by_token_rule(beta_scale):
     slots = [4, -1, 0, 2]
     x = _inputs(len(slots), 2, 4, 16, 8, seed=7)
     state = torch.randn(NUM_SLOTS, 4, 16, 8)
     before = state.clone()
     out = gated_delta.gated_delta_decode(**x, state=state,
-                                         state_indices=torch.tensor(slots, dtype=torch.int32))
+                                         state_indices=torch.tensor(slots, dtype=torch.int32),
+                                         beta_scale=beta_scale)
     for row, slot in enumerate(slots):
         initial = before[slot] if slot >= 0 else torch.zeros_like(before[0])
-        ref_out, ref_state = _reference(x, slice(row, row + 1), initial)
+        ref_out, ref_state = _reference(x, slice(row, row + 1), initial, beta_scale)
         _close(out[row], ref_out[0], f"row {row}")
         if slot >= 0:
             _close(state[slot], ref_state, f"state of slot {slot}")
@@ -138,11 +142,14 @@ def test_triton_decode_equals_torch(dtype, key_heads, value_heads, key_dim, valu
     state = torch.randn(NUM_SLOTS, value_heads, key_dim, value_dim)
     indices = torch.tensor(slots, dtype=torch.int32)
     expected_state = state.clone()
-    expected = gated_delta.gated_delta_decode(**x, state=expected_state, state_indices=indices)
+    beta_scale = 2.0 if value_heads % 2 else 1.0  # (OLMo's doubled beta in some cases)
+    expected = gated_delta.gated_delta_decode(**x, state=expected_state, state_indices=indices,
+                                              beta_scale=beta_scale)
     on_device = {k: v.to(DEVICE) for k, v in x.items()}
     got_state = state.to(DEVICE)
     got = gated_delta_triton.gated_delta_decode(**on_device, state=got_state,
-                                                state_indices=indices.to(DEVICE))
+                                                state_indices=indices.to(DEVICE),
+                                                beta_scale=beta_scale)
     tol = TOL if dtype == torch.float32 else 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(got.float().cpu(), expected.float(), atol=tol * scale, rtol=tol)

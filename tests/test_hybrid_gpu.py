@@ -1,5 +1,5 @@
 """Hybrid (Bamba, NemotronH, GraniteMoeHybrid, FalconH1, LFM2, LFM2-MoE, Qwen3-Next, Qwen3.5,
-Jamba) models
+OLMo Hybrid, Jamba) models
 on CUDA: the Triton Mamba2, gated delta and selective scan kernels, CUDA graphs for decode,
 state snapshots, against transformers on the CPU in float32 (the oracle the CPU tests
 use: spindle's CUDA run must give the same greedy tokens)."""
@@ -57,7 +57,8 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
                                         ("qwen3_next", "odd-heads"),
                                         ("qwen3_5", "odd-heads"),
                                         ("qwen3_5_moe", "groups2"),
-                                        ("jamba", "default"), ("jamba", "odd-heads")])
+                                        ("jamba", "default"), ("jamba", "odd-heads"),
+                                        ("olmo_hybrid", "default")])
 def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape):
     """NemotronH (attention without rotary, squared-ReLU MLPs and experts beside the
     Mamba2 layers; the experts through the fused MoE kernels' gate-less variant) and

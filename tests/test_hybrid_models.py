@@ -1,9 +1,10 @@
 """Models with state-space layers (Bamba and Granite 4.0's GraniteMoeHybrid: Mamba2
 layers beside attention; NemotronH: Mamba2, attention and MLP layers each on its own;
 FalconH1: attention and Mamba2 side by side in every layer; LFM2 and LFM2-MoE: gated short
-convolutions beside attention; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet beside gated attention; Jamba: Mamba1
-beside attention; Mamba2: nothing but
-state-space layers, so a cache of state slots and no paged blocks) end to
+convolutions beside attention; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet beside
+gated attention; OLMo Hybrid: Gated DeltaNet beside OLMo 3 attention; Jamba: Mamba1
+beside attention; Mamba2: nothing but state-space layers, so a cache of state slots and
+no paged blocks) end to
 end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
 random checkpoints, in float32 on CPU, under the regimes that cut the work
 differently (chunked prefill, prefix-cache hits served by state snapshots,
@@ -118,6 +119,17 @@ SHAPES = {
                           linear_num_key_heads=3, linear_num_value_heads=3,
                           linear_key_head_dim=8, linear_value_head_dim=8,
                           num_experts=6, num_experts_per_tok=3),
+    },
+    # OLMo Hybrid: Gated DeltaNet layers with separate projections and beta doubled (but
+    # odd-heads), pre-norm; OLMo 3 attention, post-norm, q/k normalised over their whole
+    # width, rotary (none in odd-heads, as the released checkpoints).
+    "olmo_hybrid": {
+        "default": {},
+        "groups2": dict(num_layers=3, tie_word_embeddings=True),
+        "odd-heads": dict(QWEN3_NEXT_ODD_HEADS, linear_allow_neg_eigval=False,
+                          layer_types=("full_attention", "linear_attention",
+                                       "linear_attention", "full_attention"),
+                          rope_parameters={"rope_type": "default", "rope_theta": None}),
     },
     # Jamba: Mamba1 layers (a state per channel, its own decay per state element; norms on
     # dt, B and C), attention without positions, experts in every other layer.
@@ -239,6 +251,7 @@ def test_tensor_parallel_equals_transformers(reference, arch):
                                         ("granite_hybrid", 1), ("falcon_h1", 2),
                                         ("lfm2", 1), ("lfm2_moe", 2), ("qwen3_next", 1),
                                         ("qwen3_5", 2), ("qwen3_5_moe", 1), ("jamba", 1),
+                                        ("olmo_hybrid", 2),
                                         ("mamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):
     path, prompts, expected = reference(arch, "default")

@@ -15,7 +15,8 @@ import torch
 
 from checkpoint_utils import rewritten_checkpoint, same_tokens, spindle_greedy
 from spindle import LLM
-from spindle.models.nemotron_h import NemotronHNorm, check_supported_config, layer_types
+from spindle.layers.norm import Float32WeightRMSNorm
+from spindle.models.nemotron_h import check_supported_config, layer_types
 from test_generate_vs_hf import hf_greedy
 
 
@@ -147,7 +148,8 @@ def test_norm_rounds_as_transformers(dtype):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(16, 64, generator=gen).to(dtype)
     weight = (1 + 0.5 * torch.randn(64, generator=gen)).to(dtype)
-    ours, theirs = NemotronHNorm(64, eps=1e-5).to(dtype), NemotronHRMSNorm(64, eps=1e-5).to(dtype)
+    ours = Float32WeightRMSNorm(64, eps=1e-5).to(dtype)
+    theirs = NemotronHRMSNorm(64, eps=1e-5).to(dtype)
     with torch.no_grad():
         ours.weight.copy_(weight)
         theirs.weight.copy_(weight)

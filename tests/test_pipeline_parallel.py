@@ -152,11 +152,13 @@ def generate_errors_in_thread(llm: LLM, wait: float) -> list[BaseException]:
 
 
 # Hybrids: FalconH1 has attention and a Mamba2 mixer in every layer, so each stage
-# holds both cache groups; a Bamba, a Qwen3-Next (Gated DeltaNet) and a Jamba (Mamba1)
+# holds both cache groups; a Bamba, a Qwen3-Next and an OLMo Hybrid (Gated DeltaNet) and
+# a Jamba (Mamba1)
 # with attention at layers 1 and 3 too, cut in two.
 HYBRID_CUTS = {"falcon_h1": {}, "bamba": dict(attn_layer_indices=(1, 3)),
                "qwen3_next": dict(layer_types=("linear_attention", "full_attention") * 2),
-               "jamba": dict(attn_layer_period=2, attn_layer_offset=1)}
+               "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+               "olmo_hybrid": dict(layer_types=("linear_attention", "full_attention") * 2)}
 
 
 @pytest.mark.parametrize("arch", list(HYBRID_CUTS))

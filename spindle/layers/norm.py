@@ -88,12 +88,22 @@ class RMSNorm(nn.Module):
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
 
 
-class GemmaRMSNorm(RMSNorm):
+class UnfusedRMSNorm(RMSNorm):
+    """An RMSNorm whose numerics differ from Llama's (a subclass's _norm), computed in
+    torch on every device (the fused kernels have Llama's): forward(x) -> y, or
+    forward(x, residual) -> (y, x + residual) as RMSNorm's."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._normalize(x)
+        summed = residual + x
+        return self._normalize(summed, x.dtype), summed
+
+
+class GemmaRMSNorm(UnfusedRMSNorm):
     """Gemma's RMSNorm: the weight is an offset from one, and the scaling happens in
     float32 before the one cast back (transformers' Gemma2RMSNorm; Qwen3-Next's norms
-    are the same). The weight loads as stored (zeros mean identity). Torch code on
-    every device (no fused kernel). forward(x) -> y, or forward(x, residual) ->
-    (y, x + residual) as RMSNorm's."""
+    are the same). The weight loads as stored (zeros mean identity)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
@@ -105,8 +115,12 @@ class GemmaRMSNorm(RMSNorm):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return (h * (1.0 + self.weight.float())).to(dtype or x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._normalize(x)
-        summed = residual + x
-        return self._normalize(summed, x.dtype), summed
+
+class Float32WeightRMSNorm(UnfusedRMSNorm):
+    """The weight multiplies the normalized rows in float32, then one cast back
+    (Llama's RMSNorm casts first): transformers' NemotronHRMSNorm and OLMo's."""
+
+    def _norm(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * h).to(dtype or x.dtype)

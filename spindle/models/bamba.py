@@ -36,11 +36,24 @@ from spindle.models.weights import load_named_weights, not_on_this_rank
 BAMBA_PARTIAL_ROTARY_FACTOR = 0.5
 
 
-def check_supported_config(hf_config: Any) -> None:
-    """Reject config features this implementation would silently get wrong."""
+def check_silu(hf_config: Any) -> None:
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+
+
+def check_layer_types(kinds: list[str], num_layers: int, known: set[str]) -> None:
+    """A hybrid's ``layer_types``: one per layer, each one of known."""
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types names {len(kinds)} layers, the model has {num_layers}")
+    unknown = sorted(set(kinds) - known)
+    if unknown:
+        raise ValueError(f"layer_types holds unknown layer types {unknown}")
+
+
+def check_supported_config(hf_config: Any) -> None:
+    """Reject config features this implementation would silently get wrong."""
+    check_silu(hf_config)
     inter = int(getattr(hf_config, "mamba_expand", 2) * hf_config.hidden_size)
     heads, head_dim = hf_config.mamba_n_heads, mamba_head_dim(hf_config)
     if heads * head_dim != inter:

@@ -21,16 +21,15 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.mamba.mamba1_mixer import jamba_mixer
 from spindle.layers.moe import SparseMoeBlock
-from spindle.models.bamba import BambaDecoderLayer, BambaForCausalLM, HybridLayout
+from spindle.models.bamba import (BambaDecoderLayer, BambaForCausalLM, HybridLayout,
+                                  check_silu)
 from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
 from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param, stacked_experts_one_by_one
 
 
 def check_supported_config(hf_config: Any) -> None:
     """Reject config features this implementation would silently get wrong."""
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    check_silu(hf_config)
     for name in ("attn_layer", "expert_layer"):
         period, offset = getattr(hf_config, f"{name}_period"), getattr(hf_config, f"{name}_offset")
         if not 0 <= offset < period:

@@ -24,7 +24,7 @@ from spindle.layers.mamba.short_conv import ShortConv
 from spindle.layers.moe import FusedExperts, Router
 from spindle.layers.norm import RMSNorm
 from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
-                                  HybridLayout)
+                                  HybridLayout, check_layer_types)
 from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
 from spindle.models.moe import (_MIXTRAL_EXPERT_PARTS, _expert_param,
                                 stacked_experts_one_by_one)
@@ -44,13 +44,7 @@ def layer_types(hf_config: Any) -> list[str]:
 
 def check_supported_config(hf_config: Any) -> None:
     """Reject config features this implementation would silently get wrong."""
-    kinds = layer_types(hf_config)
-    if len(kinds) != hf_config.num_hidden_layers:
-        raise ValueError(f"layer_types names {len(kinds)} layers, the model has "
-                         f"{hf_config.num_hidden_layers}")
-    unknown = sorted(set(kinds) - {ATTENTION, CONV})
-    if unknown:
-        raise ValueError(f"layer_types holds unknown layer types {unknown}")
+    check_layer_types(layer_types(hf_config), hf_config.num_hidden_layers, {ATTENTION, CONV})
 
 
 def mlp_width(hf_config: Any) -> int:

@@ -41,7 +41,7 @@ from spindle.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowP
                                    apply_linear, default_weight_loader, set_weight_loader)
 from spindle.layers.mamba.mixer import MambaMixer, time_step_limit
 from spindle.layers.moe import FusedExperts
-from spindle.layers.norm import RMSNorm
+from spindle.layers.norm import Float32WeightRMSNorm
 from spindle.models.causal_lm import DecoderForCausalLM, single_stage
 from spindle.models.llama import _to_param_name, head_dim_of
 from spindle.models.mamba2 import mamba2_mixer
@@ -99,22 +99,6 @@ def check_routing(hf_config: Any) -> None:
     if not 1 <= top_k <= reachable:
         raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..{reachable} (the "
                          "experts of the chosen groups)")
-
-
-class NemotronHNorm(RMSNorm):
-    """transformers' NemotronHRMSNorm: the weight multiplies the normalized rows in
-    float32, then one cast back (Llama's RMSNorm casts first). Torch code on every
-    device; forward(x) -> y only, the layers add their residual themselves."""
-
-    def _norm(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (self.weight.float() * h).to(dtype or x.dtype)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            raise ValueError("NemotronHNorm takes no residual")
-        return self._normalize(x)
 
 
 class NemotronHAttention(nn.Module):
@@ -235,7 +219,7 @@ MIXERS = {MAMBA: make_mixer, ATTENTION: NemotronHAttention, MLP: NemotronHMLP,
 class NemotronHBlock(nn.Module):
     def __init__(self, hf_config: Any, kind: str, tp_group: TensorParallelGroup) -> None:
         super().__init__()
-        self.norm = NemotronHNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
+        self.norm = Float32WeightRMSNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
         self.mixer = MIXERS[kind](hf_config, tp_group)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -249,7 +233,7 @@ class NemotronHModel(nn.Module):
                                                    tp_group=tp_group)
         self.layers = nn.ModuleList(NemotronHBlock(hf_config, kind, tp_group)
                                     for kind in layer_types(hf_config))
-        self.norm_f = NemotronHNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
+        self.norm_f = Float32WeightRMSNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,

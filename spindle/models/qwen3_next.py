@@ -40,7 +40,7 @@ from spindle.layers.mamba.gated_delta_net import (INTERLEAVED, SPLIT, SPLIT_PROJ
 from spindle.layers.moe import SparseMoeBlock
 from spindle.layers.norm import GemmaRMSNorm
 from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
-                                  HybridLayout, rotary_dim)
+                                  HybridLayout, check_layer_types, check_silu, rotary_dim)
 from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
 from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param, stacked_experts_one_by_one
 
@@ -49,16 +49,9 @@ ATTENTION, LINEAR = "full_attention", "linear_attention"
 
 def check_supported_config(hf_config: Any) -> None:
     """Reject config features this implementation would silently get wrong."""
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
-    kinds = list(hf_config.layer_types)
-    if len(kinds) != hf_config.num_hidden_layers:
-        raise ValueError(f"layer_types names {len(kinds)} layers, the model has "
-                         f"{hf_config.num_hidden_layers}")
-    unknown = sorted(set(kinds) - {ATTENTION, LINEAR})
-    if unknown:
-        raise ValueError(f"layer_types holds unknown layer types {unknown}")
+    check_silu(hf_config)
+    check_layer_types(list(hf_config.layer_types), hf_config.num_hidden_layers,
+                      {ATTENTION, LINEAR})
 
 
 def qwen3_next_layout(hf_config: Any) -> HybridLayout:

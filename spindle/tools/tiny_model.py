@@ -57,6 +57,7 @@ ARCHITECTURES = {
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "jamba": "JambaForCausalLM",
+    "olmo_hybrid": "OlmoHybridForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -71,7 +72,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "granite_hybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config",
                   "lfm2": "Lfm2Config", "lfm2_moe": "Lfm2MoeConfig",
                   "qwen3_next": "Qwen3NextConfig", "qwen3_5": "Qwen3_5TextConfig",
-                  "jamba": "JambaConfig",
+                  "jamba": "JambaConfig", "olmo_hybrid": "OlmoHybridConfig",
                   "qwen3_5_moe": "Qwen3_5MoeTextConfig",
                   "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "phi3": "Phi3Config",
@@ -142,6 +143,12 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "use_expert_bias": True, "norm_topk_prob": True,
                 "routed_scaling_factor": 1.5}
+    if arch == "olmo_hybrid":  # Gated DeltaNet layers, attention in the middle layer
+        kinds = ["linear_attention"] * num_layers
+        kinds[num_layers // 2] = "full_attention"
+        return {"layer_types": kinds, "linear_num_key_heads": 2,
+                "linear_num_value_heads": num_heads, "linear_key_head_dim": 16,
+                "linear_value_head_dim": hidden_size // num_heads, "linear_conv_kernel_dim": 4}
     if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet layers,
         # attention in the middle layer; (but Qwen3.5's dense MLP) 4 experts of 32, 2 per
         # token, and a shared one of 48 in every layer

@@ -45,12 +45,14 @@ L2_EPS = 1e-6
 def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                         b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                         state: torch.Tensor | None, md: MambaMetadata,
-                        chunk_size: int = 64, batched: bool | None = None) -> torch.Tensor:
+                        chunk_size: int = 64, batched: bool | None = None,
+                        beta_scale: float = 1.0) -> torch.Tensor:
     """Each request's tokens: q/k [T, Hk, Dk], v [T, Hv, Dv], a/b [T, Hv] (raw, before
     the decay and beta), A_log/dt_bias [Hv] -> o [T, Hv, Dv]. The initial state is
     state[slot] ([Hv, Dk, Dv]) when has_initial_state[i], else zeros; the final state
     is written back to the slot (state None: zeros, nothing stored). Rows past the last
-    request are 0.
+    request are 0. beta_scale: a factor on beta (OLMo's 2, which lets a step reverse
+    what the state holds).
 
     Two evaluations of the same chunks (batched: default on CUDA):
     - by request (the CPU's): request after request, chunk after chunk, the state
@@ -70,12 +72,13 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: to
     if batched is None:
         batched = v.is_cuda
     run = _prefill_batched if batched else _prefill_by_request
-    return run(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size)
+    return run(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size, beta_scale)
 
 
-def _prefill_by_request(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size) -> torch.Tensor:
+def _prefill_by_request(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size, beta_scale
+                        ) -> torch.Tensor:
     qf, kf = _expanded_unit_qk(q, k, v.shape[1])
-    g, beta = _decay_and_beta(a, b, A_log, dt_bias)
+    g, beta = _decay_and_beta(a, b, A_log, dt_bias, beta_scale)
     num_heads, key_dim, value_dim = v.shape[1], q.shape[2], v.shape[2]
     out = torch.zeros_like(v)
     for _, start, end, slot, has_history in _requests(md):
@@ -95,13 +98,14 @@ def _prefill_by_request(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size) ->
     return out
 
 
-def _prefill_batched(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size) -> torch.Tensor:
+def _prefill_batched(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size, beta_scale
+                     ) -> torch.Tensor:
     out = torch.zeros_like(v)
     plan = _ChunkPlan(md, chunk_size, v.device)
     if plan.num_chunks == 0:
         return out
     qf, kf = _expanded_unit_qk(q, k, v.shape[1])
-    g, beta = _decay_and_beta(a, b, A_log, dt_bias)
+    g, beta = _decay_and_beta(a, b, A_log, dt_bias, beta_scale)
     # [chunks, H, L, ...]: the chunks' tokens, head-major.
     qc, kc, vc = (plan.gather(x).permute(0, 2, 1, 3) for x in (qf, kf, v.float()))
     gc, bc = (plan.gather(x).transpose(1, 2) for x in (g, beta))
@@ -133,14 +137,15 @@ def _prefill_batched(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size) -> to
 
 def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                        b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                       state: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:
+                       state: torch.Tensor, state_indices: torch.Tensor,
+                       beta_scale: float = 1.0) -> torch.Tensor:
     """One step per request: q/k [B, Hk, Dk], v [B, Hv, Dv], a/b [B, Hv] -> o [B, Hv, Dv];
     state [S, Hv, Dk, Dv] updated in place at state_indices [B] (a negative index:
-    padding, zero state, no write)."""
+    padding, zero state, no write). beta_scale: as gated_delta_prefill's."""
     _check_shapes(q, k, v, a, b, A_log, dt_bias)
     _check_rows(v, state_indices)
     qf, kf = _expanded_unit_qk(q, k, v.shape[1])
-    g, beta = _decay_and_beta(a, b, A_log, dt_bias)
+    g, beta = _decay_and_beta(a, b, A_log, dt_bias, beta_scale)
     valid, slots = _slots(state_indices)
     s = state.index_select(0, slots).float()
     s = torch.where(valid[:, None, None, None], s, 0.0)  # [B, Hv, Dk, Dv]
@@ -258,11 +263,12 @@ def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
 
 
 def _decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-                    dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    dt_bias: torch.Tensor, beta_scale: float = 1.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, beta) in float32. beta is the sigmoid in b's own dtype, as transformers
-    computes it, before the rest goes to float32."""
+    computes it, before the rest goes to float32 (the scale is exact either way)."""
     g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
-    return g, torch.sigmoid(b).float()
+    return g, torch.sigmoid(b).float() * beta_scale
 
 
 def _check_shapes(q, k, v, a, b, A_log, dt_bias) -> None:

@@ -9,6 +9,8 @@ Checkpoint layouts of the input projection (``projections``):
 - SPLIT (Qwen3.5): ``in_proj_qkv`` [q of every head | k | v], ``in_proj_z``,
   ``in_proj_b`` and ``in_proj_a``, loaded into the two projections here under the
   shard ids "qkv", "z", "b" and "a".
+- SEPARATE (OLMo Hybrid): ``q_proj``, ``k_proj``, ``v_proj``, ``g_proj`` (z), ``b_proj``
+  and ``a_proj``, under the shard ids "q", "k", "v", "z", "b" and "a".
 Either way the rows are arranged at load time as [q | k | v | z] and [b | a] of this
 rank's heads, the conv channels' order ([q of every head | k | v]), so that the conv
 input is one slice of one matmul's output.
@@ -36,10 +38,13 @@ from spindle.layers.mamba.mixer import (DepthwiseConvWeights, GatedRMSNorm, RowP
                                         by_step_kind, step_metadata)
 
 
-INTERLEAVED, SPLIT = "interleaved", "split"
-# The split layout's checkpoint tensors: (our projection, shard id).
+INTERLEAVED, SPLIT, SEPARATE = "interleaved", "split", "separate"
+# The split and separate layouts' checkpoint tensors: (our projection, shard id).
 SPLIT_PROJECTIONS = {"in_proj_qkv": ("in_proj_qkvz", "qkv"), "in_proj_z": ("in_proj_qkvz", "z"),
                      "in_proj_b": ("in_proj_ba", "b"), "in_proj_a": ("in_proj_ba", "a")}
+SEPARATE_PROJECTIONS = {"q_proj": ("in_proj_qkvz", "q"), "k_proj": ("in_proj_qkvz", "k"),
+                        "v_proj": ("in_proj_qkvz", "v"), "g_proj": ("in_proj_qkvz", "z"),
+                        "b_proj": ("in_proj_ba", "b"), "a_proj": ("in_proj_ba", "a")}
 
 
 class GatedDeltaNet(nn.Module):
@@ -54,11 +59,13 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, *, hidden_size: int, num_key_heads: int, num_value_heads: int,
                  key_head_dim: int, value_head_dim: int, conv_kernel: int, eps: float,
                  tp_group: TensorParallelGroup, projections: str = INTERLEAVED,
-                 chunk_size: int = 64) -> None:
+                 beta_scale: float = 1.0, chunk_size: int = 64) -> None:
+        """eps: the output norm's; beta_scale: a factor on beta (OLMo's
+        ``linear_allow_neg_eigval``: 2)."""
         super().__init__()
-        if projections not in (INTERLEAVED, SPLIT):
-            raise ValueError(f"projections must be {INTERLEAVED!r} or {SPLIT!r}, "
-                             f"got {projections!r}")
+        if projections not in (INTERLEAVED, SPLIT, SEPARATE):
+            raise ValueError(f"projections must be one of {INTERLEAVED!r}, {SPLIT!r}, "
+                             f"{SEPARATE!r}, got {projections!r}")
         if num_value_heads % num_key_heads != 0:
             raise ValueError(f"linear_num_value_heads ({num_value_heads}) must be a multiple "
                              f"of linear_num_key_heads ({num_key_heads})")
@@ -71,6 +78,7 @@ class GatedDeltaNet(nn.Module):
         self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
         self.conv_kernel = conv_kernel
         self.chunk_size = chunk_size
+        self.beta_scale = float(beta_scale)
         self.key_width = self.num_key_heads * key_head_dim
         self.value_width = self.num_value_heads * value_head_dim
         self.conv_channels = 2 * self.key_width + self.value_width
@@ -86,7 +94,9 @@ class GatedDeltaNet(nn.Module):
                 num_value_heads // num_key_heads, key_head_dim, value_head_dim)
         else:
             z_rows = [(rank * self.value_width, self.value_width)]
-            qkvz_rows = {"qkv": conv_rows, "z": z_rows}
+            qkvz_rows = ({"qkv": conv_rows, "z": z_rows} if projections == SPLIT else
+                         {"q": conv_rows[:1], "k": [(rank * self.key_width, self.key_width)],
+                          "v": [(rank * self.value_width, self.value_width)], "z": z_rows})
             ba_rows = {"b": value_heads, "a": value_heads}
         self.in_proj_qkvz = RowPiecesLinear(hidden_size, qkvz_rows, bias=False)
         self.in_proj_ba = RowPiecesLinear(hidden_size, ba_rows, bias=False)
@@ -124,13 +134,15 @@ class GatedDeltaNet(nn.Module):
                    slots: torch.Tensor) -> torch.Tensor:
             qkv = conv_ops.causal_conv1d_decode(qkv, self.conv1d.weight, None, states[0], slots)
             return delta_ops.gated_delta_decode(*self._split_qkv(qkv), a, b, self.A_log,
-                                                self.dt_bias, states[1], slots)
+                                                self.dt_bias, states[1], slots,
+                                                beta_scale=self.beta_scale)
 
         def prefill(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     md: MambaMetadata) -> torch.Tensor:
             qkv = conv_ops.causal_conv1d_prefill(qkv, self.conv1d.weight, None, states[0], md)
             return delta_ops.gated_delta_prefill(*self._split_qkv(qkv), a, b, self.A_log,
-                                                 self.dt_bias, states[1], md, self.chunk_size)
+                                                 self.dt_bias, states[1], md, self.chunk_size,
+                                                 beta_scale=self.beta_scale)
 
         y = by_step_kind(md, self.kv_cache is not None, (qkv, a, b), decode, prefill)
         y = self.norm(y.reshape(num_tokens, self.value_width), z)
@@ -184,13 +196,13 @@ def tiled_loader(copies: int):
 
 
 def gated_delta_net(hf_config: Any, tp_group: TensorParallelGroup,
-                    projections: str = INTERLEAVED) -> GatedDeltaNet:
-    """The layer of a Qwen3-Next or Qwen3.5 config's ``linear_*`` fields."""
-    return GatedDeltaNet(projections=projections,
+                    projections: str = INTERLEAVED, **options: Any) -> GatedDeltaNet:
+    """The layer of a config's ``linear_*`` fields (Qwen3-Next, Qwen3.5, OLMo Hybrid);
+    options: further GatedDeltaNet arguments, or its eps (default rms_norm_eps)."""
+    fields = dict(
         hidden_size=hf_config.hidden_size, num_key_heads=hf_config.linear_num_key_heads,
         num_value_heads=hf_config.linear_num_value_heads,
         key_head_dim=hf_config.linear_key_head_dim,
         value_head_dim=hf_config.linear_value_head_dim,
-        conv_kernel=hf_config.linear_conv_kernel_dim, eps=hf_config.rms_norm_eps,
-        tp_group=tp_group)
-
+        conv_kernel=hf_config.linear_conv_kernel_dim, eps=hf_config.rms_norm_eps)
+    return GatedDeltaNet(**{**fields, **options}, projections=projections, tp_group=tp_group)

@@ -19,10 +19,12 @@ gated_delta_prefill = gated_delta.gated_delta_prefill
 
 def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                        b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                       state: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:
+                       state: torch.Tensor, state_indices: torch.Tensor,
+                       beta_scale: float = 1.0) -> torch.Tensor:
     """One step per request: q/k [B, Hk, Dk], v [B, Hv, Dv], a/b [B, Hv] -> o [B, Hv, Dv];
     state [S, Hv, Dk, Dv] updated in place at state_indices [B] (a negative index:
-    padding, state neither read nor written). One launch, CUDA-graph safe."""
+    padding, state neither read nor written); beta_scale: a factor on beta. One launch,
+    CUDA-graph safe."""
     gated_delta._check_shapes(q, k, v, a, b, A_log, dt_bias)
     gated_delta._check_rows(v, state_indices)
     num_reqs, value_heads, value_dim = v.shape
@@ -37,7 +39,8 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     _decode_kernel[(num_reqs, value_heads, triton.cdiv(value_dim, block_v))](
         q, k, v, a, b, A_log, dt_bias, state, state_indices, out, key_dim, value_dim,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *state.stride(),
-        *out.stride(), L2_EPS, key_dim ** -0.5, VALUES_PER_KEY=value_heads // key_heads,
+        *out.stride(), L2_EPS, key_dim ** -0.5, float(beta_scale),
+        VALUES_PER_KEY=value_heads // key_heads,
         BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v, num_warps=4,
         **pdl.kernel_args(v.device, num_reqs))
     return out
@@ -49,7 +52,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, st
                    q_stride_b, q_stride_h, q_stride_d, k_stride_b, k_stride_h, k_stride_d,
                    v_stride_b, v_stride_h, v_stride_d, a_stride_b, a_stride_h,
                    b_stride_b, b_stride_h, s_stride_s, s_stride_h, s_stride_k, s_stride_v,
-                   o_stride_b, o_stride_h, o_stride_d, l2_eps, q_scale,
+                   o_stride_b, o_stride_h, o_stride_d, l2_eps, q_scale, beta_scale,
                    VALUES_PER_KEY: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """One program per (request, value head, block of value features): the state
@@ -80,7 +83,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, st
     a = tl.load(a_ptr + req * a_stride_b + head * a_stride_h).to(tl.float32)
     # beta = sigmoid(b) in b's own dtype, as the torch op (and transformers) computes it.
     b_raw = tl.load(b_ptr + req * b_stride_b + head * b_stride_h)
-    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32) * beta_scale
     step = softplus(a + tl.load(dt_bias_ptr + head).to(tl.float32))
     g = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32)) * step
 
