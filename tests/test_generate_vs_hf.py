@@ -12,7 +12,9 @@ import torch
 
 from spindle import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "phi3"]  # (phi3: fused qkv and gate_up tensors)
+# (phi3: fused qkv and gate_up tensors; olmo2: post-norm layers, q/k normalised over their
+# whole width)
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "olmo2"]
 MAX_NEW = 20
 PROMPT_LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 128, 150, 200, 257, 300]
 LOGPROB_TOL = 1e-4

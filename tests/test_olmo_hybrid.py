@@ -1,6 +1,8 @@
 """OLMo Hybrid specifics beyond the end-to-end checks of test_hybrid_models.py (three
 tiny shapes against transformers: rotary or none, beta doubled or not, attention first,
-tensor and pipeline parallelism): what is refused, and when there is a rotary."""
+tensor and pipeline parallelism): what is refused, and when there is a rotary; and OLMo 2
+(its attention layers alone; test_generate_vs_hf.py runs it through the dense
+decoders' regimes) under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -8,6 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from checkpoint_utils import same_tokens
+from test_generate_vs_hf import hf_greedy
+
+from spindle import LLM, SamplingParams
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.models.olmo_hybrid import OlmoAttention, check_supported_config, olmo_hybrid_layout
 
@@ -47,3 +53,17 @@ def test_key_heads_replicated_across_ranks_are_refused():
                                          r"the tensor parallel size \(4\)"):
         OlmoAttention(config, olmo_hybrid_layout(config), group)
     OlmoAttention(config, olmo_hybrid_layout(config), TensorParallelGroup.single())
+
+
+def test_olmo2_under_tensor_parallelism_equals_transformers(tiny_model):
+    """OLMo 2 (every layer OLMo's attention): the whole-width q/k norms all-reduce their
+    sums of squares across the two ranks."""
+    path = tiny_model("olmo2", num_layers=3)
+    prompts = [[5, 6, 7], list(range(10, 60))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(path), dtype="float32", device="cpu", max_model_len=128,
+             tensor_parallel_size=2) as llm:
+        assert llm.engine.config.model.model_kind == "decoder"
+        got = [(list(o.outputs[0].token_ids), None) for o in llm.generate(prompts, params,
+                                                                          use_tqdm=False)]
+    assert same_tokens(hf_greedy(path, prompts, 8), got)

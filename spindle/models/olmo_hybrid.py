@@ -182,3 +182,20 @@ class OlmoHybridForCausalLM(BambaForCausalLM):
         if hf_name.startswith("model.norm."):
             hf_name = hf_name.replace("model.norm.", "model.final_layernorm.", 1)
         return super()._skip_checkpoint_tensor(hf_name)
+
+
+def olmo2_layout(hf_config: Any) -> HybridLayout:
+    """Every layer attends, with a rotary of the whole head."""
+    head_dim = head_dim_of(hf_config)
+    return HybridLayout(attention_layers=frozenset(range(hf_config.num_hidden_layers)),
+                        rotary_dim=head_dim, attention_scale=head_dim ** -0.5,
+                        norm_class=Float32WeightRMSNorm)
+
+
+class Olmo2ForCausalLM(OlmoHybridForCausalLM):
+    """OLMo 2: OLMo Hybrid's attention layers alone (post-norm, q/k normalised over
+    their whole width, a rotary of the whole head), so an attention-only decoder."""
+
+    model_kind = "decoder"
+    check_config = staticmethod(check_silu)
+    layout = staticmethod(olmo2_layout)
