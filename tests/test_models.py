@@ -341,8 +341,8 @@ def test_rope_parameters_old_and_new_config_styles():
                                                 "original_max_position_embeddings": 16})
     assert rope_parameters_from_config(new) == rope_parameters_from_config(old)
     assert rope_parameters_from_config(older)["rope_type"] == "llama3"
-    with pytest.raises(ValueError, match="yarn"):
-        RotaryEmbedding(16, 64, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(ValueError, match="longrope"):
+        RotaryEmbedding(16, 64, {"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0})
 
 
 def test_llama3_rope_matches_transformers():
@@ -357,6 +357,52 @@ def test_llama3_rope_matches_transformers():
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, None)
     got = compute_inv_freq(32, rope_parameters_from_config(config))
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"factor": 4.0, "original_max_position_embeddings": 512},  # (Qwen3's long context)
+    {"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2,
+     "truncate": False},
+    {"factor": 40.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+     "mscale_all_dim": 0.707},
+    {"factor": 8.0, "original_max_position_embeddings": 256, "attention_factor": 1.2079},
+    {"factor": None, "original_max_position_embeddings": 512},  # (from the two lengths)
+])
+def test_yarn_rope_matches_transformers(rope_parameters):
+    """The frequencies and the attention factor on the cos/sin table, exactly."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from spindle.layers.rotary import attention_scaling
+
+    config = Qwen3Config(hidden_size=64, num_attention_heads=2, head_dim=32,
+                         max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                          **rope_parameters})
+    expected, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, None)
+    params = rope_parameters_from_config(config)
+    torch.testing.assert_close(compute_inv_freq(32, params), expected, atol=0, rtol=0)
+    assert attention_scaling(params) == scaling
+    table = RotaryEmbedding(32, 2048, params)
+    positions = torch.arange(2048, dtype=torch.float32)[:, None] * expected[None, :]
+    torch.testing.assert_close(table.cos_cache[:, :16], positions.cos() * scaling,
+                               atol=0, rtol=0)
+
+
+def test_a_yarn_model_equals_transformers_past_its_original_context(tiny_model):
+    """Qwen3 with YaRN (factor 4 over an original context of 32 positions): greedy
+    tokens and log-probs stay transformers' on prompts up to 70 tokens."""
+    from checkpoint_utils import spindle_greedy
+    from test_generate_vs_hf import LOGPROB_TOL, hf_greedy
+
+    path = tiny_model("qwen3", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 32})
+    prompts = [[5, 6, 7], list(range(10, 80)), list(range(100, 140))]
+    expected, got = hf_greedy(path, prompts, 8), spindle_greedy(path, prompts)
+    for (tokens, lps), (our_tokens, our_lps) in zip(expected, got):
+        assert our_tokens == tokens
+        assert max(abs(a - b) for a, b in zip(lps, our_lps)) < LOGPROB_TOL
 
 
 # ----------------------------------------------------------------------------- tensor parallel

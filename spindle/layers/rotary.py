@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_THETA = 10000.0
 
 
@@ -38,8 +38,13 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
         params["rope_type"] = params.pop("type", "default")
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or _DEFAULT_THETA
-    if params["rope_type"] == "llama3" and "original_max_position_embeddings" not in params:
+    if params["rope_type"] in ("llama3", "yarn") \
+            and params.get("original_max_position_embeddings") is None:
         params["original_max_position_embeddings"] = hf_config.max_position_embeddings
+    if params["rope_type"] == "yarn" and params.get("factor") is None:
+        # (DeepSeek-V3's way: the ratio of the context lengths, as transformers reads it)
+        params["factor"] = (hf_config.max_position_embeddings
+                            / params["original_max_position_embeddings"])
     return params
 
 
@@ -58,7 +63,50 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         inv_freq = _llama3_scale(inv_freq, params)
     if rope_type == "linear":  # positions divided by factor (Gemma 3's global layers)
         inv_freq = inv_freq / float(params["factor"])
+    if rope_type == "yarn":
+        inv_freq = _yarn_scale(head_dim, base, params)
     return inv_freq
+
+
+def attention_scaling(params: dict[str, Any]) -> float:
+    """The factor on the cos/sin table (YaRN's attention factor; 1 for the others)."""
+    if params.get("rope_type", "default") != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor, mscale, mscale_all_dim = (params["factor"], params.get("mscale"),
+                                      params.get("mscale_all_dim"))
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_scale(head_dim: int, base: float, params: dict[str, Any]) -> torch.Tensor:
+    """YaRN: each frequency interpolated (divided by factor) or kept, by how many turns
+    it makes over the original context, with a linear ramp between beta_slow and
+    beta_fast turns (computed as transformers does, for the same float32 table)."""
+    factor = float(params["factor"])
+    original = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(turns: float) -> float:
+        return (head_dim * math.log(original / (turns * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (no zero-width ramp)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -110,6 +158,9 @@ class RotaryEmbedding(nn.Module):
         self.rope_parameters = dict(rope_parameters)
         inv_freq = compute_inv_freq(head_dim, rope_parameters)
         cos, sin = self._cos_sin(inv_freq, max_position)
+        scaling = attention_scaling(rope_parameters)
+        if scaling != 1.0:  # (as transformers scales its cos and sin)
+            cos, sin = cos * scaling, sin * scaling
         # Not persistent: derived from the config, never part of a checkpoint.
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
