@@ -1,8 +1,8 @@
 """OLMo Hybrid specifics beyond the end-to-end checks of test_hybrid_models.py (three
 tiny shapes against transformers: rotary or none, beta doubled or not, attention first,
-tensor and pipeline parallelism): what is refused, and when there is a rotary; and OLMo 2
-(its attention layers alone; test_generate_vs_hf.py runs it through the dense
-decoders' regimes) under tensor parallelism."""
+tensor and pipeline parallelism): what is refused, and when there is a rotary; OLMo 2
+(its attention layers alone; test_generate_vs_hf.py runs it and OLMo 3 through the dense
+decoders' regimes) under tensor parallelism; OLMo 3 with YaRN on its full layers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from checkpoint_utils import same_tokens
+from checkpoint_utils import same_tokens, spindle_greedy
 from test_generate_vs_hf import hf_greedy
 
 from spindle import LLM, SamplingParams
@@ -67,3 +67,15 @@ def test_olmo2_under_tensor_parallelism_equals_transformers(tiny_model):
         got = [(list(o.outputs[0].token_ids), None) for o in llm.generate(prompts, params,
                                                                           use_tqdm=False)]
     assert same_tokens(hf_greedy(path, prompts, 8), got)
+
+
+def test_olmo3_with_yarn_on_its_full_layers_equals_transformers(tiny_model):
+    """OLMo 3's long-context rope: YaRN on the full-attention layers only, the sliding
+    ones plain (a table per layer type); prompts past the original 32 positions."""
+    path = tiny_model("olmo3", num_layers=4, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 32,
+                           "attention_factor": 1.2}})
+    prompts = [[5, 6, 7], list(range(10, 80))]
+    assert same_tokens(hf_greedy(path, prompts, 8), spindle_greedy(path, prompts))

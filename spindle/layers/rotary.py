@@ -38,13 +38,18 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
         params["rope_type"] = params.pop("type", "default")
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or _DEFAULT_THETA
+    return _with_context_defaults(params, hf_config.max_position_embeddings)
+
+
+def _with_context_defaults(params: dict[str, Any], max_position: int) -> dict[str, Any]:
+    """llama3 and yarn read the context the model was trained on: the config's own
+    length where the parameters do not say; yarn's factor, where not given, is the
+    ratio of the two lengths (DeepSeek-V3's way, as transformers reads it)."""
     if params["rope_type"] in ("llama3", "yarn") \
             and params.get("original_max_position_embeddings") is None:
-        params["original_max_position_embeddings"] = hf_config.max_position_embeddings
+        params["original_max_position_embeddings"] = max_position
     if params["rope_type"] == "yarn" and params.get("factor") is None:
-        # (DeepSeek-V3's way: the ratio of the context lengths, as transformers reads it)
-        params["factor"] = (hf_config.max_position_embeddings
-                            / params["original_max_position_embeddings"])
+        params["factor"] = max_position / params["original_max_position_embeddings"]
     return params
 
 
@@ -179,6 +184,7 @@ class RotaryEmbedding(nn.Module):
             params = dict(hf_config.rope_parameters[layer_type])
             params.setdefault("rope_type", params.pop("type", "default"))
             params.setdefault("rope_theta", _DEFAULT_THETA)
+            params = _with_context_defaults(params, hf_config.max_position_embeddings)
         return cls(head_dim, hf_config.max_position_embeddings, params)
 
     @staticmethod

@@ -107,6 +107,9 @@ class HybridLayout:
     # The RMSNorm of the final norm and the per-head q/k norms (Qwen3-Next: GemmaRMSNorm,
     # a weight offset from one).
     norm_class: type[RMSNorm] = RMSNorm
+    # Each layer's key into rope parameters given per layer type (OLMo 3:
+    # "sliding_attention" / "full_attention"), a rotary table per type; None: one table.
+    rope_layer_types: tuple[str, ...] | None = None
 
 
 def bamba_layout(hf_config: Any) -> HybridLayout:
@@ -244,7 +247,12 @@ class BambaModel(nn.Module):
         self.final_layernorm = (layout.norm_class(hf_config.hidden_size, eps=eps)
                                 if stage.is_last else None)
         self.rotary_emb = None
-        if layout.rotary_dim > 0:
+        self.rope_of_layer = layout.rope_layer_types
+        if layout.rotary_dim > 0 and self.rope_of_layer is not None:
+            self.rotary_emb = nn.ModuleDict({
+                kind: RotaryEmbedding.from_config(hf_config, layout.rotary_dim, kind)
+                for kind in sorted(set(self.rope_of_layer))})
+        elif layout.rotary_dim > 0:
             params = dict(rope_parameters_from_config(hf_config))
             params.pop("partial_rotary_factor", None)  # the table covers the rotated part only
             self.rotary_emb = RotaryEmbedding(layout.rotary_dim,
@@ -252,6 +260,18 @@ class BambaModel(nn.Module):
 
     def own_layers(self) -> list[nn.Module]:
         return [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
+
+    def _step_rotary(self, positions: torch.Tensor, dtype: torch.dtype
+                     ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Each layer's (cos, sin) at this step's positions ((None, None) without a
+        rotary), each table's rows gathered once and shared by its layers."""
+        count = len(self.layers)
+        if self.rotary_emb is None:
+            return [(None, None)] * count
+        if self.rope_of_layer is None:
+            return [self.rotary_emb(positions, dtype)] * count
+        tables = {kind: table(positions, dtype) for kind, table in self.rotary_emb.items()}
+        return [tables[kind] for kind in self.rope_of_layer]
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,
@@ -270,11 +290,10 @@ class BambaModel(nn.Module):
                                  "stage's intermediate_tensors")
             hidden_states = intermediate_tensors.hidden_states
             residual = intermediate_tensors.residual
-        cos = sin = None
-        if self.rotary_emb is not None:
-            cos, sin = self.rotary_emb(positions, hidden_states.dtype)
-        for layer in self.own_layers():
-            hidden_states, residual = layer(hidden_states, residual, cos, sin)
+        rotary = self._step_rotary(positions, hidden_states.dtype)
+        for layer, (cos, sin) in zip(self.layers, rotary):
+            if not isinstance(layer, MissingLayer):
+                hidden_states, residual = layer(hidden_states, residual, cos, sin)
         if not self.stage.is_last:
             return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.final_layernorm(hidden_states, residual)

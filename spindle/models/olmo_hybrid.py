@@ -1,5 +1,7 @@
 """OlmoHybridForCausalLM: AI2's OLMo Hybrid, Gated DeltaNet layers (``linear_attention``)
-with OLMo 3 attention layers (``full_attention``) among them.
+with OLMo 3 attention layers (``full_attention``) among them; Olmo2ForCausalLM and
+Olmo3ForCausalLM, the attention layers alone (OLMo 3: some within a sliding window, a
+rotary table per layer type).
 
 Bamba's layout (models/bamba.py), with OLMo's layers:
 - a linear layer is pre-norm: x + GDN(norm(x)), then x + MLP(norm(x)). Its Gated
@@ -30,9 +32,9 @@ from spindle.layers.mamba.mixer import rows_loader
 from spindle.layers.norm import Float32WeightRMSNorm
 from spindle.models.bamba import (BambaForCausalLM, FeedForwardFactory, HybridLayout,
                                   apply_partial_rotary, check_layer_types, check_silu)
-from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
+from spindle.models.llama import LlamaMLP, _to_param_name, checked_window, head_dim_of
 
-ATTENTION, LINEAR = "full_attention", "linear_attention"
+ATTENTION, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
 # transformers' OlmoHybridGatedDeltaNet: its output norm's epsilon, whatever rms_norm_eps.
 OUTPUT_NORM_EPS = 1e-5
 
@@ -79,8 +81,8 @@ class WholeWidthRMSNorm(nn.Module):
 
 
 class OlmoAttention(nn.Module):
-    def __init__(self, hf_config: Any, layout: HybridLayout,
-                 tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, layout: HybridLayout, tp_group: TensorParallelGroup,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
@@ -96,7 +98,7 @@ class OlmoAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.head_dim, hf_config.hidden_size, bias=bias,
                                         tp_group=tp_group)
         self.attn = Attention(self.num_heads, self.head_dim, layout.attention_scale,
-                              self.num_kv_heads)
+                              self.num_kv_heads, sliding_window=sliding_window)
         rank, eps = tp_group.rank, hf_config.rms_norm_eps
         q_width, k_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_norm = WholeWidthRMSNorm(q_width, heads * self.head_dim, rank * q_width, eps,
@@ -118,6 +120,14 @@ class OlmoAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
+def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
+    """OLMo 3's window on its ``sliding_attention`` layers (None: full attention)."""
+    kinds = getattr(hf_config, "layer_types", None)  # (OLMo 2 has none)
+    if kinds is None or kinds[layer_idx] != SLIDING:
+        return None
+    return checked_window(hf_config.sliding_window)
+
+
 def olmo_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
                       ) -> nn.Module:
     return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, False, tp_group)
@@ -132,7 +142,8 @@ class OlmoHybridDecoderLayer(nn.Module):
         self.mlp = feed_forward(hf_config, layer_idx, tp_group)
         self.post_attention_layernorm = Float32WeightRMSNorm(size, eps=eps)
         if self.is_attention:
-            self.self_attn = OlmoAttention(hf_config, layout, tp_group)
+            self.self_attn = OlmoAttention(hf_config, layout, tp_group,
+                                           sliding_window_of(hf_config, layer_idx))
             self.post_feedforward_layernorm = Float32WeightRMSNorm(size, eps=eps)
         else:
             self.linear_attn = gated_delta_net(
@@ -199,3 +210,28 @@ class Olmo2ForCausalLM(OlmoHybridForCausalLM):
     model_kind = "decoder"
     check_config = staticmethod(check_silu)
     layout = staticmethod(olmo2_layout)
+
+
+def check_olmo3_config(hf_config: Any) -> None:
+    check_silu(hf_config)
+    check_layer_types(list(hf_config.layer_types), hf_config.num_hidden_layers,
+                      {ATTENTION, SLIDING})
+
+
+def olmo3_layout(hf_config: Any) -> HybridLayout:
+    """Every layer attends (a window on the sliding ones), each rotating with its layer
+    type's rotary table."""
+    head_dim = head_dim_of(hf_config)
+    return HybridLayout(attention_layers=frozenset(range(hf_config.num_hidden_layers)),
+                        rotary_dim=head_dim, attention_scale=head_dim ** -0.5,
+                        norm_class=Float32WeightRMSNorm,
+                        rope_layer_types=tuple(hf_config.layer_types))
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo 3: OLMo 2 with sliding-window attention on the ``sliding_attention`` layers
+    (``sliding_window``) and rope parameters per layer type (YaRN on the full ones in
+    the long-context checkpoints)."""
+
+    check_config = staticmethod(check_olmo3_config)
+    layout = staticmethod(olmo3_layout)

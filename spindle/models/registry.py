@@ -28,6 +28,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
     "NemotronHForCausalLM": "spindle.models.nemotron_h:NemotronHForCausalLM",
     "Olmo2ForCausalLM": "spindle.models.olmo_hybrid:Olmo2ForCausalLM",
+    "Olmo3ForCausalLM": "spindle.models.olmo_hybrid:Olmo3ForCausalLM",
     "OlmoHybridForCausalLM": "spindle.models.olmo_hybrid:OlmoHybridForCausalLM",
     "Qwen3NextForCausalLM": "spindle.models.qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM": "spindle.models.qwen3_next:Qwen3_5ForCausalLM",

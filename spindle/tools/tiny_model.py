@@ -59,6 +59,7 @@ ARCHITECTURES = {
     "jamba": "JambaForCausalLM",
     "olmo_hybrid": "OlmoHybridForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -74,7 +75,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "lfm2": "Lfm2Config", "lfm2_moe": "Lfm2MoeConfig",
                   "qwen3_next": "Qwen3NextConfig", "qwen3_5": "Qwen3_5TextConfig",
                   "jamba": "JambaConfig", "olmo_hybrid": "OlmoHybridConfig",
-                  "olmo2": "Olmo2Config",
+                  "olmo2": "Olmo2Config", "olmo3": "Olmo3Config",
                   "qwen3_5_moe": "Qwen3_5MoeTextConfig",
                   "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "phi3": "Phi3Config",
@@ -145,6 +146,10 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "use_expert_bias": True, "norm_topk_prob": True,
                 "routed_scaling_factor": 1.5}
+    if arch == "olmo3":  # a sliding-window layer (a small window) then a full one
+        return {"sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"] * (num_layers // 2)
+                + ["sliding_attention"] * (num_layers % 2)}
     if arch == "olmo_hybrid":  # Gated DeltaNet layers, attention in the middle layer
         kinds = ["linear_attention"] * num_layers
         kinds[num_layers // 2] = "full_attention"
