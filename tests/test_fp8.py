@@ -247,6 +247,38 @@ def test_block_checkpoint_equals_transformers(tiny_model, tmp_path):
     assert dequantized != hf_greedy(src, prompts(), MAX_NEW)  # the blocks did round
 
 
+def dequantized_blocks(src, dst):
+    """A copy of the block checkpoint src with its weights multiplied out (float32) and
+    no quantization_config: what the float8 weights stand for."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = state.get(name + "_scale_inv")
+        if scale is not None:
+            blocks = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+            tensor = tensor.float() * blocks
+        out[name] = tensor
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    del config["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_an_image_text_checkpoint_declares_its_float8_outside_the_text_config(tiny_model,
+                                                                               tmp_path):
+    """Qwen3.5's FP8 checkpoints: quantization_config sits on the image-text config,
+    whose text_config spindle serves; the blocks still dequantize."""
+    path = write_fp8_checkpoint(tiny_model("qwen3_5_vl"), tmp_path / "fp8", per_block, HF_FP8)
+    reference = dequantized_blocks(path, tmp_path / "dequantized")
+    check(generate(path, quantization="none"), hf_greedy(reference, prompts(), MAX_NEW))
+
+
 def test_checkpoint_errors(tiny_model, tmp_path):
     src = tiny_model("llama")
     gptq = write_fp8_checkpoint(src, tmp_path / "gptq", per_channel,

@@ -94,3 +94,20 @@ def test_image_text_checkpoints_serve_their_text_model(tiny_model, arch, fields)
         out = llm.generate(["def f(x):"], SamplingParams(max_tokens=4, ignore_eos=True),
                            use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_the_text_config_takes_the_outer_tie_dtype_and_quantization():
+    from spindle.models.registry import text_model_config
+
+    text = SimpleNamespace(architectures=None, tie_word_embeddings=False, dtype=None)
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    outer = SimpleNamespace(architectures=["Qwen3_5MoeForConditionalGeneration"],
+                            text_config=text, tie_word_embeddings=True, dtype="bfloat16",
+                            quantization_config=fp8)
+    served = text_model_config(outer)
+    assert served is text and served.architectures == ["Qwen3_5MoeForCausalLM"]
+    assert (served.tie_word_embeddings, served.dtype, served.quantization_config) == (
+        True, "bfloat16", fp8)
+    assert served.text_model_of == "Qwen3_5MoeForConditionalGeneration"
+    plain = SimpleNamespace(architectures=["Qwen3_5ForCausalLM"])
+    assert text_model_config(plain) is plain

@@ -56,16 +56,18 @@ def supported_architectures() -> list[str]:
 def text_model_config(hf_config: Any) -> Any:
     """The config spindle serves for hf_config: itself, or for an image-text
     architecture (TEXT_MODEL_OF) its text_config under the text model's architecture
-    name, with the outer config's tie_word_embeddings and dtype, and ``text_model_of``
-    naming the outer architecture."""
+    name, with the outer config's tie_word_embeddings, dtype and quantization_config
+    (an FP8 checkpoint declares it there), and ``text_model_of`` naming the outer
+    architecture."""
     outer = (getattr(hf_config, "architectures", None) or [None])[0]
     if outer not in TEXT_MODEL_OF:
         return hf_config
     text = hf_config.text_config
     text.architectures = [TEXT_MODEL_OF[outer]]
     text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-    if getattr(text, "dtype", None) is None:
-        text.dtype = getattr(hf_config, "dtype", None)
+    for name in ("dtype", "quantization_config"):
+        if getattr(text, name, None) is None and getattr(hf_config, name, None) is not None:
+            setattr(text, name, getattr(hf_config, name))
     text.text_model_of = outer
     return text
 
