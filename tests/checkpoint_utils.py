@@ -41,13 +41,14 @@ def same_tokens(expected, got) -> bool:
     return [tokens for tokens, _ in expected] == [tokens for tokens, _ in got]
 
 
-def stacked_experts(tensors: Tensors, gate: str, up: str, down: str) -> Tensors:
-    """The hub's experts one by one (...feed_forward.experts.E.<gate|up|down>.weight) as
+def stacked_experts(tensors: Tensors, gate: str, up: str, down: str,
+                    block: str = "feed_forward") -> Tensors:
+    """The hub's experts one by one (...<block>.experts.E.<gate|up|down>.weight) as
     transformers' modules stack them (experts.gate_up_proj [E, 2I, H], experts.down_proj
     [E, H, I]); the other tensors as they are."""
     out: Tensors = {}
     experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    pattern = re.compile(rf"(.*\.feed_forward\.experts)\.(\d+)\.({gate}|{up}|{down})\.weight$")
+    pattern = re.compile(rf"(.*\.{block}\.experts)\.(\d+)\.({gate}|{up}|{down})\.weight$")
     for name, tensor in tensors.items():
         match = pattern.match(name)
         if match is None:

@@ -1,7 +1,9 @@
-"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral) against transformers on tiny random
-checkpoints (CPU, float32): greedy tokens equal and logprobs within 1e-4, under the
-default config, a small chunked-prefill budget and tensor parallelism (experts split
-across two ranks), and with Qwen3-MoE's dense layers and routing options."""
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral, MiniMax-M2) against transformers on
+tiny random checkpoints (CPU, float32): greedy tokens equal and logprobs within 1e-4,
+under the default config, a small chunked-prefill budget and tensor parallelism (experts
+split across two ranks), and with Qwen3-MoE's dense layers and routing options. MiniMax-M2
+also: sigmoid routing with a correction bias, q/k normalised over their whole width (the
+sums of squares all-reduced under TP), half of each head rotated."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ CASES = {
     "qwen3_moe-sparse-every-second-layer": dict(arch="qwen3_moe", decoder_sparse_step=2,
                                                 num_experts=6, num_experts_per_tok=3),
     "mixtral": {},
+    "minimax_m2": {},
 }
 
 
@@ -62,7 +65,7 @@ def test_greedy_equals_transformers(checkpoint, case):
         check(llm, expected)
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,
@@ -81,7 +84,7 @@ def test_experts_that_do_not_split_across_ranks_are_refused(tiny_model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2"])
 def test_cuda_fused_experts_in_cuda_graphs_equal_transformers(checkpoint, case):
     """The fused grouped GEMMs end to end on CUDA (float32, decode replayed from CUDA
     graphs), against transformers on the CPU."""
@@ -91,3 +94,21 @@ def test_cuda_fused_experts_in_cuda_graphs_equal_transformers(checkpoint, case):
         check(llm, expected)
         graphs = llm.engine.core.executor.worker.runner.graph_runner
         assert graphs is not None and sum(graphs.num_replays.values()) > 0
+
+
+def test_minimax_m2_stacked_experts_load_too(checkpoint, tmp_path):
+    """tiny_model writes the hub's block_sparse_moe.experts.E.w1 / w3 / w2; transformers'
+    own modules keep mlp.experts.gate_up_proj / down_proj, stacked."""
+    from checkpoint_utils import rewritten_checkpoint, stacked_experts
+
+    path, expected = checkpoint("minimax_m2")
+
+    def stacked(tensors):
+        out = {name.replace(".block_sparse_moe.", ".mlp."): t for name, t in
+               stacked_experts(tensors, "w1", "w3", "w2", block="block_sparse_moe").items()}
+        assert "model.layers.0.mlp.experts.gate_up_proj" in out
+        return out
+
+    with LLM(str(rewritten_checkpoint(path, tmp_path / "stacked", stacked)), device="cpu",
+             dtype="float32", max_model_len=256) as llm:
+        check(llm, expected)

@@ -64,12 +64,14 @@ def olmo_hybrid_layout(hf_config: Any) -> HybridLayout:
 class WholeWidthRMSNorm(nn.Module):
     """OLMo's q/k norm: one RMSNorm over every head's features together, of which this
     rank holds rows ``first:first + width`` (its heads); the mean square is all-reduced
-    over the ranks. Weight in float32 before the cast, as Float32WeightRMSNorm."""
+    over the ranks. float_weight: the weight multiplies in float32 before the cast (as
+    Float32WeightRMSNorm; OLMo's), else after it (Llama's; MiniMax-M2's)."""
 
     def __init__(self, width: int, full_width: int, first: int, eps: float,
-                 tp_group: TensorParallelGroup) -> None:
+                 tp_group: TensorParallelGroup, float_weight: bool = True) -> None:
         super().__init__()
         self.full_width, self.eps, self.tp_group = full_width, eps, tp_group
+        self.float_weight = float_weight
         self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
         set_weight_loader(self.weight, rows_loader([(first, width)]))
 
@@ -77,12 +79,18 @@ class WholeWidthRMSNorm(nn.Module):
         h = x.float()
         square_sum = self.tp_group.all_reduce(h.pow(2).sum(-1, keepdim=True))
         h = h * torch.rsqrt(square_sum / self.full_width + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
+        if self.float_weight:
+            return (self.weight.float() * h).to(x.dtype)
+        return self.weight * h.to(x.dtype)
 
 
 class OlmoAttention(nn.Module):
+    """Attention whose q and k are normalised over their whole width (WholeWidthRMSNorm,
+    its float_weight as given), then rotated by layout.rotary_dim features of each head
+    (all of them, a part, or none)."""
+
     def __init__(self, hf_config: Any, layout: HybridLayout, tp_group: TensorParallelGroup,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, float_weight_norms: bool = True) -> None:
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
@@ -102,9 +110,9 @@ class OlmoAttention(nn.Module):
         rank, eps = tp_group.rank, hf_config.rms_norm_eps
         q_width, k_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_norm = WholeWidthRMSNorm(q_width, heads * self.head_dim, rank * q_width, eps,
-                                        tp_group)
+                                        tp_group, float_weight_norms)
         self.k_norm = WholeWidthRMSNorm(k_width, kv_heads * self.head_dim, rank * k_width, eps,
-                                        tp_group)
+                                        tp_group, float_weight_norms)
         self.rotates = layout.rotary_dim > 0
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor | None,

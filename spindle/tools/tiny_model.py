@@ -64,6 +64,7 @@ ARCHITECTURES = {
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -78,14 +79,15 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "olmo2": "Olmo2Config", "olmo3": "Olmo3Config",
                   "qwen3_5_moe": "Qwen3_5MoeTextConfig",
                   "qwen3_moe": "Qwen3MoeConfig",
-                  "mixtral": "MixtralConfig", "phi3": "Phi3Config",
+                  "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config", "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
 # block's name, and the names of an expert's gate, up and down projections.
 MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                        "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+                        "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+                        "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2"))}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -183,6 +185,9 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
     if arch == "mixtral":
         return {"num_local_experts": 4, "num_experts_per_tok": 2}
+    if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
+        return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                "partial_rotary_factor": 0.5}
     if arch == "gemma2":  # small caps and window, so that both act on a tiny model
         return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
@@ -429,8 +434,8 @@ def checkpoint_tensors(model: torch.nn.Module):
                 yield f"{prefix}experts.{e}.{down}.weight", expert
         elif name.endswith(".mlp.gate.weight"):
             yield f"{prefix}gate.weight", tensor
-        else:  # a dense layer's MLP
-            yield name, tensor
+        else:  # a dense layer's MLP, or the block's other tensors (a correction bias)
+            yield prefix + name.split(".mlp.", 1)[1], tensor
 
 
 # transformers' names of a GraniteMoeHybrid expert block's tensors -> the hub's (experts
