@@ -3,13 +3,16 @@ tiny random checkpoints (CPU, float32): greedy tokens equal and logprobs within 
 under the default config, a small chunked-prefill budget and tensor parallelism (experts
 split across two ranks), and with Qwen3-MoE's dense layers and routing options. MiniMax-M2
 also: sigmoid routing with a correction bias, q/k normalised over their whole width (the
-sums of squares all-reduced under TP), half of each head rotated."""
+sums of squares all-reduced under TP), half of each head rotated. GLM-4.5: a dense
+first layer, DeepSeek-V3 routing (groups, a correction bias, scaling) with a shared expert,
+biases on q/k/v only, per-head q/k norms, half of each head rotated."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from spindle import LLM, SamplingParams
 from test_generate_vs_hf import hf_greedy
@@ -25,6 +28,7 @@ CASES = {
                                                 num_experts=6, num_experts_per_tok=3),
     "mixtral": {},
     "minimax_m2": {},
+    "glm4_moe": {},
 }
 
 
@@ -65,7 +69,7 @@ def test_greedy_equals_transformers(checkpoint, case):
         check(llm, expected)
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,
@@ -84,7 +88,7 @@ def test_experts_that_do_not_split_across_ranks_are_refused(tiny_model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe"])
 def test_cuda_fused_experts_in_cuda_graphs_equal_transformers(checkpoint, case):
     """The fused grouped GEMMs end to end on CUDA (float32, decode replayed from CUDA
     graphs), against transformers on the CPU."""
@@ -110,5 +114,27 @@ def test_minimax_m2_stacked_experts_load_too(checkpoint, tmp_path):
         return out
 
     with LLM(str(rewritten_checkpoint(path, tmp_path / "stacked", stacked)), device="cpu",
+             dtype="float32", max_model_len=256) as llm:
+        check(llm, expected)
+
+
+def test_glm4_moe_multi_token_prediction_layers_are_not_loaded(checkpoint, tmp_path):
+    """GLM-4.5 checkpoints store their MTP layer after the model's layers
+    (model.layers.<num_hidden_layers>.*)."""
+    import json
+
+    from checkpoint_utils import rewritten_checkpoint
+
+    path, expected = checkpoint("glm4_moe")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+
+    def with_mtp(tensors):
+        last = f"model.layers.{layers - 1}."
+        extra = {f"model.layers.{layers}." + name[len(last):]: t.clone()
+                 for name, t in tensors.items() if name.startswith(last)}
+        extra[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(64, 128)
+        return {**tensors, **extra}
+
+    with LLM(str(rewritten_checkpoint(path, tmp_path / "mtp", with_mtp)), device="cpu",
              dtype="float32", max_model_len=256) as llm:
         check(llm, expected)

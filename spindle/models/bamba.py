@@ -120,12 +120,13 @@ def bamba_layout(hf_config: Any) -> HybridLayout:
 class BambaAttention(nn.Module):
     def __init__(self, hf_config: Any, layout: HybridLayout, tp_group: TensorParallelGroup,
                  key_multiplier: float = 1.0, qk_norm_eps: float | None = None,
-                 output_gate: bool = False) -> None:
+                 output_gate: bool = False, o_bias: bool | None = None) -> None:
         """key_multiplier: a factor on the keys before the rotary embedding (FalconH1's);
         qk_norm_eps: RMSNorm each head of q and k first (layout.norm_class), with this
         epsilon (LFM2's, Qwen3-Next's); output_gate: the attention's output times
         sigmoid(output_gate(x)), a projection of the layer's input per feature of every
-        head (Qwen3-Next's, whose checkpoints interleave it with q in q_proj)."""
+        head (Qwen3-Next's, whose checkpoints interleave it with q in q_proj); o_bias:
+        o_proj's bias where it differs from q/k/v's (``attention_bias``: GLM-4.5's)."""
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         self.rotates = layout.rotary_dim > 0
@@ -136,7 +137,9 @@ class BambaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # rank-local
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim,
-                                        hf_config.hidden_size, bias=bias, tp_group=tp_group)
+                                        hf_config.hidden_size,
+                                        bias=bias if o_bias is None else o_bias,
+                                        tp_group=tp_group)
         self.attn = Attention(self.num_heads, self.head_dim, layout.attention_scale,
                               self.num_kv_heads)
         self.key_multiplier = key_multiplier
@@ -231,6 +234,34 @@ class BambaDecoderLayer(nn.Module):
 
     def _scaled(self, output: torch.Tensor) -> torch.Tensor:
         return output if self.residual_multiplier == 1.0 else output * self.residual_multiplier
+
+
+class PreNormAttentionLayer(nn.Module):
+    """An attention-only decoder layer on this base: input norm, attention (the
+    subclass's make_attention), post-attention norm, feed-forward; Llama's RMSNorm,
+    the residual carried separately (the next norm adds it)."""
+
+    def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
+                 feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.self_attn = self.make_attention(hf_config, layout, tp_group)
+        self.mlp = feed_forward(hf_config, layer_idx, tp_group)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+
+    @staticmethod
+    def make_attention(hf_config: Any, layout: HybridLayout,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class BambaModel(nn.Module):

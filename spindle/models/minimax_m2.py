@@ -21,8 +21,7 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
 from spindle.layers.moe import FusedExperts, Router
-from spindle.layers.norm import RMSNorm
-from spindle.models.bamba import (BambaForCausalLM, FeedForwardFactory, HybridLayout,
+from spindle.models.bamba import (BambaForCausalLM, HybridLayout, PreNormAttentionLayer,
                                   check_silu)
 from spindle.models.llama import _to_param_name, head_dim_of
 from spindle.models.moe import _MIXTRAL_EXPERT_PARTS, _expert_param, stacked_experts_one_by_one
@@ -68,24 +67,11 @@ def minimax_m2_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorPara
     return CorrectedSigmoidMoeBlock(hf_config, tp_group)
 
 
-class MiniMaxM2DecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
-                 feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
-        super().__init__()
-        eps = hf_config.rms_norm_eps
-        self.self_attn = OlmoAttention(hf_config, layout, tp_group, float_weight_norms=False)
-        self.mlp = feed_forward(hf_config, layer_idx, tp_group)
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
-
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                cos: torch.Tensor | None, sin: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block, residual carried separately (the next norm adds it)."""
-        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+class MiniMaxM2DecoderLayer(PreNormAttentionLayer):
+    @staticmethod
+    def make_attention(hf_config: Any, layout: HybridLayout,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        return OlmoAttention(hf_config, layout, tp_group, float_weight_norms=False)
 
 
 class MiniMaxM2ForCausalLM(BambaForCausalLM):

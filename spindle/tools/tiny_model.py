@@ -65,6 +65,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -79,7 +80,8 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "olmo2": "Olmo2Config", "olmo3": "Olmo3Config",
                   "qwen3_5_moe": "Qwen3_5MoeTextConfig",
                   "qwen3_moe": "Qwen3MoeConfig",
-                  "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config", "phi3": "Phi3Config",
+                  "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config",
+                  "glm4_moe": "Glm4MoeConfig", "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
@@ -87,7 +89,8 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
 MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-                        "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2"))}
+                        "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
+                        "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -185,6 +188,13 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
     if arch == "mixtral":
         return {"num_local_experts": 4, "num_experts_per_tok": 2}
+    if arch == "glm4_moe":  # a dense first layer, then 4 experts of 32 (2 per token, in
+        # 2 groups of which the best one counts) and a shared one; half of each head
+        # rotated, biases on q/k/v, per-head q/k norms
+        return {"first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 2,
+                "topk_group": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": True,
+                "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5}
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}

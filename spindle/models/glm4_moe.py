@@ -1,0 +1,93 @@
+"""Glm4MoeForCausalLM: Zhipu's GLM-4.5 / GLM-4.6 mixture-of-experts decoders.
+
+Every layer is pre-norm (Llama's RMSNorm) with grouped-query attention (biases on q, k
+and v but not on o; per-head q/k norms where ``use_qk_norm``; the first
+``partial_rotary_factor`` of each head rotated), then a dense SwiGLU MLP for the first
+``first_k_dense_replace`` layers and, after them, experts routed as DeepSeek-V3 routes
+(nemotron_h.NemotronHRouter: float32 sigmoid scores, a correction bias for the choice,
+the best ``topk_group`` of ``n_group`` groups, renormalised and scaled) plus
+``n_shared_experts`` shared experts as one MLP. Built on the hybrid base (models/bamba.py)
+as an attention-only decoder. The checkpoint's multi-token-prediction layers (indices
+from ``num_hidden_layers`` on) are not loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.moe import FusedExperts
+from spindle.models.bamba import (BambaAttention, BambaForCausalLM, HybridLayout,
+                                  PreNormAttentionLayer, check_silu, rotary_dim)
+from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
+from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param
+from spindle.models.nemotron_h import NemotronHRouter
+
+
+def glm4_moe_layout(hf_config: Any) -> HybridLayout:
+    head_dim = head_dim_of(hf_config)
+    return HybridLayout(attention_layers=frozenset(range(hf_config.num_hidden_layers)),
+                        rotary_dim=rotary_dim(hf_config), attention_scale=head_dim ** -0.5)
+
+
+class Glm4MoeBlock(nn.Module):
+    """Routed experts (the router's float32 weights) plus the shared experts."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.gate = NemotronHRouter(hf_config)
+        self.experts = FusedExperts(hf_config.n_routed_experts, hf_config.hidden_size,
+                                    hf_config.moe_intermediate_size, tp_group)
+        self.shared_experts = LlamaMLP(
+            hf_config.hidden_size,
+            hf_config.moe_intermediate_size * hf_config.n_shared_experts, False, tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        return self.tp_group.all_reduce(self.experts(x, ids, weights)) + self.shared_experts(x)
+
+
+def glm4_moe_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                          ) -> nn.Module:
+    if layer_idx < hf_config.first_k_dense_replace:
+        return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, False, tp_group)
+    return Glm4MoeBlock(hf_config, tp_group)
+
+
+class Glm4MoeDecoderLayer(PreNormAttentionLayer):
+    @staticmethod
+    def make_attention(hf_config: Any, layout: HybridLayout,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        """q/k/v biases without one on o; per-head q/k norms where use_qk_norm."""
+        qk_norm = hf_config.rms_norm_eps if getattr(hf_config, "use_qk_norm", False) else None
+        return BambaAttention(hf_config, layout, tp_group, o_bias=False, qk_norm_eps=qk_norm)
+
+
+class Glm4MoeForCausalLM(BambaForCausalLM):
+    model_kind = "decoder"
+    check_config = staticmethod(check_silu)
+    layout = staticmethod(glm4_moe_layout)
+    feed_forward = staticmethod(glm4_moe_feed_forward)
+    decoder_layer = Glm4MoeDecoderLayer
+
+    def param_name(self, hf_name: str) -> tuple[str, Any]:
+        if hf_name.startswith("model.norm."):
+            hf_name = hf_name.replace("model.norm.", "model.final_layernorm.", 1)
+        return _expert_param(hf_name, _QWEN_EXPERT_PARTS) or _to_param_name(hf_name)
+
+    def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
+        if hf_name.startswith("model.norm."):
+            hf_name = hf_name.replace("model.norm.", "model.final_layernorm.", 1)
+        return _mtp_layer(hf_name, self.config.num_hidden_layers) or \
+            super()._skip_checkpoint_tensor(hf_name)
+
+
+def _mtp_layer(hf_name: str, num_layers: int) -> bool:
+    """model.layers.N.* with N >= num_layers: a multi-token-prediction layer."""
+    parts = hf_name.split(".")
+    return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= num_layers)
