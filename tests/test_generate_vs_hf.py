@@ -31,14 +31,15 @@ def make_prompts(vocab_size: int, seed: int = 0, shared_prefix: int = 0) -> list
 
 
 def hf_greedy(model_dir, prompts: list[list[int]], max_new: int, prepare=None,
+              auto_class: str = "AutoModelForCausalLM",
               **load_kwargs) -> list[tuple[list[int], list[float]]]:
     """transformers' greedy tokens and the logprob of each, EOS never stopping it
-    (prepare: called on the loaded model first; load_kwargs: more from_pretrained
-    arguments, e.g. attn_implementation)."""
-    from transformers import AutoModelForCausalLM
+    (prepare: called on the loaded model first; auto_class: the transformers class that
+    loads it; load_kwargs: more from_pretrained arguments, e.g. attn_implementation)."""
+    import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 **load_kwargs).eval()
+    model = getattr(transformers, auto_class).from_pretrained(
+        model_dir, dtype=torch.float32, **load_kwargs).eval()
     if prepare is not None:
         prepare(model)
     config = model.generation_config

@@ -75,27 +75,6 @@ def test_key_heads_must_split_across_ranks():
         _layer(tp_group=group)
 
 
-@pytest.mark.parametrize("arch,fields", [
-    ("qwen3_5_vl", dict(num_layers=3)),
-    ("qwen3_5_moe_vl", dict(num_layers=3, tie_word_embeddings=True)),
-])
-def test_image_text_checkpoints_serve_their_text_model(tiny_model, arch, fields):
-    """Qwen3.5's hub checkpoints are image-text models (text_config, the language
-    model under model.language_model., a vision tower): spindle serves the text model,
-    as transformers' AutoModelForCausalLM loads it, and reads the tokenizer."""
-    from spindle import LLM, SamplingParams
-
-    path = tiny_model(arch, **fields)
-    prompts = [[5, 6, 7], list(range(10, 40))]
-    assert same_tokens(hf_greedy(path, prompts, 8), spindle_greedy(path, prompts))
-    with LLM(str(path), dtype="float32", device="cpu", max_model_len=128) as llm:
-        assert llm.engine.config.model.hf_config.text_model_of.endswith(
-            "ForConditionalGeneration")
-        out = llm.generate(["def f(x):"], SamplingParams(max_tokens=4, ignore_eos=True),
-                           use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
-
-
 def test_the_text_config_takes_the_outer_tie_dtype_and_quantization():
     from spindle.models.registry import text_model_config
 

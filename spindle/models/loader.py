@@ -87,11 +87,38 @@ def reload_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
 def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """model.load_weights(weights), then the int4 weights packed (layers/int4.py):
     every load, reload and weight update goes through here. Returns the names of the
-    parameters completely loaded."""
+    parameters completely loaded. For the text model of an image-text checkpoint
+    (config ``text_model_of``), its language model's tensors in the text model's names."""
+    if getattr(getattr(model, "config", None), "text_model_of", None):
+        weights = text_model_tensors(weights)
     loaded = model.load_weights(weights)
     if finish_loading(model):  # (their scales are parameters only from now on)
         loaded = with_dependents(model, loaded)
     return loaded
+
+
+# Where image-text checkpoints keep their language model (transformers' names, and the
+# hub's older ones), and what else they hold that a text model leaves out.
+_LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."),
+                            ("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT_PREFIXES = ("model.visual.", "model.vision_tower.", "vision_tower.",
+                      "model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def text_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """An image-text checkpoint's tensors as its text model names them: the language
+    model's renamed, the vision tower's and the projector's left out, the rest (the LM
+    head, multi-token-prediction layers) as they are."""
+    for name, tensor in weights:
+        if name.startswith(_NOT_TEXT_PREFIXES):
+            continue
+        for theirs, ours in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(theirs):
+                name = ours + name[len(theirs):]
+                break
+        yield name, tensor
 
 
 def _load_gguf(model: nn.Module, model_config: ModelConfig, tp_group: TensorParallelGroup,

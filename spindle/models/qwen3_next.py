@@ -176,16 +176,10 @@ class Qwen3_5DecoderLayer(Qwen3NextDecoderLayer):
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     """Also the text model of Qwen3_5ForConditionalGeneration checkpoints (registry
-    TEXT_MODEL_OF): their language model's tensors (``model.language_model.*``) load
-    as this model's, the vision tower's (``model.visual.*``) are left out."""
+    TEXT_MODEL_OF; loader.text_model_tensors renames their tensors)."""
 
     feed_forward = staticmethod(dense_feed_forward)
     decoder_layer = Qwen3_5DecoderLayer
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(
-            (name.replace("model.language_model.", "model.", 1), tensor)
-            for name, tensor in weights if not name.startswith("model.visual."))
 
     def param_name(self, hf_name: str) -> tuple[str, Any]:
         """in_proj_qkv / _z / _b / _a onto the two input projections, by shard id."""

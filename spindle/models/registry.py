@@ -48,6 +48,8 @@ MODEL_REGISTRY: dict[str, str] = {
 TEXT_MODEL_OF = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Mistral3ForConditionalGeneration": "MistralForCausalLM",
 }
 
 

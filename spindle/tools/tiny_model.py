@@ -219,9 +219,24 @@ TARGET_LOGIT_STD = 4.0
 IMAGE_TEXT_MODELS = {
     "qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
     "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+    "gemma3_vl": ("gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration"),
+    "mistral3_vl": ("mistral", "Mistral3Config", "Mistral3ForConditionalGeneration"),
 }
-TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4,
-                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+# Each family's vision tower, one tiny block (Qwen3.5's own; Gemma 3's SigLIP, 4 image
+# tokens; Mistral 3's Pixtral).
+_QWEN_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4,
+                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+TINY_VISION = {
+    "Qwen3_5Config": lambda text: dict(_QWEN_VISION, out_hidden_size=text["hidden_size"]),
+    "Qwen3_5MoeConfig": lambda text: dict(_QWEN_VISION, out_hidden_size=text["hidden_size"]),
+    "Gemma3Config": lambda text: dict(hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=28, patch_size=14),
+    "Mistral3Config": lambda text: dict(hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=2,
+                                        head_dim=16, image_size=28, patch_size=14),
+}
+IMAGE_TEXT_OPTIONS = {"Gemma3Config": dict(mm_tokens_per_image=4)}
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
@@ -265,9 +280,14 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
         config, auto_class = _image_text_config(arch, config), "AutoModelForImageTextToText"
     model = build_model(config, seed, logit_std, auto_class)
     config.dtype = dtype  # from_config rewrote it to the build dtype
+    if arch in IMAGE_TEXT_MODELS:  # (transformers writes each family's hub names)
+        if num_shards != 1:
+            raise ValueError(f"{arch} checkpoints are written in one file, not {num_shards}")
+        model.to(DTYPES[dtype]).save_pretrained(out)
     config.save_pretrained(out)
     _write_generation_config(out)
-    _write_weights(model, out, num_shards, DTYPES[dtype], tie_word_embeddings)
+    if arch not in IMAGE_TEXT_MODELS:
+        _write_weights(model, out, num_shards, DTYPES[dtype], tie_word_embeddings)
     _write_tokenizer(out, vocab_size, max_position_embeddings)
     return out
 
@@ -281,8 +301,9 @@ def _image_text_config(arch: str, text_config: Any) -> Any:
     _, config_class, architecture = IMAGE_TEXT_MODELS[arch]
     text = text_config.to_dict()
     config = getattr(transformers, config_class)(
-        text_config=text, vision_config=dict(TINY_VISION, out_hidden_size=text["hidden_size"]),
-        tie_word_embeddings=text_config.tie_word_embeddings)
+        text_config=text, vision_config=TINY_VISION[config_class](text),
+        tie_word_embeddings=text_config.tie_word_embeddings,
+        **IMAGE_TEXT_OPTIONS.get(config_class, {}))
     config.architectures = [architecture]
     return config
 
