@@ -1,7 +1,7 @@
 """Image-text checkpoints served as their text model (registry.TEXT_MODEL_OF): Gemma 3
 and Mistral 3 (Mistral Small 3.1+), whose hub checkpoints keep the language model under
-``language_model.model.`` beside a vision tower and a projector, and Qwen3.5 (dense and
-MoE: ``model.language_model.``). On tiny checkpoints with a one-block vision tower,
+``language_model.model.`` beside a vision tower and a projector; Qwen2.5-VL (``model.``
+beside ``visual.``), Qwen3-VL and Qwen3.5 (dense and MoE: ``model.language_model.``). On tiny checkpoints with a one-block vision tower,
 written by transformers in each family's hub layout, spindle's greedy tokens equal
 transformers' (its text model, or the whole image-text model run on text), the tokenizer
 loads, and the vision weights are left out."""
@@ -21,6 +21,8 @@ from spindle.models.loader import text_model_tensors
     ("gemma3_vl", dict(num_layers=2), "language_model.model.", "AutoModelForCausalLM"),
     ("mistral3_vl", dict(num_layers=2, tie_word_embeddings=False), "language_model.model.",
      "AutoModelForImageTextToText"),  # (transformers has no causal LM class for it)
+    ("qwen2_5_vl", dict(num_layers=2), "model.layers.", "AutoModelForImageTextToText"),
+    ("qwen3_vl", dict(num_layers=2), "model.language_model.", "AutoModelForImageTextToText"),
     ("qwen3_5_vl", dict(num_layers=3), "model.language_model.", "AutoModelForCausalLM"),
     ("qwen3_5_moe_vl", dict(num_layers=3, tie_word_embeddings=True), "model.language_model.",
      "AutoModelForCausalLM"),
@@ -35,7 +37,7 @@ def test_the_text_model_equals_transformers(tiny_model, arch, fields, language_m
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         names = list(f.keys())
     assert any(n.startswith(language_model) for n in names)
-    assert any(n.startswith(("vision_tower.", "model.vision_tower.", "model.visual."))
+    assert any(n.startswith(("vision_tower.", "model.vision_tower.", "model.visual.", "visual."))
                for n in names)
     prompts = [[5, 6, 7], list(range(10, 40))]
     assert same_tokens(hf_greedy(path, prompts, 8, auto_class=auto_class),
@@ -53,6 +55,7 @@ def test_the_language_model_is_renamed_and_the_rest_left_out():
                ("model.language_model.norm.weight", 2), ("language_model.lm_head.weight", 3),
                ("lm_head.weight", 4), ("mtp.fc.weight", 5), ("vision_tower.blocks.0.w", 6),
                ("model.visual.merger.w", 7), ("multi_modal_projector.linear_1.weight", 8),
+               ("visual.patch_embed.proj.weight", 10),
                ("model.multi_modal_projector.norm.weight", 9)]
     assert list(text_model_tensors(tensors)) == [
         ("model.layers.0.mlp.up_proj.weight", 1), ("model.norm.weight", 2),

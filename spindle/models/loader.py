@@ -102,7 +102,7 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> 
 _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."),
                             ("language_model.model.", "model."),
                             ("language_model.lm_head.", "lm_head."))
-_NOT_TEXT_PREFIXES = ("model.visual.", "model.vision_tower.", "vision_tower.",
+_NOT_TEXT_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.",
                       "model.multi_modal_projector.", "multi_modal_projector.")
 
 

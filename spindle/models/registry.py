@@ -50,6 +50,9 @@ TEXT_MODEL_OF = {
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+    "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
 }
 
 

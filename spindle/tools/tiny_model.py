@@ -221,6 +221,8 @@ IMAGE_TEXT_MODELS = {
     "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
     "gemma3_vl": ("gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration"),
     "mistral3_vl": ("mistral", "Mistral3Config", "Mistral3ForConditionalGeneration"),
+    "qwen2_5_vl": ("qwen2", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("qwen3", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
 }
 # Each family's vision tower, one tiny block (Qwen3.5's own; Gemma 3's SigLIP, 4 image
 # tokens; Mistral 3's Pixtral).
@@ -235,8 +237,20 @@ TINY_VISION = {
     "Mistral3Config": lambda text: dict(hidden_size=32, intermediate_size=64,
                                         num_hidden_layers=1, num_attention_heads=2,
                                         head_dim=16, image_size=28, patch_size=14),
+    "Qwen2_5_VLConfig": lambda text: dict(_QWEN_VISION, out_hidden_size=text["hidden_size"],
+                                          fullatt_block_indexes=[0], window_size=8),
+    "Qwen3VLConfig": lambda text: dict(_QWEN_VISION, out_hidden_size=text["hidden_size"],
+                                       deepstack_visual_indexes=[0]),
 }
 IMAGE_TEXT_OPTIONS = {"Gemma3Config": dict(mm_tokens_per_image=4)}
+# Text config fields an image-text family needs: Qwen-VL's multimodal rotary sections
+# (of a 16-wide head).
+IMAGE_TEXT_FIELDS = {
+    "qwen2_5_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                       "mrope_section": [2, 3, 3]}},
+    "qwen3_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                     "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+}
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
@@ -274,7 +288,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
                         max_position_embeddings=max_position_embeddings,
                         tie_word_embeddings=tie_word_embeddings, head_dim=head_dim,
                         extra={**default_config_extra(text_arch, num_layers, num_heads,
-                                                      hidden_size), **config_extra})
+                                                      hidden_size),
+                               **IMAGE_TEXT_FIELDS.get(arch, {}), **config_extra})
     auto_class = "AutoModelForCausalLM"
     if arch in IMAGE_TEXT_MODELS:
         config, auto_class = _image_text_config(arch, config), "AutoModelForImageTextToText"
