@@ -34,6 +34,9 @@ class RMSNorm(nn.Module):
     keep the residual stream separate so the add and the norm sit in one call.
     """
 
+    # Whether the fused kernels (which compute Llama's numerics) may run this norm.
+    fused = True
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.hidden_size = hidden_size
@@ -56,18 +59,26 @@ class RMSNorm(nn.Module):
     def forward(self, x, residual: torch.Tensor | None = None):
         """x: a tensor, or on CUDA a skinny GEMM's unsummed output (SplitKPartials,
         which only the fused kernel reads)."""
-        if not isinstance(x, torch.Tensor) or (x.is_cuda and x.dim() == 2):
-            from spindle.layers.fused_kernels import rms_norm
-
-            return rms_norm(x, self.weight, self.variance_epsilon, residual)
-        if x.dim() == 2 and self.weight.dtype == x.dtype and cpu_kernels.applies(x):
-            return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, residual)
+        if self.fused:
+            out = self._fused_forward(x, residual)
+            if out is not None:
+                return out
         if residual is None:
             return self._normalize(x)
         # HF adds in the activation dtype, as here; a float32 residual keeps the sum in
         # float32 (fp32_residual_stream), the normalized rows still rounded to x's dtype.
         summed = residual + x
         return self._normalize(summed, x.dtype), summed
+
+    def _fused_forward(self, x, residual: torch.Tensor | None):
+        """The fused CUDA or C++ kernel's result, or None where neither applies."""
+        if not isinstance(x, torch.Tensor) or (x.is_cuda and x.dim() == 2):
+            from spindle.layers.fused_kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.variance_epsilon, residual)
+        if x.dim() == 2 and self.weight.dtype == x.dtype and cpu_kernels.applies(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, residual)
+        return None
 
     def pre_norm(self, x, residual: torch.Tensor | None):
         """A decoder layer's input norm: (norm(x), x) at the first layer, which has no
@@ -93,11 +104,7 @@ class UnfusedRMSNorm(RMSNorm):
     torch on every device (the fused kernels have Llama's): forward(x) -> y, or
     forward(x, residual) -> (y, x + residual) as RMSNorm's."""
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._normalize(x)
-        summed = residual + x
-        return self._normalize(summed, x.dtype), summed
+    fused = False
 
 
 class GemmaRMSNorm(UnfusedRMSNorm):

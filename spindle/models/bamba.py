@@ -112,6 +112,15 @@ class HybridLayout:
     rope_layer_types: tuple[str, ...] | None = None
 
 
+def attention_only_layout(hf_config: Any, rotary_dim: int, **fields: Any) -> HybridLayout:
+    """The layout of a decoder built on this base whose every layer attends, rotating
+    rotary_dim features of each head, scores scaled by head_dim ** -0.5; fields: the
+    rest of HybridLayout's."""
+    return HybridLayout(attention_layers=frozenset(range(hf_config.num_hidden_layers)),
+                        rotary_dim=rotary_dim, attention_scale=head_dim_of(hf_config) ** -0.5,
+                        **fields)
+
+
 def bamba_layout(hf_config: Any) -> HybridLayout:
     return HybridLayout(frozenset(attention_layer_indices(hf_config)), rotary_dim(hf_config),
                         head_dim_of(hf_config) ** -0.5)
@@ -352,6 +361,8 @@ class BambaForCausalLM(DecoderForCausalLM):
     layout = staticmethod(bamba_layout)
     feed_forward = staticmethod(bamba_feed_forward)
     decoder_layer = BambaDecoderLayer
+    # The final norm's checkpoint name (model.<name>.*), loaded as model.final_layernorm.
+    checkpoint_final_norm = "final_layernorm"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this rank's parameters (see
@@ -359,6 +370,9 @@ class BambaForCausalLM(DecoderForCausalLM):
         return load_named_weights(self, weights, self._checkpoint_param)
 
     def _checkpoint_param(self, hf_name: str) -> tuple[str, Any] | None:
+        theirs = f"model.{self.checkpoint_final_norm}."
+        if hf_name.startswith(theirs):
+            hf_name = "model.final_layernorm." + hf_name[len(theirs):]
         return None if self._skip_checkpoint_tensor(hf_name) else self.param_name(hf_name)
 
     def param_name(self, hf_name: str) -> tuple[str, Any]:

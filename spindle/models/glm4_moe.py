@@ -21,16 +21,15 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.moe import FusedExperts
 from spindle.models.bamba import (BambaAttention, BambaForCausalLM, HybridLayout,
-                                  PreNormAttentionLayer, check_silu, rotary_dim)
+                                  PreNormAttentionLayer, attention_only_layout, check_silu,
+                                  rotary_dim)
 from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
 from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param
 from spindle.models.nemotron_h import NemotronHRouter
 
 
 def glm4_moe_layout(hf_config: Any) -> HybridLayout:
-    head_dim = head_dim_of(hf_config)
-    return HybridLayout(attention_layers=frozenset(range(hf_config.num_hidden_layers)),
-                        rotary_dim=rotary_dim(hf_config), attention_scale=head_dim ** -0.5)
+    return attention_only_layout(hf_config, rotary_dim(hf_config))
 
 
 class Glm4MoeBlock(nn.Module):
@@ -69,19 +68,16 @@ class Glm4MoeDecoderLayer(PreNormAttentionLayer):
 
 class Glm4MoeForCausalLM(BambaForCausalLM):
     model_kind = "decoder"
+    checkpoint_final_norm = "norm"
     check_config = staticmethod(check_silu)
     layout = staticmethod(glm4_moe_layout)
     feed_forward = staticmethod(glm4_moe_feed_forward)
     decoder_layer = Glm4MoeDecoderLayer
 
     def param_name(self, hf_name: str) -> tuple[str, Any]:
-        if hf_name.startswith("model.norm."):
-            hf_name = hf_name.replace("model.norm.", "model.final_layernorm.", 1)
         return _expert_param(hf_name, _QWEN_EXPERT_PARTS) or _to_param_name(hf_name)
 
     def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
-        if hf_name.startswith("model.norm."):
-            hf_name = hf_name.replace("model.norm.", "model.final_layernorm.", 1)
         return _mtp_layer(hf_name, self.config.num_hidden_layers) or \
             super()._skip_checkpoint_tensor(hf_name)
 

@@ -108,6 +108,7 @@ def granite_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParalle
 
 
 class GraniteMoeHybridForCausalLM(BambaForCausalLM):
+    checkpoint_final_norm = "norm"
     check_config = staticmethod(check_supported_config)
     layout = staticmethod(granite_layout)
     feed_forward = staticmethod(granite_feed_forward)
@@ -131,8 +132,6 @@ class GraniteMoeHybridForCausalLM(BambaForCausalLM):
         shared = ".feed_forward.shared." if has_experts(self.config) else ".feed_forward."
         for name, tensor in weights:
             name = name.replace(".post_attention_layernorm.", ".pre_ff_layernorm.")
-            if name.startswith("model.norm."):
-                name = "model.final_layernorm." + name[len("model.norm."):]
             stem, _, leaf = name.rpartition(".block_sparse_moe.")
             if not stem:
                 stem, _, leaf = name.rpartition(".shared_mlp.")

@@ -106,11 +106,11 @@ _RENAMES = ((".self_attn.q_layernorm.", ".self_attn.q_norm."),
             (".self_attn.out_proj.", ".self_attn.o_proj."),
             (".feed_forward.w1.", ".feed_forward.gate_proj."),
             (".feed_forward.w3.", ".feed_forward.up_proj."),
-            (".feed_forward.w2.", ".feed_forward.down_proj."),
-            ("model.embedding_norm.", "model.final_layernorm."))
+            (".feed_forward.w2.", ".feed_forward.down_proj."))
 
 
 class Lfm2ForCausalLM(BambaForCausalLM):
+    checkpoint_final_norm = "embedding_norm"
     check_config = staticmethod(check_supported_config)
     layout = staticmethod(lfm2_layout)
     feed_forward = staticmethod(lfm2_feed_forward)

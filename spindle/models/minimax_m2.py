@@ -22,18 +22,16 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
 from spindle.layers.moe import FusedExperts, Router
 from spindle.models.bamba import (BambaForCausalLM, HybridLayout, PreNormAttentionLayer,
-                                  check_silu)
+                                  attention_only_layout, check_silu)
 from spindle.models.llama import _to_param_name, head_dim_of
 from spindle.models.moe import _MIXTRAL_EXPERT_PARTS, _expert_param, stacked_experts_one_by_one
 from spindle.models.olmo_hybrid import OlmoAttention
 
 
 def minimax_m2_layout(hf_config: Any) -> HybridLayout:
-    head_dim = head_dim_of(hf_config)
     factor = (getattr(hf_config, "rope_parameters", None) or {}).get("partial_rotary_factor",
                                                                      1.0)
-    return HybridLayout(attention_layers=frozenset(range(hf_config.num_hidden_layers)),
-                        rotary_dim=int(head_dim * factor), attention_scale=head_dim ** -0.5)
+    return attention_only_layout(hf_config, int(head_dim_of(hf_config) * factor))
 
 
 class CorrectedSigmoidMoeBlock(nn.Module):
@@ -76,6 +74,7 @@ class MiniMaxM2DecoderLayer(PreNormAttentionLayer):
 
 class MiniMaxM2ForCausalLM(BambaForCausalLM):
     model_kind = "decoder"
+    checkpoint_final_norm = "norm"
     check_config = staticmethod(check_silu)
     layout = staticmethod(minimax_m2_layout)
     feed_forward = staticmethod(minimax_m2_feed_forward)
@@ -91,9 +90,6 @@ class MiniMaxM2ForCausalLM(BambaForCausalLM):
 
 def _in_our_names(weights: Iterable[tuple[str, torch.Tensor]]
                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The hub's block_sparse_moe as mlp; the final norm as Bamba names it."""
+    """The hub's block_sparse_moe as mlp."""
     for name, tensor in weights:
-        name = name.replace(".block_sparse_moe.", ".mlp.")
-        if name.startswith("model.norm."):
-            name = name.replace("model.norm.", "model.final_layernorm.", 1)
-        yield name, tensor
+        yield name.replace(".block_sparse_moe.", ".mlp."), tensor

@@ -27,11 +27,12 @@ from spindle.attention import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import QKVParallelLinear, RowParallelLinear, set_weight_loader
 from spindle.layers.mamba.gated_delta_net import (SEPARATE, SEPARATE_PROJECTIONS,
-                                                   gated_delta_net)
+                                                   gated_delta_net, projection_param)
 from spindle.layers.mamba.mixer import rows_loader
 from spindle.layers.norm import Float32WeightRMSNorm
 from spindle.models.bamba import (BambaForCausalLM, FeedForwardFactory, HybridLayout,
-                                  apply_partial_rotary, check_layer_types, check_silu)
+                                  apply_partial_rotary, attention_only_layout,
+                                  check_layer_types, check_silu)
 from spindle.models.llama import LlamaMLP, _to_param_name, checked_window, head_dim_of
 
 ATTENTION, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
@@ -182,33 +183,20 @@ class OlmoHybridForCausalLM(BambaForCausalLM):
     feed_forward = staticmethod(olmo_feed_forward)
     decoder_layer = OlmoHybridDecoderLayer
 
-    def param_name(self, hf_name: str) -> tuple[str, Any]:
-        """The linear attention's projections onto its two, by shard id; its o_proj and
-        o_norm under the layer's names; the final norm as Bamba names it."""
-        stem, found, leaf = hf_name.rpartition(".linear_attn.")
-        if found:
-            projection, _, tail = leaf.partition(".")
-            if projection in SEPARATE_PROJECTIONS:
-                ours, shard_id = SEPARATE_PROJECTIONS[projection]
-                return f"{stem}.linear_attn.{ours}.{tail}", shard_id
-            renamed = {"o_proj": "out_proj", "o_norm": "norm"}.get(projection, projection)
-            return f"{stem}.linear_attn.{renamed}.{tail}" if tail else hf_name, None
-        if hf_name.startswith("model.norm."):
-            return hf_name.replace("model.norm.", "model.final_layernorm.", 1), None
-        return _to_param_name(hf_name)
+    checkpoint_final_norm = "norm"
 
-    def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
-        if hf_name.startswith("model.norm."):
-            hf_name = hf_name.replace("model.norm.", "model.final_layernorm.", 1)
-        return super()._skip_checkpoint_tensor(hf_name)
+    def param_name(self, hf_name: str) -> tuple[str, Any]:
+        """The linear attention's projections onto its two, by shard id (its o_proj and
+        o_norm are the layer's out_proj and norm)."""
+        hf_name = hf_name.replace(".linear_attn.o_proj.", ".linear_attn.out_proj.")
+        hf_name = hf_name.replace(".linear_attn.o_norm.", ".linear_attn.norm.")
+        return projection_param(hf_name, SEPARATE_PROJECTIONS) or _to_param_name(hf_name)
 
 
 def olmo2_layout(hf_config: Any) -> HybridLayout:
     """Every layer attends, with a rotary of the whole head."""
-    head_dim = head_dim_of(hf_config)
-    return HybridLayout(attention_layers=frozenset(range(hf_config.num_hidden_layers)),
-                        rotary_dim=head_dim, attention_scale=head_dim ** -0.5,
-                        norm_class=Float32WeightRMSNorm)
+    return attention_only_layout(hf_config, head_dim_of(hf_config),
+                                 norm_class=Float32WeightRMSNorm)
 
 
 class Olmo2ForCausalLM(OlmoHybridForCausalLM):
@@ -229,11 +217,9 @@ def check_olmo3_config(hf_config: Any) -> None:
 def olmo3_layout(hf_config: Any) -> HybridLayout:
     """Every layer attends (a window on the sliding ones), each rotating with its layer
     type's rotary table."""
-    head_dim = head_dim_of(hf_config)
-    return HybridLayout(attention_layers=frozenset(range(hf_config.num_hidden_layers)),
-                        rotary_dim=head_dim, attention_scale=head_dim ** -0.5,
-                        norm_class=Float32WeightRMSNorm,
-                        rope_layer_types=tuple(hf_config.layer_types))
+    return attention_only_layout(hf_config, head_dim_of(hf_config),
+                                 norm_class=Float32WeightRMSNorm,
+                                 rope_layer_types=tuple(hf_config.layer_types))
 
 
 class Olmo3ForCausalLM(Olmo2ForCausalLM):

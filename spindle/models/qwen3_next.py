@@ -36,7 +36,7 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
 from spindle.layers.mamba.gated_delta_net import (INTERLEAVED, SPLIT, SPLIT_PROJECTIONS,
-                                                   gated_delta_net)
+                                                   gated_delta_net, projection_param)
 from spindle.layers.moe import SparseMoeBlock
 from spindle.layers.norm import GemmaRMSNorm
 from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
@@ -135,6 +135,7 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextForCausalLM(BambaForCausalLM):
+    checkpoint_final_norm = "norm"
     check_config = staticmethod(check_supported_config)
     layout = staticmethod(qwen3_next_layout)
     feed_forward = staticmethod(qwen3_next_feed_forward)
@@ -154,7 +155,7 @@ def _in_our_names(weights: Iterable[tuple[str, torch.Tensor]], head_dim: int
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's names and layout mapped onto this model's: q_proj's rows taken
     apart into q and the output gate, the routed experts and the shared gate under the
-    MoE block's own names, the final norm as Bamba names it."""
+    MoE block's own names."""
     for name, tensor in weights:
         if ".self_attn.q_proj." in name:
             per_head = tensor.unflatten(0, (-1, 2, head_dim))  # [heads, (q, gate), D, ...]
@@ -164,8 +165,6 @@ def _in_our_names(weights: Iterable[tuple[str, torch.Tensor]], head_dim: int
             yield name.replace(".shared_expert_gate.weight", ".shared_expert_gate"), tensor
         elif ".mlp.gate." in name or ".mlp.experts." in name:
             yield name.replace(".mlp.", ".mlp.routed.", 1), tensor
-        elif name.startswith("model.norm."):
-            yield name.replace("model.norm.", "model.final_layernorm.", 1), tensor
         else:
             yield name, tensor
 
@@ -183,12 +182,7 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
     def param_name(self, hf_name: str) -> tuple[str, Any]:
         """in_proj_qkv / _z / _b / _a onto the two input projections, by shard id."""
-        stem, _, leaf = hf_name.rpartition(".linear_attn.")
-        projection, _, tail = leaf.partition(".")
-        if projection in SPLIT_PROJECTIONS:
-            ours, shard_id = SPLIT_PROJECTIONS[projection]
-            return f"{stem}.linear_attn.{ours}.{tail}", shard_id
-        return super().param_name(hf_name)
+        return projection_param(hf_name, SPLIT_PROJECTIONS) or super().param_name(hf_name)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

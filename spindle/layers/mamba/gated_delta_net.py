@@ -161,6 +161,18 @@ class GatedDeltaNet(nn.Module):
                 f"conv={self.conv_kernel} (per rank), tp_size={self.tp_group.size}")
 
 
+def projection_param(hf_name: str, projections: dict[str, tuple[str, Any]]
+                     ) -> tuple[str, Any] | None:
+    """A ``...linear_attn.<projection>.<tail>`` checkpoint name as (our parameter, its
+    shard id) for the projections of a SPLIT or SEPARATE layout; None for any other."""
+    stem, found, leaf = hf_name.rpartition(".linear_attn.")
+    projection, _, tail = leaf.partition(".")
+    if not found or projection not in projections:
+        return None
+    ours, shard_id = projections[projection]
+    return f"{stem}.linear_attn.{ours}.{tail}", shard_id
+
+
 def _interleaved_rows(heads: range, per_key: int, key_dim: int, value_dim: int
                       ) -> tuple[list[RowPiece], list[RowPiece]]:
     """The rows of Qwen3-Next's in_proj_qkvz and in_proj_ba that the key heads hold, as

@@ -65,6 +65,14 @@ def selective_scan_decode(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor
 
 
 @triton.jit
+def _step(h, A, D, x, step, b, c, gate):
+    """One token of a block of channels, float32: the states [BLOCK_D, N] decayed and
+    written, and the gated output (h . C + D x) * silu(z)."""
+    h = tl.exp(step[:, None] * A) * h + (step * x)[:, None] * b[None, :]
+    return h, (tl.sum(h * c[None, :], 1) + D * x) * gate * tl.sigmoid(gate)
+
+
+@triton.jit
 def _prefill_kernel(x_ptr, dt_ptr, A_log_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, z_ptr,
                     state_ptr, y_ptr, query_start_ptr, state_idx_ptr, has_init_ptr,
                     channels, state_size, x_stride_t, x_stride_d, dt_stride_t, dt_stride_d,
@@ -99,10 +107,9 @@ def _prefill_kernel(x_ptr, dt_ptr, A_log_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, 
                     other=0.0).to(tl.float32)
         c = tl.load(C_ptr + t * c_stride_t + offs_n * c_stride_n, mask=n_valid,
                     other=0.0).to(tl.float32)
-        h = tl.exp(step[:, None] * A) * h + (step * x)[:, None] * b[None, :]
         gate = tl.load(z_ptr + t * z_stride_t + offs_d * z_stride_d, mask=d_valid,
                        other=0.0).to(tl.float32)
-        y = (tl.sum(h * c[None, :], 1) + D * x) * gate * tl.sigmoid(gate)
+        h, y = _step(h, A, D, x, step, b, c, gate)
         tl.store(y_ptr + t * y_stride_t + offs_d * y_stride_d,
                  y.to(y_ptr.dtype.element_ty), mask=d_valid)
     if HAS_STATE:
@@ -137,11 +144,10 @@ def _decode_kernel(x_ptr, dt_ptr, A_log_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, z
                 other=0.0).to(tl.float32)
     c = tl.load(C_ptr + row * c_stride_t + offs_n * c_stride_n, mask=n_valid,
                 other=0.0).to(tl.float32)
-    h = tl.exp(step[:, None] * A) * h + (step * x)[:, None] * b[None, :]
-    tl.store(state_ptrs, h.to(state_ptr.dtype.element_ty), mask=tile & (slot >= 0))
     gate = tl.load(z_ptr + row * z_stride_t + offs_d * z_stride_d, mask=d_valid,
                    other=0.0).to(tl.float32)
     D = tl.load(D_ptr + offs_d, mask=d_valid, other=0.0).to(tl.float32)
-    y = (tl.sum(h * c[None, :], 1) + D * x) * gate * tl.sigmoid(gate)
+    h, y = _step(h, A, D, x, step, b, c, gate)
+    tl.store(state_ptrs, h.to(state_ptr.dtype.element_ty), mask=tile & (slot >= 0))
     tl.store(y_ptr + row * y_stride_t + offs_d * y_stride_d, y.to(y_ptr.dtype.element_ty),
              mask=d_valid)
