@@ -5,16 +5,20 @@ and times its steps. Runs are interleaved, --repeats times each; the tables give
 of wall-clock and CPU seconds (CPU time moves less than wall time on a shared host).
 
 - loads: the HF config from config.json, then the tokenizer, per variant: spindle's
-  loaders, transformers' AutoConfig + AutoTokenizer, and the floor of importing only the
-  Qwen3 config class and the Qwen2Tokenizer class (named by hand: no design, a bound);
-- ready: `from spindle import LLM` + `LLM(...)` on a tiny Qwen3 with the same tokenizer;
+  loaders on a later start (the start cache holds the checkpoint: no transformers), on a
+  first start (an empty start cache: transformers, then the entries written) and with
+  the start cache off (SPINDLE_START_CACHE=0: transformers' objects); transformers'
+  AutoConfig + AutoTokenizer; and importing only the Qwen3 config class and the
+  Qwen2Tokenizer class (named by hand);
+- ready: `from spindle import LLM` + `LLM(...)` on a tiny Qwen3 with the same tokenizer,
+  on a later start and with the start cache off;
 - imports: single transformers imports, to show where the seconds go.
 
 The checkpoint is the Qwen3-0.6B shape's config.json with a Qwen3-style tokenizer
 (151,643-token byte-level BPE, Qwen2Tokenizer). The spindle measured is the one a fresh
 `python -c "import spindle"` finds (set PYTHONPATH to compare two checkouts).
 
-    python benchmarks/hf_loading.py [--repeats 7] [--variants spindle,auto,classes]
+    python benchmarks/hf_loading.py [--repeats 7] [--variants later,first,off,auto,classes]
                                     [--no-imports] [--json out.json]
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -39,25 +44,31 @@ from throughput import (ARCHITECTURES, QWEN3_06B, write_qwen3_style_tokenizer,  
 TINY_QWEN3 = dict(QWEN3_06B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, intermediate_size=128)
 
-# name -> (code that sets `config`, code that sets `tokenizer`); `path` is the checkpoint.
+_SPINDLE = ("from spindle.hf_config import load_hf_config\nconfig = load_hf_config(path)",
+            "from spindle.engine.tokenizer_loader import load_tokenizer\n"
+            "tokenizer = load_tokenizer(path, config)")
+# name -> ((code that sets `config`, code that sets `tokenizer`), start cache): `path` is
+# the checkpoint; the start cache is "filled" (a folder an earlier process filled),
+# "empty" (a new folder each run) or "off".
 VARIANTS = {
-    "spindle": (
-        "from spindle.hf_config import load_hf_config\nconfig = load_hf_config(path)",
-        "from spindle.engine.tokenizer_loader import load_tokenizer\n"
-        "tokenizer = load_tokenizer(path, config)"),
-    "auto": (
+    "later": (_SPINDLE, "filled"),
+    "first": (_SPINDLE, "empty"),
+    "off": (_SPINDLE, "off"),
+    "auto": ((
         "from transformers import AutoConfig\nconfig = AutoConfig.from_pretrained(path)",
         "from transformers import AutoTokenizer\ntokenizer = AutoTokenizer.from_pretrained(path)"),
-    "classes": (
+        "off"),
+    "classes": ((
         "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
         "config = CONFIG_MAPPING['qwen3'].from_pretrained(path)",
         "from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer\n"
-        "tokenizer = Qwen2Tokenizer.from_pretrained(path)"),
+        "tokenizer = Qwen2Tokenizer.from_pretrained(path)"), "off"),
 }
 READY = ("from spindle import LLM\n"
          "llm = LLM(ready_path, device='cpu', dtype='float32', max_model_len=2048, "
          "kv_cache_memory_bytes=1 << 24, max_num_seqs=4)\n"
          "llm.shutdown()")
+READY_CACHES = ("filled", "off")
 IMPORTS = ("import transformers",
            "from transformers import AutoConfig",
            "import transformers.models.qwen3.configuration_qwen3",
@@ -80,11 +91,20 @@ print("TIMES " + json.dumps(times))
 """
 
 
-def run_once(paths: tuple[Path, Path], steps: list[str]) -> list[list[float]]:
+def run_once(paths: tuple[Path, Path], steps: list[str], cache: str = "off") -> list[list[float]]:
     # (cwd: the checkpoints' folder, so that `import spindle` is not this checkout's by
     # accident of the working directory.)
+    env = dict(os.environ)
+    env.pop("SPINDLE_START_CACHE", None)
+    root = paths[0].parent
+    if cache == "off":
+        env["SPINDLE_START_CACHE"] = "0"
+    elif cache == "filled":
+        env["SPINDLE_START_CACHE_DIR"] = str(root / "start-cache")
+    else:
+        env["SPINDLE_START_CACHE_DIR"] = tempfile.mkdtemp(dir=root, prefix="empty-cache-")
     proc = subprocess.run([sys.executable, "-c", _RUN, *map(str, paths), json.dumps(steps)],
-                          capture_output=True, text=True, cwd=paths[0].parent, timeout=600)
+                          capture_output=True, text=True, cwd=root, timeout=600, env=env)
     found = [line for line in proc.stdout.splitlines() if line.startswith("TIMES ")]
     if proc.returncode or not found:
         raise RuntimeError(f"run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -113,16 +133,22 @@ def write_checkpoints(root: Path) -> tuple[Path, Path]:
 
 def measure(paths: tuple[Path, Path], variants: list[str], repeats: int,
             imports: bool) -> dict:
+    # Fill the start cache the "later" runs read (config, tokenizer and the tiny model's).
+    run_once(paths, list(_SPINDLE), "filled")
+    run_once(paths, [READY], "filled")
     loads: dict[str, list] = {v: [] for v in variants}
-    ready: list = []
+    ready: dict[str, list] = {c: [] for c in READY_CACHES}
     statements: dict[str, list] = {s: [] for s in (IMPORTS if imports else ())}
     for _ in range(repeats):  # interleaved, so a burst of load hits every variant alike
         for variant in variants:
-            loads[variant].append(run_once(paths, list(VARIANTS[variant])))
-        ready.append(run_once(paths, [READY]))
+            steps, cache = VARIANTS[variant]
+            loads[variant].append(run_once(paths, list(steps), cache))
+        for cache in READY_CACHES:
+            ready[cache].append(run_once(paths, [READY], cache))
         for statement in statements:
             statements[statement].append(run_once(paths, [statement]))
-    return {"loads": {v: medians(r) for v, r in loads.items()}, "ready": medians(ready)[0],
+    return {"loads": {v: medians(r) for v, r in loads.items()},
+            "ready": {c: medians(r)[0] for c, r in ready.items()},
             "imports": {s: medians(r)[0] for s, r in statements.items()}}
 
 
@@ -132,9 +158,10 @@ def format_tables(result: dict) -> str:
     for variant, ((cw, cc), (tw, tc)) in result["loads"].items():
         lines.append(f"{variant:<10}{cw:>12.2f}{cc:>7.2f}{tw:>16.2f}{tc:>7.2f}"
                      f"{cw + tw:>11.2f}{cc + tc:>7.2f}")
-    wall, cpu = result["ready"]
-    lines += ["", f"{'LLM ready (tiny Qwen3), after torch':<56}{'wall':>7}{'cpu':>7}",
-              f"{'from spindle import LLM; LLM(...)':<56}{wall:>7.2f}{cpu:>7.2f}"]
+    lines += ["", f"{'LLM ready (tiny Qwen3), after torch':<56}{'wall':>7}{'cpu':>7}"]
+    for cache, (wall, cpu) in result["ready"].items():
+        label = {"filled": "later start", "off": "start cache off"}[cache]
+        lines.append(f"{'LLM(...), ' + label:<56}{wall:>7.2f}{cpu:>7.2f}")
     if result["imports"]:
         lines += ["", f"{'import, after torch':<56}{'wall':>7}{'cpu':>7}"]
     for statement, (wall, cpu) in result["imports"].items():

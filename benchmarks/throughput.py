@@ -10,8 +10,10 @@ table, and writes JSON with --json.
     python benchmarks/throughput.py --nano-first    # nano as the engine's first call
 
 --startup (and --startup-only) also time `LLM(...)` from a fresh interpreter to ready,
-phase by phase, next to its worker-stage table: with an empty Triton cache (cold: every
-kernel compiles) and with the cache that run filled (warm: its kernel plan too). That
+phase by phase, next to its worker-stage table: with an empty Triton cache and start
+cache (cold: every kernel compiles, transformers reads the config and tokenizer), with
+the caches that run filled (warm: its kernel plan too; no transformers), and warm with
+the start cache off (SPINDLE_START_CACHE=0). That
 checkpoint has a Qwen3-style tokenizer (byte-level BPE of Qwen's size, Qwen2Tokenizer),
 which is what a real start loads; the throughput runs keep the cheaper word-level one.
 The fresh interpreters may write bytecode (PYTHONDONTWRITEBYTECODE, which some images
@@ -354,23 +356,29 @@ _PHASE_ORDER = ("interpreter start", "from spindle import LLM", "script imports 
                 "tokenizer load", "LLM(...)",
                 "process start -> ready")
 _STARTUP_RUNS = (("cold", "cold Triton"), ("warm", "warm Triton"),
-                 ("warm-hf", "warm, HF imported"))
+                 ("warm-off", "warm, no start cache"), ("warm-hf", "warm, HF imported"))
 
 
 def measure_startup(path: Path, importtime: Path | None = None) -> dict:
     """Process start to ready, in fresh interpreters: cold (an empty Triton cache: every
-    kernel compiles), warm (the cache the cold run filled, with its kernel plan), and
-    warm-hf: warm, in a script that imported transformers before `LLM()` (as one that
-    wrote its checkpoint with transformers has), so `LLM()` does not pay that import."""
+    kernel compiles; an empty start cache: the config and tokenizer come through
+    transformers), warm (the caches the cold run filled, with its kernel plan),
+    warm-off: warm with the start cache off (SPINDLE_START_CACHE=0: transformers'
+    config and tokenizer, as before the start cache), and warm-hf: warm, in a script
+    that imported transformers before `LLM()` (as one that wrote its checkpoint with
+    transformers has)."""
     import os
     import subprocess
     import sys
 
     result = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        env = {**os.environ, "TRITON_CACHE_DIR": cache,
+               "SPINDLE_START_CACHE_DIR": str(Path(cache) / "spindle-start")}
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # (see the module docstring)
-        runs = [(label, env) for label, _ in _STARTUP_RUNS]
+        env.pop("SPINDLE_START_CACHE", None)
+        runs = [(label, {**env, "SPINDLE_START_CACHE": "0"} if label == "warm-off" else env)
+                for label, _ in _STARTUP_RUNS]
         if importtime is not None:  # one more: -X importtime slows imports down
             runs.append(("importtime", {**env, "PYTHONPROFILEIMPORTTIME": "1"}))
         for label, run_env in runs:

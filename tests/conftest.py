@@ -20,6 +20,15 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def start_cache_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The start cache (spindle/start_cache.py) in a folder of this session's, for the
+    tests and the processes they start: starts read only entries this session wrote."""
+    folder = tmp_path_factory.mktemp("start-cache")
+    os.environ["SPINDLE_START_CACHE_DIR"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: tiny_model(arch="llama", **make_tiny_model_kwargs) -> checkpoint dir.

@@ -1,6 +1,7 @@
 """spindle/hf_config.py: the HF config is transformers' own (AutoConfig, imported on
-first use) for whatever transformers is installed; a bad config.json is a ValueError
-naming the file; workers get a plain-data snapshot with every attribute of it."""
+first use) for whatever transformers is installed, or with the start cache on a
+plain-data snapshot with every attribute of it (what workers get too); a bad
+config.json is a ValueError naming the file."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import json
 
 import pytest
 
-from spindle.executor.config_snapshot import snapshot_hf_config
-from spindle.hf_config import load_hf_config, read_config_json
+from spindle.hf_config import ConfigSnapshot, load_hf_config, read_config_json, snapshot_hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,11 +114,18 @@ def write(tmp_path, config, name="ckpt"):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_config_is_transformers_own(tmp_path, name):
+def test_config_is_transformers_own(tmp_path, name, monkeypatch):
     """No copy of transformers' defaults, derived fields or rope handling: the config is
-    the object AutoConfig builds, for the installed version."""
+    the object AutoConfig builds, for the installed version (the start cache off), or a
+    snapshot of every attribute of it, on a first start and read back on a later one."""
     path = write(tmp_path, CONFIGS[name])
     theirs = transformers.AutoConfig.from_pretrained(str(path))
+    monkeypatch.setenv("SPINDLE_START_CACHE_DIR", str(tmp_path / "start-cache"))
+    first = load_hf_config(path)
+    for ours in (first, load_hf_config(path, read_config_json(path))):
+        assert isinstance(ours, ConfigSnapshot)
+        assert vars(ours) == vars(snapshot_hf_config(theirs))
+    monkeypatch.setenv("SPINDLE_START_CACHE", "0")
     for ours in (load_hf_config(path), load_hf_config(path, read_config_json(path))):
         assert type(ours) is type(theirs)
         assert ours.to_dict() == theirs.to_dict()
@@ -128,7 +135,7 @@ def test_config_is_transformers_own(tmp_path, name):
 def test_worker_snapshot_holds_every_attribute(tmp_path, name):
     """What workers get instead (executor/config_snapshot.py): every instance attribute
     and attribute_map alias of transformers' object, nested configs included."""
-    hf = load_hf_config(write(tmp_path, CONFIGS[name]))
+    hf = transformers.AutoConfig.from_pretrained(str(write(tmp_path, CONFIGS[name])))
     snapshot = snapshot_hf_config(hf)
     for key, value in vars(hf).items():
         assert getattr(snapshot, key) == value, key
@@ -140,6 +147,7 @@ def test_worker_snapshot_holds_every_attribute(tmp_path, name):
 def test_hub_cache_commit_hash_is_transformers_own(tmp_path):
     commit = "0123456789abcdef0123456789abcdef01234567"
     path = write(tmp_path, QWEN3_06B, name=f"models--x--y/snapshots/{commit}")
+    load_hf_config(write(tmp_path, QWEN3_06B, name="elsewhere"))  # the same bytes
     ours = load_hf_config(path)
     theirs = transformers.AutoConfig.from_pretrained(str(path))
     assert getattr(ours, "_commit_hash", None) == getattr(theirs, "_commit_hash", None)

@@ -2,7 +2,8 @@
 
 `from spindle import LLM` needs torch, not the server stack nor transformers; the
 engine imports transformers only when it reads a checkpoint (its config and tokenizer
-are transformers' own), and workers get the config as plain data, without it."""
+are transformers' own) the start cache does not hold (tests/test_cached_tokenizer.py),
+and workers get the config as plain data, without it."""
 
 from __future__ import annotations
 
@@ -46,11 +47,13 @@ def test_engine_modules_import_transformers_only_on_use():
     assert "transformers" not in top_level(imported_after(code))
 
 
-def test_workers_get_the_config_without_transformers(tiny_model):
-    """The engine's config is transformers' object; what workers unpickle is plain data
-    with the same values (executor/config_snapshot.py)."""
+def test_workers_get_the_config_without_transformers(tiny_model, monkeypatch):
+    """With the start cache off the engine's config is transformers' object; what
+    workers unpickle is plain data with the same values (executor/config_snapshot.py)."""
     from spindle.config import EngineArgs
     from spindle.executor.config_snapshot import config_for_workers
+
+    monkeypatch.setenv("SPINDLE_START_CACHE", "0")
 
     config = EngineArgs(model=str(tiny_model(arch="qwen3")), device="cpu").create_engine_config()
     hf = config.model.hf_config

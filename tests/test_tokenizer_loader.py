@@ -1,6 +1,9 @@
 """spindle/engine/tokenizer_loader.py: the tokenizer is AutoTokenizer's, for whatever
 transformers is installed (its class choice included), loaded with or without the
-config the engine read; load errors are ValueErrors naming the path."""
+config the engine read; load errors are ValueErrors naming the path.
+
+These tests turn the start cache off (transformers' object itself is then the engine's);
+tests/test_cached_tokenizer.py checks what the engine holds with it on."""
 
 from __future__ import annotations
 
@@ -13,6 +16,13 @@ from spindle.engine.tokenizer_loader import load_tokenizer
 from spindle.hf_config import load_hf_config
 
 transformers = pytest.importorskip("transformers")
+
+
+
+@pytest.fixture(autouse=True)
+def without_start_cache(monkeypatch):
+    monkeypatch.setenv("SPINDLE_START_CACHE", "0")
+
 
 MINIMAL_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 300}
 

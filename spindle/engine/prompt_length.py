@@ -85,9 +85,14 @@ def count_then_encode(tokenizer: Any, text: str, add_special_tokens: bool,
 def _plain_backend(tokenizer: Any) -> Any:
     """The tokenizers.Tokenizer that tokenizer.encode would call as it is, or None
     when encode does more (a subclass of its own, a setting it would first change)."""
+    from spindle.engine.cached_tokenizer import CachedTokenizer
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
+    if isinstance(tokenizer, CachedTokenizer):  # its encode is the backend's, by design
+        unchanged = getattr(tokenizer.encode, "__func__", None) is CachedTokenizer.encode
+        return backend if unchanged else None
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend

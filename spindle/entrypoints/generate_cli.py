@@ -119,7 +119,7 @@ def chat_template_from(ns: argparse.Namespace) -> str | None:
 
 def check_chat_template(llm: Any, ns: argparse.Namespace) -> None:
     """Fail before any input is read when there is no template to render with."""
-    if ns.chat_template is None and not getattr(llm.get_tokenizer(), "chat_template", None):
+    if ns.chat_template is None and not getattr(llm.engine.tokenizer, "chat_template", None):
         raise ValueError(f"the model at {llm.config.model.model} has no chat template: "
                          "pass one with --chat-template FILE")
 

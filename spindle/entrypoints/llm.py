@@ -44,7 +44,11 @@ class LLM:
         return self.engine.config
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        """transformers' tokenizer of the model (AutoTokenizer's). The engine itself may
+        hold a CachedTokenizer (engine/cached_tokenizer.py: the same tokenizer without
+        transformers, read from the start cache); this then loads transformers' on its
+        first call."""
+        return getattr(self.engine.tokenizer, "hf_tokenizer", self.engine.tokenizer)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -87,7 +87,7 @@ def transcribe(llm, audio: list[tuple], language: str | None, task: str, prompt:
         raise ValueError(f"{model.architecture} does not transcribe audio: pass a Whisper "
                          "checkpoint as --model")
     checkpoint = AudioCheckpoint.read(model.model, model.hf_config)
-    tokenizer, rate = llm.get_tokenizer(), checkpoint.sampling_rate
+    tokenizer, rate = llm.engine.tokenizer, checkpoint.sampling_rate
     files = [split_windows(resample(w, r, rate), rate, checkpoint.chunk_length)
              for w, r in audio]
     languages = [language or _detect(llm, tokenizer, checkpoint, windows[0][2])

@@ -89,10 +89,12 @@ def gguf_checkpoint(gguf: str | os.PathLike, cache_root: Path | None = None) -> 
     ValueError for a file transformers cannot read (naming the file)."""
     gguf = Path(gguf).expanduser().resolve()
     check_requirements()
-    import transformers
+    from spindle.start_cache import package_version
 
+    # (transformers' version from its metadata: a start that finds the conversion done
+    # imports no transformers.)
     stat = gguf.stat()
-    identity = f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    identity = f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}\0{package_version('transformers')}"
     key = f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
     target = (cache_root or default_cache_root()) / key
     # The directory appears whole (an atomic rename below), so its existence means
