@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 ENABLE_ENV = "SPINDLE_START_CACHE"
 DIRECTORY_ENV = "SPINDLE_START_CACHE_DIR"
 # What an entry holds; raise it when the stored objects change shape.
-FORMAT = 1
+FORMAT = 2
 
 
 def enabled() -> bool:

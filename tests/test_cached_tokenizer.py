@@ -206,6 +206,44 @@ def test_named_chat_templates_and_delegated_options(tiny_model, tmp_path, cache_
         theirs.apply_chat_template(conversation, tools=tools, tokenize=False)
 
 
+def words_checkpoint(path: Path, clean_up: bool) -> Path:
+    """A word-level tokenizer whose decode joins words with spaces, so that transformers'
+    clean-up (" ," -> ",", " 's" -> "'s", ...) shows; clean_up_tokenization_spaces as
+    given."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["[UNK]", "don", "'t", "stop", ",", "it", "'s", "fine", ".", "really", "?", "yes", "!"]
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 16}))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]",
+         "clean_up_tokenization_spaces": clean_up}))
+    return path
+
+
+@pytest.mark.parametrize("clean_up", [True, False])
+def test_decode_cleans_up_text_as_transformers_does(tmp_path, cache_dir, clean_up):
+    path = words_checkpoint(tmp_path / "words", clean_up)
+    ours, theirs = load_tokenizer(str(path)), auto(path)
+    assert isinstance(ours, CachedTokenizer)
+    ids = theirs.encode("don 't stop , it 's fine . really ? yes !")
+    for explicit in (None, True, False):
+        assert ours.decode(ids, clean_up_tokenization_spaces=explicit) == \
+            theirs.decode(ids, clean_up_tokenization_spaces=explicit)
+    assert ("stop, it's fine. really? yes!" in ours.decode(ids)) is clean_up
+    # A BPE tokenizer asked for the clean-up: transformers does not apply it, nor do we.
+    bpe = ROOT / "spindle" / "demo_model"
+    ours, theirs = load_tokenizer(str(bpe)), auto(bpe)
+    ids = theirs.encode("Don't stop , it 's fine . Really ? Yes !")
+    assert ours.decode(ids, clean_up_tokenization_spaces=True) == \
+        theirs.decode(ids, clean_up_tokenization_spaces=True)
+
+
 def test_a_later_start_imports_no_transformers(tiny_model, cache_dir):
     """Fresh interpreters start an LLM on the same checkpoint: the first reads it through
     transformers, the second only from the cache; both answer the same chat the same."""

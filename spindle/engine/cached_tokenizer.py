@@ -31,9 +31,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-STATE_VERSION = 1
-# The text clean-up transformers applies after decoding, when a tokenizer asks for it
-# (clean_up_tokenization_spaces, not done for BPE models).
+# The text clean-up transformers applies after decoding, when asked for it (by default
+# the tokenizer's clean_up_tokenization_spaces; not for BPE models).
 _CLEAN_UPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
               (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 _BPE_CLEAN_UP_FLAG = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
@@ -71,20 +70,19 @@ def why_not_cacheable(tokenizer: Any) -> str | None:
         return "its backend truncates or pads"
     if bool(tokenizer.split_special_tokens) != backend.encode_special_tokens:
         return "its split_special_tokens differs from its backend's"
-    if _cleans_up(tokenizer) is None:
+    if _clean_up_blocked(tokenizer) is None:
         return "its decode clean-up rule is not one this module knows"
     return None
 
 
-def _cleans_up(tokenizer: Any) -> bool | None:
-    """Whether transformers 5's _decode cleans up this tokenizer's text; None when the
-    rule's flag is missing (another transformers: its rule is unknown here)."""
-    if not tokenizer.clean_up_tokenization_spaces:
-        return False
+def _clean_up_blocked(tokenizer: Any) -> bool | None:
+    """Whether transformers 5's _decode skips the clean-up for this tokenizer even when
+    asked for it (it does for BPE models, unless a flag forces it); None when that flag
+    is missing (another transformers: its rule is unknown here)."""
     if type(tokenizer.backend_tokenizer.model).__name__ != "BPE":
-        return True
+        return False
     flag = getattr(tokenizer, _BPE_CLEAN_UP_FLAG, None)
-    return None if flag is None else bool(flag)
+    return None if flag is None else not flag
 
 
 def tokenizer_state(tokenizer: Any) -> dict[str, Any]:
@@ -94,7 +92,6 @@ def tokenizer_state(tokenizer: Any) -> dict[str, Any]:
               token.normalized, token.special)
              for index, token in tokenizer.added_tokens_decoder.items()]
     return {
-        "version": STATE_VERSION,
         "backend": tokenizer.backend_tokenizer.to_str(),
         "class_name": type(tokenizer).__name__,
         "name_or_path": tokenizer.name_or_path,
@@ -106,7 +103,8 @@ def tokenizer_state(tokenizer: Any) -> dict[str, Any]:
         "all_special_ids": list(tokenizer.all_special_ids),
         "added_tokens": added,
         "split_special_tokens": bool(tokenizer.split_special_tokens),
-        "cleans_up": bool(_cleans_up(tokenizer)),
+        "clean_up_default": bool(tokenizer.clean_up_tokenization_spaces),
+        "clean_up_blocked": bool(_clean_up_blocked(tokenizer)),
         "length": len(tokenizer),
         "model_max_length": tokenizer.model_max_length,
     }
@@ -207,9 +205,9 @@ class CachedTokenizer:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         text = self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        clean_up = (self._state["cleans_up"] if clean_up_tokenization_spaces is None
-                    else clean_up_tokenization_spaces and self._state["cleans_up"])
-        if clean_up:
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self._state["clean_up_default"]
+        if clean_up_tokenization_spaces and not self._state["clean_up_blocked"]:
             for before, after in _CLEAN_UPS:
                 text = text.replace(before, after)
         return text

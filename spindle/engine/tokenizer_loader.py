@@ -39,7 +39,7 @@ def load_tokenizer(path: str, hf_config: Any = None) -> Any:
 
     key = _cache_key(Path(path))
     state = start_cache.load(key) if key is not None else None
-    if isinstance(state, dict) and state.get("version") is not None:
+    if isinstance(state, dict) and "backend" in state:
         try:
             return CachedTokenizer(state, path)
         except Exception as e:  # a state this code cannot rebuild: load it again
