@@ -15,6 +15,9 @@ packages that read them, and this module's FORMAT. So an edited config.json or
 tokenizer file, or another transformers, simply misses. Entries are written whole (a temporary file renamed into place); one that
 cannot be read is ignored and written again.
 
+The folder stays bounded: past MAX_ENTRIES entries or MAX_BYTES in all, a store
+deletes the least recently used (a read marks an entry used).
+
 Where: $SPINDLE_START_CACHE_DIR, else $XDG_CACHE_HOME/spindle/start (~/.cache/...).
 SPINDLE_START_CACHE=0 turns the cache off: then the engine uses transformers' own
 config and tokenizer objects, as it did before the cache existed.
@@ -37,6 +40,9 @@ ENABLE_ENV = "SPINDLE_START_CACHE"
 DIRECTORY_ENV = "SPINDLE_START_CACHE_DIR"
 # What an entry holds; raise it when the stored objects change shape.
 FORMAT = 2
+# The bounds of the folder (a 150k-token tokenizer's entry is 3.5 MB).
+MAX_ENTRIES = 256
+MAX_BYTES = 512 << 20
 
 
 def enabled() -> bool:
@@ -73,7 +79,9 @@ def load(key: str) -> Any | None:
     path = directory() / f"{key}.pickle"
     try:
         with open(path, "rb") as f:
-            return pickle.load(f)
+            value = pickle.load(f)
+        os.utime(path)  # used now: the last to be pruned
+        return value
     except FileNotFoundError:
         return None
     except Exception as e:  # a damaged or truncated entry: read the sources again
@@ -95,6 +103,31 @@ def store(key: str, value: Any) -> None:
         except BaseException:
             os.unlink(temporary)
             raise
+        prune(folder)
     except OSError as e:
         logger.warning("cannot write the start cache in %s (%s); later starts will read "
                        "the checkpoint through transformers again", folder, e)
+
+
+def prune(folder: Path, max_entries: int | None = None, max_bytes: int | None = None) -> None:
+    """Deletes the least recently used entries until at most max_entries remain and
+    they hold at most max_bytes (the module's bounds by default). Entries another
+    process deletes meanwhile are skipped."""
+    max_entries = MAX_ENTRIES if max_entries is None else max_entries
+    max_bytes = MAX_BYTES if max_bytes is None else max_bytes
+    entries = []
+    for path in folder.glob("*.pickle"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue
+        entries.append((stat.st_mtime_ns, stat.st_size, path))
+    entries.sort(reverse=True)  # newest first
+    kept_bytes = 0
+    for count, (_, size, path) in enumerate(entries, start=1):
+        kept_bytes += size
+        if count > max_entries or kept_bytes > max_bytes:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass

@@ -313,6 +313,23 @@ def test_a_damaged_entry_is_ignored_and_written_again(tiny_model, cache_dir, log
         assert start_cache.load(entry.stem) is not None  # whole again
 
 
+def test_the_folder_keeps_the_recently_used_entries_within_its_bounds(cache_dir, monkeypatch):
+    import os
+    import time
+
+    keys = [start_cache.entry_key("test", [str(i)]) for i in range(6)]
+    for i, key in enumerate(keys):
+        start_cache.store(key, b"x" * 1000)
+        stamp = time.time() - 100 + i  # stored in order, a second apart
+        os.utime(cache_dir / f"{key}.pickle", (stamp, stamp))
+    assert start_cache.load(keys[0]) == b"x" * 1000  # read: the most recently used now
+    start_cache.prune(cache_dir, max_entries=4)
+    assert [start_cache.load(k) is not None for k in keys] == [True, False, False, True, True, True]
+    monkeypatch.setattr(start_cache, "MAX_BYTES", 2500)  # a store prunes by size too
+    start_cache.store(start_cache.entry_key("test", ["new"]), b"y" * 1000)
+    assert len(list(cache_dir.glob("*.pickle"))) == 2
+
+
 def test_an_unwritable_cache_is_noted_and_the_start_goes_on(tiny_model, tmp_path, monkeypatch,
                                                            logs):
     blocker = tmp_path / "a-file"
