@@ -1,7 +1,7 @@
 """GPU throughput of a hybrid (state-space + attention) model: a ~1B-parameter random
 bf16 checkpoint on the "nano" workload, and batch-1 decode. --arch picks its shape:
-Bamba (Mamba2, the default), Qwen3.5 (Gated DeltaNet, dense) or Jamba (Mamba1, experts
-every other layer).
+Bamba (Mamba2, the default), Qwen3.5 (Gated DeltaNet, dense), Jamba (Mamba1, experts
+every other layer) or Mamba (Mamba1 layers only, a float32 state: mamba-1.4b's shape).
 
 The roofline counts what every decode step must read at least once: all weights (for
 Jamba's experts: all of them, so its bound is generous at small batches), the
@@ -10,7 +10,7 @@ live sequence's state (each state layer's cache spec: conv + SSM or recurrent st
 the step also writes it back, which the bound leaves out, so the bound is generous).
 The copy bandwidth is measured in the same run.
 
-    python benchmarks/hybrid_throughput.py [--arch bamba|qwen3_5|jamba] [--json out.json]
+    python benchmarks/hybrid_throughput.py [--arch bamba|qwen3_5|jamba|mamba] [--json out.json]
                                            [--num-seqs 256]
 """
 
@@ -54,7 +54,12 @@ JAMBA_1B = dict(vocab_size=32000, hidden_size=1536, intermediate_size=3072,
                 mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto",
                 tie_word_embeddings=False, max_position_embeddings=8192, rms_norm_eps=1e-6,
                 bos_token_id=0, eos_token_id=1, pad_token_id=2)
+# mamba-1.4b's shape (state-spaces/mamba-1.4b-hf): 48 Mamba1 layers of 2048, state 16.
+MAMBA_1_4B = dict(vocab_size=50280, hidden_size=2048, num_hidden_layers=48, state_size=16,
+                  conv_kernel=4, expand=2, time_step_rank="auto", tie_word_embeddings=True,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
 SHAPES = {"bamba": ("BambaConfig", "BambaForCausalLM", BAMBA_1B),
+          "mamba": ("MambaConfig", "MambaForCausalLM", MAMBA_1_4B),
           "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5_1B),
           "jamba": ("JambaConfig", "JambaForCausalLM", JAMBA_1B)}
 

@@ -58,7 +58,8 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
                                         ("qwen3_5", "odd-heads"),
                                         ("qwen3_5_moe", "groups2"),
                                         ("jamba", "default"), ("jamba", "odd-heads"),
-                                        ("olmo_hybrid", "default")])
+                                        ("olmo_hybrid", "default"), ("mamba", "odd-heads"),
+                                        ("falcon_mamba", "default")])
 def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape):
     """NemotronH (attention without rotary, squared-ReLU MLPs and experts beside the
     Mamba2 layers; the experts through the fused MoE kernels' gate-less variant) and
@@ -69,7 +70,8 @@ def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape
     through the fused MoE kernels) and Qwen3-Next (the gated delta rule's Triton decode
     step and torch prefill, the conv kernels with SiLU, the per-head gated norm kernel,
     gated attention, experts with a shared expert) and Jamba (the selective scan's Triton
-    prefill and decode, attention without positions), decode in CUDA graphs."""
+    prefill and decode, attention without positions) and Mamba / FalconMamba (the same
+    kernels on a float32 state, no attention), decode in CUDA graphs."""
     path = tiny_model(arch, **SHAPES[arch][shape])
     prompts = prompts_for(seed=8)
     expected = hf_greedy(path, prompts, MAX_NEW)

@@ -3,8 +3,8 @@ layers beside attention; NemotronH: Mamba2, attention and MLP layers each on its
 FalconH1: attention and Mamba2 side by side in every layer; LFM2 and LFM2-MoE: gated short
 convolutions beside attention; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet beside
 gated attention; OLMo Hybrid: Gated DeltaNet beside OLMo 3 attention; Jamba: Mamba1
-beside attention; Mamba2: nothing but state-space layers, so a cache of state slots and
-no paged blocks) end to
+beside attention; Mamba, FalconMamba (Mamba1) and Mamba2: nothing but state-space layers,
+so a cache of state slots and no paged blocks) end to
 end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
 random checkpoints, in float32 on CPU, under the regimes that cut the work
 differently (chunked prefill, prefix-cache hits served by state snapshots,
@@ -141,6 +141,21 @@ SHAPES = {
                           num_experts=3, mamba_d_state=8, mamba_d_conv=3, mamba_dt_rank=5,
                           mamba_proj_bias=True, mamba_conv_bias=False),
     },
+    # Mamba and FalconMamba: Mamba1 mixers only (FalconMamba's dt, B and C normalised
+    # without weights), the SSM state in float32; biases, a float32 residual or not.
+    "mamba": {
+        "default": {},
+        "groups2": dict(num_layers=3, tie_word_embeddings=True),
+        "odd-heads": dict(hidden_size=48, num_layers=3, state_size=8, conv_kernel=3,
+                          time_step_rank=7, use_bias=True, use_conv_bias=False,
+                          residual_in_fp32=False),
+    },
+    "falcon_mamba": {
+        "default": {},
+        "groups2": dict(num_layers=3, tie_word_embeddings=True, mixer_rms_eps=1e-3),
+        "odd-heads": dict(hidden_size=48, num_layers=3, state_size=8, conv_kernel=3,
+                          time_step_rank=3, use_bias=True),
+    },
     "mamba2": {
         "default": {},
         "groups2": dict(num_layers=3, n_groups=2, chunk_size=8),
@@ -149,6 +164,7 @@ SHAPES = {
     },
 }
 ARCHS = list(SHAPES)
+PURE_STATE_SPACE = ("mamba", "falcon_mamba", "mamba2")
 
 
 def prompts_for(seed: int, shared_prefix: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -201,7 +217,7 @@ def test_greedy_equals_transformers(reference, arch, shape):
     path, prompts, expected = reference(arch, shape)
     (got,), (_, _, kv) = generate(path, prompts)
     assert kv.num_state_slots > 0
-    assert (kv.num_blocks > 0) == (arch != "mamba2")  # Mamba2 has nothing paged
+    assert (kv.num_blocks > 0) == (arch not in PURE_STATE_SPACE)  # (nothing paged)
     assert_equal(expected, got)
 
 
@@ -251,8 +267,8 @@ def test_tensor_parallel_equals_transformers(reference, arch):
                                         ("granite_hybrid", 1), ("falcon_h1", 2),
                                         ("lfm2", 1), ("lfm2_moe", 2), ("qwen3_next", 1),
                                         ("qwen3_5", 2), ("qwen3_5_moe", 1), ("jamba", 1),
-                                        ("olmo_hybrid", 2),
-                                        ("mamba2", 2)])
+                                        ("olmo_hybrid", 2), ("mamba", 1),
+                                        ("falcon_mamba", 2), ("mamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):
     path, prompts, expected = reference(arch, "default")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -309,3 +325,23 @@ def test_a_bad_snapshot_count_is_refused(reference):
     path, _, _ = reference("bamba", "default")
     with pytest.raises(ValueError, match="state_snapshot_slots"):
         LLM(str(path), device="cpu", state_snapshot_slots=-1)
+
+
+def test_a_model_without_positions_takes_prompts_of_any_length(tiny_model, tmp_path):
+    """Mamba's config names no max_position_embeddings (transformers' has none): its
+    length is not capped at a default of 2048, and a longer prompt equals transformers."""
+    import json
+    import shutil
+
+    from spindle.models.mamba2 import NO_POSITIONS_LIMIT
+
+    path = shutil.copytree(tiny_model("mamba"), tmp_path / "mamba")
+    config = json.loads((path / "config.json").read_text())
+    del config["max_position_embeddings"]  # (tiny_model writes one for every family)
+    (path / "config.json").write_text(json.dumps(config))
+    prompt = prompts_for(seed=3, vocab=500)[-1] * 31  # 2,170 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(path), dtype="float32", device="cpu") as llm:
+        assert llm.config.model.max_model_len == NO_POSITIONS_LIMIT
+        got = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert got == hf_greedy(path, [prompt], 4)[0][0]

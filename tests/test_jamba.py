@@ -1,7 +1,8 @@
 """Jamba specifics beyond the end-to-end checks of test_hybrid_models.py (three tiny
 shapes against transformers: attention in the middle or first, experts in odd or even
 layers, projection and conv biases, an odd dt rank): transformers' stacked experts load
-like the hub's, and what is refused."""
+like the hub's, and what is refused; and what the Mamba1 mixer and the pure Mamba /
+FalconMamba models (models/mamba.py) refuse."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from test_generate_vs_hf import hf_greedy
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.mamba.mamba1_mixer import Mamba1Mixer
+from spindle.models import mamba
 from spindle.models.jamba import check_supported_config, jamba_layout
 
 
@@ -66,3 +68,22 @@ def test_bad_mixer_shapes_are_refused(change, message):
     shape.update(change)
     with pytest.raises(ValueError, match=message):
         Mamba1Mixer(tp_group=TensorParallelGroup.single(), **shape)
+
+
+def test_an_unknown_selection_norm_is_refused():
+    with pytest.raises(ValueError, match="selection_norms must be"):
+        Mamba1Mixer(tp_group=TensorParallelGroup.single(), hidden_size=64,
+                    intermediate_size=128, state_size=16, conv_kernel=4, dt_rank=4, eps=1e-6,
+                    conv_bias=True, proj_bias=False, selection_norms="layer")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (dict(time_step_rank="half"), "time_step_rank must be an integer"),
+])
+def test_unsupported_mamba_configs_are_refused(change, message):
+    config = SimpleNamespace(hidden_act="silu", time_step_rank=4)
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        mamba.check_supported_config(config)

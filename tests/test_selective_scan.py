@@ -131,16 +131,17 @@ def _half_tol(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.kernel
-@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (HALF, HALF),
+                                               (HALF, torch.float32)])  # (Mamba's state)
 @pytest.mark.parametrize("channels,state_size", pick([(8192, 16), (72, 16), (40, 5)],
                                                      [(40, 5), (8, 16)]))
-def test_triton_prefill_and_decode_equal_torch(dtype, channels, state_size):
+def test_triton_prefill_and_decode_equal_torch(dtype, state_dtype, channels, state_size):
     from spindle.layers.mamba import selective_scan_triton as triton_scan
 
     x = _inputs(sum(LENS), channels, state_size, seed=4, dtype=dtype)
     for name in ("A_log", "D", "dt_bias"):
         x[name] = x[name].float()
-    state = torch.randn(NUM_SLOTS, channels, state_size).to(dtype)
+    state = torch.randn(NUM_SLOTS, channels, state_size).to(state_dtype)
     expected_state = state.clone()
     expected = selective_scan.selective_scan_prefill(**x, ssm_state=expected_state,
                                                      md=_metadata(LENS, SLOTS, HAS_INIT))

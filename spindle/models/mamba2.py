@@ -16,7 +16,7 @@ original ``backbone.embedding`` spelling loads too.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -28,6 +28,10 @@ from spindle.layers.mamba.mixer import MambaMixer, norm_group_size, time_step_li
 from spindle.layers.norm import RMSNorm
 from spindle.models.causal_lm import single_stage
 from spindle.models.weights import load_named_weights
+
+
+# The longest sequence a model without positions accepts when its config names none.
+NO_POSITIONS_LIMIT = 1 << 20
 
 
 def check_supported_config(hf_config: Any) -> None:
@@ -69,12 +73,20 @@ def norm_fp32_input(norm: RMSNorm, x: torch.Tensor, dtype: torch.dtype) -> torch
     return (norm.weight.float() * h).to(dtype)
 
 
+def block_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> MambaMixer:
+    """The Mamba2 mixer of a Mamba2 config's block."""
+    return mamba2_mixer(hf_config, tp_group, hf_config.num_heads, hf_config.head_dim,
+                        hf_config.state_size)
+
+
 class Mamba2Block(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+    """``x + mixer(norm(x))``, with the mixer a model class's block_mixer makes."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 mixer: Callable[[Any, TensorParallelGroup], nn.Module]) -> None:
         super().__init__()
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
-        self.mixer = mamba2_mixer(hf_config, tp_group, hf_config.num_heads,
-                                  hf_config.head_dim, hf_config.state_size)
+        self.mixer = mixer(hf_config, tp_group)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 residual_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,12 +106,13 @@ class Mamba2Block(nn.Module):
 
 
 class Mamba2Backbone(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 mixer: Callable[[Any, TensorParallelGroup], nn.Module]) -> None:
         super().__init__()
         self.residual_in_fp32 = bool(getattr(hf_config, "residual_in_fp32", True))
         self.embeddings = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
                                                  tp_group=tp_group)
-        self.layers = nn.ModuleList(Mamba2Block(hf_config, tp_group)
+        self.layers = nn.ModuleList(Mamba2Block(hf_config, tp_group, mixer)
                                     for _ in range(hf_config.num_hidden_layers))
         self.norm_f = RMSNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
 
@@ -116,15 +129,25 @@ class Mamba2Backbone(nn.Module):
 class Mamba2ForCausalLM(nn.Module):
     model_kind = "hybrid"
     supports_pipeline_parallel = False
+    # What a subclass for another mixer (models/mamba.py) changes.
+    check_config = staticmethod(check_supported_config)
+    block_mixer = staticmethod(block_mixer)
+
+    @classmethod
+    def max_model_len(cls, hf_config: Any) -> int:
+        """No positions, so no length limit of the model's own (the state carries the
+        order): the config's max_position_embeddings where it names one (a training
+        length), else 2 ** 20 tokens."""
+        return getattr(hf_config, "max_position_embeddings", None) or NO_POSITIONS_LIMIT
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
-        check_supported_config(hf_config)
+        self.check_config(hf_config)
         single_stage(type(self).__name__, stage)
         self.config = hf_config
         self.tp_group = tp_group
-        self.backbone = Mamba2Backbone(hf_config, tp_group)
+        self.backbone = Mamba2Backbone(hf_config, tp_group, self.block_mixer)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
                                       tp_group=tp_group)

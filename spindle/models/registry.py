@@ -28,6 +28,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "Lfm2ForCausalLM": "spindle.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "spindle.models.lfm2:Lfm2MoeForCausalLM",
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",
+    "MambaForCausalLM": "spindle.models.mamba:MambaForCausalLM",
+    "FalconMambaForCausalLM": "spindle.models.mamba:FalconMambaForCausalLM",
     "NemotronHForCausalLM": "spindle.models.nemotron_h:NemotronHForCausalLM",
     "Olmo2ForCausalLM": "spindle.models.olmo_hybrid:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "spindle.models.olmo_hybrid:Olmo3ForCausalLM",

@@ -50,6 +50,8 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "bamba": "BambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "falcon_mamba": "FalconMambaForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "granite_hybrid": "GraniteMoeHybridForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
@@ -72,7 +74,8 @@ ARCHITECTURES = {
 }
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
-                  "mamba2": "Mamba2Config", "nemotron_h": "NemotronHConfig",
+                  "mamba2": "Mamba2Config", "mamba": "MambaConfig",
+                  "falcon_mamba": "FalconMambaConfig", "nemotron_h": "NemotronHConfig",
                   "granite_hybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config",
                   "lfm2": "Lfm2Config", "lfm2_moe": "Lfm2MoeConfig",
                   "qwen3_next": "Qwen3NextConfig", "qwen3_5": "Qwen3_5TextConfig",
@@ -109,6 +112,9 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "mamba2":  # no attention: num_heads are the SSM heads, of 2 * hidden / heads
         return {"num_heads": num_heads, "head_dim": 2 * hidden_size // num_heads,
                 "n_groups": 1, "state_size": 16, "chunk_size": 16}
+    if arch in ("mamba", "falcon_mamba"):  # Mamba1 mixers only; a dt rank of 5
+        return {"state_size": 16, "conv_kernel": 4, "expand": 2, "time_step_rank": 5,
+                **({"mixer_rms_eps": 1e-5} if arch == "falcon_mamba" else {})}
     if arch == "nemotron_h":  # Mamba2 layers, MLPs between them, attention in the middle
         kinds = ["mlp" if i % 2 else "linear_attention" for i in range(num_layers)]
         kinds[num_layers // 2] = "full_attention"

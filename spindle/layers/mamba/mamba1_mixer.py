@@ -1,7 +1,9 @@
-"""The Mamba (version 1) mixer of Jamba: in_proj to x and the gate z -> causal conv1d
-(SiLU) over x -> x_proj to the step's dt (low rank), B and C, each RMS-normalised
-(Jamba's dt/b/c norms) -> dt_proj -> the selective scan (selective_scan.py), gated by
-silu(z) -> out_proj, over per-sequence state slots.
+"""The Mamba (version 1) mixer: in_proj to x and the gate z -> causal conv1d (SiLU) over
+x -> x_proj to the step's dt (low rank), B and C -> dt_proj -> the selective scan
+(selective_scan.py), gated by silu(z) -> out_proj, over per-sequence state slots.
+
+dt, B and C are RMS-normalised in Jamba (norms with weights) and FalconMamba (without
+weights), and used as they come in Mamba (``selection_norms``).
 
 Tensor parallelism splits the intermediate channels: each rank holds its share of x
 and z (column-parallel pieces of in_proj), of the conv, of dt_proj's rows, A_log, D
@@ -34,12 +36,19 @@ class Mamba1Mixer(nn.Module):
 
     def __init__(self, *, hidden_size: int, intermediate_size: int, state_size: int,
                  conv_kernel: int, dt_rank: int, eps: float, conv_bias: bool, proj_bias: bool,
-                 tp_group: TensorParallelGroup) -> None:
+                 tp_group: TensorParallelGroup, selection_norms: str = "weighted",
+                 state_dtype: torch.dtype | None = None) -> None:
+        """selection_norms: "weighted" (Jamba's dt/b/c_layernorm), "weightless"
+        (FalconMamba's) or "none" (Mamba's). state_dtype: the SSM state's dtype (None:
+        the model's)."""
         super().__init__()
         if conv_kernel < 2:
             raise ValueError(f"mamba_d_conv must be >= 2, got {conv_kernel}")
         if dt_rank < 1:
             raise ValueError(f"mamba_dt_rank must be >= 1, got {dt_rank}")
+        if selection_norms not in ("weighted", "weightless", "none"):
+            raise ValueError(f"selection_norms must be 'weighted', 'weightless' or 'none', "
+                             f"got {selection_norms!r}")
         tp, rank = tp_group.size, tp_group.rank
         self.tp_group = tp_group
         self.channels = divide(intermediate_size, tp, "the mamba intermediate size")
@@ -52,9 +61,11 @@ class Mamba1Mixer(nn.Module):
         self.conv1d = DepthwiseConvWeights(channels, conv_kernel, bias=conv_bias)
         self.x_proj = RowParallelLinear(intermediate_size, dt_rank + 2 * state_size, bias=False,
                                         tp_group=tp_group)
-        self.dt_layernorm = RMSNorm(dt_rank, eps=eps)
-        self.b_layernorm = RMSNorm(state_size, eps=eps)
-        self.c_layernorm = RMSNorm(state_size, eps=eps)
+        self.selection_norms, self.eps, self.state_dtype = selection_norms, eps, state_dtype
+        if selection_norms == "weighted":
+            self.dt_layernorm = RMSNorm(dt_rank, eps=eps)
+            self.b_layernorm = RMSNorm(state_size, eps=eps)
+            self.c_layernorm = RMSNorm(state_size, eps=eps)
         # dt_proj's bias joins dt inside the scan, before the softplus.
         self.dt_proj = RowPiecesLinear(dt_rank, channels, bias=True)
         self.A_log = nn.Parameter(torch.empty(self.channels, state_size), requires_grad=False)
@@ -70,7 +81,8 @@ class Mamba1Mixer(nn.Module):
         """Per sequence: the conv state [D, K-1] and the SSM state [D, N], both in the
         model's dtype."""
         return MambaCacheSpec(shapes=((self.channels, self.conv_kernel - 1),
-                                      (self.channels, self.state_size)), dtypes=(dtype, dtype))
+                                      (self.channels, self.state_size)),
+                              dtypes=(dtype, self.state_dtype or dtype))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         md = step_metadata(self, hidden_states.shape[0], hidden_states.device)
@@ -95,14 +107,24 @@ class Mamba1Mixer(nn.Module):
         """(dt without its bias, A_log, B, C, D, dt_bias) of the convolved x."""
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.state_size, self.state_size],
                                         dim=-1)
-        dt = apply_linear(self.dt_layernorm(dt.contiguous()), self.dt_proj.weight)
-        return (dt, self.A_log, self.b_layernorm(B.contiguous()),
-                self.c_layernorm(C.contiguous()), self.D, self.dt_proj.bias)
+        if self.selection_norms == "weighted":
+            dt, B, C = (self.dt_layernorm(dt.contiguous()), self.b_layernorm(B.contiguous()),
+                        self.c_layernorm(C.contiguous()))
+        elif self.selection_norms == "weightless":
+            dt, B, C = (weightless_rms_norm(t, self.eps) for t in (dt, B, C))
+        dt = apply_linear(dt.contiguous(), self.dt_proj.weight)
+        return dt, self.A_log, B.contiguous(), C.contiguous(), self.D, self.dt_proj.bias
 
     def extra_repr(self) -> str:
         return (f"channels={self.channels} (per rank), state={self.state_size}, "
                 f"conv={self.conv_kernel}, dt_rank={self.dt_rank}, "
                 f"tp_size={self.tp_group.size}")
+
+
+def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x), computed in float32, in x's dtype (FalconMamba's dt/B/C norms)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def scan_ops_for(x: torch.Tensor) -> Any:
@@ -123,3 +145,24 @@ def jamba_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> Mamba1Mixer:
         dt_rank=hf_config.mamba_dt_rank, eps=hf_config.rms_norm_eps,
         conv_bias=bool(hf_config.mamba_conv_bias), proj_bias=bool(hf_config.mamba_proj_bias),
         tp_group=tp_group)
+
+
+def mamba_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> Mamba1Mixer:
+    """The mixer of a Mamba config (``state_size``, ``conv_kernel``, ``time_step_rank``,
+    ...). The SSM state is float32, as transformers keeps it (its scan runs in float32)."""
+    return _mamba_config_mixer(hf_config, tp_group, "none", hf_config.layer_norm_epsilon)
+
+
+def falcon_mamba_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> Mamba1Mixer:
+    """Mamba's mixer with FalconMamba's weightless norms on dt, B and C."""
+    return _mamba_config_mixer(hf_config, tp_group, "weightless", hf_config.mixer_rms_eps)
+
+
+def _mamba_config_mixer(hf_config: Any, tp_group: TensorParallelGroup, selection_norms: str,
+                        eps: float) -> Mamba1Mixer:
+    return Mamba1Mixer(
+        hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
+        state_size=hf_config.state_size, conv_kernel=hf_config.conv_kernel,
+        dt_rank=int(hf_config.time_step_rank), eps=eps,
+        conv_bias=bool(hf_config.use_conv_bias), proj_bias=bool(hf_config.use_bias),
+        tp_group=tp_group, selection_norms=selection_norms, state_dtype=torch.float32)
