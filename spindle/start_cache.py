@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 ENABLE_ENV = "SPINDLE_START_CACHE"
 DIRECTORY_ENV = "SPINDLE_START_CACHE_DIR"
 # What an entry holds; raise it when the stored objects change shape.
-FORMAT = 2
+FORMAT = 3
 # The bounds of the folder (a 150k-token tokenizer's entry is 3.5 MB).
 MAX_ENTRIES = 256
 MAX_BYTES = 512 << 20

