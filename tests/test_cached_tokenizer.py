@@ -163,6 +163,50 @@ def test_the_engine_tokenizer_equals_transformers_on_first_and_later_starts(
             assert_same(load_tokenizer(str(path)), auto(path))  # read back, not built
 
 
+def outcome(call):
+    """What a call gives: its value, or its error's type and message (both engines must
+    fail alike where transformers' class makes the vocabulary unusable)."""
+    try:
+        return "value", call()
+    except Exception as e:  # noqa: BLE001 (any error, compared)
+        return "error", type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("tokenizer_class", [
+    "GemmaTokenizer", "GPT2Tokenizer", "CohereTokenizer", "GPTNeoXTokenizer",
+    "BertTokenizer", "RobertaTokenizer", "NllbTokenizer", "LlamaTokenizerFast"])
+def test_transformers_classes_that_rebuild_the_pipeline(tiny_model, tmp_path, cache_dir,
+                                                        tokenizer_class):
+    """transformers 5 rebuilds many classes' pipelines in code from the vocabulary: the
+    engine's tokenizer keeps what it built, and answers (or fails) as it does."""
+    path = shutil.copytree(tiny_model(arch="qwen3"), tmp_path / tokenizer_class)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = tokenizer_class
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    for ours in (load_tokenizer(str(path)), load_tokenizer(str(path))):  # first, later
+        theirs = auto(path)
+        assert isinstance(ours, CachedTokenizer)
+        assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+        for text in TEXTS:
+            for special in (True, False):
+                assert outcome(lambda: ours.encode(text, add_special_tokens=special)) == \
+                    outcome(lambda: theirs.encode(text, add_special_tokens=special))
+        ids = list(range(200))
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == \
+                theirs.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_class_with_its_own_encoding_stays_transformers(tiny_model, tmp_path, cache_dir):
+    path = shutil.copytree(tiny_model(arch="qwen3"), tmp_path / "code-llama")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "CodeLlamaTokenizer"  # (its own _encode_plus)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = load_tokenizer(str(path))
+    assert type(loaded).__name__ == "CodeLlamaTokenizer"
+    assert not list(cache_dir.glob("tokenizer-*"))
+
+
 def test_chat_templates_render_as_transformers_renders_them(tiny_model, tmp_path, cache_dir):
     path = qwen_style_checkpoint(tiny_model(arch="qwen3"), tmp_path / "rich")
     config = json.loads((path / "tokenizer_config.json").read_text())
