@@ -130,11 +130,11 @@ class CachedTokenizer:
         (transformers' own, on a first start: parsing the JSON again takes a quarter of
         a second for a 150k vocabulary). It must be nobody else's: transformers'
         tokenizer changes its backend's truncation and padding in place."""
-        from tokenizers import AddedToken, Tokenizer
+        from tokenizers import AddedToken
 
         self._state = state
         self._path = path
-        self._backend = Tokenizer.from_str(state["backend"]) if backend is None else backend
+        self._backend = self._backend_copy() if backend is None else backend
         self._lock = threading.Lock()
         self._split_backend: Any = None  # the backend with the other split_special_tokens
         self._truncating: dict[int, Any] = {}  # max_length -> a backend that truncates
@@ -156,6 +156,13 @@ class CachedTokenizer:
                               normalized=normalized, special=special)
             for index, content, single, lstrip, rstrip, normalized, special
             in state["added_tokens"]}
+
+    def _backend_copy(self) -> Any:
+        """A tokenizers.Tokenizer of its own, built from the kept JSON (the variants
+        with other settings are copies: the engine's backend is shared by threads)."""
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self._state["backend"])
 
     def __repr__(self) -> str:
         return (f"CachedTokenizer({self._state['class_name']} of {self.name_or_path!r}, "
@@ -199,9 +206,7 @@ class CachedTokenizer:
             return self._backend
         with self._lock:
             if self._split_backend is None:
-                from tokenizers import Tokenizer
-
-                self._split_backend = Tokenizer.from_str(self._state["backend"])
+                self._split_backend = self._backend_copy()
                 self._split_backend.encode_special_tokens = split_special_tokens
             return self._split_backend
 
@@ -232,9 +237,7 @@ class CachedTokenizer:
         with self._lock:
             backend = self._truncating.get(max_length)
             if backend is None:
-                from tokenizers import Tokenizer
-
-                backend = self._truncating[max_length] = Tokenizer.from_str(self._state["backend"])
+                backend = self._truncating[max_length] = self._backend_copy()
                 backend.enable_truncation(max_length, stride=0, strategy="longest_first",
                                           direction=self._state["truncation_side"])
             return backend

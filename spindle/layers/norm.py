@@ -25,6 +25,14 @@ def fp32_residual_stream(hidden: torch.Tensor) -> bool:
             and os.environ.get(FP32_RESIDUAL_ENV, "1") != "0")
 
 
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, computed and returned in
+    float32: the step every RMSNorm variant shares (they differ in where the weight
+    joins and where the result is rounded)."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """y = weight * normalize(x), computed like HF's LlamaRMSNorm: the statistics and the
     scaling in float32, then a cast back to the input dtype *before* multiplying by the
@@ -50,11 +58,7 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """dtype: where the normalized rows are rounded before the weight (x's dtype, or
         the activations' for a float32 residual stream)."""
-        dtype = dtype or x.dtype
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * h.to(dtype)
+        return self.weight * rms_normalized(x, self.variance_epsilon).to(dtype or x.dtype)
 
     def forward(self, x, residual: torch.Tensor | None = None):
         """x: a tensor, or on CUDA a skinny GEMM's unsummed output (SplitKPartials,
@@ -118,8 +122,7 @@ class GemmaRMSNorm(UnfusedRMSNorm):
             self.weight.zero_()
 
     def _norm(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = rms_normalized(x, self.variance_epsilon)
         return (h * (1.0 + self.weight.float())).to(dtype or x.dtype)
 
 
@@ -128,6 +131,4 @@ class Float32WeightRMSNorm(UnfusedRMSNorm):
     (Llama's RMSNorm casts first): transformers' NemotronHRMSNorm and OLMo's."""
 
     def _norm(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (self.weight.float() * h).to(dtype or x.dtype)
+        return (self.weight.float() * rms_normalized(x, self.variance_epsilon)).to(dtype or x.dtype)

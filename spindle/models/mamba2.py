@@ -25,7 +25,7 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spindle.layers.mamba.mixer import MambaMixer, norm_group_size, time_step_limit
-from spindle.layers.norm import RMSNorm
+from spindle.layers.norm import RMSNorm, rms_normalized
 from spindle.models.causal_lm import single_stage
 from spindle.models.weights import load_named_weights
 
@@ -69,8 +69,7 @@ def mamba2_mixer(hf_config: Any, tp_group: TensorParallelGroup, num_heads: int,
 def norm_fp32_input(norm: RMSNorm, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """RMSNorm of a float32 residual stream as transformers' Mamba2RMSNorm computes it
     on float32 input (the weight multiplied in float32), cast to dtype."""
-    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return (norm.weight.float() * h).to(dtype)
+    return (norm.weight.float() * rms_normalized(x, norm.variance_epsilon)).to(dtype)
 
 
 def block_mixer(hf_config: Any, tp_group: TensorParallelGroup) -> MambaMixer:

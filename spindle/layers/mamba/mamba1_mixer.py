@@ -26,7 +26,7 @@ from spindle.layers.mamba import selective_scan
 from spindle.layers.mamba.metadata import MambaMetadata
 from spindle.layers.mamba.mixer import (DepthwiseConvWeights, RowPiecesLinear, _ops_for,
                                         by_step_kind, rows_loader, step_metadata)
-from spindle.layers.norm import RMSNorm
+from spindle.layers.norm import RMSNorm, rms_normalized
 
 
 class Mamba1Mixer(nn.Module):
@@ -78,8 +78,8 @@ class Mamba1Mixer(nn.Module):
         self.cache_group = 0  # which cache group's metadata this layer reads (the runner sets it)
 
     def cache_spec(self, dtype: torch.dtype) -> MambaCacheSpec:
-        """Per sequence: the conv state [D, K-1] and the SSM state [D, N], both in the
-        model's dtype."""
+        """Per sequence: the conv state [D, K-1] in the model's dtype and the SSM state
+        [D, N] in state_dtype (default: the model's)."""
         return MambaCacheSpec(shapes=((self.channels, self.conv_kernel - 1),
                                       (self.channels, self.state_size)),
                               dtypes=(dtype, self.state_dtype or dtype))
@@ -111,7 +111,7 @@ class Mamba1Mixer(nn.Module):
             dt, B, C = (self.dt_layernorm(dt.contiguous()), self.b_layernorm(B.contiguous()),
                         self.c_layernorm(C.contiguous()))
         elif self.selection_norms == "weightless":
-            dt, B, C = (weightless_rms_norm(t, self.eps) for t in (dt, B, C))
+            dt, B, C = (rms_normalized(t, self.eps).to(t.dtype) for t in (dt, B, C))
         dt = apply_linear(dt.contiguous(), self.dt_proj.weight)
         return dt, self.A_log, B.contiguous(), C.contiguous(), self.D, self.dt_proj.bias
 
@@ -119,12 +119,6 @@ class Mamba1Mixer(nn.Module):
         return (f"channels={self.channels} (per rank), state={self.state_size}, "
                 f"conv={self.conv_kernel}, dt_rank={self.dt_rank}, "
                 f"tp_size={self.tp_group.size}")
-
-
-def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x), computed in float32, in x's dtype (FalconMamba's dt/B/C norms)."""
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def scan_ops_for(x: torch.Tensor) -> Any:

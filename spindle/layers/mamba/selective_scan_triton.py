@@ -73,6 +73,36 @@ def _step(h, A, D, x, step, b, c, gate):
 
 
 @triton.jit
+def _channel_constants(A_log_ptr, D_ptr, dt_bias_ptr, offs_d, offs_n, d_valid, tile,
+                       a_stride_d, a_stride_n):
+    """A = -exp(A_log) [BLOCK_D, N], D and dt_bias [BLOCK_D] of a block of channels."""
+    A = -tl.exp(tl.load(A_log_ptr + offs_d[:, None] * a_stride_d + offs_n[None, :] * a_stride_n,
+                        mask=tile, other=0.0).to(tl.float32))
+    D = tl.load(D_ptr + offs_d, mask=d_valid, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + offs_d, mask=d_valid, other=0.0).to(tl.float32)
+    return A, D, dt_bias
+
+
+@triton.jit
+def _token_inputs(t, x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, dt_bias, offs_d, offs_n, d_valid,
+                  n_valid, x_stride_t, x_stride_d, dt_stride_t, dt_stride_d, b_stride_t,
+                  b_stride_n, c_stride_t, c_stride_n, z_stride_t, z_stride_d):
+    """Token row t's x, step = softplus(dt + dt_bias) and gate z [BLOCK_D], and its B, C
+    [N], in float32."""
+    x = tl.load(x_ptr + t * x_stride_t + offs_d * x_stride_d, mask=d_valid,
+                other=0.0).to(tl.float32)
+    step = softplus(tl.load(dt_ptr + t * dt_stride_t + offs_d * dt_stride_d, mask=d_valid,
+                            other=0.0).to(tl.float32) + dt_bias)
+    b = tl.load(B_ptr + t * b_stride_t + offs_n * b_stride_n, mask=n_valid,
+                other=0.0).to(tl.float32)
+    c = tl.load(C_ptr + t * c_stride_t + offs_n * c_stride_n, mask=n_valid,
+                other=0.0).to(tl.float32)
+    gate = tl.load(z_ptr + t * z_stride_t + offs_d * z_stride_d, mask=d_valid,
+                   other=0.0).to(tl.float32)
+    return x, step, b, c, gate
+
+
+@triton.jit
 def _prefill_kernel(x_ptr, dt_ptr, A_log_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, z_ptr,
                     state_ptr, y_ptr, query_start_ptr, state_idx_ptr, has_init_ptr,
                     channels, state_size, x_stride_t, x_stride_d, dt_stride_t, dt_stride_d,
@@ -88,10 +118,8 @@ def _prefill_kernel(x_ptr, dt_ptr, A_log_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, 
     end = tl.load(query_start_ptr + req + 1).to(tl.int64)
     slot = tl.load(state_idx_ptr + req).to(tl.int64)
     tile = d_valid[:, None] & n_valid[None, :]
-    A = -tl.exp(tl.load(A_log_ptr + offs_d[:, None] * a_stride_d + offs_n[None, :] * a_stride_n,
-                        mask=tile, other=0.0).to(tl.float32))
-    D = tl.load(D_ptr + offs_d, mask=d_valid, other=0.0).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + offs_d, mask=d_valid, other=0.0).to(tl.float32)
+    A, D, dt_bias = _channel_constants(A_log_ptr, D_ptr, dt_bias_ptr, offs_d, offs_n, d_valid,
+                                       tile, a_stride_d, a_stride_n)
     state_ptrs = state_ptr + slot * s_stride_s + offs_d[:, None] * s_stride_d \
         + offs_n[None, :] * s_stride_n
     h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
@@ -99,16 +127,10 @@ def _prefill_kernel(x_ptr, dt_ptr, A_log_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, 
         carried = (slot >= 0) & (tl.load(has_init_ptr + req) != 0)
         h = tl.load(state_ptrs, mask=tile & carried, other=0.0).to(tl.float32)
     for t in range(start, end):
-        x = tl.load(x_ptr + t * x_stride_t + offs_d * x_stride_d, mask=d_valid,
-                    other=0.0).to(tl.float32)
-        step = softplus(tl.load(dt_ptr + t * dt_stride_t + offs_d * dt_stride_d, mask=d_valid,
-                                other=0.0).to(tl.float32) + dt_bias)
-        b = tl.load(B_ptr + t * b_stride_t + offs_n * b_stride_n, mask=n_valid,
-                    other=0.0).to(tl.float32)
-        c = tl.load(C_ptr + t * c_stride_t + offs_n * c_stride_n, mask=n_valid,
-                    other=0.0).to(tl.float32)
-        gate = tl.load(z_ptr + t * z_stride_t + offs_d * z_stride_d, mask=d_valid,
-                       other=0.0).to(tl.float32)
+        x, step, b, c, gate = _token_inputs(
+            t, x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, dt_bias, offs_d, offs_n, d_valid, n_valid,
+            x_stride_t, x_stride_d, dt_stride_t, dt_stride_d, b_stride_t, b_stride_n,
+            c_stride_t, c_stride_n, z_stride_t, z_stride_d)
         h, y = _step(h, A, D, x, step, b, c, gate)
         tl.store(y_ptr + t * y_stride_t + offs_d * y_stride_d,
                  y.to(y_ptr.dtype.element_ty), mask=d_valid)
@@ -133,20 +155,12 @@ def _decode_kernel(x_ptr, dt_ptr, A_log_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, z
     state_ptrs = state_ptr + slot * s_stride_s + offs_d[:, None] * s_stride_d \
         + offs_n[None, :] * s_stride_n
     h = tl.load(state_ptrs, mask=tile & (slot >= 0), other=0.0).to(tl.float32)
-    A = -tl.exp(tl.load(A_log_ptr + offs_d[:, None] * a_stride_d + offs_n[None, :] * a_stride_n,
-                        mask=tile, other=0.0).to(tl.float32))
-    x = tl.load(x_ptr + row * x_stride_t + offs_d * x_stride_d, mask=d_valid,
-                other=0.0).to(tl.float32)
-    step = softplus(tl.load(dt_ptr + row * dt_stride_t + offs_d * dt_stride_d, mask=d_valid,
-                            other=0.0).to(tl.float32)
-                    + tl.load(dt_bias_ptr + offs_d, mask=d_valid, other=0.0).to(tl.float32))
-    b = tl.load(B_ptr + row * b_stride_t + offs_n * b_stride_n, mask=n_valid,
-                other=0.0).to(tl.float32)
-    c = tl.load(C_ptr + row * c_stride_t + offs_n * c_stride_n, mask=n_valid,
-                other=0.0).to(tl.float32)
-    gate = tl.load(z_ptr + row * z_stride_t + offs_d * z_stride_d, mask=d_valid,
-                   other=0.0).to(tl.float32)
-    D = tl.load(D_ptr + offs_d, mask=d_valid, other=0.0).to(tl.float32)
+    A, D, dt_bias = _channel_constants(A_log_ptr, D_ptr, dt_bias_ptr, offs_d, offs_n, d_valid,
+                                       tile, a_stride_d, a_stride_n)
+    x, step, b, c, gate = _token_inputs(
+        row, x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, dt_bias, offs_d, offs_n, d_valid, n_valid,
+        x_stride_t, x_stride_d, dt_stride_t, dt_stride_d, b_stride_t, b_stride_n,
+        c_stride_t, c_stride_n, z_stride_t, z_stride_d)
     h, y = _step(h, A, D, x, step, b, c, gate)
     tl.store(state_ptrs, h.to(state_ptr.dtype.element_ty), mask=tile & (slot >= 0))
     tl.store(y_ptr + row * y_stride_t + offs_d * y_stride_d, y.to(y_ptr.dtype.element_ty),
