@@ -154,3 +154,92 @@ def test_triton_decode_equals_torch(dtype, key_heads, value_heads, key_dim, valu
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(got.float().cpu(), expected.float(), atol=tol * scale, rtol=tol)
     torch.testing.assert_close(got_state.cpu(), expected_state, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("chunk", pick([16, 32, 64], [16, 32]))
+@pytest.mark.parametrize("key_heads,value_heads,key_dim,value_dim", pick(
+    [(16, 32, 128, 128), (2, 6, 96, 40), (3, 3, 16, 8)], [(1, 3, 8, 40), (2, 2, 16, 8)]))
+def test_triton_prefill_equals_the_token_by_token_rule(dtype, chunk, key_heads, value_heads,
+                                                       key_dim, value_dim):
+    """The Triton prefill (one launch) on packed ragged requests (one token, under a
+    chunk, exactly a chunk, several chunks), some continuing a stored state, one without
+    a slot; q, k and v as strided views of one row, as the model hands them over. Against
+    transformers' rule in float32; in half precision against the torch prefill of the
+    same half-precision inputs."""
+    from spindle.layers.mamba import gated_delta_triton
+
+    lens = [1, chunk, 3 * chunk + 5, 7, 2 * chunk + 1]
+    slots, has_init = [3, 0, 5, -1, 2], [True, False, True, False, True]
+    x = _inputs(sum(lens), key_heads, value_heads, key_dim, value_dim, seed=chunk, dtype=dtype)
+    row = torch.cat([x["q"].flatten(1), x["k"].flatten(1), x["v"].flatten(1)], dim=1)
+    qw = key_heads * key_dim
+    x["q"] = row[:, :qw].unflatten(1, (key_heads, key_dim))
+    x["k"] = row[:, qw:2 * qw].unflatten(1, (key_heads, key_dim))
+    x["v"] = row[:, 2 * qw:].unflatten(1, (value_heads, value_dim))
+    state = torch.randn(NUM_SLOTS, value_heads, key_dim, value_dim)
+    before = state.clone()
+    md = _metadata(lens, slots, has_init)
+    beta_scale = 2.0 if value_heads % 2 else 1.0
+    on_device = {k: v.to(DEVICE) for k, v in x.items()}
+    md_device = MambaMetadata(md.num_reqs, md.num_tokens, md.query_start_loc.to(DEVICE),
+                              md.state_indices.to(DEVICE), md.has_initial_state.to(DEVICE),
+                              md.max_query_len)
+    got_state = state.to(DEVICE)
+    got = gated_delta_triton.triton_prefill(**on_device, state=got_state, md=md_device,
+                                            beta_scale=beta_scale, chunk=chunk).cpu()
+    got_state = got_state.cpu()
+    if dtype == torch.float32:
+        start = 0
+        for n, slot, init in zip(lens, slots, has_init):
+            rows = slice(start, start + n)
+            initial = before[slot] if init else torch.zeros_like(before[0])
+            ref_out, ref_state = _reference(x, rows, initial, beta_scale)
+            _close(got[rows], ref_out, f"output of the request at slot {slot}")
+            if slot >= 0:
+                _close(got_state[slot], ref_state, f"state of slot {slot}")
+            start += n
+    else:
+        expected_state = before.clone()
+        expected = gated_delta.gated_delta_prefill(**x, state=expected_state, md=md,
+                                                   batched=False, beta_scale=beta_scale)
+        tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+        scale = expected.float().abs().max().item()
+        torch.testing.assert_close(got.float(), expected.float(), atol=tol * scale, rtol=tol)
+        torch.testing.assert_close(got_state, expected_state, atol=1e-4, rtol=1e-4)
+    for untouched in (1, 4):
+        assert torch.equal(got_state[untouched], before[untouched])
+
+
+def test_triton_prefill_without_a_state_tensor(monkeypatch):
+    """state None (a layer run without its cache): zeros enter, nothing is stored; and
+    gated_delta_prefill runs the kernel only with SPINDLE_GDN_TRITON_PREFILL=1."""
+    from spindle.layers.mamba import gated_delta_triton
+
+    lens = [5, 40]
+    x = _inputs(sum(lens), 1, 2, 16, 16, seed=11)
+    md = _metadata(lens, [0, 1], [True, True])
+    expected = gated_delta.gated_delta_prefill(**x, state=None, md=md, batched=False)
+    calls = []
+    real = gated_delta_triton.triton_prefill
+    monkeypatch.setattr(gated_delta_triton, "triton_prefill",
+                        lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    for switch, launches in (("0", 0), ("1", 1)):
+        monkeypatch.setenv("SPINDLE_GDN_TRITON_PREFILL", switch)
+        got = gated_delta_triton.gated_delta_prefill(**x, state=None, md=md, chunk_size=16)
+        assert len(calls) == launches
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(got, expected, atol=TOL * scale, rtol=TOL)
+
+
+def test_triton_prefill_refuses_bad_tiles_and_states():
+    from spindle.layers.mamba import gated_delta_triton
+
+    x = _inputs(3, 1, 2, 16, 16, seed=0)
+    md = _metadata([3], [0], [False])
+    with pytest.raises(ValueError, match="chunk must be a power of two"):
+        gated_delta_triton.triton_prefill(**x, state=None, md=md, chunk=24)
+    with pytest.raises(ValueError, match="the state must be"):
+        gated_delta_triton.triton_prefill(**x, state=torch.zeros(2, 2, 16, 8), md=md)

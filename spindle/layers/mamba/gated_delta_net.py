@@ -188,7 +188,8 @@ def _interleaved_rows(heads: range, per_key: int, key_dim: int, value_dim: int
 
 def delta_ops_for(x: torch.Tensor) -> Any:
     """The gated delta rule's ops: torch on the CPU; on CUDA the Triton decode step
-    and the torch prefill (gated_delta_triton.py)."""
+    and the torch prefill, or the Triton one with SPINDLE_GDN_TRITON_PREFILL=1
+    (gated_delta_triton.py)."""
     if x.is_cuda:
         from spindle.layers.mamba import gated_delta_triton
 
