@@ -92,6 +92,26 @@ def test_prefill_equals_the_token_by_token_rule(key_heads, value_heads, key_dim,
         assert torch.equal(state[untouched], before[untouched])
 
 
+def test_the_batched_prefill_plans_once_per_step():
+    """The chunk plan of a step is made by the first layer and reused by the others
+    (md.derived): a second layer with other weights gets its own right answer from it."""
+    lens, slots, has_init = [3, 20, 9], [0, 2, -1], [True, False, False]
+    md = _metadata(lens, slots, has_init)
+    for layer in range(2):
+        x = _inputs(sum(lens), 2, 4, 16, 8, seed=20 + layer)
+        state = torch.randn(NUM_SLOTS, 4, 16, 8)
+        expected_state = state.clone()
+        expected = gated_delta.gated_delta_prefill(**x, state=expected_state,
+                                                   md=_metadata(lens, slots, has_init),
+                                                   chunk_size=8, batched=False)
+        got = gated_delta.gated_delta_prefill(**x, state=state, md=md, chunk_size=8,
+                                              batched=True)
+        assert [key for key in md.derived if key.startswith("gated_delta_plan")] == \
+            ["gated_delta_plan/8/cpu"]
+        _close(got, expected, f"layer {layer}'s output")
+        _close(state, expected_state, f"layer {layer}'s states")
+
+
 @pytest.mark.parametrize("beta_scale", [1.0, 2.0])
 def test_decode_equals_the_token_by_token_rule(beta_scale):
     slots = [4, -1, 0, 2]

@@ -101,7 +101,7 @@ def _prefill_by_request(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size, be
 def _prefill_batched(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size, beta_scale
                      ) -> torch.Tensor:
     out = torch.zeros_like(v)
-    plan = _ChunkPlan(md, chunk_size, v.device)
+    plan = _chunk_plan(md, chunk_size, v.device)
     if plan.num_chunks == 0:
         return out
     qf, kf = _expanded_unit_qk(q, k, v.shape[1])
@@ -157,12 +157,25 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
 
 
 # ---------------------------------------------------------------------- helpers
+def _chunk_plan(md: MambaMetadata, chunk_size: int, device: torch.device) -> "_ChunkPlan":
+    """The step's _ChunkPlan, made once per step (kept in md.derived for the step's other
+    gated delta layers)."""
+    key = f"gated_delta_plan/{chunk_size}/{device}"
+    if key not in md.derived:
+        md.derived[key] = _ChunkPlan(md, chunk_size, device)
+    return md.derived[key]
+
+
 class _ChunkPlan:
     """Where each request's chunks sit in the step: chunk c holds the tokens
     index[c, 0:length] (the step's token count where it runs past its request's end:
     padding); chunks are listed request by request, in order, and by_position() groups
     them by their place in their request (first chunks, second chunks, ...), which is
-    the order the state passes through them."""
+    the order the state passes through them.
+
+    Planned on the host from the metadata's host copies; every index reaches the device
+    in one non-blocking copy from pinned memory (a pageable copy, or a boolean mask on
+    the device, would make the host wait for the device to drain)."""
 
     def __init__(self, md: MambaMetadata, chunk_size: int, device: torch.device) -> None:
         starts, ends, chunk_req, position = [], [], [], []
@@ -179,20 +192,30 @@ class _ChunkPlan:
                 position.append(j)
         self.num_tokens, self.num_chunks = md.num_tokens, len(starts)
         self.num_reqs = md.num_reqs
-        self._reads, self._writes = (
-            torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).t().to(device)
-            for pairs in (reads, writes))
         # (Chunks as long as the longest one: a step of short prefills pads less.)
         self.length = max((e - s for s, e in zip(starts, ends)), default=0)
-        offsets = torch.arange(self.length)
-        index = torch.tensor(starts, dtype=torch.int64)[:, None] + offsets
-        index = torch.where(index < torch.tensor(ends)[:, None], index, md.num_tokens)
-        self.index = index.to(device)
+        index = torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(self.length)
+        index = torch.where(index < torch.tensor(ends, dtype=torch.int64)[:, None], index,
+                            md.num_tokens)
+        flat = index.flatten()
+        kept = (flat < md.num_tokens).nonzero().squeeze(1)
         chunk_req_t = torch.tensor(chunk_req, dtype=torch.int64)
         position_t = torch.tensor(position, dtype=torch.int64)
-        self._positions = [((position_t == j).nonzero().squeeze(1).to(device),
-                            chunk_req_t[position_t == j].to(device))
-                           for j in range(int(position_t.max()) + 1 if position else 0)]
+        by_position = []
+        for j in range(int(position_t.max()) + 1 if position else 0):
+            at = position_t == j
+            by_position += [at.nonzero().squeeze(1), chunk_req_t[at]]
+        pairs = [torch.tensor(p, dtype=torch.int64).reshape(-1, 2).t().reshape(-1)
+                 for p in (reads, writes)]
+        pieces = [*pairs, flat, kept, flat[kept], *by_position]
+        host = torch.cat(pieces)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        parts = host.to(device, non_blocking=True).split([len(p) for p in pieces])
+        self._reads, self._writes = (part.reshape(2, -1) for part in parts[:2])
+        self.index = parts[2].reshape(index.shape)
+        self._scatter_from, self._scatter_to = parts[3], parts[4]
+        self._positions = list(zip(parts[5::2], parts[6::2]))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, ...] -> [chunks, L, ...], zeros at padding."""
@@ -201,9 +224,7 @@ class _ChunkPlan:
 
     def scatter(self, chunks: torch.Tensor, out: torch.Tensor) -> None:
         """chunks [chunks, L, ...] back to their tokens' rows of out [T, ...]."""
-        flat, rows = chunks.flatten(0, 1), self.index.flatten()
-        keep = rows < self.num_tokens
-        out[rows[keep]] = flat[keep].to(out.dtype)
+        out[self._scatter_to] = chunks.flatten(0, 1)[self._scatter_from].to(out.dtype)
 
     def by_position(self):
         """(chunk ids, their requests) of each requests' j-th chunk, j = 0, 1, ..."""
