@@ -133,9 +133,12 @@ def _half_tol(dtype):
 @pytest.mark.kernel
 @pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (HALF, HALF),
                                                (HALF, torch.float32)])  # (Mamba's state)
-@pytest.mark.parametrize("channels,state_size", pick([(8192, 16), (72, 16), (40, 5)],
-                                                     [(40, 5), (8, 16)]))
-def test_triton_prefill_and_decode_equal_torch(dtype, state_dtype, channels, state_size):
+@pytest.mark.parametrize("channels,state_size,block_d", pick(
+    [(8192, 16, 32), (72, 16, 32), (40, 5, 32), (8192, 16, 128), (72, 16, 16)],
+    [(40, 5, 32), (8, 16, 32), (40, 5, 16), (72, 16, 64)]))
+def test_triton_prefill_and_decode_equal_torch(dtype, state_dtype, channels, state_size,
+                                               block_d):
+    """block_d: channels per program (the default, 32, and others the benchmark sweeps)."""
     from spindle.layers.mamba import selective_scan_triton as triton_scan
 
     x = _inputs(sum(LENS), channels, state_size, seed=4, dtype=dtype)
@@ -148,7 +151,7 @@ def test_triton_prefill_and_decode_equal_torch(dtype, state_dtype, channels, sta
     got_state = state.to(DEVICE)
     got = triton_scan.selective_scan_prefill(
         **{k: v.to(DEVICE) for k, v in x.items()}, ssm_state=got_state,
-        md=_metadata(LENS, SLOTS, HAS_INIT, DEVICE))
+        md=_metadata(LENS, SLOTS, HAS_INIT, DEVICE), block_d=block_d)
     tol = _half_tol(dtype)
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(got.float().cpu(), expected.float(), atol=tol * scale, rtol=tol)
@@ -163,7 +166,8 @@ def test_triton_prefill_and_decode_equal_torch(dtype, state_dtype, channels, sta
                                                     state_indices=indices)
     got = triton_scan.selective_scan_decode(**{k: v.to(DEVICE) for k, v in rows.items()},
                                             ssm_state=got_state,
-                                            state_indices=indices.to(DEVICE))
+                                            state_indices=indices.to(DEVICE),
+                                            block_d=block_d)
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(got.float().cpu(), expected.float(), atol=tol * scale, rtol=tol)
     torch.testing.assert_close(got_state.float().cpu(), expected_state.float(), atol=tol,

@@ -25,8 +25,10 @@ BLOCK_D = 32
 def selective_scan_prefill(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
                            dt_bias: torch.Tensor, z: torch.Tensor,
-                           ssm_state: torch.Tensor | None, md: MambaMetadata) -> torch.Tensor:
-    """See selective_scan.selective_scan_prefill."""
+                           ssm_state: torch.Tensor | None, md: MambaMetadata,
+                           block_d: int = BLOCK_D) -> torch.Tensor:
+    """See selective_scan.selective_scan_prefill. block_d: channels per program (a power
+    of two; benchmarks/selective_scan_kernels.py sweeps it)."""
     selective_scan._check_shapes(x, dt, A_log, B, C, D, dt_bias, z)
     channels, state_size = A_log.shape
     y = _output(x.shape[0], (channels,), x, md)
@@ -35,11 +37,11 @@ def selective_scan_prefill(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tenso
     has_state = ssm_state is not None
     state = ssm_state if has_state else y  # (a placeholder pointer, never read)
     state_strides = ssm_state.stride() if has_state else (0, 0, 0)
-    _prefill_kernel[(md.num_reqs, triton.cdiv(channels, BLOCK_D))](
+    _prefill_kernel[(md.num_reqs, triton.cdiv(channels, block_d))](
         x, dt, A_log, B, C, D, dt_bias, z, state, y, md.query_start_loc, md.state_indices,
         md.has_initial_state, channels, state_size, *x.stride(), *dt.stride(),
         *A_log.stride(), *B.stride(), *C.stride(), *z.stride(), *state_strides, *y.stride(),
-        HAS_STATE=has_state, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(state_size),
+        HAS_STATE=has_state, BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(state_size),
         num_warps=4)
     return y
 
@@ -47,18 +49,18 @@ def selective_scan_prefill(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tenso
 def selective_scan_decode(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor,
                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
                           dt_bias: torch.Tensor, z: torch.Tensor, ssm_state: torch.Tensor,
-                          state_indices: torch.Tensor) -> torch.Tensor:
-    """See selective_scan.selective_scan_decode."""
+                          state_indices: torch.Tensor, block_d: int = BLOCK_D) -> torch.Tensor:
+    """See selective_scan.selective_scan_decode. block_d: as selective_scan_prefill's."""
     selective_scan._check_shapes(x, dt, A_log, B, C, D, dt_bias, z)
     selective_scan._check_rows(x, state_indices)
     channels, state_size = A_log.shape
     y = torch.empty_like(x)
     if x.shape[0] == 0:
         return y
-    _decode_kernel[(x.shape[0], triton.cdiv(channels, BLOCK_D))](
+    _decode_kernel[(x.shape[0], triton.cdiv(channels, block_d))](
         x, dt, A_log, B, C, D, dt_bias, z, ssm_state, y, state_indices, channels, state_size,
         *x.stride(), *dt.stride(), *A_log.stride(), *B.stride(), *C.stride(), *z.stride(),
-        *ssm_state.stride(), *y.stride(), BLOCK_D=BLOCK_D,
+        *ssm_state.stride(), *y.stride(), BLOCK_D=block_d,
         BLOCK_N=triton.next_power_of_2(state_size), num_warps=4,
         **pdl.kernel_args(x.device, x.shape[0]))
     return y
