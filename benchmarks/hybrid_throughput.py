@@ -250,7 +250,7 @@ def main() -> None:
         print(f"GPU busy {result['kernels']['gpu_busy_s']:.2f} s of {result['nano_seconds']:.2f} s")
         for name, secs in result["kernels"]["top"]:
             print(f"{secs:8.3f} s  {name[:90]}")
-    print(f"{'hybrid (Bamba ~1B shape), bf16':<32}{'value':>14}")
+    print(f"{f'hybrid ({args.arch} ~1B shape), bf16':<32}{'value':>14}")
     for name, value in rows:
         print(f"{name:<32}{value:>14}")
 
