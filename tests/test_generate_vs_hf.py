@@ -13,8 +13,10 @@ import torch
 from spindle import LLM, SamplingParams
 
 # (phi3: fused qkv and gate_up tensors; olmo2: post-norm layers, q/k normalised over their
-# whole width; olmo3: olmo2 with every other layer in a window of 8, a rotary per layer type)
-ARCHS = ["llama", "qwen2", "qwen3", "phi3", "olmo2", "olmo3"]
+# whole width; olmo3: olmo2 with every other layer in a window of 8, a rotary per layer type;
+# granite: Llama with multipliers on the embeddings, the sublayers' outputs, the scores and
+# the logits)
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "granite"]
 MAX_NEW = 20
 PROMPT_LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 128, 150, 200, 257, 300]
 LOGPROB_TOL = 1e-4

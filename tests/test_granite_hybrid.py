@@ -1,5 +1,7 @@
 """GraniteMoeHybrid specifics beyond the end-to-end checks of test_hybrid_models.py: both
-spellings of the expert tensors load, and what is refused."""
+spellings of the expert tensors load, and what is refused; and what Granite 3.x's
+dense and MoE models (models/granite.py; end to end in test_generate_vs_hf.py and
+test_moe_models.py) refuse and how they lay out their layers."""
 
 from __future__ import annotations
 
@@ -66,3 +68,25 @@ def test_the_layout_follows_the_config():
     assert (layout.attention_scale, layout.embedding_multiplier,
             layout.residual_multiplier) == (0.25, 12.0, 0.22)
     assert granite_layout(_config(position_embedding_type="rope")).rotary_dim == 16
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(position_embedding_type="nope"), "position_embedding_type 'nope'"),
+])
+def test_granite_3_refuses_what_it_would_get_wrong(change, message):
+    from spindle.models.granite import check_granite_config
+
+    check_granite_config(_config(position_embedding_type=None))
+    with pytest.raises(ValueError, match=message):
+        check_granite_config(_config(**change))
+
+
+def test_granite_3_layers_all_attend_and_rotate_whole_heads():
+    from spindle.models.granite import granite_layout
+
+    layout = granite_layout(_config(num_hidden_layers=3))
+    assert layout.attention_layers == {0, 1, 2}
+    assert layout.rotary_dim == 16
+    assert (layout.attention_scale, layout.embedding_multiplier,
+            layout.residual_multiplier) == (0.25, 12.0, 0.22)

@@ -29,6 +29,8 @@ CASES = {
     "mixtral": {},
     "minimax_m2": {},
     "glm4_moe": {},
+    "granite_moe": {},  # (Granite 3.x: the experts stacked, Granite's multipliers)
+    "granite_moe_shared": {},  # (and a shared SwiGLU MLP beside the experts)
 }
 
 
@@ -69,7 +71,8 @@ def test_greedy_equals_transformers(checkpoint, case):
         check(llm, expected)
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
+                                  "granite_moe_shared"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,

@@ -54,6 +54,9 @@ ARCHITECTURES = {
     "falcon_mamba": "FalconMambaForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "granite_hybrid": "GraniteMoeHybridForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "granite_moe": "GraniteMoeForCausalLM",
+    "granite_moe_shared": "GraniteMoeSharedForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
@@ -77,6 +80,8 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "mamba2": "Mamba2Config", "mamba": "MambaConfig",
                   "falcon_mamba": "FalconMambaConfig", "nemotron_h": "NemotronHConfig",
                   "granite_hybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config",
+                  "granite": "GraniteConfig", "granite_moe": "GraniteMoeConfig",
+                  "granite_moe_shared": "GraniteMoeSharedConfig",
                   "lfm2": "Lfm2Config", "lfm2_moe": "Lfm2MoeConfig",
                   "qwen3_next": "Qwen3NextConfig", "qwen3_5": "Qwen3_5TextConfig",
                   "jamba": "JambaConfig", "olmo_hybrid": "OlmoHybridConfig",
@@ -132,6 +137,15 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "shared_intermediate_size": 96, "embedding_multiplier": 1.5,
                 "residual_multiplier": 0.5, "attention_multiplier": 0.2,
                 "logits_scaling": 1.25, "position_embedding_type": "nope"}
+    if arch in ("granite", "granite_moe", "granite_moe_shared"):  # Granite's scalings away
+        # from 1; (MoE) 4 experts of the intermediate size, 2 per token, (shared) one of 48
+        fields = {"embedding_multiplier": 1.5, "residual_multiplier": 0.5,
+                  "attention_multiplier": 0.2, "logits_scaling": 1.25}
+        if arch != "granite":
+            fields.update(num_local_experts=4, num_experts_per_tok=2)
+        if arch == "granite_moe_shared":
+            fields.update(shared_intermediate_size=48)
+        return fields
     if arch == "falcon_h1":  # attention and a Mamba2 mixer in every layer; multipliers
         # away from 1 (each one a test can catch), the mixer's norm before its gate
         return {"mamba_n_heads": num_heads, "mamba_d_ssm": 2 * hidden_size,
@@ -452,7 +466,7 @@ def checkpoint_tensors(model: torch.nn.Module):
     arch = next((a for a, cls in ARCHITECTURES.items()
                  if cls == model.config.architectures[0]), None)
     for name, tensor in model.state_dict().items():
-        if arch == "granite_hybrid":
+        if arch in ("granite_hybrid", "granite_moe", "granite_moe_shared"):
             yield _granite_hub_name(name), tensor
             continue
         if arch == "jamba":  # the hub's experts one by one (experts.E.gate_proj / ...)

@@ -1,0 +1,93 @@
+"""GraniteForCausalLM, GraniteMoeForCausalLM and GraniteMoeSharedForCausalLM: IBM's
+Granite 3.x decoders (granite-3.3-2b/8b-instruct; granite-3.0-1b-a400m / 3b-a800m; the
+shared-expert variant), served as GraniteMoeHybrid (models/granite_hybrid.py) with
+every layer attending:
+
+- Llama's layers with Granite's scalings: the embeddings times ``embedding_multiplier``,
+  each sublayer's output times ``residual_multiplier`` before it joins the residual
+  stream, attention scores scaled by ``attention_multiplier`` (not head_dim ** -0.5),
+  logits divided by ``logits_scaling``; every head rotated (RoPE);
+- the feed-forward: Llama's SwiGLU MLP (``mlp.gate_proj`` / ``up_proj`` /
+  ``down_proj``, ``mlp_bias``) in Granite; in GraniteMoe a mixture of SwiGLU experts
+  whose top-k router logits are softmaxed (``block_sparse_moe``, the experts stacked,
+  under the hub's or transformers' names); GraniteMoeShared adds the SwiGLU
+  ``shared_mlp`` to the experts' sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.moe import SparseMoeBlock
+from spindle.models.bamba import HybridLayout, bamba_feed_forward
+from spindle.models.granite_hybrid import (GraniteMoeFeedForward,
+                                           GraniteMoeHybridForCausalLM)
+from spindle.models.llama import head_dim_of
+
+
+def check_granite_config(hf_config: Any) -> None:
+    """Reject config features this implementation would silently get wrong."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    position = getattr(hf_config, "position_embedding_type", None)
+    if position not in (None, "rope"):
+        raise ValueError(f"position_embedding_type {position!r} is not supported (only "
+                         "'rope')")
+
+
+def granite_layout(hf_config: Any) -> HybridLayout:
+    """Every layer attends and rotates whole heads; Granite's scalings."""
+    return HybridLayout(
+        attention_layers=frozenset(range(hf_config.num_hidden_layers)),
+        rotary_dim=head_dim_of(hf_config),
+        attention_scale=float(hf_config.attention_multiplier),
+        embedding_multiplier=float(hf_config.embedding_multiplier),
+        residual_multiplier=float(hf_config.residual_multiplier))
+
+
+class GraniteMoeExperts(nn.Module):
+    """GraniteMoe's feed-forward: the routed experts alone (as ``moe``, the name the
+    checkpoint translation of GraniteMoeHybrid gives them)."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.moe = SparseMoeBlock(
+            hf_config.hidden_size, hf_config.num_local_experts, hf_config.num_experts_per_tok,
+            hf_config.intermediate_size, normalize_top_k=True, weights_in_activation_dtype=True,
+            tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
+class GraniteForCausalLM(GraniteMoeHybridForCausalLM):
+    check_config = staticmethod(check_granite_config)
+    layout = staticmethod(granite_layout)
+    feed_forward = staticmethod(bamba_feed_forward)  # (Llama's MLP, mlp_bias)
+
+    def _in_bamba_names(self, weights: Iterable[tuple[str, torch.Tensor]]
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in super()._in_bamba_names(weights):
+            yield name.replace(".mlp.", ".feed_forward."), tensor
+
+
+class GraniteMoeForCausalLM(GraniteMoeHybridForCausalLM):
+    check_config = staticmethod(check_granite_config)
+    layout = staticmethod(granite_layout)
+
+    @staticmethod
+    def feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                     ) -> nn.Module:
+        return GraniteMoeExperts(hf_config, tp_group)
+
+
+class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
+    @staticmethod
+    def feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                     ) -> nn.Module:
+        return GraniteMoeFeedForward(hf_config, tp_group)
