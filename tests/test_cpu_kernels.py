@@ -521,3 +521,57 @@ def test_int4_linear_switched_off_is_torchs_kernel():
               "print(c.kernels().int4_dot_applies(x, p, sz), "
               "torch.equal(c.int4_linear(x, p, sz), torch._weight_int4pack_mm_for_cpu(x, p, 32, sz)))")
     assert _printed_with_switch_off(script, "SPINDLE_CPU_INT4_GEMM") == ["False", "True"]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32])
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 1536), (13, 32), (130, 16)])
+def test_fp8_matmul_is_the_exact_product_rounded_once(rows, n, k):
+    """float8 e4m3fn codes (every code but NaN, subnormals included) times float8-valued
+    rows: the float64 product, exact here, rounded once to float32, whatever the tiling
+    (N not a multiple of the row tiles, row blocks of 8 and a remainder)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x42  # (no NaN codes)
+    codes[0, :2] = torch.tensor([0x01, 0x81], dtype=torch.uint8)  # the smallest subnormals
+    weight = codes.view(torch.float8_e4m3fn)
+    x = (torch.randn(rows, k, generator=gen) * 4).to(torch.float8_e4m3fn).float()
+    out = cpu_kernels.fp8_matmul(x, codes)
+    expected = (x.double() @ weight.double().T).float()
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+
+
+def test_fp8_matmul_refuses_what_it_cannot_read():
+    codes = torch.zeros(4, 32, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.fp8_matmul(torch.zeros(2, 32, dtype=BF16), codes)
+    with pytest.raises(RuntimeError, match="uint8"):
+        cpu_kernels.fp8_matmul(torch.zeros(2, 32), codes.to(torch.int8))
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_kernels.fp8_matmul(torch.zeros(2, 16), codes)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        cpu_kernels.fp8_matmul(torch.zeros(2, 20), torch.zeros(4, 20, dtype=torch.uint8))
+
+
+def test_fp8_linear_takes_the_kernel_for_a_few_rows(monkeypatch):
+    """layers/fp8.py's CPU product: the kernel up to CPU_KERNEL_MAX_ROWS rows (its exact
+    sum, scaled as torch's float8 GEMM scales), torch's float8 GEMM past them or with
+    the kernels switched off (float32 sums: within their rounding of that)."""
+    from spindle.layers import fp8
+
+    gen = torch.Generator().manual_seed(9)
+    q, scale = fp8.quantize_rows(torch.randn(48, 64, generator=gen))
+    calls = []
+    real = cpu_kernels.fp8_matmul
+    monkeypatch.setattr(cpu_kernels, "fp8_matmul", lambda *a: calls.append(1) or real(*a))
+    for rows, launches in ((1, 1), (fp8.CPU_KERNEL_MAX_ROWS, 1), (fp8.CPU_KERNEL_MAX_ROWS + 1, 0)):
+        calls.clear()
+        x = torch.randn(rows, 64, generator=gen)
+        got = fp8.fp8_linear(x, q, scale)
+        assert len(calls) == launches
+        xq, x_scale = fp8.quantize_rows(x)
+        exact = (xq.double() @ q.double().T).float() * (x_scale[:, None] * scale[None, :])
+        if launches:
+            assert torch.equal(got, exact)
+        monkeypatch.setenv("SPINDLE_CPU_KERNELS", "0")
+        torch.testing.assert_close(fp8.fp8_linear(x, q, scale), exact, rtol=1e-5, atol=1e-5)
+        monkeypatch.delenv("SPINDLE_CPU_KERNELS")

@@ -1146,6 +1146,117 @@ torch::Tensor int8_group_matmul(const torch::Tensor& x, const torch::Tensor& cod
   return out;
 }
 
+// ---------------------------------------------------------------- float8 weights
+
+// The float32 value of each float8 e4m3fn code (layers/fp8.py's weights): 4 exponent
+// bits of bias 7, 3 mantissa bits, subnormals at exponent 0, NaN at S.1111.111.
+const float* fp8_e4m3_values() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int code = 0; code < 256; ++code) {
+      const int exponent = (code >> 3) & 15, mantissa = code & 7;
+      float v;
+      if ((code & 0x7F) == 0x7F) v = std::numeric_limits<float>::quiet_NaN();
+      else if (exponent == 0) v = std::ldexp(static_cast<float>(mantissa), -9);
+      else v = std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      t[code] = (code & 0x80) ? -v : v;
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+inline fVec load_fp8(const uint8_t* codes, const float* values) {
+  float lanes[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) lanes[i] = values[codes[i]];
+  return fVec::loadu(lanes);
+}
+
+// out[m, n] for the NB weight rows n0.. and the MB rows of x m0..: each weight vector
+// widened once from its codes and multiplied into the MB rows. x holds float8 values
+// too, so every product is exact in float32; the products are summed in float64, which
+// holds the sum exactly for any realistic K (products of two float8 values span
+// 2^-18 .. 2^18 with 8-bit significands), and the sum is rounded to float32 once: the
+// result does not depend on the order of the sums, the tiling or the thread count.
+template <int NB, int MB>
+inline void fp8_tile(const uint8_t* codes, const float* values, const float* x, float* out,
+                     int64_t n0, int64_t m0, int64_t K, int64_t N) {
+  double acc[NB][MB][kLanes] = {};
+  float products[kLanes];
+  const uint8_t* c = codes + n0 * K;
+  const float* xs = x + m0 * K;
+  for (int64_t k = 0; k < K; k += kLanes) {
+    fVec w[NB];
+    for (int nb = 0; nb < NB; ++nb) w[nb] = load_fp8(c + nb * K + k, values);
+    for (int mb = 0; mb < MB; ++mb) {
+      const fVec xv = fVec::loadu(xs + mb * K + k);
+      for (int nb = 0; nb < NB; ++nb) {
+        (w[nb] * xv).store(products);
+        for (int64_t i = 0; i < kLanes; ++i) acc[nb][mb][i] += products[i];
+      }
+    }
+  }
+  for (int nb = 0; nb < NB; ++nb)
+    for (int mb = 0; mb < MB; ++mb) {
+      double sum = 0.0;
+      for (int64_t i = 0; i < kLanes; ++i) sum += acc[nb][mb][i];
+      out[(m0 + mb) * N + n0 + nb] = static_cast<float>(sum);
+    }
+}
+
+template <int NB, int MB>
+inline void fp8_rows(const uint8_t* codes, const float* values, const float* x, float* out,
+                     int64_t begin, int64_t end, int64_t m0, int64_t K, int64_t N) {
+  int64_t n = begin;
+  for (; n + NB <= end; n += NB) fp8_tile<NB, MB>(codes, values, x, out, n, m0, K, N);
+  for (; n < end; ++n) fp8_tile<1, MB>(codes, values, x, out, n, m0, K, N);
+}
+
+// y [M, N] float32 = x [M, K] float32 @ W^T for W [N, K] held as float8 e4m3fn codes
+// (uint8), unscaled: layers/fp8.py's CPU product of a few rows, whose x holds values
+// already rounded to float8 (so every product is exact and the sums are float32's).
+// Tiled as int8_group_matmul: each tile of kTileN weight rows is read once and
+// multiplied by all of x, kRowBlock rows at a time.
+torch::Tensor fp8_matmul(const torch::Tensor& x, const torch::Tensor& codes) {
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "fp8_matmul takes CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K], got ",
+              x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be contiguous uint8 [N, K] (float8 e4m3fn bits)");
+  const int64_t M = x.size(0), N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
+  TORCH_CHECK(K % kLanes == 0, "K must be a multiple of ", kLanes, ", got ", K);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* values = fp8_e4m3_values();
+  float* yp = out.data_ptr<float>();
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * kTileN, n1 = std::min(N, n0 + kTileN);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        switch (std::min(kRowBlock, M - m0)) {
+#define SPINDLE_FP8_ROWS(MB) \
+  case MB: fp8_rows<tile_rows(MB), MB>(cp, values, xp, yp, n0, n1, m0, K, N); break;
+          SPINDLE_FP8_ROWS(1)
+          SPINDLE_FP8_ROWS(2)
+          SPINDLE_FP8_ROWS(3)
+          SPINDLE_FP8_ROWS(4)
+          SPINDLE_FP8_ROWS(5)
+          SPINDLE_FP8_ROWS(6)
+          SPINDLE_FP8_ROWS(7)
+          SPINDLE_FP8_ROWS(8)
+#undef SPINDLE_FP8_ROWS
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------- greedy argmax
 
 inline float as_float(float v) { return v; }
@@ -1253,5 +1364,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dot_applies", &int4_dot_applies, "whether int4_linear runs its own kernel");
   m.def("int8_group_matmul", &int8_group_matmul,
         "float32 x @ W^T for W as int8 codes with a float32 scale and offset per group of 32");
+  m.def("fp8_matmul", &fp8_matmul,
+        "float32 x @ W^T for W as float8 e4m3fn codes (uint8), unscaled");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 or bf16 [rows, n] tensor");
 }

@@ -19,7 +19,10 @@ file does each stage in one call and rounds to bf16 where the torch version roun
   decode_layer and in linear.apply_linear);
 * int8_group_matmul(x, codes, scale, offset): float32 logits from a GGUF model's LM
   head held as int8 codes with float32 group scales and offsets (layers/int8_head.py;
-  x float32 or bf16).
+  x float32 or bf16);
+* fp8_matmul(x, codes): float32 products of a few rows with a float8 e4m3fn weight
+  (layers/fp8.py's CPU linear layers; torch's float8 GEMM was about 10x slower than
+  float32 there).
 
 Only bf16 goes through the others. float32 keeps torch's ops, whose sums match transformers'
 bit for bit (the float32 comparisons with it rely on that).
@@ -241,6 +244,13 @@ def int8_group_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     code + offset, int4.GroupQuantized); accumulated in float32 (the LM head of a GGUF
     model: layers/int8_head.py)."""
     return kernels().int8_group_matmul(x, codes, scale, offset)
+
+
+def fp8_matmul(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """float32 x [M, K] @ W^T -> float32 [M, N] for W [N, K] given as its float8 e4m3fn
+    bits (a uint8 view), no scales: layers/fp8.py's CPU product of a few rows, with K a
+    multiple of the vector width (16 covers every CPU)."""
+    return kernels().fp8_matmul(x, codes)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
