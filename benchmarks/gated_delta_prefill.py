@@ -1,7 +1,8 @@
 """The gated delta rule's prefill (Qwen3-Next / Qwen3.5 linear attention), its
 evaluations timed on a few step shapes: request by request (the CPU's default), every
-chunk of the step batched (CUDA's), and on CUDA the Triton kernel in chunks of 16, 32 and
-64 tokens (SPINDLE_GDN_TRITON_PREFILL=1). Outputs and states are checked equal first.
+chunk of the step batched (CUDA's), and on CUDA the Triton kernel in chunks of 16, 32
+and 64 tokens with 4 or 8 warps a program (SPINDLE_GDN_TRITON_PREFILL=1). Outputs and
+states are checked equal first.
 
     python benchmarks/gated_delta_prefill.py [--device cpu|cuda] [--reps 5]
         [--key-heads 4 --value-heads 8] [--json out.json]
@@ -79,8 +80,10 @@ def main() -> None:
                    "batched": lambda **kw: gated_delta_prefill(**kw, batched=True)}
     if device.type == "cuda":
         for chunk in TRITON_CHUNKS:
-            evaluations[f"triton {chunk}"] = \
-                lambda chunk=chunk, **kw: triton_prefill(**kw, chunk=chunk)
+            for warps in (4, 8):
+                evaluations[f"triton {chunk}/{warps}w"] = \
+                    lambda chunk=chunk, warps=warps, **kw: triton_prefill(
+                        **kw, chunk=chunk, num_warps=warps)
     rows = []
     for name, lens in STEPS:
         tensors, md, state = inputs(lens, device, args.key_heads, args.value_heads)

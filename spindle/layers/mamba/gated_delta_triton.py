@@ -47,9 +47,11 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: to
 def triton_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                    state: torch.Tensor | None, md: MambaMetadata, beta_scale: float = 1.0,
-                   chunk: int = PREFILL_CHUNK, block_v: int = 32) -> torch.Tensor:
+                   chunk: int = PREFILL_CHUNK, block_v: int = 32,
+                   num_warps: int = 4) -> torch.Tensor:
     """The prefill in one launch (see the module docstring); chunk and block_v: the
-    kernel's tile sizes (powers of two from 16)."""
+    kernel's tile sizes (powers of two from 16); num_warps: per program (the benchmark
+    sweeps these)."""
     gated_delta._check_shapes(q, k, v, a, b, A_log, dt_bias)
     tokens, value_heads, value_dim = v.shape
     key_heads, key_dim = q.shape[1], q.shape[2]
@@ -72,7 +74,7 @@ def triton_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
         L2_EPS, key_dim ** -0.5, float(beta_scale),
         VALUES_PER_KEY=value_heads // key_heads, HAS_STATE=state is not None,
         BLOCK_K=max(16, triton.next_power_of_2(key_dim)), BLOCK_V=block_v, CHUNK=chunk,
-        IEEE=v.is_cuda, num_warps=4)
+        IEEE=v.is_cuda, num_warps=num_warps)
     return out
 
 
