@@ -58,6 +58,20 @@ def _close(out, ref, what):
                                rtol=TOL, msg=lambda m: f"{what}: {m}")
 
 
+def _check_requests(out, state, x, before, lens, slots, has_init, beta_scale):
+    """Each packed request's outputs and final state (where it has a slot) against the
+    token-by-token rule from its entering state (before[slot], or zeros)."""
+    start = 0
+    for n, slot, init in zip(lens, slots, has_init):
+        rows = slice(start, start + n)
+        initial = before[slot] if init else torch.zeros_like(before[0])
+        ref_out, ref_state = _reference(x, rows, initial, beta_scale)
+        _close(out[rows], ref_out, f"output of the request at slot {slot}")
+        if slot >= 0:
+            _close(state[slot], ref_state, f"state of slot {slot}")
+        start += n
+
+
 def _metadata(lens, slots, has_init):
     qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     return MambaMetadata(num_reqs=len(lens), num_tokens=sum(lens), query_start_loc=qsl,
@@ -79,15 +93,7 @@ def test_prefill_equals_the_token_by_token_rule(key_heads, value_heads, key_dim,
     out = gated_delta.gated_delta_prefill(**x, state=state, md=_metadata(lens, slots, has_init),
                                           chunk_size=chunk, batched=batched,
                                           beta_scale=beta_scale)
-    start = 0
-    for n, slot, init in zip(lens, slots, has_init):
-        rows = slice(start, start + n)
-        initial = before[slot] if init else torch.zeros_like(before[0])
-        ref_out, ref_state = _reference(x, rows, initial, beta_scale)
-        _close(out[rows], ref_out, f"output of the request at slot {slot}")
-        if slot >= 0:
-            _close(state[slot], ref_state, f"state of slot {slot}")
-        start += n
+    _check_requests(out, state, x, before, lens, slots, has_init, beta_scale)
     for untouched in (1, 2, 4):
         assert torch.equal(state[untouched], before[untouched])
 
@@ -212,15 +218,7 @@ def test_triton_prefill_equals_the_token_by_token_rule(dtype, chunk, key_heads, 
                                             beta_scale=beta_scale, chunk=chunk).cpu()
     got_state = got_state.cpu()
     if dtype == torch.float32:
-        start = 0
-        for n, slot, init in zip(lens, slots, has_init):
-            rows = slice(start, start + n)
-            initial = before[slot] if init else torch.zeros_like(before[0])
-            ref_out, ref_state = _reference(x, rows, initial, beta_scale)
-            _close(got[rows], ref_out, f"output of the request at slot {slot}")
-            if slot >= 0:
-                _close(got_state[slot], ref_state, f"state of slot {slot}")
-            start += n
+        _check_requests(got, got_state, x, before, lens, slots, has_init, beta_scale)
     else:
         expected_state = before.clone()
         expected = gated_delta.gated_delta_prefill(**x, state=expected_state, md=md,

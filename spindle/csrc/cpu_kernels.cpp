@@ -1093,6 +1093,35 @@ constexpr int tile_rows(int mb) {
   return kLanes >= 16 ? (mb >= 6 ? 2 : mb >= 3 ? 4 : 8) : (mb >= 3 ? 1 : 4);
 }
 
+// The tiling of int8_group_matmul and fp8_matmul: the weight's rows in tiles of kTileN
+// (the parallel tasks), each tile read once and multiplied by x kRowBlock rows at a time;
+// rows(std::integral_constant<int, MB>, n0, n1, m0) does weight rows [n0, n1) against
+// x's MB rows from m0.
+template <typename RowsFn>
+void for_each_tile(int64_t M, int64_t N, const RowsFn& rows) {
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * kTileN, n1 = std::min(N, n0 + kTileN);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        switch (std::min(kRowBlock, M - m0)) {
+#define SPINDLE_ROW_BLOCK(MB) \
+  case MB: rows(std::integral_constant<int, MB>(), n0, n1, m0); break;
+          SPINDLE_ROW_BLOCK(1)
+          SPINDLE_ROW_BLOCK(2)
+          SPINDLE_ROW_BLOCK(3)
+          SPINDLE_ROW_BLOCK(4)
+          SPINDLE_ROW_BLOCK(5)
+          SPINDLE_ROW_BLOCK(6)
+          SPINDLE_ROW_BLOCK(7)
+          SPINDLE_ROW_BLOCK(8)
+#undef SPINDLE_ROW_BLOCK
+        }
+      }
+    }
+  });
+}
+
 // y [M, N] float32 = x [M, K] (float32 or bf16) @ W^T for W [N, K] held as int8 codes
 // and a float32 scale and offset per group of 32 along K (w = scale * code + offset:
 // layers/int4.py's GroupQuantized): the LM head of a GGUF model, whose logits the
@@ -1122,26 +1151,9 @@ torch::Tensor int8_group_matmul(const torch::Tensor& x, const torch::Tensor& cod
   const float* sp = scale.data_ptr<float>();
   const float* op = offset.data_ptr<float>();
   float* yp = out.data_ptr<float>();
-  const int64_t tiles = (N + kTileN - 1) / kTileN;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t n0 = tile * kTileN, n1 = std::min(N, n0 + kTileN);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-        switch (std::min(kRowBlock, M - m0)) {
-#define SPINDLE_GROUP_ROWS(MB) \
-  case MB: group_rows<tile_rows(MB), MB>(cp, sp, op, xp, yp, n0, n1, m0, K, N); break;
-          SPINDLE_GROUP_ROWS(1)
-          SPINDLE_GROUP_ROWS(2)
-          SPINDLE_GROUP_ROWS(3)
-          SPINDLE_GROUP_ROWS(4)
-          SPINDLE_GROUP_ROWS(5)
-          SPINDLE_GROUP_ROWS(6)
-          SPINDLE_GROUP_ROWS(7)
-          SPINDLE_GROUP_ROWS(8)
-#undef SPINDLE_GROUP_ROWS
-        }
-      }
-    }
+  for_each_tile(M, N, [&](auto block, int64_t n0, int64_t n1, int64_t m0) {
+    constexpr int MB = decltype(block)::value;
+    group_rows<tile_rows(MB), MB>(cp, sp, op, xp, yp, n0, n1, m0, K, N);
   });
   return out;
 }
@@ -1215,8 +1227,7 @@ inline void fp8_rows(const uint8_t* codes, const float* values, const float* x, 
 // y [M, N] float32 = x [M, K] float32 @ W^T for W [N, K] held as float8 e4m3fn codes
 // (uint8), unscaled: layers/fp8.py's CPU product of a few rows, whose x holds values
 // already rounded to float8 (so every product is exact and the sums are float32's).
-// Tiled as int8_group_matmul: each tile of kTileN weight rows is read once and
-// multiplied by all of x, kRowBlock rows at a time.
+// Tiled as int8_group_matmul (for_each_tile).
 torch::Tensor fp8_matmul(const torch::Tensor& x, const torch::Tensor& codes) {
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "fp8_matmul takes CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K], got ",
@@ -1233,26 +1244,9 @@ torch::Tensor fp8_matmul(const torch::Tensor& x, const torch::Tensor& codes) {
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* values = fp8_e4m3_values();
   float* yp = out.data_ptr<float>();
-  const int64_t tiles = (N + kTileN - 1) / kTileN;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t n0 = tile * kTileN, n1 = std::min(N, n0 + kTileN);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-        switch (std::min(kRowBlock, M - m0)) {
-#define SPINDLE_FP8_ROWS(MB) \
-  case MB: fp8_rows<tile_rows(MB), MB>(cp, values, xp, yp, n0, n1, m0, K, N); break;
-          SPINDLE_FP8_ROWS(1)
-          SPINDLE_FP8_ROWS(2)
-          SPINDLE_FP8_ROWS(3)
-          SPINDLE_FP8_ROWS(4)
-          SPINDLE_FP8_ROWS(5)
-          SPINDLE_FP8_ROWS(6)
-          SPINDLE_FP8_ROWS(7)
-          SPINDLE_FP8_ROWS(8)
-#undef SPINDLE_FP8_ROWS
-        }
-      }
-    }
+  for_each_tile(M, N, [&](auto block, int64_t n0, int64_t n1, int64_t m0) {
+    constexpr int MB = decltype(block)::value;
+    fp8_rows<tile_rows(MB), MB>(cp, values, xp, yp, n0, n1, m0, K, N);
   });
   return out;
 }

@@ -16,24 +16,23 @@ every layer attending:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
-from spindle.layers.moe import SparseMoeBlock
-from spindle.models.bamba import HybridLayout, bamba_feed_forward
+from spindle.models import granite_hybrid
+from spindle.models.bamba import HybridLayout, bamba_feed_forward, check_silu
 from spindle.models.granite_hybrid import (GraniteMoeFeedForward,
-                                           GraniteMoeHybridForCausalLM)
+                                           GraniteMoeHybridForCausalLM, granite_experts)
 from spindle.models.llama import head_dim_of
 
 
 def check_granite_config(hf_config: Any) -> None:
     """Reject config features this implementation would silently get wrong."""
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    check_silu(hf_config)
     position = getattr(hf_config, "position_embedding_type", None)
     if position not in (None, "rope"):
         raise ValueError(f"position_embedding_type {position!r} is not supported (only "
@@ -41,13 +40,11 @@ def check_granite_config(hf_config: Any) -> None:
 
 
 def granite_layout(hf_config: Any) -> HybridLayout:
-    """Every layer attends and rotates whole heads; Granite's scalings."""
-    return HybridLayout(
-        attention_layers=frozenset(range(hf_config.num_hidden_layers)),
-        rotary_dim=head_dim_of(hf_config),
-        attention_scale=float(hf_config.attention_multiplier),
-        embedding_multiplier=float(hf_config.embedding_multiplier),
-        residual_multiplier=float(hf_config.residual_multiplier))
+    """GraniteMoeHybrid's layout (Granite's scalings) with every layer attending and
+    rotating whole heads."""
+    return replace(granite_hybrid.granite_layout(hf_config),
+                   attention_layers=frozenset(range(hf_config.num_hidden_layers)),
+                   rotary_dim=head_dim_of(hf_config))
 
 
 class GraniteMoeExperts(nn.Module):
@@ -56,10 +53,7 @@ class GraniteMoeExperts(nn.Module):
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
         super().__init__()
-        self.moe = SparseMoeBlock(
-            hf_config.hidden_size, hf_config.num_local_experts, hf_config.num_experts_per_tok,
-            hf_config.intermediate_size, normalize_top_k=True, weights_in_activation_dtype=True,
-            tp_group=tp_group)
+        self.moe = granite_experts(hf_config, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.moe(x)

@@ -84,15 +84,20 @@ def granite_layout(hf_config: Any) -> HybridLayout:
         residual_multiplier=float(hf_config.residual_multiplier))
 
 
+def granite_experts(hf_config: Any, tp_group: TensorParallelGroup) -> SparseMoeBlock:
+    """Granite's routed SwiGLU experts: top-k router logits softmaxed."""
+    return SparseMoeBlock(
+        hf_config.hidden_size, hf_config.num_local_experts, hf_config.num_experts_per_tok,
+        hf_config.intermediate_size, normalize_top_k=True, weights_in_activation_dtype=True,
+        tp_group=tp_group)
+
+
 class GraniteMoeFeedForward(nn.Module):
     """The routed experts plus the shared SwiGLU MLP, summed."""
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
         super().__init__()
-        self.moe = SparseMoeBlock(
-            hf_config.hidden_size, hf_config.num_local_experts, hf_config.num_experts_per_tok,
-            hf_config.intermediate_size, normalize_top_k=True, weights_in_activation_dtype=True,
-            tp_group=tp_group)
+        self.moe = granite_experts(hf_config, tp_group)
         self.shared = LlamaMLP(hf_config.hidden_size, hf_config.shared_intermediate_size,
                                False, tp_group)
 

@@ -121,12 +121,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, st
     read out through q. Each program normalises its q and k itself (Dk is small)."""
     pdl.enter(PDL)
     req = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    key_head = head // VALUES_PER_KEY
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_valid = offs_k < key_dim
-    v_valid = offs_v < value_dim
+    head, key_head, offs_k, offs_v, k_valid, v_valid = _head_block(
+        key_dim, value_dim, VALUES_PER_KEY, BLOCK_K, BLOCK_V)
     slot = tl.load(state_idx_ptr + req).to(tl.int64)
     state_mask = (slot >= 0) & k_valid[:, None] & v_valid[None, :]
     state_ptrs = state_ptr + slot * s_stride_s + head * s_stride_h \
@@ -171,12 +167,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, s
     enters from its slot (or as zeros), passes through the request's chunks in order,
     and is stored back to the slot; each chunk's outputs are stored as it goes."""
     req = tl.program_id(0)
-    head = tl.program_id(1)
-    key_head = head // VALUES_PER_KEY
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_valid = offs_k < key_dim
-    v_valid = offs_v < value_dim
+    head, key_head, offs_k, offs_v, k_valid, v_valid = _head_block(
+        key_dim, value_dim, VALUES_PER_KEY, BLOCK_K, BLOCK_V)
     start = tl.load(qsl_ptr + req)
     end = tl.load(qsl_ptr + req + 1)
     state_mask = k_valid[:, None] & v_valid[None, :]
@@ -229,6 +221,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, s
     if HAS_STATE:
         tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty),
                  mask=state_mask & (slot >= 0) & (end > start))
+
+
+@triton.jit
+def _head_block(key_dim, value_dim, VALUES_PER_KEY: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """A program's value head (axis 1), the key head serving it, and its key features and
+    block of value features (axis 2), with their masks."""
+    head = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    return (head, head // VALUES_PER_KEY, offs_k, offs_v, offs_k < key_dim,
+            offs_v < value_dim)
 
 
 @triton.jit
