@@ -21,7 +21,7 @@ file does each stage in one call and rounds to bf16 where the torch version roun
   head held as int8 codes with float32 group scales and offsets (layers/int8_head.py;
   x float32 or bf16);
 * fp8_matmul(x, codes): float32 products of a few rows with a float8 e4m3fn weight
-  (layers/fp8.py's CPU linear layers; torch's float8 GEMM was about 10x slower than
+  (layers/fp8.py's CPU linear layers; torch's float8 GEMM was about 14x slower than
   float32 there).
 
 Only bf16 goes through the others. float32 keeps torch's ops, whose sums match transformers'
