@@ -61,6 +61,27 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new: int, prepare=None,
     return results
 
 
+def hf_float32_noise(model_dir, prompts: list[list[int]],
+                     results: list[tuple[list[int], list[float]]]) -> float:
+    """How far transformers' own float32 logprobs (hf_greedy's results) are from a
+    float64 run of the same model on the same tokens (teacher-forced): the rounding
+    noise of float32 for this model, which a comparison of two float32 engines must
+    allow twice over. Experts run as plain loops (transformers' grouped GEMM takes no
+    float64)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float64, experts_implementation="eager").eval()
+    worst = 0.0
+    for prompt, (tokens, logprobs) in zip(prompts, results):
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:-1]
+        exact = torch.log_softmax(logits.double(), -1)[torch.arange(len(tokens)), tokens]
+        worst = max(worst, max(abs(a - b) for a, b in zip(exact.tolist(), logprobs)))
+    return worst
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """Per arch: (checkpoint dir, prompts, shared-prefix prompts, HF results for both)."""

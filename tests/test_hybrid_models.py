@@ -18,7 +18,7 @@ import zlib
 import pytest
 
 from spindle import LLM, SamplingParams
-from test_generate_vs_hf import hf_greedy
+from test_generate_vs_hf import hf_float32_noise, hf_greedy
 
 MAX_NEW = 12
 LOGPROB_TOL = 1e-4
@@ -186,7 +186,8 @@ def reference(tiny_model):
             # and any near-tie among them, stay the same whichever tests are selected.)
             seed = zlib.crc32(f"{arch}/{shape}/{shared_prefix}".encode())
             prompts = prompts_for(seed=seed, shared_prefix=shared_prefix)
-            cache[key] = (path, prompts, hf_greedy(path, prompts, MAX_NEW))
+            cache[key] = (path, prompts, Expected(path, prompts, hf_greedy(path, prompts,
+                                                                           MAX_NEW)))
         return cache[key]
 
     return get
@@ -206,10 +207,24 @@ def generate(path, prompts, repeat: int = 1, **engine_kwargs):
              for o in outputs] for outputs in runs], stats
 
 
+class Expected(list):
+    """transformers' greedy (tokens, logprobs) per prompt, with the logprob tolerance
+    of a comparison against them: LOGPROB_TOL, or twice transformers' own float32
+    noise on this model where that is more. (Transformers' chunked Gated DeltaNet is
+    up to 1.7e-4 away from a float64 run on these tiny models, Mamba and attention
+    layers about 1e-5; spindle's float32 was 1.0e-4 from transformers' and 1.1e-4 from
+    float64 on a Qwen3-Next case where transformers was 0.9e-4 from it.)"""
+
+    def __init__(self, path, prompts, results) -> None:
+        super().__init__(results)
+        self.tol = max(LOGPROB_TOL, 2 * hf_float32_noise(path, prompts, results))
+
+
 def assert_equal(expected, got):
+    tol = getattr(expected, "tol", LOGPROB_TOL)
     for (hf_tokens, hf_lps), (tokens, lps) in zip(expected, got):
         assert list(tokens) == hf_tokens
-        assert max(abs(a - b) for a, b in zip(hf_lps, lps)) < LOGPROB_TOL
+        assert max(abs(a - b) for a, b in zip(hf_lps, lps)) < tol
 
 
 @pytest.mark.parametrize("arch,shape", [(a, s) for a in ARCHS for s in SHAPES[a]])
