@@ -9,6 +9,9 @@ churn). The bytes counted are the keys and values of every context token, read o
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
         [--target-programs 264 528 1056]
 
+Each case runs with the requests started in batch order and longest context first
+(meta.decode_order, what the runner hands the kernel on a GPU).
+
 --target-programs: rerun every case with the split planner aiming at each number of
 programs (triton_attn._TARGET_PROGRAMS, set for the run), and report each output's
 largest difference from the first setting's.
@@ -17,6 +20,7 @@ largest difference from the first setting's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 from pathlib import Path
@@ -67,6 +71,7 @@ def main() -> None:
     from spindle.attention.backends import triton_attn
     from spindle.attention.backends.triton_attn import (decode_attention, num_decode_splits,
                                                         split_counters)
+    from spindle.attention.metadata import decode_order
 
     targets = args.target_programs or [triton_attn._TARGET_PROGRAMS]
 
@@ -77,9 +82,12 @@ def main() -> None:
         for num_reqs in args.batches:
             for shuffled in (False, True):
                 q, k, v, cache, meta, nbytes = decode_case(num_reqs, shuffled)
+                longest_first = torch.from_numpy(
+                    decode_order(meta.seq_lens.cpu().numpy())).cuda()
                 first = None
-                for target in targets:
+                for target, ordered in itertools.product(targets, (False, True)):
                     triton_attn._TARGET_PROGRAMS = target
+                    meta.decode_order = longest_first if ordered else None
                     out, counters = torch.empty_like(q), split_counters("cuda")
                     # In a CUDA graph: launched from Python one at a time, the host's
                     # launches take longer than the kernel at 32 requests.
@@ -87,6 +95,7 @@ def main() -> None:
                         q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters), 5) / 1e6
                     first = out.clone() if first is None else first
                     rows.append({"requests": num_reqs, "target_programs": target,
+                                 "order": "longest first" if ordered else "batch",
                                  "splits": num_decode_splits(num_reqs, KV_HEADS),
                                  "block_tables": "shuffled" if shuffled else "in order",
                                  "us": t * 1e6, "tb_s": nbytes / t / 1e12,
@@ -96,11 +105,11 @@ def main() -> None:
         triton_attn._TARGET_PROGRAMS = default_target
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'requests':>8} {'target':>6} {'splits':>6}  {'block tables':<12} {'us':>8} "
-          f"{'TB/s':>6} {'x copy':>7} {'max diff':>9}")
+    print(f"{'requests':>8} {'target':>6} {'splits':>6}  {'block tables':<12} "
+          f"{'order':<13} {'us':>8} {'TB/s':>6} {'x copy':>7} {'max diff':>9}")
     for r in rows:
         print(f"{r['requests']:>8} {r['target_programs']:>6} {r['splits']:>6}  "
-              f"{r['block_tables']:<12} {r['us']:>8.1f} {r['tb_s']:>6.2f} {r['of_copy']:>7.3f} "
+              f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} {r['of_copy']:>7.3f} "
               f"{r['max_diff']:>9.2e}")
     if args.json:
         args.json.write_text(json.dumps(

@@ -10,6 +10,8 @@ device-to-device copy rate is printed as the bandwidth ceiling.
 
     python benchmarks/skinny_gemm.py                  # the table
     python benchmarks/skinny_gemm.py --sweep --m 1 8  # also the best tile configs
+    python benchmarks/skinny_gemm.py --sweep --tiles 16x1024 32x512  # only these tiles,
+                                                      # every config's time printed
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ ROTATE_BYTES = 256 << 20
 SWEEP_TILES = ((32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128))
 
 
-def sweep_configs(n: int, k: int, num_sms: int):
+def sweep_configs(n: int, k: int, num_sms: int, tiles=SWEEP_TILES):
     """Tiles x warps x stages, each with its default split, half and twice that."""
     from spindle.layers.skinny_gemm import SkinnyConfig, pick_config
 
-    for (block_n, block_k), warps, stages in itertools.product(SWEEP_TILES, (4, 8), (3, 4)):
+    for (block_n, block_k), warps, stages in itertools.product(tiles, (4, 8), (3, 4)):
         if k % block_k:
             continue
         auto = pick_config(n, k, num_sms, SkinnyConfig(block_n, block_k, 1, warps, stages))
@@ -56,6 +58,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--sweep", action="store_true",
                         help="also time every tile config, report the best per shape")
+    parser.add_argument("--tiles", nargs="+", metavar="NxK",
+                        help="with --sweep: only these (block_n x block_k) tiles, each "
+                        "config's time printed (a tile as wide as a split's K loads the "
+                        "program's whole weight before waiting for the kernel before)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -63,6 +69,12 @@ def main() -> None:
                                             skinny_linear)
 
     dtype = getattr(torch, args.dtype)
+    tiles = SWEEP_TILES
+    if args.tiles:
+        try:
+            tiles = tuple(tuple(int(v) for v in t.lower().split("x")) for t in args.tiles)
+        except ValueError:
+            raise SystemExit(f"--tiles takes NxK pairs such as 16x1024, got {args.tiles}")
     num_sms = _num_sms(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: {num_sms} SMs, device copy "
           f"{copy_bandwidth() / 1e12:.2f} TB/s (read + write)")
@@ -88,7 +100,7 @@ def main() -> None:
                              args.iters)
             best, best_cfg = skinny, auto
             if args.sweep:
-                for cfg in sweep_configs(n, k, num_sms):
+                for cfg in sweep_configs(n, k, num_sms, tiles):
                     try:
                         t = graph_us(lambda i: skinny_linear(x, weights[i % copies], config=cfg,
                                                             counters=counters),
@@ -96,6 +108,8 @@ def main() -> None:
                     except Exception as exc:  # (a config that does not compile: skip it)
                         print(f"  {name} M={m} {cfg}: {type(exc).__name__}")
                         continue
+                    if args.tiles:
+                        print(f"  {name} M={m} {cfg}: {t:.2f} us")
                     if t < best:
                         best, best_cfg = t, cfg
             rows.append((name, n, k, m, cublas, moved / cublas / 1e6, skinny,

@@ -131,14 +131,19 @@ def poison_blocks_before_window(case, window) -> int:
     return poisoned
 
 
-def run_backend(case, num_heads, num_kv_heads, head_dim, window=None):
+def run_backend(case, num_heads, num_kv_heads, head_dim, window=None, ordered=False):
     """What the backend does for one step without a q/k transform: decode (one launch
-    that stores k/v and attends) or store + prefill."""
+    that stores k/v and attends) or store + prefill. ordered: decode starts the
+    requests longest first (meta.decode_order), as the runner has it on a GPU."""
     from spindle.attention.backends.triton_attn import (decode_attention, prefill_attention,
                                                         split_counters, store_kv)
+    from spindle.attention.metadata import decode_order
 
     scale = head_dim ** -0.5
     meta = meta_for(case)
+    if ordered:
+        order = decode_order(case["seq_lens"].cpu().numpy())
+        meta.decode_order = torch.from_numpy(order).to(DEVICE)
     out = torch.full_like(case["q"], float("nan"))  # poisoned: every row must be written
     if meta.max_query_len == 1:
         counters = split_counters(DEVICE)
@@ -197,13 +202,15 @@ DECODE_CASES = pick(
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,batch", DECODE_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_split_context(num_heads, num_kv_heads, head_dim, block_size, dtype, batch):
+@pytest.mark.parametrize("ordered", [False, True], ids=["batch_order", "longest_first"])
+def test_decode_split_context(num_heads, num_kv_heads, head_dim, block_size, dtype, batch,
+                              ordered):
     gen = torch.Generator().manual_seed(batch * 31 + head_dim + block_size)
     context_lens = torch.randint(0, MAX_CONTEXT, (batch,), generator=gen).tolist()
     context_lens[0] = 0  # a context of just the new token
     case = make_case([1] * batch, context_lens, num_heads, num_kv_heads, head_dim, block_size,
                      dtype, seed=batch + head_dim)
-    out, scale = run_backend(case, num_heads, num_kv_heads, head_dim)
+    out, scale = run_backend(case, num_heads, num_kv_heads, head_dim, ordered=ordered)
     ref, _, _ = reference(case, scale)
     assert not out.isnan().any()
     assert rel_err(out, ref) < REL_TOL[dtype]
@@ -589,3 +596,18 @@ def test_the_planner_target_is_264_unless_the_variable_says_otherwise():
     for bad in ("0", "-4", "many", ""):
         with pytest.raises(ValueError, match=f"{TARGET_PROGRAMS_ENV} must be a positive"):
             target_programs({TARGET_PROGRAMS_ENV: bad})
+
+
+def test_decode_order_is_longest_first_with_ties_and_padding_in_batch_order():
+    import numpy as np
+
+    from spindle.attention.metadata import (LONGEST_FIRST_ENV, decode_order,
+                                            longest_first_enabled)
+
+    order = decode_order(np.array([5, 900, 5, 0, 37, 900, 0]))
+    assert order.dtype == np.int32
+    assert order.tolist() == [1, 5, 4, 0, 2, 3, 6]
+    assert longest_first_enabled({LONGEST_FIRST_ENV: "1"})
+    assert not longest_first_enabled({}) and not longest_first_enabled({LONGEST_FIRST_ENV: "0"})
+    with pytest.raises(ValueError, match=f"{LONGEST_FIRST_ENV} must be 0 or 1"):
+        longest_first_enabled({LONGEST_FIRST_ENV: "yes"})

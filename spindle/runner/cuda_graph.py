@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from spindle.attention.metadata import AttentionMetadata
+from spindle.attention.metadata import AttentionMetadata, decode_order, longest_first_enabled
 from spindle.cache.spec import FULL_ATTENTION, CacheGroup
 from spindle.forward_context import forward_context
 from spindle.layers.mamba.metadata import MambaMetadata
@@ -46,7 +46,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 # Rows of the pinned host array staged each step (then one row per paged group's slots).
-_INPUT_IDS, _POSITIONS, _SEQ_LENS, _STATE_SLOTS, _HAS_STATE, _FIRST_SLOTS = range(6)
+_INPUT_IDS, _POSITIONS, _SEQ_LENS, _STATE_SLOTS, _HAS_STATE, _DECODE_ORDER, _FIRST_SLOTS = \
+    range(7)
 
 
 class CudaGraphRunner:
@@ -68,6 +69,9 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
         self.positions = torch.zeros(t, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        # Decode graphs start their requests longest first (attention/metadata.py).
+        self.longest_first = longest_first_enabled()
+        self.decode_order = torch.arange(n, dtype=torch.int32, device=device)
         self.query_start_locs = {q: torch.arange(0, q * (n + 1), q, dtype=torch.int32,
                                                  device=device) for q in self.sizes_by_len}
         self.slot_mappings = [torch.full((t,), -1, dtype=torch.int64, device=device)
@@ -162,6 +166,8 @@ class CudaGraphRunner:
             host[_STATE_SLOTS, :num] = batch.state_slots
             host[_HAS_STATE, :num] = batch.num_computed > 0
         host[_STATE_SLOTS, num:size] = -1
+        if self.longest_first and query_len == 1:
+            host[_DECODE_ORDER, :size] = decode_order(host[_SEQ_LENS, :size])
         cols = batch.block_tables[0].shape[1] if self.num_paged else 0
         for g in range(self.num_paged):
             host[_FIRST_SLOTS + g, :tokens] = batch.slot_mappings[g]
@@ -170,6 +176,8 @@ class CudaGraphRunner:
         self.input_ids[:padded].copy_(host_t[_INPUT_IDS, :padded], non_blocking=True)
         self.positions[:padded].copy_(host_t[_POSITIONS, :padded], non_blocking=True)
         self.seq_lens[:size].copy_(host_t[_SEQ_LENS, :size], non_blocking=True)
+        if self.longest_first and query_len == 1:
+            self.decode_order[:size].copy_(host_t[_DECODE_ORDER, :size], non_blocking=True)
         if batch.state_slots is not None:
             self.state_slots[:size].copy_(host_t[_STATE_SLOTS, :size], non_blocking=True)
             self.has_initial_state[:size].copy_(host_t[_HAS_STATE, :size], non_blocking=True)
@@ -190,7 +198,9 @@ class CudaGraphRunner:
                     query_start_loc=self.query_start_locs[query_len][:size + 1],
                     seq_lens=self.seq_lens[:size], block_tables=self.block_tables[table][:size],
                     slot_mapping=self.slot_mappings[table][:tokens], max_query_len=query_len,
-                    max_seq_len=self.block_tables[table].shape[1]))
+                    max_seq_len=self.block_tables[table].shape[1],
+                    decode_order=self.decode_order[:size]
+                    if self.longest_first and query_len == 1 else None))
                 table += 1
             else:
                 metadata.append(MambaMetadata(

@@ -21,7 +21,9 @@ Kernels:
   splits' partial results, so no separate reduce kernel runs. Each program derives its
   context range from the request's sequence length on the device, so the launch grid
   depends only on the batch size: the kernel can be captured in CUDA graphs and
-  replayed for any sequence lengths.
+  replayed for any sequence lengths. Given meta.decode_order (the runner's on a GPU
+  with SPINDLE_DECODE_LONGEST_FIRST=1), program row i serves request decode_order[i]:
+  the longest contexts start first.
 
 Sliding window W (the layer's ``sliding_window``; transformers' semantics, see
 torch_sdpa): a query at position p sees keys p - W < k <= p. Both kernels start
@@ -318,6 +320,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(num_kv_heads, num_reqs, splits)](
         q, k, v, key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+        meta.decode_order if meta.decode_order is not None else meta.seq_lens,
         rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
         rope.sin_cache if rope else q, rope.q_weight if has_norm else q,
         rope.k_weight if has_norm else q, rope.eps if rope else 0.0,
@@ -328,15 +331,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rope.cos_cache.stride(0) if rope else 0,
         GQA=gqa, BLOCK_G=max(16, triton.next_power_of_2(gqa)), PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
-        SPLITS=splits, ROPE=rope is not None, HAS_NORM=has_norm,
-        SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
+        SPLITS=splits, ORDERED=meta.decode_order is not None, ROPE=rope is not None,
+        HAS_NORM=has_norm, SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
         **pdl.kernel_args(q.device, num_reqs))
 
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
 def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                   block_tables_ptr, seq_lens_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+                   block_tables_ptr, seq_lens_ptr, order_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                    eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, scale, window,
                    soft_cap,
                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
@@ -344,9 +347,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                    cs_stride,
                    GQA: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLITS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                   SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SPLITS: tl.constexpr, ORDERED: tl.constexpr, ROPE: tl.constexpr,
+                   HAS_NORM: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+                   IEEE: tl.constexpr, PDL: tl.constexpr):
     # Until pdl.wait (in _attend_split, or below for a split with no context), only
     # what no kernel of the step writes is read: the step's inputs and the cache.
     pdl.release(PDL)
@@ -354,8 +357,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
     # the same pages (a token's heads are adjacent in the cache), which kept DRAM reads
     # closer together than request-major order (0.90 -> 0.95 of copy bandwidth at 256
     # requests on the H200).
+    # With ORDERED, the requests start in meta.decode_order (longest context first).
     kv_head = tl.program_id(0)
     req = tl.program_id(1)
+    if ORDERED:
+        req = tl.load(order_ptr + req)
     split = tl.program_id(2)
     num_reqs = tl.num_programs(1)
     num_heads = tl.num_programs(0) * GQA

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from spindle.attention.metadata import AttentionMetadata
+from spindle.attention.metadata import AttentionMetadata, decode_order, longest_first_enabled
 from spindle.cache.spec import CacheGroup
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.base import ModelState
@@ -15,6 +15,11 @@ from spindle.runner.model_states.base import ModelState
 class DefaultModelState(ModelState):
     needs_kv_cache = True
     supports_cuda_graphs = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Decode steps on a GPU may hand the kernel an order, longest context first.
+        self.longest_first = not self.h2d.on_cpu and longest_first_enabled()
 
     def prepare_inputs(self, batch: StepBatch) -> dict[str, Any]:
         return {
@@ -37,6 +42,8 @@ class DefaultModelState(ModelState):
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
+        if self.longest_first and common["max_query_len"] == 1:
+            common["decode_order"] = self.h2d.put(decode_order(batch.seq_lens), torch.int32)
         metadata, table = [], 0
         for group in self.groups():
             if group.is_paged:
