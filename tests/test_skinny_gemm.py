@@ -366,3 +366,54 @@ def test_pick_config_splits_k_only_for_few_n_tiles():
     assert chosen(151936, 1024) == (1, 128)
     assert chosen(4096, 1152) == (1, 128)
     assert pick_config(4096, 1024, 132, SkinnyConfig(block_k=512)).block_k == 512
+
+
+def test_whole_k_config_gives_each_program_its_whole_weight_share():
+    """SPINDLE_SKINNY_WHOLE_K's tiles: 16 rows by 1024 columns, K split into
+    1024-column pieces (one tile per program, loaded before the wait); none for a K
+    that 1024 does not divide or an LM head's thousands of tiles."""
+    from spindle.layers.skinny_gemm import (WHOLE_K_ENV, whole_k_config, whole_k_enabled)
+
+    def chosen(n, k):
+        cfg = whole_k_config(n, k, 132)
+        return cfg and (cfg.block_n, cfg.block_k, cfg.split_k)
+
+    assert chosen(4096, 1024) == (16, 1024, 1)
+    assert chosen(6144, 1024) == (16, 1024, 1)
+    assert chosen(1024, 2048) == (16, 1024, 2)
+    assert chosen(1024, 3072) == (16, 1024, 3)
+    assert chosen(151936, 1024) is None
+    assert chosen(4096, 1152) is None
+    assert not whole_k_enabled({}) and whole_k_enabled({WHOLE_K_ENV: "1"})
+    with pytest.raises(ValueError, match=f"{WHOLE_K_ENV} must be 0 or 1"):
+        whole_k_enabled({WHOLE_K_ENV: "on"})
+
+
+@pytest.mark.parametrize("m", pick([1, 5, 16], [1, 5]))
+@pytest.mark.parametrize("n,k", pick([(4096, 1024), (1024, 2048), (1024, 3072)],
+                                     [(64, 1024), (32, 3072)]))
+def test_whole_k_tiles(m, n, k):
+    """The whole-K config against the reference, split (deferred merge too) or not."""
+    from spindle.layers import skinny_gemm
+
+    cfg = skinny_gemm.whole_k_config(n, k, 132)
+    x, w, _ = _inputs(m, n, k, torch.bfloat16, False, seed=m + n + k)
+    ref = _reference(x, w, None)
+    _check(_run(x, w, None, config=cfg), ref, torch.bfloat16)
+    deferred = skinny_gemm.skinny_linear(
+        x, w, config=cfg, counters=skinny_gemm.new_split_counters(n, x.device),
+        defer_merge=True)
+    _check(skinny_gemm.merged(deferred), ref, torch.bfloat16)
+
+
+def test_the_switch_gives_layers_the_whole_k_tiles(monkeypatch):
+    from spindle.layers import skinny_gemm
+
+    device = torch.device(DEVICE)
+    try:
+        for switch, block_k in (("1", 1024), ("0", 256)):
+            monkeypatch.setenv(skinny_gemm.WHOLE_K_ENV, switch)
+            skinny_gemm._default_config.cache_clear()
+            assert skinny_gemm._default_config(4096, 1024, device).block_k == block_k
+    finally:
+        skinny_gemm._default_config.cache_clear()
