@@ -42,7 +42,7 @@ def build_engine(path: Path, batch: int, caching: bool):
     return llm
 
 
-def host_ms_per_step(llm, batch: int, steps: int = 30, repeats: int = 3) -> float:
+def host_ms_per_step(llm, batch: int, steps: int = 30, repeats: int = 10) -> float:
     """Best of repeats: mean wall time of a step with batch sequences decoding."""
     from spindle import SamplingParams
 

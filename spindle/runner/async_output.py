@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from spindle.outputs import RequestFailure
@@ -31,17 +32,33 @@ class PendingOutput:
         self.sampled = sampled
         self._failed_requests = failed_requests or {}  # reported with the step's tokens
         self._result: ModelRunnerOutput | None = None
-        # Which row of the sampled tokens belongs to which request.
-        self.sample_row: dict[str, int] = {}
-        if batch is not None:  # (a request verifying drafts has several rows: its first)
-            rows = batch.sample_rows
-            starts = (rows.cumsum() - rows).tolist()
-            self.sample_row = {r: start for r, start, n in zip(batch.req_ids, starts, rows.tolist())
-                               if n}
+        # Which request each row of the sampled tokens belongs to, for the next step's
+        # inputs (see sample_row); kept apart from the batch, which get() lets go.
+        self._req_ids = batch.req_ids if batch is not None else []
+        self._rows = batch.sample_rows if batch is not None else None
+        self._sample_row: dict[str, int] | None = None
         self._host: list[torch.Tensor] = []
         self._event = None
         if sampled is not None:
             self._copy_to_host(sampled)
+
+    @property
+    def sample_row(self) -> dict[str, int]:
+        """The row of the sampled tokens holding each sampling request's token (a
+        request verifying drafts has several rows: its first). Built when first asked."""
+        if self._sample_row is None:
+            rows = self._rows if self._rows is not None else np.zeros(0, dtype=np.int64)
+            starts = (rows.cumsum() - rows).tolist()
+            self._sample_row = {r: start for r, start, n in zip(self._req_ids, starts,
+                                                                rows.tolist()) if n}
+        return self._sample_row
+
+    def rows_follow(self, req_ids: list[str]) -> bool:
+        """Whether row i of the sampled tokens is req_ids[i]'s one token, for every i:
+        every request of this step sampled one row, and req_ids are its requests in
+        order (a decode step whose batch did not change)."""
+        return (self._rows is not None and len(self._rows) == len(req_ids)
+                and self._req_ids == req_ids and bool((self._rows == 1).all()))
 
     @staticmethod
     def ready(output: ModelRunnerOutput) -> "PendingOutput":

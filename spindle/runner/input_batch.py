@@ -212,13 +212,28 @@ class InputBatch:
         if num_drafts is not None:
             num_known = num_known + num_drafts
 
-        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
-        token_req_index = np.repeat(np.arange(len(states)), num_scheduled)
-        offsets = np.arange(total) - query_start_loc[token_req_index]
-        positions = num_computed[token_req_index] + offsets
-        token_rows = rows[token_req_index]
+        num = len(states)
+        # A decode step (one token per request, no drafts; most steps) maps tokens to
+        # requests one to one: the general gathers below reduce to the identity.
+        one_each = num_drafts is None and sum(num_scheduled_tokens.values()) == num
+        if one_each:
+            query_start_loc = np.arange(num + 1, dtype=np.int64)
+            token_req_index = query_start_loc[:-1]
+            positions = num_computed
+            token_rows = rows
+            token_num_host = num_host
+        else:
+            query_start_loc = np.zeros(num + 1, dtype=np.int64)
+            np.cumsum(num_scheduled, out=query_start_loc[1:])
+            token_req_index = np.repeat(np.arange(num), num_scheduled)
+            offsets = np.arange(int(query_start_loc[-1])) - query_start_loc[token_req_index]
+            positions = num_computed[token_req_index] + offsets
+            token_rows = rows[token_req_index]
+            token_num_host = num_host[token_req_index]
+            if num_drafts is not None:
+                # (A request verifying drafts has none in flight: they follow its
+                # known tokens.)
+                token_num_host = token_num_host + num_drafts[token_req_index]
         seq_lens = num_computed + num_scheduled
         if np.any(seq_lens > num_known):
             bad = req_ids[int(np.argmax(seq_lens > num_known))]
@@ -227,11 +242,9 @@ class InputBatch:
         offsets_in_block = positions % self.block_size
         slot_mappings = [table[token_rows, block_index].astype(np.int64) * self.block_size
                          + offsets_in_block for table in self.block_tables]
-        # Input positions at or past the host-known tokens hold tokens still in flight
-        # (a request verifying drafts has none in flight: they follow its known tokens).
-        inflight_dst = np.flatnonzero(positions >= num_host[token_req_index]
-                                      + (0 if num_drafts is None else num_drafts[token_req_index]))
-        num_block_cols = max(1, int(-(-seq_lens.max() // self.block_size))) if len(states) else 1
+        # Input positions at or past the host-known tokens hold tokens still in flight.
+        inflight_dst = np.flatnonzero(positions >= token_num_host)
+        num_block_cols = max(1, int(-(-seq_lens.max() // self.block_size))) if num else 1
         sampling_mask = seq_lens == num_known
         logits_indices = query_start_loc[1:][sampling_mask] - 1
         if num_drafts is not None:
