@@ -72,3 +72,26 @@ def test_async_over_worker_processes_equals_sync(setup, params):
     fast, async_mode, _ = _run(path, prompts, params, async_scheduling=True, **kwargs)
     assert (sync_mode, async_mode) == (False, True)
     assert fast == sync
+
+
+def test_pending_output_maps_rows_to_requests():
+    """The next step's in-flight inputs come from these rows: one copy when the rows
+    follow that step's requests one to one, the request -> row map otherwise (a
+    request that sampled nothing, one verifying drafts, a changed batch)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from spindle.runner.async_output import PendingOutput
+
+    def pending(req_ids, rows):
+        batch = SimpleNamespace(req_ids=req_ids, sample_rows=np.array(rows, dtype=np.int64))
+        return PendingOutput(None, batch, None)
+
+    decode = pending(["a", "b", "c"], [1, 1, 1])
+    assert decode.rows_follow(["a", "b", "c"])
+    assert not decode.rows_follow(["a", "c"]) and not decode.rows_follow(["b", "a", "c"])
+    assert decode.sample_row == {"a": 0, "b": 1, "c": 2}
+    mixed = pending(["a", "b", "c"], [1, 0, 3])  # b mid-prompt, c verifying 2 drafts
+    assert not mixed.rows_follow(["a", "b", "c"])
+    assert mixed.sample_row == {"a": 0, "c": 1}
