@@ -34,7 +34,8 @@ QUESTIONS = [
 def speed(quantization: str | None, num_seqs: int) -> dict:
     args = argparse.Namespace(skip_nano=False, num_seqs=num_seqs, batched_tokens=8192,
                               enforce_eager=False, batch_invariant=False, startup=False,
-                              importtime=None, profile=None, quantization=quantization)
+                              importtime=None, profile=None, quantization=quantization,
+                              nano_first=False, checkpoint=None)
     result = throughput.run(args)
     result.pop("startup_table", None)
     return result

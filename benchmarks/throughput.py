@@ -457,6 +457,14 @@ def nano_run(llm, args, weight_bytes: int, kv_per_token: int, bandwidth: float,
                 vs_transformers_anchor=produced / seconds / 730.0)
 
 
+def checkpoint(path: Path) -> Path:
+    """The Qwen3-0.6B-shaped random checkpoint at path: written there unless an
+    earlier run left it (its config.json and weights)."""
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    return write_random_checkpoint(path, QWEN3_06B)
+
+
 def run(args) -> dict:
     from spindle import LLM, SamplingParams
 
@@ -470,7 +478,7 @@ def run(args) -> dict:
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_TBps"] = bandwidth / 1e12
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_random_checkpoint(Path(tmp) / "qwen3-0.6b-shape", QWEN3_06B)
+        path = checkpoint(args.checkpoint or Path(tmp) / "qwen3-0.6b-shape")
         if args.startup:
             result.update(measure_startup(startup_checkpoint(path, Path(tmp) / "startup"),
                                           args.importtime))
@@ -520,6 +528,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--skip-nano", action="store_true")
+    parser.add_argument("--checkpoint", type=Path,
+                        help="keep the random checkpoint in this folder, and reuse it if "
+                        "an earlier run left it there (default: a temporary one)")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")

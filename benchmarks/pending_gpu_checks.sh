@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# What was built without a GPU and waits for one: its tests with the switches on, then
+# the measurements that decide the switches' defaults. Run from the repository root on
+# a CUDA machine (one H200 or H100); about 8-9 minutes. Results go to $OUT (default
+# ./gpu_out). Each step is bounded so that one stuck step does not take the rest.
+#
+#   bash benchmarks/pending_gpu_checks.sh [tests|ab|kernels|all]   (default: all)
+#
+# Pending (2026-12-05): SPINDLE_DECODE_LONGEST_FIRST, SPINDLE_SKINNY_WHOLE_K (both off
+# by default), SPINDLE_GDN_TRITON_PREFILL (off), the Granite 3.x GPU cases.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+what=${1:-all}
+t0=$(date +%s)
+stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+
+if [[ $what == tests || $what == all ]]; then
+    stamp "kernel tests, switches off"
+    timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu \
+        tests/test_triton_attention.py tests/test_skinny_gemm.py tests/test_gated_delta.py \
+        tests/test_selective_scan.py 2>&1 | tail -3
+    stamp "engine tests with the switches on"
+    SPINDLE_DECODE_LONGEST_FIRST=1 SPINDLE_SKINNY_WHOLE_K=1 \
+        timeout 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \
+        tests/test_compile_gpu.py tests/test_pdl.py 2>&1 | tail -4
+    stamp "Gated DeltaNet models with the Triton prefill"
+    SPINDLE_GDN_TRITON_PREFILL=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_hybrid_gpu.py -k "qwen3_next or qwen3_5" 2>&1 | tail -4
+fi
+
+if [[ $what == ab || $what == all ]]; then
+    stamp "engine A/B (batch 1, graph replays, nano)"
+    timeout 600 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/switch_ab.json" \
+        --variant main= --variant lf=SPINDLE_DECODE_LONGEST_FIRST=1 \
+        --variant wk=SPINDLE_SKINNY_WHOLE_K=1 \
+        --variant both=SPINDLE_DECODE_LONGEST_FIRST=1,SPINDLE_SKINNY_WHOLE_K=1 2>&1 | tail -12
+fi
+
+if [[ $what == kernels || $what == all ]]; then
+    cd benchmarks
+    stamp "decode attention, both orders"
+    timeout 120 python3 decode_attention.py --batches 256 192 128 96 64 32 \
+        --json "$OUT/decode_attention.json" 2>&1 | tail -14
+    stamp "skinny GEMM whole-K tiles"
+    timeout 200 python3 skinny_gemm.py --m 1 8 --iters 100 --sweep --tiles 16x1024 32x1024 \
+        --shapes qkv_proj gate_up_proj o_proj down_proj 2>&1 | tail -14
+    stamp "gated delta prefill (torch by request, batched, Triton)"
+    timeout 120 python3 gated_delta_prefill.py --device cuda --json "$OUT/gdn.json" 2>&1 | tail -12
+fi
+stamp done
