@@ -76,6 +76,10 @@ class RequestOutput:
     # The weights these tokens came from: 0 for the checkpoint's, then what
     # update_weights() set (its version, or the number of updates so far).
     weight_version: int | str = 0
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first, then
+    # its logprob and rank (and the top k) given the tokens before it. Set from the
+    # output that carries the first generated token on.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

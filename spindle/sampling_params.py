@@ -34,6 +34,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token; k: plus the top k
+    # Per prompt token after the first: None: none; 0: its logprob; k: plus the top k
+    # (RequestOutput.prompt_logprobs). Such a request computes its whole prompt: it
+    # takes no prefix-cache hits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Only these token ids may be sampled (None: any); logprobs stay the raw model's.
@@ -79,6 +83,9 @@ class SamplingParams:
                self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
                "logprobs", self.logprobs, "None or an integer >= 0")
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+               "prompt_logprobs", self.prompt_logprobs, "None or an integer >= 0")
         _check(isinstance(self.stop, (list, tuple))
                and all(isinstance(s, str) and s for s in self.stop),
                "stop", self.stop, "a list of non-empty strings")
@@ -119,9 +126,12 @@ class SamplingParams:
 
     def for_child(self, index: int) -> "SamplingParams":
         """Parameters of the index-th of n samples: n=1, and a distinct seed if one was
-        set (seed + index, wrapping around past SEED_MAX, so it stays a seed torch takes)."""
+        set (seed + index, wrapping around past SEED_MAX, so it stays a seed torch takes).
+        The samples share their prompt: only the first computes its prompt logprobs."""
         params = copy.copy(self)
         params.n = 1
+        if index > 0:
+            params.prompt_logprobs = None
         if self.seed is not None:
             params.seed = _wrap_seed(int(self.seed) + index)
         return params

@@ -108,6 +108,11 @@ class ModelRunnerOutput:
     # Requests whose preparation failed this step (not in req_ids): the runner dropped
     # them, and ignores them until they come back in finished_req_ids.
     failed_requests: dict[str, RequestFailure] = field(default_factory=dict)
+    # Requests that asked for prompt logprobs and computed prompt tokens this step:
+    # (p, entries), entries[j] for the prompt token at position p + 1 + j (its own
+    # logprob and rank, then the top k).
+    prompt_logprobs: dict[str, tuple[int, list[SampledLogprobs]]] = field(
+        default_factory=dict)
 
 
 @dataclass
@@ -121,6 +126,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # stop token id (None for EOS) or stop string
     pooled_output: list[float] | None = None  # the embedding, for a finished pooling request
     error: RequestFailure | None = None  # why, when finish_reason is "error"
+    # Once, with the request's first token when it asked for them: an entry per prompt
+    # token after the first (SampledLogprobs: the prompt token, then the top k).
+    prompt_logprobs: list[SampledLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

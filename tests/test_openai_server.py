@@ -168,6 +168,63 @@ def test_echo_prepends_the_prompt(client):
     assert response.choices[0].text.startswith(PROMPTS[0])
 
 
+def test_echo_with_logprobs_scores_the_prompt_too(client, offline):
+    """The legacy way to score a text (what evaluation harnesses send): the echoed
+    prompt's tokens come first in the logprobs lists, the first with None."""
+    want = offline.generate(PROMPTS[1], greedy(3, logprobs=2, prompt_logprobs=2),
+                            use_tqdm=False)[0]
+    ids, sample = want.prompt_token_ids, want.outputs[0]
+    for stream in (False, True):
+        response = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3,
+                                             temperature=0, echo=True, logprobs=2,
+                                             stream=stream)
+        if stream:  # (the first chunk echoes the prompt with its logprobs)
+            chunks = [c.choices[0] for c in response if c.choices]
+            lp = chunks[0].logprobs
+            for chunk in chunks[1:]:
+                for key in ("tokens", "token_logprobs", "text_offset"):
+                    getattr(lp, key).extend(getattr(chunk.logprobs, key))
+        else:
+            lp = response.choices[0].logprobs
+            assert response.choices[0].text == PROMPTS[1] + sample.text
+        assert len(lp.tokens) == len(ids) + 3
+        assert lp.token_logprobs[0] is None
+        for j in range(1, len(ids)):
+            assert lp.token_logprobs[j] == pytest.approx(want.prompt_logprobs[j][ids[j]].logprob)
+        for j, token in enumerate(sample.token_ids):
+            assert lp.token_logprobs[len(ids) + j] == pytest.approx(
+                sample.logprobs[j][token].logprob)
+        assert lp.text_offset == sorted(lp.text_offset)
+    assert response is not None
+
+
+def test_prompt_logprobs_field_as_vllm_gives_it(http, offline):
+    want = offline.generate(PROMPTS[0], greedy(2, prompt_logprobs=1), use_tqdm=False)[0]
+    body = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0],
+                                              "max_tokens": 2, "temperature": 0,
+                                              "prompt_logprobs": 1}).json()
+    got = body["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want.prompt_token_ids)
+    for entry, expected in zip(got[1:], want.prompt_logprobs[1:]):
+        assert {int(t) for t in entry} == set(expected)
+        for token, lp in expected.items():
+            assert entry[str(token)]["logprob"] == pytest.approx(lp.logprob)
+            assert entry[str(token)]["rank"] == lp.rank
+    events = [e for e in sse_events(http.post("/v1/completions", json={
+        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0,
+        "prompt_logprobs": 1, "stream": True})) if e != "[DONE]"]
+    assert events[0]["choices"][0]["prompt_logprobs"] == got
+    assert all("prompt_logprobs" not in e["choices"][0] for e in events[1:] if e["choices"])
+    chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": CHAT,
+                                                   "max_tokens": 2, "prompt_logprobs": 0})
+    prompt_logprobs = chat.json()["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) > 5
+    assert all(len(entry) == 1 for entry in prompt_logprobs[1:])
+    bad = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                             "prompt_logprobs": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("prompt_logprobs")
+
+
 def test_request_id_from_header_is_the_response_id(client, http):
     response = client.completions.with_raw_response.create(
         model="tiny", prompt="hi", max_tokens=2, extra_headers={"X-Request-Id": "req-abc-1"})

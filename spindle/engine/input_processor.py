@@ -73,6 +73,9 @@ class InputProcessor:
             raise ValueError(f"{MM_KEY} is not supported by {self.config.model.architecture} "
                              "(a text-only model)")
         if is_prompt_embeds(prompt):
+            if params is not None and getattr(params, "prompt_logprobs", None) is not None:
+                raise ValueError("prompt_logprobs needs a prompt of token ids or text: a "
+                                 "prompt given as embeddings has no tokens to score")
             embeds, placeholder_ids = prompt_embeds_input(prompt, self.config)
             return ProcessedPrompt(None, placeholder_ids, embeds)
         return ProcessedPrompt(*self._tokenize(prompt))

@@ -50,6 +50,7 @@ class _UserRequest:
     samples: dict[str, _SampleState]  # core request id -> sample
     final_only: bool = False  # report only the finished output (offline batches)
     error: RequestFailure | None = None  # set when one of its samples failed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -60,7 +61,7 @@ class _UserRequest:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids,
                              outputs=[s.completion() for s in ordered], finished=self.finished,
-                             error=self.error)
+                             error=self.error, prompt_logprobs=self.prompt_logprobs)
 
     def fail(self, core_id: str, failure: RequestFailure) -> None:
         """The sample core_id failed: so does the request; its other samples end too."""
@@ -132,6 +133,9 @@ class OutputProcessor:
             failure = out.error if out.finish_reason == "error" else None
             if failure is None:
                 try:
+                    if out.prompt_logprobs is not None:
+                        user.prompt_logprobs = [None] + [self._logprob_entry(lp)
+                                                         for lp in out.prompt_logprobs]
                     if self._apply(sample, out):
                         stopped_by_string.append(out.req_id)
                 except Exception as e:  # this sample's text, stop strings or logprobs
@@ -182,14 +186,18 @@ class OutputProcessor:
         return False
 
     def _add_logprobs(self, sample: _SampleState, lp: SampledLogprobs) -> None:
+        sample.logprobs.append(self._logprob_entry(lp))
+        sample.cumulative_logprob += lp.logprobs[0]
+
+    def _logprob_entry(self, lp: SampledLogprobs) -> dict[int, Logprob]:
+        """{token: Logprob} for one position: its token first, then the top k."""
         entry: dict[int, Logprob] = {}
         for j, (tok, value) in enumerate(zip(lp.token_ids, lp.logprobs)):
             rank = lp.sampled_rank if j == 0 else j
             if tok not in entry:
                 entry[tok] = Logprob(logprob=value, rank=rank,
                                      decoded_token=self.tokenizer.decode([tok]))
-        sample.logprobs.append(entry)
-        sample.cumulative_logprob += lp.logprobs[0]
+        return entry
 
     def _forget(self, user: _UserRequest) -> None:
         self._users.pop(user.request_id, None)

@@ -84,6 +84,13 @@ class Request:
         self.num_proposed = 0  # of the drafts its last step verified, those proposed
         # Chained hashes of this request's full blocks, filled by the KV cache manager.
         self.block_hashes: list[bytes] = []
+        # Asked for prompt logprobs: an entry per prompt token after the first, filled
+        # as its prefill chunks are computed and reported with its first token.
+        wants = pooling_params is None and getattr(sampling_params, "prompt_logprobs",
+                                                   None) is not None
+        self.prompt_logprobs: list | None = (
+            [None] * max(0, len(self.prompt_token_ids) - 1) if wants else None)
+        self.prompt_logprobs_sent = False
 
     @property
     def is_pooling(self) -> bool:

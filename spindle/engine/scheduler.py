@@ -318,7 +318,8 @@ class Scheduler:
             if request.num_encoder_tokens > encoder_budget:
                 break  # its encoder waits for the next step's budget
             hits, num_hit_tokens = NO_HIT, 0
-            if request.num_computed_tokens == 0 and not request.is_pooling:
+            if (request.num_computed_tokens == 0 and not request.is_pooling
+                    and request.prompt_logprobs is None):  # (those compute every token)
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
             if self._can_never_fit(request, num_new):
@@ -431,6 +432,8 @@ class Scheduler:
             outputs.extend(self._finish_pooled(scheduled, runner_output))
         logprobs = runner_output.logprobs
         proposals = runner_output.spec_token_ids
+        if runner_output.prompt_logprobs:
+            self._store_prompt_logprobs(runner_output.prompt_logprobs)
         any_finished = False
         for i, rid in enumerate(runner_output.req_ids):
             token_ids = runner_output.sampled_token_ids[i]
@@ -449,7 +452,8 @@ class Scheduler:
                 req_id=rid, new_token_ids=new_tokens,
                 new_logprobs=logprobs[i][:len(new_tokens)] if i < len(logprobs) else [],
                 finish_reason=request.get_finish_reason() if finished else None,
-                stop_reason=request.stop_reason))
+                stop_reason=request.stop_reason,
+                prompt_logprobs=self._take_prompt_logprobs(request)))
             if finished:
                 self._finish(request, request.status)
                 any_finished = True
@@ -459,6 +463,25 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
+
+    def _store_prompt_logprobs(self, chunks: dict) -> None:
+        """Keep the prompt logprobs a step computed (by position: a chunk computed again
+        after a preemption overwrites itself) until the request's first token."""
+        for rid, (start, entries) in chunks.items():
+            request = self.requests.get(rid)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            request.prompt_logprobs[start:start + len(entries)] = entries
+
+    def _take_prompt_logprobs(self, request: Request) -> list | None:
+        """A request's prompt logprobs, once: with its first token."""
+        if request.prompt_logprobs is None or request.prompt_logprobs_sent:
+            return None
+        request.prompt_logprobs_sent = True
+        if any(entry is None for entry in request.prompt_logprobs):
+            raise RuntimeError(f"request {request.request_id!r} sampled before every prompt "
+                               "token's logprob was computed")
+        return request.prompt_logprobs
 
     def _take_back_rejected(self, request: Request, num_drafts: int, num_tokens: int) -> None:
         """A verified step gave num_tokens tokens: the accepted drafts and one more.

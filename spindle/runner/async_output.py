@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from spindle.outputs import RequestFailure
-from spindle.step_messages import ModelRunnerOutput
+from spindle.step_messages import ModelRunnerOutput, SampledLogprobs
 
 if TYPE_CHECKING:
     from spindle.runner.input_batch import StepBatch
@@ -26,8 +26,12 @@ if TYPE_CHECKING:
 class PendingOutput:
     def __init__(self, runner: "ModelRunner | None", batch: "StepBatch | None",
                  sampled: "SamplerOutput | None",
-                 failed_requests: dict[str, RequestFailure] | None = None) -> None:
+                 failed_requests: dict[str, RequestFailure] | None = None,
+                 prompt_logprobs: dict | None = None) -> None:
         self._runner = runner
+        # req_id -> (first position, ids, logprobs, ranks) on the device (the step's
+        # kernels compute them before its sampling, so the event covers them too).
+        self._prompt_logprobs = prompt_logprobs
         self._batch = batch
         self.sampled = sampled
         self._failed_requests = failed_requests or {}  # reported with the step's tokens
@@ -91,6 +95,19 @@ class PendingOutput:
                 logprobs = (self._host[1].tolist(), self._host[2].tolist(), self._host[3].tolist())
             self._result = self._runner._record_and_report(self._batch, token_ids, logprobs)
             self._result.failed_requests = self._failed_requests
+            if self._prompt_logprobs:
+                self._result.prompt_logprobs = _prompt_entries(self._prompt_logprobs)
+                self._prompt_logprobs = None
             self._host = []
             self._runner = self._batch = None  # no cycle keeps the runner (and its memory) alive
         return self._result
+
+
+def _prompt_entries(rows: dict) -> dict[str, tuple[int, list[SampledLogprobs]]]:
+    """The runner's prompt logprob tensors as ModelRunnerOutput.prompt_logprobs."""
+    out = {}
+    for req_id, (start, ids, values, ranks) in rows.items():
+        out[req_id] = (start, [SampledLogprobs(token_ids=i, logprobs=v, sampled_rank=r)
+                               for i, v, r in zip(ids.tolist(), values.tolist(),
+                                                  ranks.tolist())])
+    return out

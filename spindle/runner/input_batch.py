@@ -86,6 +86,13 @@ class StepBatch:
         return [r for r, s in zip(self.req_ids, self.sampling_mask) if s]
 
 
+def prompt_logprobs_of(state: CachedRequestState) -> int | None:
+    """The prompt logprobs a request asked for (None: none, or a pooling request)."""
+    if state.pooling_params is not None:
+        return None
+    return getattr(state.sampling_params, "prompt_logprobs", None)
+
+
 class InputBatch:
     """Rows of per-request host state, and step preparation over them."""
 
@@ -104,6 +111,8 @@ class InputBatch:
         self._metadata_key: tuple | None = None
         self._metadata: SamplingMetadata | None = None
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # Held requests that asked for prompt logprobs (most steps have none to look for).
+        self.num_prompt_logprobs = 0
 
     def set_cache_groups(self, group_is_paged: Sequence[bool]) -> None:
         """One block table per paged cache group; one state slot per row for models
@@ -137,6 +146,7 @@ class InputBatch:
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
             pooling_params=new.pooling_params)
         self.requests[new.req_id] = state
+        self.num_prompt_logprobs += prompt_logprobs_of(state) is not None
         try:
             self.token_ids[row, :len(new.token_ids)] = new.token_ids
             self.append_blocks(new.req_id, new.block_ids)
@@ -157,6 +167,7 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            self.num_prompt_logprobs -= prompt_logprobs_of(state) is not None
         return state
 
     def append_blocks(self, req_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:

@@ -31,13 +31,14 @@ from spindle.platforms.interface import Platform
 from spindle.runner import compile_ahead
 from spindle.runner.async_output import PendingOutput
 from spindle.runner.cuda_graph import CudaGraphRunner
-from spindle.runner.input_batch import InputBatch, StepBatch
+from spindle.runner.input_batch import InputBatch, StepBatch, prompt_logprobs_of
 from spindle.runner.kernel_plan import KernelPlan, engine_fingerprint
 from spindle.runner.model_states import model_state_class
 from spindle.runner.model_states.base import ModelState
 from spindle.runner.pool import Pooler
 from spindle.runner.sample import Sampler, SamplerOutput
 from spindle.runner.sample.metadata import SamplingMetadata
+from spindle.runner.sample.prompt_logprobs import prompt_rows, score_rows
 from spindle.runner.staging import HostToDevice
 from spindle.step_messages import (ModelRunnerOutput, NewRequestData, SampledLogprobs,
                                    SchedulerOutput)
@@ -550,8 +551,9 @@ class ModelRunner:
             output = self._pool_and_report(batch, hidden)
             output.failed_requests = failures
             return PendingOutput.ready(output)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampled = self._sample(batch, hidden)
-        pending = PendingOutput(self, batch, sampled, failures)
+        pending = PendingOutput(self, batch, sampled, failures, prompt_logprobs)
         earlier, self._last_launched = self._last_launched, pending
         if sched.speculate and self.proposer is not None:
             if earlier is not None:
@@ -705,6 +707,25 @@ class ModelRunner:
             sampled = self.sampler(logits, metadata)
         self.tp_group.broadcast(sampled.sampled_token_ids)
         return sampled
+
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict | None:
+        """The prompt logprobs this step computes (runner/sample/prompt_logprobs.py),
+        as device tensors per request: (first position, ids, logprobs, ranks)."""
+        if not self.input_batch.num_prompt_logprobs:
+            return None
+        rows = prompt_rows(batch, prompt_logprobs_of)
+        if not rows:
+            return None
+        state = self._require_state()
+        out = {}
+        for req_id, k, start, first_row, num in rows:
+            held = self.input_batch.requests[req_id]
+            targets = self.h2d.put(
+                self.input_batch.token_ids[held.row, start + 1:start + 1 + num], torch.int64)
+            # (Every tensor-parallel rank takes part in the LM head; rank 0 reports.)
+            out[req_id] = (start, *score_rows(hidden[first_row:first_row + num], targets, k,
+                                              state.compute_logits))
+        return out if self.tp_group.rank == 0 else None
 
     def _draft_distribution(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
         """The distributions req_id's drafts were drawn from, when the proposal that

@@ -170,6 +170,8 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     logit_bias: dict[str, float] | None = None
+    # (vLLM's extension) per prompt token after the first: its logprob, plus the top k.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -180,6 +182,9 @@ class _SamplingRequest(_Request):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               "stream_options")
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         max_n: int) -> SamplingParams:
@@ -197,7 +202,8 @@ class _SamplingRequest(_Request):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs_wanted())
         # None means "not given": SamplingParams' own default applies.
         values = {k: v for k, v in values.items() if v is not None}
         return SamplingParams(max_tokens=max_tokens, **values)
@@ -217,9 +223,12 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (only best_of == n)", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which spindle does not "
-                              "compute", "echo")
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """prompt_logprobs, or with echo and logprobs the echoed prompt's: as many."""
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string or token list each."""

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Sequence
 from spindle.engine.async_llm import AsyncLLM, RequestStream
 from spindle.engine.llm_engine import PromptType
 from spindle.entrypoints.openai.protocol import APIError, request_aborted
-from spindle.outputs import CompletionOutput, RequestOutput
+from spindle.outputs import CompletionOutput, RequestOutput, finite_logprob
 from spindle.sampling_params import SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -217,3 +217,14 @@ def usage_of(outputs: Sequence[RequestOutput]) -> dict[str, int]:
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def prompt_logprobs_json(prompt_logprobs: list | None) -> list | None:
+    """RequestOutput.prompt_logprobs as vLLM's servers give it: per prompt token None
+    or {token id (a string): {logprob, rank, decoded_token}}."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        str(token): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank,
+                     "decoded_token": lp.decoded_token} for token, lp in entry.items()}
+        for entry in prompt_logprobs]

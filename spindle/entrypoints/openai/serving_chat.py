@@ -11,8 +11,8 @@ from spindle.entrypoints.chat_utils import chat_messages, render_chat_prompt
 from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
                                                      final_outputs, logprob_token_count,
-                                                     merge_streams, raise_if_aborted, sse, usage,
-                                                     usage_of)
+                                                     merge_streams, prompt_logprobs_json,
+                                                     raise_if_aborted, sse, usage, usage_of)
 from spindle.outputs import CompletionOutput, finite_logprob
 
 
@@ -46,8 +46,11 @@ class ChatServing(OpenAIServing):
                             "logprobs": _logprobs(c, 0, shown, k),
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "weight_version": output.weight_version})
-        return {"id": request_id, "object": "chat.completion", "created": created,
+        body = {"id": request_id, "object": "chat.completion", "created": created,
                 "model": model, "choices": choices, "usage": usage_of([output])}
+        if req.prompt_logprobs is not None:  # (vLLM's extension, beside the choices)
+            body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        return body
 
     async def _stream(self, req: ChatCompletionRequest, header: dict, streams, holdback: int,
                       special: frozenset[int]) -> AsyncIterator[str]:
