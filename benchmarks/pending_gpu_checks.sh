@@ -7,7 +7,8 @@
 #   bash benchmarks/pending_gpu_checks.sh [tests|ab|kernels|all]   (default: all)
 #
 # Pending (2026-12-05): SPINDLE_DECODE_LONGEST_FIRST, SPINDLE_SKINNY_WHOLE_K (both off
-# by default), SPINDLE_GDN_TRITON_PREFILL (off), the Granite 3.x GPU cases.
+# by default), SPINDLE_GDN_TRITON_PREFILL (off), the Granite 3.x GPU cases, prompt
+# logprobs on CUDA.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -21,7 +22,7 @@ if [[ $what == tests || $what == all ]]; then
     stamp "kernel tests, switches off"
     timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu \
         tests/test_triton_attention.py tests/test_skinny_gemm.py tests/test_gated_delta.py \
-        tests/test_selective_scan.py 2>&1 | tail -3
+        tests/test_selective_scan.py tests/test_prompt_logprobs.py 2>&1 | tail -3
     stamp "engine tests with the switches on"
     SPINDLE_DECODE_LONGEST_FIRST=1 SPINDLE_SKINNY_WHOLE_K=1 \
         timeout 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \

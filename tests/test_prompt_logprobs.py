@@ -161,3 +161,17 @@ def test_tensor_parallel_ranks_all_run_the_lm_head(model, hf_logprobs):
                     max_num_batched_tokens=16)
     for prompt, out in zip(prompts, outs):
         check(prompt, out.prompt_logprobs, 2, hf_logprobs(prompt))
+
+
+@pytest.mark.gpu
+def test_on_cuda_in_float32(model, hf_logprobs):
+    """The GPU path (Triton prefill attention, the LM head on the device) against CPU
+    transformers, within float32's other reduction orders."""
+    prompts = prompts_for(8)
+    outs = generate(model, prompts, device="cuda", max_num_batched_tokens=32)
+    for prompt, out in zip(prompts, outs):
+        got = out.prompt_logprobs
+        hf = hf_logprobs(prompt)
+        for j in range(1, len(prompt)):
+            assert got[j][prompt[j]].logprob == pytest.approx(hf[j - 1, prompt[j]].item(),
+                                                              abs=1e-3)
