@@ -341,3 +341,25 @@ def test_free_offers_the_block_finished_by_an_in_flight_token():
     assert m.block_pool.num_cached_blocks == 2
     follow_up = make_request("c", list(range(7)) + [42, 1, 2, 3])
     assert m.get_computed_blocks(follow_up)[1] == 8
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_holds_next_token_only_where_allocate_slots_would_do_nothing(caching):
+    """The scheduler skips allocate_slots for a decode step when holds_next_token says
+    so: then allocating one more token must return no blocks and change nothing."""
+    m = KVCacheManager(16, BS, enable_caching=caching)
+    r = make_request("a", range(6), max_tokens=20)
+    assert not m.holds_next_token(r)  # holds nothing yet
+    admit(m, r)
+    seen = {True: 0, False: 0}
+    for step in range(12):
+        r.append_output_token_ids([100 + step])
+        holds = m.holds_next_token(r)
+        seen[holds] += 1
+        before = (m.num_free_blocks, dict(m._num_hashed), ids(m, "a"))
+        new = compute(m, r, 1)
+        if holds:
+            assert new == [] and (m.num_free_blocks, dict(m._num_hashed), ids(m, "a")) == before
+        else:
+            assert new or m._num_hashed != before[1], "it said no, yet nothing changed"
+    assert seen[True] and seen[False]

@@ -153,6 +153,9 @@ class KVCacheManager:
         self._held_snapshots: list[KVCacheBlock] = []  # until the next schedule()
         self.prefix_cache_stats = PrefixCacheStats()
         self._max_fit_tokens = self._largest_fitting_sequence()
+        # A decode step of a request that holds its blocks still has work here when
+        # windows free blocks or state snapshots are kept (see holds_next_token).
+        self._decode_has_work = bool(self._windowed) or (bool(self.stateful) and enable_caching)
 
     @property
     def num_blocks(self) -> int:
@@ -169,6 +172,32 @@ class KVCacheManager:
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether one sequence of num_tokens tokens fits in the whole cache."""
         return num_tokens <= self._max_fit_tokens
+
+    @property
+    def max_fit_tokens(self) -> int:
+        """The most tokens one sequence may have and still fit in the whole cache."""
+        return self._max_fit_tokens
+
+    def holds_next_token(self, request: Request) -> bool:
+        """Whether a step computing one more token of request (no lookahead) needs
+        nothing of allocate_slots: the request holds the blocks, no block becomes
+        full unhashed, and no window or state snapshot has work. Most requests of most
+        decode steps; the scheduler then skips allocate_slots (which would return no
+        new blocks and change nothing)."""
+        if self._decode_has_work:
+            return False
+        held = self._req_blocks.get(request.request_id)
+        if held is None:
+            return False
+        total = request.num_computed_tokens + 1
+        needed = -(-total // self.block_size)
+        for blocks in held:
+            if needed > len(blocks):
+                return False
+        if not self.enable_caching:
+            return True
+        known = min(total, len(request.all_token_ids))
+        return known // self.block_size <= self._num_hashed.get(request.request_id, 0)
 
     def _blocks_for_sequence(self, num_tokens: int) -> int:
         return sum(self.groups[g].blocks_for(num_tokens, self.block_size, self.max_step_tokens)
@@ -446,6 +475,10 @@ class KVCacheManager:
         for blocks in groups or ():
             self.block_pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
+    def no_new_block_ids(self) -> list[list[int]]:
+        """new_block_ids() of an allocation that added nothing: an empty list per group."""
+        return [[] for _ in self.groups]
+
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """Per group: the block ids of a paged group (NULL_BLOCK_ID where freed), or
         [slot] for a state group; empty lists for a request holding nothing."""
@@ -463,7 +496,7 @@ class KVCacheManager:
     def new_block_ids(self, new_blocks: GroupBlocks) -> list[list[int]]:
         """allocate_slots()'s result as ids per group (state groups: none new)."""
         if not any(new_blocks):  # the common decode step
-            return [[] for _ in self.groups]
+            return self.no_new_block_ids()
         paged = iter(new_blocks)
         return [[b.block_id for b in next(paged)] if group.is_paged else []
                 for group in self.groups]

@@ -17,12 +17,16 @@ class NoKVCacheManager:
     num_free_blocks = 0
     usage = 0.0
     enable_caching = False
+    max_fit_tokens = float("inf")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.prefix_cache_stats = PrefixCacheStats()
 
     def can_ever_fit(self, num_tokens: int) -> bool:
+        return True
+
+    def holds_next_token(self, request: Request) -> bool:
         return True
 
     def get_computed_blocks(self, request: Request):
@@ -50,6 +54,9 @@ class NoKVCacheManager:
         return []
 
     def new_block_ids(self, new_blocks) -> list[list[int]]:
+        return []
+
+    def no_new_block_ids(self) -> list[list[int]]:
         return []
 
     def get_num_blocks(self, request_id: str) -> int:

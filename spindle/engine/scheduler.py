@@ -218,6 +218,7 @@ class Scheduler:
         # (Runs for every running request every step: lookups are hoisted.)
         manager = self.kv_cache_manager
         running, scheduled, cached = self.running, out.num_scheduled_tokens, out.cached_requests
+        plain_decode = not self._speculating
         index = 0
         while index < len(running) and budget > 0 and len(scheduled) < self._step_cap:
             request = running[index]
@@ -233,6 +234,17 @@ class Scheduler:
             if self._can_never_fit(request, num_new):
                 running.pop(index)
                 self._finish_unfittable(request)
+                continue
+            if num_new == 1 and plain_decode and manager.holds_next_token(request):
+                # The common decode step: nothing to cut, allocate or propose.
+                if request.spec_token_ids:
+                    request.spec_token_ids = []
+                cached.append(CachedRequestData(
+                    req_id=request.request_id, new_block_ids=manager.no_new_block_ids(),
+                    num_computed_tokens=request.num_computed_tokens))
+                scheduled[request.request_id] = 1
+                budget -= 1
+                index += 1
                 continue
             if num_new > 1:  # (a decode step schedules one token: nothing to cut)
                 if self._chunkable(request):
@@ -383,9 +395,10 @@ class Scheduler:
         return len(victims)
 
     def _can_never_fit(self, request: Request, num_new: int) -> bool:
-        if not self.kv_cache_manager.can_ever_fit(request.num_tokens):
+        # (Runs for every running request every step: the cheap test first.)
+        if len(request.all_token_ids) > self.kv_cache_manager.max_fit_tokens:
             return True
-        return not self._chunkable(request) and num_new > self.max_num_batched_tokens
+        return num_new > self.max_num_batched_tokens and not self._chunkable(request)
 
     def _chunkable(self, request: Request) -> bool:
         """Whether request's prompt may be split across steps: never for a pooling
