@@ -466,7 +466,8 @@ class Scheduler:
                 new_logprobs=logprobs[i][:len(new_tokens)] if i < len(logprobs) else [],
                 finish_reason=request.get_finish_reason() if finished else None,
                 stop_reason=request.stop_reason,
-                prompt_logprobs=self._take_prompt_logprobs(request)))
+                prompt_logprobs=(self._take_prompt_logprobs(request)
+                                 if request.prompt_logprobs is not None else None)))
             if finished:
                 self._finish(request, request.status)
                 any_finished = True
@@ -488,7 +489,7 @@ class Scheduler:
 
     def _take_prompt_logprobs(self, request: Request) -> list | None:
         """A request's prompt logprobs, once: with its first token."""
-        if request.prompt_logprobs is None or request.prompt_logprobs_sent:
+        if request.prompt_logprobs_sent:
             return None
         request.prompt_logprobs_sent = True
         if any(entry is None for entry in request.prompt_logprobs):
