@@ -175,3 +175,12 @@ def test_on_cuda_in_float32(model, hf_logprobs):
         for j in range(1, len(prompt)):
             assert got[j][prompt[j]].logprob == pytest.approx(hf[j - 1, prompt[j]].item(),
                                                               abs=1e-3)
+
+
+def test_pipeline_parallel_last_stage_scores(model, hf_logprobs):
+    """Two pipeline stages (processes): the last one, which holds the LM head, scores."""
+    prompts = prompts_for(9)[1:4]
+    outs = generate(model, prompts, pipeline_parallel_size=2,
+                    distributed_executor_backend="mp", max_num_batched_tokens=16)
+    for prompt, out in zip(prompts, outs):
+        check(prompt, out.prompt_logprobs, 2, hf_logprobs(prompt))
