@@ -6,6 +6,15 @@
 #
 #   bash benchmarks/pending_gpu_checks.sh [tests|ab|kernels|all]   (default: all)
 #
+# On the lent device machines (transformers 5.17 in the image; the tests' oracle for the
+# newer families needs 5.25): download these wheels into .whl here and install them
+# there first, as the device tool's README says (pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 ...):
+#   transformers==5.25.0 huggingface_hub==2.4.0 kernels==0.19.1 httpx2==2.17.0
+#   httpcore2==2.17.0 tomlkit==0.15.3 hf-xet==1.8.0 click==8.5.1 truststore==0.10.5
+# then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
+# PYTHONPATH=/tmp/site:$PWD before this script.
+#
 # Pending (2026-12-05): SPINDLE_DECODE_LONGEST_FIRST, SPINDLE_SKINNY_WHOLE_K (both off
 # by default), SPINDLE_GDN_TRITON_PREFILL (off), the Granite 3.x GPU cases, prompt
 # logprobs on CUDA.
