@@ -195,6 +195,34 @@ def test_json_output_has_one_object_per_prompt_with_every_sample(json_run, token
                 sum(e["logprob"] for e in sample["logprobs"]), abs=1e-4)
 
 
+def test_prompt_logprobs_score_the_prompt_as_the_engine_does(model):
+    from spindle import LLM, SamplingParams
+
+    prompt = "the quick brown fox"
+    with LLM(model, device="cpu", dtype="float32") as llm:
+        want = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2),
+                            use_tqdm=False)[0]
+    ids = want.prompt_token_ids
+    result = spindle("generate", "--model", model, *CPU, "--output", "json",
+                     "--prompt-logprobs", "2", "--max-tokens", "1", prompt)
+    assert result.returncode == 0, result.stderr
+    (record,) = [json.loads(line) for line in result.stdout.splitlines()]
+    scored = record["prompt_logprobs"]
+    assert scored[0] is None and [e["token_id"] for e in scored[1:]] == ids[1:]
+    for entry, expected, token in zip(scored[1:], want.prompt_logprobs[1:], ids[1:]):
+        assert entry["logprob"] == pytest.approx(expected[token].logprob, abs=1e-5)
+        assert entry["rank"] == expected[token].rank and len(entry["top_logprobs"]) == 2
+    text = spindle("generate", "--model", model, *CPU, "--prompt-logprobs", "0",
+                   "--max-tokens", "1", prompt)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    header = lines.index("--- prompt logprobs: position, token, logprob, rank ---")
+    assert len(lines[header + 1:]) == len(ids) - 1
+    assert lines[header + 1].split()[0] == "1"
+    bad = spindle("generate", "--model", model, *CPU, "--prompt-logprobs", "-1", prompt)
+    assert bad.returncode != 0 and "--prompt-logprobs" in bad.stderr
+
+
 def test_generate_chat_renders_the_prompt_with_the_chat_template(json_run, tokenizer):
     prompts, records = json_run
     for prompt, record in zip(prompts, records):

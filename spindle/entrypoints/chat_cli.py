@@ -34,7 +34,7 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     add_chat_args(chat, optional=False)
     add_engine_args(chat)
     # Logprobs belong to `generate`; --n stays only to be refused with a reason.
-    add_sampling_args(chat, skip=("logprobs",), **CHAT_SAMPLING_DEFAULTS)
+    add_sampling_args(chat, skip=("logprobs", "prompt_logprobs"), **CHAT_SAMPLING_DEFAULTS)
     chat.set_defaults(func=cmd_chat, check=check_chat_flags)
 
 

@@ -33,6 +33,9 @@ _SAMPLING_HELP = {
     "ignore_eos": "Keep generating past the end-of-sequence token.",
     "logprobs": "Show each generated token's log-probability and those of the N most "
                 "likely tokens at its place.",
+    "prompt_logprobs": "Score the prompt: show each prompt token's log-probability given "
+                       "the ones before it (and its rank), and the N most likely tokens "
+                       "at its place.",
 }
 SAMPLING_FLAGS = tuple(_SAMPLING_HELP)
 # Where the command line says more than EngineArgs' own help.

@@ -1,7 +1,8 @@
 """`spindle generate`: prompts from the command line, completions to the terminal.
 
 With one sample per prompt the text streams as it is generated; with --n > 1 each
-sample is printed whole under a label; --logprobs adds a table per sample;
+sample is printed whole under a label; --logprobs adds a table per sample,
+--prompt-logprobs one scoring the prompt;
 --output json prints one JSON object per prompt instead. --chat renders each prompt
 as a user message with the checkpoint's chat template (instruct models). Also holds
 what `spindle chat` shares: starting the engine, streaming one request, rendering.
@@ -73,7 +74,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         inputs = [render_chat(llm, ns, [user_message(p)]) if ns.chat else p for p in prompts]
         if ns.output == "json":
             for prompt, out in zip(prompts, llm.generate(inputs, params, use_tqdm=False)):
-                write_line(json.dumps(json_record(prompt, out, params.logprobs),
+                write_line(json.dumps(json_record(prompt, out, params.logprobs,
+                                                  params.prompt_logprobs),
                                       ensure_ascii=False, allow_nan=False))
         else:
             for prompt, engine_input in zip(prompts, inputs):
@@ -182,6 +184,12 @@ def print_completion(llm: Any, shown_prompt: str, engine_input: Any, params: Any
         for c in out.outputs:
             write_line(f"--- sample {c.index + 1} of {params.n} (finish: {c.finish_reason}) ---")
             write_line(shown_prompt + c.text)
+    if params.prompt_logprobs is not None:
+        write_line("--- prompt logprobs: position, token, logprob, rank"
+                   + (f", top {params.prompt_logprobs}" if params.prompt_logprobs else "")
+                   + " ---")
+        for line in prompt_logprob_lines(out, params.prompt_logprobs):
+            write_line(line)
     if params.logprobs is not None:
         for c in out.outputs:
             label = f" (sample {c.index + 1})" if params.n > 1 else ""
@@ -204,6 +212,23 @@ def logprob_lines(completion: Any, top: int) -> list[str]:
     return lines
 
 
+def prompt_logprob_lines(out: Any, top: int) -> list[str]:
+    """A line per prompt token after the first: position, token, logprob, rank, top."""
+    lines = []
+    for pos, (token_id, entry) in enumerate(zip(out.prompt_token_ids, out.prompt_logprobs)):
+        if entry is None:
+            continue  # (the first token: nothing before it predicts it)
+        chosen = entry[token_id]
+        line = (f"{pos:>5}  {_token_label(token_id, chosen):<20} {chosen.logprob:9.4f} "
+                f"{chosen.rank:>6}")
+        alternatives = _top(entry, top)
+        if alternatives:
+            line += "   " + "  ".join(f"{_token_label(t, lp)} {lp.logprob:.4f}"
+                                      for t, lp in alternatives)
+        lines.append(line)
+    return lines
+
+
 def _top(entry: dict, k: int) -> list[tuple[int, Any]]:
     return sorted(entry.items(), key=lambda item: item[1].rank)[:k]
 
@@ -214,20 +239,31 @@ def _token_label(token_id: int, logprob: Any) -> str:
 
 
 # ---- JSON output ---------------------------------------------------------------------
-def json_record(prompt: str, out: Any, top: int | None) -> dict[str, Any]:
-    return {"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
-            "samples": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                         "cumulative_logprob": finite_logprob(c.cumulative_logprob),
-                         "logprobs": _logprobs_json(c, top)}
-                        for c in out.outputs]}
+def json_record(prompt: str, out: Any, top: int | None,
+                prompt_top: int | None = None) -> dict[str, Any]:
+    record = {"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
+              "samples": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                           "cumulative_logprob": finite_logprob(c.cumulative_logprob),
+                           "logprobs": _logprobs_json(c, top)}
+                          for c in out.outputs]}
+    if prompt_top is not None:
+        record["prompt_logprobs"] = [
+            None if entry is None else _position_json(token_id, entry, prompt_top)
+            for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
+    return record
+
+
+def _position_json(token_id: int, entry: dict, top: int) -> dict[str, Any]:
+    """One position's logprobs: its token's, then the top ones."""
+    return {"token_id": token_id, "token": entry[token_id].decoded_token,
+            "logprob": finite_logprob(entry[token_id].logprob), "rank": entry[token_id].rank,
+            "top_logprobs": [{"token_id": t, "token": lp.decoded_token,
+                              "logprob": finite_logprob(lp.logprob)} for t, lp in _top(entry, top)]}
 
 
 def _logprobs_json(completion: Any, top: int | None) -> list[dict] | None:
     if top is None or completion.logprobs is None:
         return None
-    return [{"token_id": token_id, "token": entry[token_id].decoded_token,
-             "logprob": finite_logprob(entry[token_id].logprob),
-             "top_logprobs": [{"token_id": t, "token": lp.decoded_token,
-                               "logprob": finite_logprob(lp.logprob)} for t, lp in _top(entry, top)]}
+    return [_position_json(token_id, entry, top)
             for token_id, entry in zip(completion.token_ids, completion.logprobs)]
