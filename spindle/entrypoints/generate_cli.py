@@ -200,33 +200,28 @@ def print_completion(llm: Any, shown_prompt: str, engine_input: Any, params: Any
 
 
 def logprob_lines(completion: Any, top: int) -> list[str]:
-    lines = []
-    for pos, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs or [])):
-        chosen = entry[token_id]
-        line = f"{pos:>5}  {_token_label(token_id, chosen):<20} {chosen.logprob:9.4f}"
-        alternatives = _top(entry, top)
-        if alternatives:
-            line += "   " + "  ".join(f"{_token_label(t, lp)} {lp.logprob:.4f}"
-                                      for t, lp in alternatives)
-        lines.append(line)
-    return lines
+    return [_position_line(pos, token_id, entry, top) for pos, (token_id, entry)
+            in enumerate(zip(completion.token_ids, completion.logprobs or []))]
 
 
 def prompt_logprob_lines(out: Any, top: int) -> list[str]:
-    """A line per prompt token after the first: position, token, logprob, rank, top."""
-    lines = []
-    for pos, (token_id, entry) in enumerate(zip(out.prompt_token_ids, out.prompt_logprobs)):
-        if entry is None:
-            continue  # (the first token: nothing before it predicts it)
-        chosen = entry[token_id]
-        line = (f"{pos:>5}  {_token_label(token_id, chosen):<20} {chosen.logprob:9.4f} "
-                f"{chosen.rank:>6}")
-        alternatives = _top(entry, top)
-        if alternatives:
-            line += "   " + "  ".join(f"{_token_label(t, lp)} {lp.logprob:.4f}"
-                                      for t, lp in alternatives)
-        lines.append(line)
-    return lines
+    """A line per prompt token after the first (nothing before the first predicts it):
+    position, token, logprob, rank, the top ones."""
+    return [_position_line(pos, token_id, entry, top, with_rank=True) for pos, (token_id, entry)
+            in enumerate(zip(out.prompt_token_ids, out.prompt_logprobs)) if entry is not None]
+
+
+def _position_line(pos: int, token_id: int, entry: dict, top: int,
+                   with_rank: bool = False) -> str:
+    chosen = entry[token_id]
+    line = f"{pos:>5}  {_token_label(token_id, chosen):<20} {chosen.logprob:9.4f}"
+    if with_rank:
+        line += f" {chosen.rank:>6}"
+    alternatives = _top(entry, top)
+    if alternatives:
+        line += "   " + "  ".join(f"{_token_label(t, lp)} {lp.logprob:.4f}"
+                                  for t, lp in alternatives)
+    return line
 
 
 def _top(entry: dict, k: int) -> list[tuple[int, Any]]:
