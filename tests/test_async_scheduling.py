@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from spindle import LLM, SamplingParams
 
@@ -95,3 +96,28 @@ def test_pending_output_maps_rows_to_requests():
     mixed = pending(["a", "b", "c"], [1, 0, 3])  # b mid-prompt, c verifying 2 drafts
     assert not mixed.rows_follow(["a", "b", "c"])
     assert mixed.sample_row == {"a": 0, "c": 1}
+
+
+def test_the_runner_reads_outputs_only_while_a_request_needs_them():
+    """InputBatch.needs_outputs (whether sampling must wait for the last step's tokens)
+    answers from a count of the held requests with penalties or min_tokens: it must
+    follow requests coming and going."""
+    from spindle.runner.input_batch import InputBatch
+    from spindle.sampling_params import SamplingParams
+    from spindle.step_messages import NewRequestData
+
+    batch = InputBatch(4, 64, 16, 100, torch.device("cpu"))
+
+    def add(rid, **params):
+        batch.add_request(NewRequestData(rid, [1, 2, 3], 3, SamplingParams(**params),
+                                         [[0]], 0))
+
+    add("plain")
+    assert not batch.needs_outputs(["plain"])
+    add("penalised", presence_penalty=0.5)
+    add("min", min_tokens=2)
+    assert batch.needs_outputs(["plain", "penalised"]) and batch.needs_outputs(["min"])
+    assert not batch.needs_outputs(["plain"])
+    batch.remove_request("penalised")
+    batch.remove_request("min")
+    assert batch.num_output_readers == 0 and not batch.needs_outputs(["plain"])

@@ -83,7 +83,9 @@ class StepBatch:
 
     @property
     def sampling_req_ids(self) -> list[str]:
-        return [r for r, s in zip(self.req_ids, self.sampling_mask) if s]
+        if self.sampling_mask.all():  # (a decode step: every request samples)
+            return self.req_ids
+        return [r for r, s in zip(self.req_ids, self.sampling_mask.tolist()) if s]
 
 
 def prompt_logprobs_of(state: CachedRequestState) -> int | None:
@@ -111,8 +113,10 @@ class InputBatch:
         self._metadata_key: tuple | None = None
         self._metadata: SamplingMetadata | None = None
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
-        # Held requests that asked for prompt logprobs (most steps have none to look for).
+        # Held requests that asked for prompt logprobs, and those whose sampling reads
+        # their outputs (penalties, min_tokens): most steps have none to look for.
         self.num_prompt_logprobs = 0
+        self.num_output_readers = 0
 
     def set_cache_groups(self, group_is_paged: Sequence[bool]) -> None:
         """One block table per paged cache group; one state slot per row for models
@@ -147,6 +151,7 @@ class InputBatch:
             pooling_params=new.pooling_params)
         self.requests[new.req_id] = state
         self.num_prompt_logprobs += prompt_logprobs_of(state) is not None
+        self.num_output_readers += _reads_outputs(state)
         try:
             self.token_ids[row, :len(new.token_ids)] = new.token_ids
             self.append_blocks(new.req_id, new.block_ids)
@@ -168,6 +173,7 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
             self.num_prompt_logprobs -= prompt_logprobs_of(state) is not None
+            self.num_output_readers -= _reads_outputs(state)
         return state
 
     def append_blocks(self, req_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
@@ -327,6 +333,8 @@ class InputBatch:
     def needs_outputs(self, req_ids: list[str]) -> bool:
         """Whether sampling these requests reads their outputs so far (penalties, or
         min_tokens still blocking stop tokens)."""
+        if not self.num_output_readers:
+            return False
         for r in req_ids:
             s = self.requests[r]
             p = s.sampling_params
@@ -416,6 +424,14 @@ def _draft_logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarra
     starts = np.repeat(ends - counts, counts)
     offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     return starts + offsets
+
+
+def _reads_outputs(state: CachedRequestState) -> bool:
+    """Whether the request's sampling may read its outputs: penalties, or min_tokens
+    (a pooling request samples nothing)."""
+    p = state.sampling_params
+    return state.pooling_params is None and p is not None and (_has_penalties(p)
+                                                               or bool(p.min_tokens))
 
 
 def _has_penalties(p: SamplingParams) -> bool:
