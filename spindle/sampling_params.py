@@ -42,6 +42,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Only these token ids may be sampled (None: any); logprobs stay the raw model's.
     allowed_token_ids: list[int] | None = None
+    # Added to these token ids' logits before penalties and sampling, in [-100, 100]
+    # (OpenAI's logit_bias); logprobs stay the raw model's unless the engine's
+    # logprobs_mode says otherwise.
+    logit_bias: dict[int, float] | None = None
     # Filled by the engine, not the user: every id that ends generation.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -97,6 +101,12 @@ class SamplingParams:
             and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
             "allowed_token_ids", self.allowed_token_ids,
             "None or a non-empty list of non-negative token ids")
+        _check(self.logit_bias is None or (
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(t) and t >= 0 for t in self.logit_bias)
+            and all(_is_real(b) and -100.0 <= b <= 100.0 for b in self.logit_bias.values())),
+            "logit_bias", self.logit_bias,
+            "None or a dict of non-negative token ids to numbers in [-100, 100]")
         _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
                "seed", self.seed, "None or an integer in [-2**63, 2**64 - 1] (the seeds "
                "torch.Generator takes)")

@@ -214,3 +214,39 @@ def test_phi3_fused_tensors_shard_across_two_ranks(reference):
     path, prompts, _, expected, _ = reference("phi3")
     outputs, _ = run_spindle(path, prompts, tensor_parallel_size=2)
     assert_matches(outputs, expected)
+
+
+def test_logit_bias_against_transformers_logits(tiny_model):
+    """logit_bias is added to the logits before sampling: greedy picks the argmax of
+    transformers' next-token logits plus the biases (the best token pushed down, a
+    weak one pushed up); processed logprobs are the log-softmax of the biased logits,
+    raw ones of the logits as they are. Ids past the vocabulary are refused."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model(arch="llama")
+    prompt = make_prompts(512, seed=5)[3]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, -1].double()
+    order = logits.argsort(descending=True).tolist()
+    best, weak = order[0], order[40]
+    bias = {best: -100.0, weak: float(logits[best] - logits[weak]) + 0.5}
+    biased = logits.clone()
+    for token, value in bias.items():
+        biased[token] += value
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2, logit_bias=bias)
+    for mode, want in (("processed_logprobs", torch.log_softmax(biased, -1)),
+                       ("raw_logprobs", torch.log_softmax(logits, -1))):
+        with LLM(str(path), dtype="float32", device="cpu", max_model_len=512,
+                 logprobs_mode=mode) as llm:
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            if mode == "raw_logprobs":
+                with pytest.raises(ValueError, match="logit_bias must be token ids"):
+                    llm.generate([prompt], SamplingParams(logit_bias={10**6: 1.0}),
+                                 use_tqdm=False)
+        assert out.token_ids[0] == weak == int(biased.argmax())
+        for tok, lp in out.logprobs[0].items():
+            assert abs(lp.logprob - want[tok].item()) <= LOGPROB_TOL, (mode, tok)
+    for bad in ({1: 101.0}, {-1: 1.0}, {1: "big"}, [1, 2]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

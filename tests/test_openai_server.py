@@ -225,6 +225,24 @@ def test_prompt_logprobs_field_as_vllm_gives_it(http, offline):
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("prompt_logprobs")
 
 
+def test_logit_bias_steers_sampling_as_offline(client, offline):
+    """A token biased by +100 is every greedy token; the answer equals the offline
+    engine's with the same bias."""
+    token = offline.generate(PROMPTS[0], greedy(1), use_tqdm=False)[0].outputs[0].token_ids[0]
+    forced = (token + 7) % 400
+    want = offline.generate(PROMPTS[0], greedy(4, logit_bias={forced: 100.0}, logprobs=0),
+                            use_tqdm=False)[0].outputs[0]
+    assert want.token_ids == [forced] * 4
+    piece = want.logprobs[0][forced].decoded_token
+    response = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4,
+                                         temperature=0, logit_bias={str(forced): 100})
+    assert response.choices[0].text == want.text
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3,
+                                          temperature=0, logit_bias={str(forced): 100},
+                                          logprobs=True)
+    assert [item.token for item in chat.choices[0].logprobs.content] == [piece] * 3
+
+
 def test_request_id_from_header_is_the_response_id(client, http):
     response = client.completions.with_raw_response.create(
         model="tiny", prompt="hi", max_tokens=2, extra_headers={"X-Request-Id": "req-abc-1"})
@@ -252,7 +270,9 @@ def test_models_health_version(client, http):
     ("/v1/completions", {"prompt": [1] * MAX_MODEL_LEN}, None),
     ("/v1/completions", {"prompt": "word " * (MAX_MODEL_LEN + 10)}, None),
     ("/v1/completions", {"prompt": [[1, 2], [10**9]]}, None),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"one": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 500}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 5}}, None),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),

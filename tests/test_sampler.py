@@ -537,6 +537,29 @@ def test_allowed_token_ids_are_checked():
     assert SamplingParams(allowed_token_ids=(3, 4)).allowed_token_ids == [3, 4]
 
 
+def test_logit_bias_is_added_before_greedy_and_random_rows():
+    """Biased rows pick from logits + bias (greedy: its argmax; random: a draw that
+    favours the pushed-up token); other rows are untouched; raw logprobs ignore it."""
+    torch.manual_seed(2)
+    vocab = 30
+    logits = torch.randn(1, vocab).repeat(200, 1)
+    order = logits[0].argsort(descending=True).tolist()
+    up = order[12]
+    meta = make_metadata([0.0] * 100 + [1.0] * 100, min_tokens_blocked={})
+    rows = list(range(0, 200, 2))
+    meta.logit_bias = (torch.tensor([r for r in rows for _ in range(2)]),
+                       torch.tensor([order[0], up] * len(rows)),
+                       torch.tensor([-100.0, 20.0] * len(rows)))
+    meta.max_num_logprobs = 0
+    out = SAMPLER(logits, meta)
+    tokens = out.sampled_token_ids.tolist()
+    assert all(tokens[row] == up for row in range(0, 100, 2))
+    assert all(tokens[row] == order[0] for row in range(1, 100, 2))
+    assert sum(tokens[row] == up for row in range(100, 200, 2)) >= 45  # e^20 ahead
+    raw = torch.log_softmax(logits[0], -1)
+    assert abs(float(out.logprobs[0, 0]) - float(raw[up])) < 1e-5
+
+
 # --------------------------------------------------------------- (h) temperature -> 0
 
 
@@ -581,6 +604,8 @@ def test_cuda_full_path_without_host_sync():
                          prompt_token_ids=[[1, 2, 3]] * batch, output_token_ids=[[4, 4, 5]] * batch,
                          repetition=[1.1] * batch, frequency=[0.5] * batch, presence=[0.2] * batch,
                          min_tokens_blocked={0: {2, 3}}, vocab=vocab)
+    meta.logit_bias = (torch.tensor([1, 3], device=device), torch.tensor([7, 9], device=device),
+                       torch.tensor([2.0, -1.0], device=device))
     for name in ("temperature", "top_k", "top_p", "min_p", "prompt_token_ids",
                  "repetition_penalties", "frequency_penalties", "presence_penalties"):
         setattr(meta, name, getattr(meta, name).to(device))

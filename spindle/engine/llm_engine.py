@@ -70,9 +70,11 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # (its fields may have changed since it was made)
         vocab = self.config.model.vocab_size
-        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
-            raise ValueError(f"allowed_token_ids must be token ids of the vocabulary [0, {vocab}),"
-                             f" got {max(params.allowed_token_ids)}")
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            if ids and max(ids) >= vocab:
+                raise ValueError(f"{name} must be token ids of the vocabulary [0, {vocab}), "
+                                 f"got {max(ids)}")
         if params.n > self.config.scheduler.max_n:
             raise ValueError(f"SamplingParams.n must be at most max_n "
                              f"({self.config.scheduler.max_n}), got {params.n}")

@@ -399,7 +399,8 @@ class InputBatch:
                 if len(out) < s.sampling_params.min_tokens
                 and s.sampling_params.all_stop_token_ids},
             allowed_token_ids={i: p.allowed_token_ids for i, p in enumerate(params)
-                               if p.allowed_token_ids is not None})
+                               if p.allowed_token_ids is not None},
+            logit_bias=_logit_bias([p.logit_bias for p in params], h2d))
         if any(_has_penalties(p) for p in params):
             self._add_penalties(meta, states, outputs, h2d)
         return meta
@@ -432,6 +433,17 @@ def _reads_outputs(state: CachedRequestState) -> bool:
     p = state.sampling_params
     return state.pooling_params is None and p is not None and (_has_penalties(p)
                                                                or bool(p.min_tokens))
+
+
+def _logit_bias(biases: list[dict[int, float] | None], h2d: HostToDevice) -> tuple | None:
+    """SamplingMetadata.logit_bias from each row's SamplingParams.logit_bias."""
+    entries = [(row, token, bias) for row, row_bias in enumerate(biases) if row_bias
+               for token, bias in row_bias.items()]
+    if not entries:
+        return None
+    rows, tokens, values = zip(*entries)
+    return (h2d.put(list(rows), torch.int64), h2d.put(list(tokens), torch.int64),
+            h2d.put(list(values), torch.float32))
 
 
 def _has_penalties(p: SamplingParams) -> bool:

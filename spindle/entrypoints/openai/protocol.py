@@ -177,14 +177,22 @@ class _SamplingRequest(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               "stream_options")
 
     def prompt_logprobs_wanted(self) -> int | None:
         return self.prompt_logprobs
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias with its keys (token ids, as JSON object keys are strings) as ints."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers as strings), got "
+                              f"{sorted(self.logit_bias)[:5]}", "logit_bias") from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         max_n: int) -> SamplingParams:
@@ -203,7 +211,7 @@ class _SamplingRequest(_Request):
             repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs_wanted())
+            prompt_logprobs=self.prompt_logprobs_wanted(), logit_bias=self.token_biases())
         # None means "not given": SamplingParams' own default applies.
         values = {k: v for k, v in values.items() if v is not None}
         return SamplingParams(max_tokens=max_tokens, **values)

@@ -35,6 +35,9 @@ class SamplingMetadata:
     min_tokens_blocked: dict[int, set[int]] = field(default_factory=dict)
     # Row index -> the only token ids the row may sample (SamplingParams.allowed_token_ids).
     allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # SamplingParams.logit_bias of the rows that have one, as (rows, token ids, biases):
+    # three [N] tensors on the logits' device, added with index_put_ (None: no row).
+    logit_bias: tuple | None = None
 
     @property
     def no_penalties(self) -> bool:

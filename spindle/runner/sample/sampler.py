@@ -5,6 +5,7 @@ The order of operations follows vLLM v1:
      processed=True, from the logits the token is drawn from, after steps 2-5);
   2. min_tokens: forbid the blocked ids (stop/EOS ids) of rows still too short;
      allowed_token_ids: forbid every id but those of rows that list them;
+     logit_bias: add each listed row's biases;
   3. repetition / frequency / presence penalties;
   4. greedy rows: argmax of the penalised logits;
   5. random rows: temperature, min-p, top-k, top-p, then an exponential race;
@@ -86,6 +87,7 @@ class Sampler(torch.nn.Module):
 
         logits = block_min_tokens(logits, metadata.min_tokens_blocked)
         logits = keep_allowed_tokens(logits, metadata.allowed_token_ids)
+        logits = add_logit_bias(logits, metadata.logit_bias)
         logits = apply_penalties(logits, metadata)
         sampled, drawn_from = sample(logits, metadata)
         if wanted and logprobs_of is None:
@@ -131,7 +133,7 @@ def argmax_suffices(metadata: SamplingMetadata) -> bool:
     (min_tokens, allowed ids, penalties): the token is the argmax of the raw logits."""
     return (metadata.all_greedy and metadata.max_num_logprobs is None
             and not metadata.min_tokens_blocked and not metadata.allowed_token_ids
-            and metadata.no_penalties)
+            and metadata.logit_bias is None and metadata.no_penalties)
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -198,6 +200,14 @@ def keep_allowed_tokens(logits: torch.Tensor, allowed: dict[int, list[int]]) -> 
     logits = logits.clone()
     logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)] += bias
     return logits
+
+
+def add_logit_bias(logits: torch.Tensor, bias: tuple | None) -> torch.Tensor:
+    """Add SamplingMetadata.logit_bias (rows, token ids, biases) to the logits."""
+    if bias is None:
+        return logits
+    rows, tokens, values = bias
+    return logits.index_put((rows, tokens), values.to(logits.dtype), accumulate=True)
 
 
 def block_min_tokens(logits: torch.Tensor, blocked: dict[int, set[int]]) -> torch.Tensor:
