@@ -109,7 +109,8 @@ def main() -> None:
           f"{'order':<13} {'us':>8} {'TB/s':>6} {'x copy':>7} {'max diff':>9}")
     for r in rows:
         print(f"{r['requests']:>8} {r['target_programs']:>6} {r['splits']:>6}  "
-              f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} {r['of_copy']:>7.3f} "
+              f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
+              f"{r['of_copy']:>7.3f} "
               f"{r['max_diff']:>9.2e}")
     if args.json:
         args.json.write_text(json.dumps(

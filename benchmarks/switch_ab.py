@@ -73,7 +73,9 @@ def summary(runs: list[dict], key: str, fmt: str) -> str:
     if not values:
         return "-"
     med = fmt.format(statistics.median(values))
-    return med if len(values) == 1 else f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+    if len(values) == 1:
+        return med
+    return f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 def main() -> None:

@@ -604,8 +604,8 @@ def test_cuda_full_path_without_host_sync():
                          prompt_token_ids=[[1, 2, 3]] * batch, output_token_ids=[[4, 4, 5]] * batch,
                          repetition=[1.1] * batch, frequency=[0.5] * batch, presence=[0.2] * batch,
                          min_tokens_blocked={0: {2, 3}}, vocab=vocab)
-    meta.logit_bias = (torch.tensor([1, 3], device=device), torch.tensor([7, 9], device=device),
-                       torch.tensor([2.0, -1.0], device=device))
+    meta.logit_bias = tuple(torch.tensor(values, device=device)
+                            for values in ([1, 3], [7, 9], [2.0, -1.0]))
     for name in ("temperature", "top_k", "top_p", "min_p", "prompt_token_ids",
                  "repetition_penalties", "frequency_penalties", "presence_penalties"):
         setattr(meta, name, getattr(meta, name).to(device))

@@ -173,11 +173,6 @@ class KVCacheManager:
         """Whether one sequence of num_tokens tokens fits in the whole cache."""
         return num_tokens <= self._max_fit_tokens
 
-    @property
-    def max_fit_tokens(self) -> int:
-        """The most tokens one sequence may have and still fit in the whole cache."""
-        return self._max_fit_tokens
-
     def holds_next_token(self, request: Request) -> bool:
         """Whether a step computing one more token of request (no lookahead) needs
         nothing of allocate_slots: the request holds the blocks, no block becomes

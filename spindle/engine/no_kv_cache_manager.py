@@ -17,7 +17,6 @@ class NoKVCacheManager:
     num_free_blocks = 0
     usage = 0.0
     enable_caching = False
-    max_fit_tokens = float("inf")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

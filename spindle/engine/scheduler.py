@@ -396,7 +396,7 @@ class Scheduler:
 
     def _can_never_fit(self, request: Request, num_new: int) -> bool:
         # (Runs for every running request every step: the cheap test first.)
-        if len(request.all_token_ids) > self.kv_cache_manager.max_fit_tokens:
+        if not self.kv_cache_manager.can_ever_fit(len(request.all_token_ids)):
             return True
         return num_new > self.max_num_batched_tokens and not self._chunkable(request)
 

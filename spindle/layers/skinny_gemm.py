@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from spindle.layers import pdl
+from spindle.switches import on_off
 from spindle.layers.fused_kernels import silu_mul
 from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this API)
 
@@ -204,10 +205,7 @@ def whole_k_config(n: int, k: int, num_sms: int) -> SkinnyConfig | None:
 
 
 def whole_k_enabled(environ=os.environ) -> bool:
-    raw = environ.get(WHOLE_K_ENV, "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{WHOLE_K_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return on_off(WHOLE_K_ENV, False, environ)
 
 
 @functools.lru_cache(maxsize=None)

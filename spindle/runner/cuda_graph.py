@@ -166,7 +166,8 @@ class CudaGraphRunner:
             host[_STATE_SLOTS, :num] = batch.state_slots
             host[_HAS_STATE, :num] = batch.num_computed > 0
         host[_STATE_SLOTS, num:size] = -1
-        if self.longest_first and query_len == 1:
+        ordered = self._ordered(query_len)
+        if ordered:
             host[_DECODE_ORDER, :size] = decode_order(host[_SEQ_LENS, :size])
         cols = batch.block_tables[0].shape[1] if self.num_paged else 0
         for g in range(self.num_paged):
@@ -176,7 +177,7 @@ class CudaGraphRunner:
         self.input_ids[:padded].copy_(host_t[_INPUT_IDS, :padded], non_blocking=True)
         self.positions[:padded].copy_(host_t[_POSITIONS, :padded], non_blocking=True)
         self.seq_lens[:size].copy_(host_t[_SEQ_LENS, :size], non_blocking=True)
-        if self.longest_first and query_len == 1:
+        if ordered:
             self.decode_order[:size].copy_(host_t[_DECODE_ORDER, :size], non_blocking=True)
         if batch.state_slots is not None:
             self.state_slots[:size].copy_(host_t[_STATE_SLOTS, :size], non_blocking=True)
@@ -186,6 +187,11 @@ class CudaGraphRunner:
                                                  non_blocking=True)
             self.block_tables[g][:num, :cols].copy_(tables_t[g, :num * cols].view(num, cols),
                                                     non_blocking=True)
+
+    def _ordered(self, query_len: int) -> bool:
+        """Whether graphs of query_len tokens per request hand decode attention the
+        longest-first order (verifying graphs run the prefill kernel: no order)."""
+        return self.longest_first and query_len == 1
 
     def _metadata(self, size: int, query_len: int = 1) -> AttentionMetadata | MambaMetadata | list:
         """Per cache group, metadata over the static buffers (padded to size)."""
@@ -199,8 +205,8 @@ class CudaGraphRunner:
                     seq_lens=self.seq_lens[:size], block_tables=self.block_tables[table][:size],
                     slot_mapping=self.slot_mappings[table][:tokens], max_query_len=query_len,
                     max_seq_len=self.block_tables[table].shape[1],
-                    decode_order=self.decode_order[:size]
-                    if self.longest_first and query_len == 1 else None))
+                    decode_order=self.decode_order[:size] if self._ordered(query_len)
+                    else None))
                 table += 1
             else:
                 metadata.append(MambaMetadata(

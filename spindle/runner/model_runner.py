@@ -31,7 +31,7 @@ from spindle.platforms.interface import Platform
 from spindle.runner import compile_ahead
 from spindle.runner.async_output import PendingOutput
 from spindle.runner.cuda_graph import CudaGraphRunner
-from spindle.runner.input_batch import InputBatch, StepBatch, prompt_logprobs_of
+from spindle.runner.input_batch import InputBatch, StepBatch
 from spindle.runner.kernel_plan import KernelPlan, engine_fingerprint
 from spindle.runner.model_states import model_state_class
 from spindle.runner.model_states.base import ModelState
@@ -713,18 +713,17 @@ class ModelRunner:
         as device tensors per request: (first position, ids, logprobs, ranks)."""
         if not self.input_batch.num_prompt_logprobs:
             return None
-        rows = prompt_rows(batch, prompt_logprobs_of)
+        rows = prompt_rows(batch)
         if not rows:
             return None
         state = self._require_state()
         out = {}
-        for req_id, k, start, first_row, num in rows:
-            held = self.input_batch.requests[req_id]
+        for request, k, start, first_row, num in rows:
             targets = self.h2d.put(
-                self.input_batch.token_ids[held.row, start + 1:start + 1 + num], torch.int64)
+                self.input_batch.token_ids[request.row, start + 1:start + 1 + num], torch.int64)
             # (Every tensor-parallel rank takes part in the LM head; rank 0 reports.)
-            out[req_id] = (start, *score_rows(hidden[first_row:first_row + num], targets, k,
-                                              state.compute_logits))
+            out[request.req_id] = (start, *score_rows(hidden[first_row:first_row + num],
+                                                      targets, k, state.compute_logits))
         return out if self.tp_group.rank == 0 else None
 
     def _draft_distribution(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:

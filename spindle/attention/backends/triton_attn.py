@@ -339,8 +339,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
 def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                   block_tables_ptr, seq_lens_ptr, order_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-                   eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, scale, window,
+                   block_tables_ptr, seq_lens_ptr, order_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr,
+                   kw_ptr, eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, scale, window,
                    soft_cap,
                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                    o_stride_t, o_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h,

@@ -16,14 +16,15 @@ from typing import Callable
 
 import torch
 
+from spindle.runner.input_batch import CachedRequestState, StepBatch, prompt_logprobs_of
 from spindle.runner.sample.logprobs import compute_logprobs, gather_logprobs
 
 # Rows of logits reduced at a time: 1024 x a 152k vocabulary is 0.6 GB in float32.
 ROWS_PER_SLICE = 1024
 
 
-def prompt_rows(batch, prompt_logprobs_of: Callable) -> list[tuple[str, int, int, int, int]]:
-    """(req_id, k, first prompt position p, first hidden row, rows) per request of the
+def prompt_rows(batch: StepBatch) -> list[tuple[CachedRequestState, int, int, int, int]]:
+    """(request, k, first prompt position p, first hidden row, rows) per request of the
     batch that wants prompt logprobs and computes prompt positions this step whose next
     token is a prompt token; row j is position p + j, scoring the token at p + 1 + j."""
     out = []
@@ -34,7 +35,7 @@ def prompt_rows(batch, prompt_logprobs_of: Callable) -> list[tuple[str, int, int
         start = int(batch.num_computed[i])
         end = min(start + int(batch.num_scheduled[i]), state.num_prompt_tokens - 1)
         if start < end:
-            out.append((state.req_id, k, start, int(batch.query_start_loc[i]), end - start))
+            out.append((state, k, start, int(batch.query_start_loc[i]), end - start))
     return out
 
 
