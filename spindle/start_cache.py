@@ -34,6 +34,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from spindle.switches import on_off
+
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "SPINDLE_START_CACHE"
@@ -46,7 +48,7 @@ MAX_BYTES = 512 << 20
 
 
 def enabled() -> bool:
-    return os.environ.get(ENABLE_ENV, "1") != "0"
+    return on_off(ENABLE_ENV, True)
 
 
 def directory() -> Path:

@@ -79,6 +79,9 @@ def test_dev_routes_follow_the_environment_variable(engine, monkeypatch):
     assert _is_paused_status(build_app(engine)) == 404
     monkeypatch.setenv(DEV_MODE_ENV, "1")
     assert _is_paused_status(build_app(engine)) == 200
+    monkeypatch.setenv(DEV_MODE_ENV, "true")  # not a silent "off"
+    with pytest.raises(ValueError, match=f"{DEV_MODE_ENV} must be 0 or 1, got 'true'"):
+        build_app(engine)
 
 
 # ---- pause ------------------------------------------------------------------------------------

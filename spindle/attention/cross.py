@@ -20,7 +20,6 @@ SDPA, one call per request.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +28,7 @@ from torch import nn
 from spindle.attention.heads import set_head_geometry
 from spindle.cache.spec import CrossAttentionCacheSpec
 from spindle.forward_context import get_forward_context
+from spindle.switches import on_off
 
 # "0" turns the Triton decode kernel off on CUDA (gather + SDPA instead).
 TRITON_SWITCH_ENV = "SPINDLE_CROSS_ATTENTION_TRITON"
@@ -49,7 +49,7 @@ class CrossAttention(nn.Module):
         self.num_positions = num_positions
         self.kv_cache: list[torch.Tensor] | None = None  # [keys, values], set by the runner
         self.cache_group = 0
-        self.use_triton = os.environ.get(TRITON_SWITCH_ENV, "1") != "0"
+        self.use_triton = on_off(TRITON_SWITCH_ENV, True)
 
     def cache_spec(self, dtype: torch.dtype) -> CrossAttentionCacheSpec:
         return CrossAttentionCacheSpec.of(self.num_positions, self.num_kv_heads, self.head_dim,

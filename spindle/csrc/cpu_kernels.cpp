@@ -174,9 +174,14 @@ inline float exp_shifted(float* x, float shift, int64_t n) {
 // Rows of at most `work` elements each: enough per task that a thread's start-up cost
 // (a few microseconds) pays off.
 // An A/B switch of a kernel: on unless the environment variable is "0".
+// An on/off switch from the environment, on when unset: "0" or "1", anything else refused
+// by name (spindle/switches.py's rule).
 inline bool env_switch_on(const char* name) {
   const char* flag = std::getenv(name);
-  return flag == nullptr || std::string(flag) != "0";
+  if (flag == nullptr) return true;
+  const std::string value(flag);
+  TORCH_CHECK_VALUE(value == "0" || value == "1", name, " must be 0 or 1, got '", value, "'");
+  return value == "1";
 }
 
 inline int64_t grain_rows(int64_t row_elems, int64_t work = 1 << 14) {

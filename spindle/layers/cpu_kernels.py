@@ -50,6 +50,8 @@ from types import ModuleType
 
 import torch
 
+from spindle.switches import on_off
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
@@ -62,7 +64,7 @@ class CPUKernelsUnavailable(RuntimeError):
 
 
 def switched_on() -> bool:
-    return os.environ.get(SWITCH_ENV, "1") != "0"
+    return on_off(SWITCH_ENV, True)
 
 
 def applies(x: torch.Tensor) -> bool:

@@ -29,13 +29,13 @@ without them, or with ``SPINDLE_CPU_INT8_HEAD=0``, the head stays on the int4 pa
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
 
 from spindle.layers import cpu_kernels
 from spindle.layers.int4 import GROUP, GroupQuantized, quantize_groups
+from spindle.switches import on_off
 
 SWITCH_ENV = "SPINDLE_CPU_INT8_HEAD"
 WEIGHT_PARAMS = ("weight", "weight_group_scale", "weight_group_offset")
@@ -44,7 +44,7 @@ WEIGHT_PARAMS = ("weight", "weight_group_scale", "weight_group_offset")
 def enabled() -> bool:
     """Whether a quantized LM head is held here: the fused CPU kernels switched on and
     built, and SPINDLE_CPU_INT8_HEAD not "0"."""
-    return (os.environ.get(SWITCH_ENV, "1") != "0" and cpu_kernels.switched_on()
+    return (on_off(SWITCH_ENV, True) and cpu_kernels.switched_on()
             and cpu_kernels.available())
 
 

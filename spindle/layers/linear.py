@@ -22,7 +22,6 @@ uses it to report partially loaded parameters).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
@@ -33,6 +32,7 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers import cpu_kernels
 from spindle.layers.fp8 import FP8_DTYPE, fp8_linear, quantize_rows
 from spindle.layers.int4 import GroupQuantized, Int4Weight
+from spindle.switches import on_off
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -341,7 +341,7 @@ class RowParallelLinear(_ParallelLinearBase):
         k = self.weight.shape[1]
         if (not gate_up.is_cuda or gate_up.dim() != 2 or gate_up.shape[1] != 2 * k
                 or self.int4 is not None or self.weight_scale is not None
-                or self.batch_invariant or os.environ.get(SKINNY_SILU_ENV, "1") == "0"
+                or self.batch_invariant or not on_off(SKINNY_SILU_ENV, True)
                 or not use_skinny_gemm(gate_up[:, :k], self.weight)):
             return None
         defer = self._may_defer(defer_merge)
@@ -354,7 +354,7 @@ class RowParallelLinear(_ParallelLinearBase):
         SPINDLE_SKINNY_DEFER_MERGE is not "0". (With one rank the bias goes into the
         product, and the skinny GEMM does not defer a product with a bias.)"""
         return (defer_merge and self.tp_group.size == 1
-                and os.environ.get(SKINNY_DEFER_ENV, "1") != "0")
+                and on_off(SKINNY_DEFER_ENV, True))
 
     def _reduced(self, matmul) -> torch.Tensor:
         """matmul(bias) -> this rank's product; then the all-reduce across ranks and the

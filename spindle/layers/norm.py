@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
 
 from spindle.layers import cpu_kernels
 from spindle.layers.linear import set_weight_loader, default_weight_loader
+from spindle.switches import on_off
 
 
 # "0" keeps a bf16 model's residual stream in bf16 on the CPU, as transformers does.
@@ -22,7 +22,7 @@ def fp32_residual_stream(hidden: torch.Tensor) -> bool:
     model's greedy choices much closer to float32 (Q5_0: 0.966 -> 0.976 top-1) for a
     residual row of floats per token; llama.cpp keeps its residual in float32 too."""
     return (hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu"
-            and os.environ.get(FP32_RESIDUAL_ENV, "1") != "0")
+            and on_off(FP32_RESIDUAL_ENV, True))
 
 
 def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:

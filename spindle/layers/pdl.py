@@ -29,13 +29,14 @@ slower. SPINDLE_PDL=0 switches it off.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
+
+from spindle.switches import on_off
 
 try:  # (Triton 3.4 and later)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -59,7 +60,7 @@ MAX_ROWS = 16
 def enabled(device: torch.device) -> bool:
     """Whether kernels for device launch with PDL: switched on, a Triton that has it,
     and a GPU that has it."""
-    return (os.environ.get(SWITCH_ENV, "1") != "0" and HAVE_GDC and device.type == "cuda"
+    return (on_off(SWITCH_ENV, True) and HAVE_GDC and device.type == "cuda"
             and _capability(device) >= (9, 0))
 
 

@@ -31,6 +31,7 @@ from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this
 MAX_M = 16
 _BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
 _DEEP_BLOCK_K = 256  # K tile of an unsplit program with few N tiles (pick_config)
+SWITCH_ENV = "SPINDLE_SKINNY_GEMM"  # "0": cuBLAS for every shape (A/B runs)
 WHOLE_K_ENV = "SPINDLE_SKINNY_WHOLE_K"
 _WHOLE_K_TILE = (16, 1024)  # (block_n, block_k) of whole_k_config
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -54,7 +55,7 @@ def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor,
             and weight.dtype == weight_dtype and weight.dim() == 2
             and weight.shape[1] == x.shape[1] and weight.shape[1] % 16 == 0
             and weight.is_contiguous() and weight.device == x.device
-            and os.environ.get("SPINDLE_SKINNY_GEMM", "1") != "0")
+            and on_off(SWITCH_ENV, True))
 
 
 @dataclass(frozen=True)

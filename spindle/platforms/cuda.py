@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
 
 from spindle.platforms.interface import Platform
+from spindle.switches import on_off
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class CudaPlatform(Platform):
         already, or when this process uses CUDA already: the context is made then, and
         beside a thread that holds a handle the start's handle would stay unused, with a
         second cuBLAS workspace, for the life of the process."""
-        if (os.environ.get(EARLY_START_ENV, "1") == "0" or torch.cuda.is_initialized()
+        if (not on_off(EARLY_START_ENV, True) or torch.cuda.is_initialized()
                 or _start_thread(device) is not None):
             return
         threading.Thread(target=_start_device, args=(device,), name=_start_thread_name(device),

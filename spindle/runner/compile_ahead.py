@@ -39,6 +39,8 @@ from typing import Iterator
 
 import torch
 
+from spindle.switches import on_off
+
 logger = logging.getLogger(__name__)
 
 SWITCH_ENV = "SPINDLE_COMPILE_AHEAD"
@@ -46,7 +48,7 @@ MAX_THREADS = 16
 
 
 def switched_on() -> bool:
-    return os.environ.get(SWITCH_ENV, "1") != "0"
+    return on_off(SWITCH_ENV, True)
 
 
 def compile_threads(processes_per_host: int = 1) -> int:

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import socket
 import threading
@@ -46,6 +45,7 @@ from spindle.entrypoints.openai.routing import ModelRoutes, ServedModel
 from spindle.entrypoints.openai.serving_base import RequestIds, ServedModels
 from spindle.entrypoints.openai.serving_embedding import router as embedding_router
 from spindle.entrypoints.openai.serving_transcription import router as transcription_router
+from spindle.switches import on_off
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def _make_app(routes: ModelRoutes, registry: CollectorRegistry, attach: Callable
 
 
 def _dev_mode(dev_mode: bool | None) -> bool:
-    return os.environ.get(DEV_MODE_ENV, "") == "1" if dev_mode is None else dev_mode
+    return on_off(DEV_MODE_ENV, False) if dev_mode is None else dev_mode
 
 
 async def _engine_health(engine: AsyncLLM) -> Response:

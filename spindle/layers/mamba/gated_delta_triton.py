@@ -11,7 +11,6 @@ unit lower-triangular system solved by forward substitution, row after row)."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -22,6 +21,7 @@ from spindle.layers.mamba import gated_delta
 from spindle.layers.mamba.gated_delta import L2_EPS
 from spindle.layers.mamba.metadata import MambaMetadata
 from spindle.layers.mamba.triton_ops import softplus
+from spindle.switches import on_off
 
 # "1": the Triton prefill kernel on CUDA instead of gated_delta.py's batched torch form.
 TRITON_PREFILL_ENV = "SPINDLE_GDN_TRITON_PREFILL"
@@ -38,7 +38,7 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: to
     """gated_delta.gated_delta_prefill's contract. With SPINDLE_GDN_TRITON_PREFILL=1 the
     Triton kernel evaluates it (in chunks of PREFILL_CHUNK tokens: chunk_size and
     batched, which choose among the torch evaluations, do not apply to it)."""
-    if os.environ.get(TRITON_PREFILL_ENV, "0") != "1":
+    if not on_off(TRITON_PREFILL_ENV, False):
         return gated_delta.gated_delta_prefill(q, k, v, a, b, A_log, dt_bias, state, md,
                                                chunk_size, batched, beta_scale)
     return triton_prefill(q, k, v, a, b, A_log, dt_bias, state, md, beta_scale)
