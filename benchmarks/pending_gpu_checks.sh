@@ -17,7 +17,7 @@
 #
 # Pending (2026-12-05): SPINDLE_DECODE_LONGEST_FIRST, SPINDLE_SKINNY_WHOLE_K (both off
 # by default), SPINDLE_GDN_TRITON_PREFILL (off), the Granite 3.x GPU cases, prompt
-# logprobs on CUDA.
+# logprobs on CUDA, Zamba2 on CUDA.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -39,6 +39,9 @@ if [[ $what == tests || $what == all ]]; then
     stamp "Gated DeltaNet models with the Triton prefill"
     SPINDLE_GDN_TRITON_PREFILL=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_hybrid_gpu.py -k "qwen3_next or qwen3_5" 2>&1 | tail -4
+    stamp "Zamba2 on CUDA against CPU transformers"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid_gpu.py \
+        -k zamba2 2>&1 | tail -4
 fi
 
 if [[ $what == ab || $what == all ]]; then

@@ -59,7 +59,8 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
                                         ("qwen3_5_moe", "groups2"),
                                         ("jamba", "default"), ("jamba", "odd-heads"),
                                         ("olmo_hybrid", "default"), ("mamba", "odd-heads"),
-                                        ("falcon_mamba", "default")])
+                                        ("falcon_mamba", "default"), ("zamba2", "default"),
+                                        ("zamba2", "odd-heads")])
 def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape):
     """NemotronH (attention without rotary, squared-ReLU MLPs and experts beside the
     Mamba2 layers; the experts through the fused MoE kernels' gate-less variant) and
@@ -71,7 +72,9 @@ def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape
     step and torch prefill, the conv kernels with SiLU, the per-head gated norm kernel,
     gated attention, experts with a shared expert) and Jamba (the selective scan's Triton
     prefill and decode, attention without positions) and Mamba / FalconMamba (the same
-    kernels on a float32 state, no attention), decode in CUDA graphs."""
+    kernels on a float32 state, no attention) and Zamba2 (shared transformer blocks with
+    adapters, each hybrid layer's own KV cache; dt unclamped in the decode kernel),
+    decode in CUDA graphs."""
     path = tiny_model(arch, **SHAPES[arch][shape])
     prompts = prompts_for(seed=8)
     expected = hf_greedy(path, prompts, MAX_NEW)

@@ -3,7 +3,8 @@ layers beside attention; NemotronH: Mamba2, attention and MLP layers each on its
 FalconH1: attention and Mamba2 side by side in every layer; LFM2 and LFM2-MoE: gated short
 convolutions beside attention; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet beside
 gated attention; OLMo Hybrid: Gated DeltaNet beside OLMo 3 attention; Jamba: Mamba1
-beside attention; Mamba, FalconMamba (Mamba1) and Mamba2: nothing but state-space layers,
+beside attention; Zamba2: Mamba2 layers, some after a shared transformer block; Mamba,
+FalconMamba (Mamba1) and Mamba2: nothing but state-space layers,
 so a cache of state slots and no paged blocks) end to
 end against the oracle: spindle's greedy tokens and logprobs equal transformers' generate on tiny
 random checkpoints, in float32 on CPU, under the regimes that cut the work
@@ -156,6 +157,22 @@ SHAPES = {
         "odd-heads": dict(hidden_size=48, num_layers=3, state_size=8, conv_kernel=3,
                           time_step_rank=3, use_bias=True),
     },
+    # Zamba2: Mamba2 layers, every other one first running one of the shared transformer
+    # blocks on [x, embeddings] (two blocks with per-position adapters and rotary by
+    # default; one block, biases and no rotary in groups2; attention without adapters,
+    # grouped KV heads and a hybrid first layer in odd-heads).
+    "zamba2": {
+        "default": dict(num_layers=4),
+        "groups2": dict(num_layers=5, mamba_ngroups=2, chunk_size=8, num_mem_blocks=1,
+                        use_mem_rope=False, add_bias_linear=True, hidden_act="silu",
+                        tie_word_embeddings=False),
+        "odd-heads": dict(hidden_size=48, num_layers=4, num_heads=3, num_key_value_heads=1,
+                          n_mamba_heads=3, mamba_ngroups=3, mamba_d_state=8,
+                          chunk_size=4, mamba_d_conv=3, use_shared_attention_adapter=False,
+                          hidden_act="gelu_pytorch_tanh",
+                          layers_block_type=("hybrid", "linear_attention", "hybrid",
+                                             "hybrid")),
+    },
     "mamba2": {
         "default": {},
         "groups2": dict(num_layers=3, n_groups=2, chunk_size=8),
@@ -283,7 +300,8 @@ def test_tensor_parallel_equals_transformers(reference, arch):
                                         ("lfm2", 1), ("lfm2_moe", 2), ("qwen3_next", 1),
                                         ("qwen3_5", 2), ("qwen3_5_moe", 1), ("jamba", 1),
                                         ("olmo_hybrid", 2), ("mamba", 1),
-                                        ("falcon_mamba", 2), ("mamba2", 2)])
+                                        ("falcon_mamba", 2), ("mamba2", 2),
+                                        ("zamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):
     path, prompts, expected = reference(arch, "default")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -34,6 +34,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "MambaForCausalLM": "spindle.models.mamba:MambaForCausalLM",
     "FalconMambaForCausalLM": "spindle.models.mamba:FalconMambaForCausalLM",
     "NemotronHForCausalLM": "spindle.models.nemotron_h:NemotronHForCausalLM",
+    "Zamba2ForCausalLM": "spindle.models.zamba2:Zamba2ForCausalLM",
     "Olmo2ForCausalLM": "spindle.models.olmo_hybrid:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "spindle.models.olmo_hybrid:Olmo3ForCausalLM",
     "OlmoHybridForCausalLM": "spindle.models.olmo_hybrid:OlmoHybridForCausalLM",

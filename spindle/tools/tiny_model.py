@@ -53,6 +53,7 @@ ARCHITECTURES = {
     "mamba": "MambaForCausalLM",
     "falcon_mamba": "FalconMambaForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "zamba2": "Zamba2ForCausalLM",
     "granite_hybrid": "GraniteMoeHybridForCausalLM",
     "granite": "GraniteForCausalLM",
     "granite_moe": "GraniteMoeForCausalLM",
@@ -79,6 +80,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "mamba2": "Mamba2Config", "mamba": "MambaConfig",
                   "falcon_mamba": "FalconMambaConfig", "nemotron_h": "NemotronHConfig",
+                  "zamba2": "Zamba2Config",
                   "granite_hybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config",
                   "granite": "GraniteConfig", "granite_moe": "GraniteMoeConfig",
                   "granite_moe_shared": "GraniteMoeSharedConfig",
@@ -129,6 +131,14 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 # for "moe" layers: 4 experts of 32, 2 per token, a shared one of 48
                 "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "moe_shared_expert_intermediate_size": 48}
+    if arch == "zamba2":  # Mamba2 layers, every other one hybrid (a shared transformer
+        # block first); two shared blocks with adapters, rotary, GELU, heads of 2 * hidden / 4
+        kinds = ["hybrid" if i % 2 else "linear_attention" for i in range(num_layers)]
+        return {"layers_block_type": kinds, "n_mamba_heads": num_heads, "mamba_ngroups": 1,
+                "mamba_d_state": 16, "chunk_size": 16, "num_key_value_heads": num_heads,
+                "head_dim": 2 * hidden_size // num_heads,
+                "num_mem_blocks": 2, "use_shared_attention_adapter": True, "adapter_rank": 8,
+                "use_mem_rope": True, "hidden_act": "gelu"}
     if arch == "granite_hybrid":  # Bamba's layout, dense (no experts), Granite's scalings
         kinds = ["mamba"] * num_layers
         kinds[num_layers // 2] = "attention"
@@ -395,7 +405,23 @@ def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD,
         # token signal in the residual stream.
         head = model.get_output_embeddings().weight
         head.mul_(head_std / head.std())
+        if getattr(config, "model_type", None) == "zamba2":
+            _tie_zamba2_blocks(model)
     return model
+
+
+def _tie_zamba2_blocks(model: torch.nn.Module) -> None:
+    """Give every hybrid layer of a Zamba2 model the weights of the shared block it uses
+    (hybrid layer j: block j % num_mem_blocks, held by hybrid layer j % num_mem_blocks).
+    transformers builds the copies untied, each with weights of its own; the released
+    checkpoints hold one set per block."""
+    config, layers = model.config, model.model.layers
+    hybrid = config.hybrid_layer_ids
+    for position, layer in enumerate(hybrid):
+        source = hybrid[position % config.num_mem_blocks]
+        if source != layer:
+            layers[layer].shared_transformer.load_state_dict(
+                layers[source].shared_transformer.state_dict())
 
 
 # Norm weights (initialised as ones): "norm_f" is the final norm of Mamba2 / NemotronH.

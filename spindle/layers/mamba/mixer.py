@@ -50,13 +50,16 @@ class MambaMixer(nn.Module):
                  time_step_limit: tuple[float, float], conv_bias: bool, proj_bias: bool,
                  tp_group: TensorParallelGroup, norm_group_size: int | None = None,
                  gate: str = GATE_THEN_NORM, out_proj_bias: bool | None = None,
-                 in_proj_multipliers: Sequence[float] | None = None) -> None:
+                 in_proj_multipliers: Sequence[float] | None = None,
+                 limit_decode_steps: bool = True) -> None:
         """gate: how the output meets the gate z: GATE_THEN_NORM (Mamba2's
         weight * rmsnorm(y * silu(z))), NORM_THEN_GATE (weight * rmsnorm(y) * silu(z)) or
         GATE_ONLY (y * silu(z), no norm and no weight). out_proj_bias: out_proj's own
         bias switch (default: proj_bias, as in_proj's). in_proj_multipliers: five
         factors for in_proj's z, x, B, C and dt outputs (FalconH1's maximal-update
-        multipliers), applied in the model's dtype after the projection."""
+        multipliers), applied in the model's dtype after the projection.
+        limit_decode_steps: whether time_step_limit also holds in a decode step's update
+        (False: in the chunked scan only, as transformers' Zamba2 and mamba_ssm do)."""
         super().__init__()
         if gate not in GATE_MODES:
             raise ValueError(f"gate must be one of {GATE_MODES}, got {gate!r}")
@@ -77,6 +80,8 @@ class MambaMixer(nn.Module):
         self.conv_kernel = conv_kernel
         self.chunk_size = chunk_size
         self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
+        self.decode_time_step_limit = (self.time_step_limit if limit_decode_steps
+                                       else (0.0, math.inf))
         self.intermediate = self.num_heads * head_dim
         self.group_width = self.n_groups * state_size
         self.conv_channels = self.intermediate + 2 * self.group_width
@@ -144,7 +149,7 @@ class MambaMixer(nn.Module):
                                        state_indices)
         x, B, C = self._split_xbc(xbc)
         return ops.ssd_decode(x, dt, self.A_log, B, C, self.D, self.dt_bias,
-                              self.time_step_limit, ssm_state, state_indices)
+                              self.decode_time_step_limit, ssm_state, state_indices)
 
     def _prefill(self, ops, xbc: torch.Tensor, dt: torch.Tensor,
                  md: MambaMetadata) -> torch.Tensor:
