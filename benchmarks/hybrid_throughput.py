@@ -1,16 +1,19 @@
 """GPU throughput of a hybrid (state-space + attention) model: a ~1B-parameter random
 bf16 checkpoint on the "nano" workload, and batch-1 decode. --arch picks its shape:
 Bamba (Mamba2, the default), Qwen3.5 (Gated DeltaNet, dense), Jamba (Mamba1, experts
-every other layer) or Mamba (Mamba1 layers only, a float32 state: mamba-1.4b's shape).
+every other layer), Mamba (Mamba1 layers only, a float32 state: mamba-1.4b's shape) or
+Zamba2 (Mamba2 layers, a shared transformer block every sixth: Zamba2-1.2B-like).
 
 The roofline counts what every decode step must read at least once: all weights (for
-Jamba's experts: all of them, so its bound is generous at small batches), the
+Jamba's experts: all of them, so its bound is generous at small batches; Zamba2's shared
+block once per layer that runs it), the
 attention KV of every live sequence (only the attention layers have one), and every
 live sequence's state (each state layer's cache spec: conv + SSM or recurrent state;
 the step also writes it back, which the bound leaves out, so the bound is generous).
 The copy bandwidth is measured in the same run.
 
-    python benchmarks/hybrid_throughput.py [--arch bamba|qwen3_5|jamba|mamba] [--json out.json]
+    python benchmarks/hybrid_throughput.py [--arch bamba|qwen3_5|jamba|mamba|zamba2]
+                                           [--json out.json]
                                            [--num-seqs 256]
 """
 
@@ -58,7 +61,20 @@ JAMBA_1B = dict(vocab_size=32000, hidden_size=1536, intermediate_size=3072,
 MAMBA_1_4B = dict(vocab_size=50280, hidden_size=2048, num_hidden_layers=48, state_size=16,
                   conv_kernel=4, expand=2, time_step_rank="auto", tie_word_embeddings=True,
                   bos_token_id=0, eos_token_id=1, pad_token_id=2)
+# Zamba2-1.2B-like: 38 Mamba2 layers of 2048 (64 heads of 64, state 64), every sixth one
+# first running the one shared transformer block (32 heads of 128 over [x, embeddings],
+# rotary, an MLP of 8192 with rank-128 adapters per use).
+ZAMBA2_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                 num_hidden_layers=38, num_attention_heads=32, num_key_value_heads=32,
+                 n_mamba_heads=64, mamba_d_state=64, mamba_ngroups=1, mamba_d_conv=4,
+                 mamba_expand=2, chunk_size=256, num_mem_blocks=1, adapter_rank=128,
+                 use_shared_attention_adapter=False, use_mem_rope=True,
+                 layers_block_type=["hybrid" if i % 6 == 5 else "linear_attention"
+                                    for i in range(38)],
+                 tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                 bos_token_id=0, eos_token_id=1, pad_token_id=2)
 SHAPES = {"bamba": ("BambaConfig", "BambaForCausalLM", BAMBA_1B),
+          "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", ZAMBA2_1B),
           "mamba": ("MambaConfig", "MambaForCausalLM", MAMBA_1_4B),
           "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5_1B),
           "jamba": ("JambaConfig", "JambaForCausalLM", JAMBA_1B)}
@@ -80,6 +96,26 @@ def write_checkpoint(out: Path, arch: str) -> Path:
     del model
     torch.cuda.empty_cache()
     return out
+
+
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every parameter once, and a shared block's
+    (Zamba2's) weights once more for each further layer that runs it (a block is
+    hundreds of MB: it does not stay in L2 from one use to the next). Adapters are per
+    use already."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    blocks = getattr(model.model, "shared_blocks", None)
+    if blocks is None:
+        return total
+    uses = [0] * len(blocks)
+    for layer in model.model.layers:
+        if hasattr(layer, "block_index"):
+            uses[layer.block_index] += 1
+    for block, count in zip(blocks, uses):
+        shared = sum(p.numel() * p.element_size() for name, p in block.named_parameters()
+                     if "adapter_list" not in name)
+        total += max(0, count - 1) * shared
+    return total
 
 
 def cache_bytes(model: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
@@ -181,9 +217,11 @@ def run(args) -> dict:
         result["startup_s"] = time.perf_counter() - start
         result["startup_table"] = llm.engine.core.startup_table
         runner = llm.engine.core.executor.worker.runner
-        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        weight_bytes = weight_bytes_read(runner.model)
         result["weight_bytes"] = weight_bytes
         result["params_b"] = sum(p.numel() for p in runner.model.parameters()) / 1e9
+        # (the parameters a token multiplies through: shared blocks once per use)
+        result["params_used_b"] = weight_bytes / 2 / 1e9
         kv_per_token, state_per_seq = cache_bytes(runner.model, torch.bfloat16)
         result.update(kv_bytes_per_token=kv_per_token, state_bytes_per_seq=state_per_seq)
 
@@ -207,7 +245,7 @@ def run(args) -> dict:
                                  bandwidth)
         full_floor = full_floor_seconds(prompts, outputs, weight_bytes, kv_per_token,
                                         state_per_seq, bandwidth, flops,
-                                        matmul_params(result["params_b"] * 1e9,
+                                        matmul_params(result["params_used_b"] * 1e9,
                                                       SHAPES[args.arch][2]))
         result.update(full_floor_s=full_floor, ratio_to_full_floor=full_floor / seconds)
         result.update(nano_output_tokens=produced, nano_seconds=seconds,
