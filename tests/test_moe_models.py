@@ -5,7 +5,8 @@ split across two ranks), and with Qwen3-MoE's dense layers and routing options. 
 also: sigmoid routing with a correction bias, q/k normalised over their whole width (the
 sums of squares all-reduced under TP), half of each head rotated. GLM-4.5: a dense
 first layer, DeepSeek-V3 routing (groups, a correction bias, scaling) with a shared expert,
-biases on q/k/v only, per-head q/k norms, half of each head rotated."""
+biases on q/k/v only, per-head q/k norms, half of each head rotated. DeepSeek-V3: that MoE
+behind multi-head latent attention, served from a cached latent (the absorbed form)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ CASES = {
     "mixtral": {},
     "minimax_m2": {},
     "glm4_moe": {},
+    # DeepSeek-V3: GLM-4.5's experts behind multi-head latent attention (queries through
+    # a low-rank pair, interleaved rotary); then without the pair, rotate-half rotary,
+    # biases and YaRN with mscale_all_dim (a softmax scale and a cos/sin factor).
+    "deepseek_v3": {},
+    "deepseek_v3-yarn": dict(arch="deepseek_v3", q_lora_rank=None, rope_interleave=False,
+                             attention_bias=True,
+                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                              "factor": 4.0, "mscale": 1.0,
+                                              "mscale_all_dim": 0.8,
+                                              "original_max_position_embeddings": 512,
+                                              "beta_fast": 32, "beta_slow": 1}),
     "granite_moe": {},  # (Granite 3.x: the experts stacked, Granite's multipliers)
     "granite_moe_shared": {},  # (and a shared SwiGLU MLP beside the experts)
 }
@@ -72,7 +84,7 @@ def test_greedy_equals_transformers(checkpoint, case):
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
-                                  "granite_moe_shared"])
+                                  "granite_moe_shared", "deepseek_v3-yarn"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,
@@ -91,7 +103,8 @@ def test_experts_that_do_not_split_across_ranks_are_refused(tiny_model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
+                                  "deepseek_v3"])
 def test_cuda_fused_experts_in_cuda_graphs_equal_transformers(checkpoint, case):
     """The fused grouped GEMMs end to end on CUDA (float32, decode replayed from CUDA
     graphs), against transformers on the CPU."""
@@ -121,14 +134,15 @@ def test_minimax_m2_stacked_experts_load_too(checkpoint, tmp_path):
         check(llm, expected)
 
 
-def test_glm4_moe_multi_token_prediction_layers_are_not_loaded(checkpoint, tmp_path):
-    """GLM-4.5 checkpoints store their MTP layer after the model's layers
+@pytest.mark.parametrize("case", ["glm4_moe", "deepseek_v3"])
+def test_multi_token_prediction_layers_are_not_loaded(checkpoint, tmp_path, case):
+    """GLM-4.5 and DeepSeek-V3 checkpoints store their MTP layer after the model's layers
     (model.layers.<num_hidden_layers>.*)."""
     import json
 
     from checkpoint_utils import rewritten_checkpoint
 
-    path, expected = checkpoint("glm4_moe")
+    path, expected = checkpoint(case)
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
 
     def with_mtp(tensors):

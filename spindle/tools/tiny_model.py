@@ -72,6 +72,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -91,7 +92,8 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "qwen3_5_moe": "Qwen3_5MoeTextConfig",
                   "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config",
-                  "glm4_moe": "Glm4MoeConfig", "phi3": "Phi3Config",
+                  "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
+                  "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
@@ -100,7 +102,8 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
                         "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                         "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
-                        "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                        "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                        "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -225,6 +228,16 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 2,
                 "topk_group": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": True,
                 "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5}
+    if arch == "deepseek_v3":  # GLM-4.5's experts and routing; latent attention: queries
+        # through a rank-24 q_a/q_b pair, a latent of 32, heads of 16 + 8 rotated
+        # (interleaved) features, values of 16
+        return {"first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 2,
+                "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 16, "rope_interleave": True,
+                # (transformers' MLA repeats its per-head keys num_heads / num_kv_heads times)
+                "num_key_value_heads": num_heads}
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}

@@ -1,0 +1,168 @@
+"""DeepseekV3ForCausalLM: DeepSeek-V3 / R1 and the models built on its architecture (Kimi
+K2, ...): multi-head latent attention (MLA), then a dense SwiGLU MLP for the first
+``first_k_dense_replace`` layers and routed experts with shared experts after them (the
+same routing as GLM-4.5: models/glm4_moe.py).
+
+MLA, as transformers computes it: queries from ``q_proj`` (or a low-rank ``q_a_proj``,
+RMSNorm, ``q_b_proj``), each head ``qk_nope_head_dim`` features without position and
+``qk_rope_head_dim`` rotated ones; one latent per token, ``kv_a_proj_with_mqa``'s first
+``kv_lora_rank`` features RMS-normed (c) and its last ``qk_rope_head_dim`` rotated (the
+key's rotary part, shared by all heads); ``kv_b_proj`` expands c into each head's
+non-rotary key and its value. Scores scale by qk_head_dim ** -0.5, times YaRN's
+``mscale_all_dim`` factor squared where the rope is YaRN.
+
+spindle caches the latent, not the expanded keys and values: the expansion is folded
+into the query and the output (the "absorbed" form). Head h's score q_nope . (W_k c) +
+q_rot . k_rot equals [W_k^T q_nope, q_rot] . [c, k_rot], so attention runs as one KV head
+of kv_lora_rank + qk_rope_head_dim features shared by every query head (multi-query),
+whose values are [c, 0]; the output's first kv_lora_rank features times W_v are the
+head's output. So a token costs 2 x (kv_lora_rank + qk_rope_head_dim) cached values per
+layer (576 x 2 for DeepSeek-V3: the value copy of c is the price of reusing the paged
+attention path as it is) instead of heads x (qk_head_dim + v_head_dim) expanded.
+Under tensor parallelism the heads (q, kv_b_proj, o_proj) split across ranks and every
+rank holds the whole latent.
+
+``rope_interleave`` (the default) rotates interleaved pairs (x0, x1), (x2, x3), ...;
+transformers returns them de-interleaved (evens' results, then odds'), and so does this,
+for q and k alike. The checkpoint's multi-token-prediction layers (indices from
+``num_hidden_layers`` on) are not loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from spindle.attention import Attention
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.linear import ColumnParallelLinear, RowParallelLinear
+from spindle.layers.norm import RMSNorm
+from spindle.layers.rotary import apply_rotary, rope_parameters_from_config
+from spindle.models.bamba import HybridLayout, PreNormAttentionLayer, attention_only_layout
+from spindle.models.glm4_moe import Glm4MoeForCausalLM, glm4_moe_feed_forward
+from spindle.models.nemotron_h import check_routing
+
+
+def check_supported_config(hf_config: Any) -> None:
+    """Reject config features this implementation would silently get wrong."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    check_routing(hf_config)
+    if hf_config.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim must be even, got {hf_config.qk_rope_head_dim}")
+
+
+def softmax_scale(hf_config: Any) -> float:
+    """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared (the
+    reference implementation's scale of the non-rotary features too)."""
+    scale = (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters_from_config(hf_config)
+    all_dim = params.get("mscale_all_dim") or 0
+    factor = params.get("factor") or 1.0
+    if params.get("rope_type", "default") != "default" and all_dim and factor > 1:
+        mscale = 0.1 * all_dim * torch.log(torch.tensor(float(factor))).item() + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def mla_layout(hf_config: Any) -> HybridLayout:
+    """The rotary table covers the rotated part of a head (qk_rope_head_dim)."""
+    return attention_only_layout(hf_config, hf_config.qk_rope_head_dim)
+
+
+def deinterleaved(x: torch.Tensor) -> torch.Tensor:
+    """[..., (x0, x1, x2, x3, ...)] -> [..., x0, x2, ..., x1, x3, ...]: interleaved rotary
+    pairs laid out as rotate-half pairs, where the rotation is the same."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+        self.nope_dim, self.rope_dim = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim
+        self.v_dim, self.lora_rank = hf_config.v_head_dim, hf_config.kv_lora_rank
+        self.interleaved = bool(getattr(hf_config, "rope_interleave", True))
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        single = TensorParallelGroup.single()
+        q_width = heads * (self.nope_dim + self.rope_dim)
+        self.q_lora_rank = getattr(hf_config, "q_lora_rank", None)
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, q_width, bias=False, tp_group=tp_group)
+        else:
+            self.q_a_proj = ColumnParallelLinear(hidden, self.q_lora_rank, bias=bias,
+                                                 tp_group=single)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_width, bias=False,
+                                                 tp_group=tp_group)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.lora_rank + self.rope_dim,
+                                                       bias=bias, tp_group=single)
+        self.kv_a_layernorm = RMSNorm(self.lora_rank, eps=1e-6)
+        self.kv_b_proj = ColumnParallelLinear(self.lora_rank, heads * (self.nope_dim + self.v_dim),
+                                              bias=False, tp_group=tp_group)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias, tp_group=tp_group)
+        self.num_heads = heads // tp_group.size  # rank-local (the column splits' divide)
+        self.attn = Attention(self.num_heads, self.lora_rank + self.rope_dim,
+                              softmax_scale(hf_config), num_kv_heads=1)
+
+    def _queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            return self.q_proj(hidden_states)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+
+    def _rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(deinterleaved(x) if self.interleaved else x, cos, sin)
+
+    def _expansion(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight as this rank's heads' key map [H, nope, lora] and value map
+        [H, v, lora]."""
+        weight = self.kv_b_proj.weight
+        if weight.dim() != 2 or not weight.dtype.is_floating_point:
+            raise ValueError("multi-head latent attention needs kv_b_proj as a dense weight, "
+                             f"got {weight.dtype} {tuple(weight.shape)}")
+        per_head = weight.to(dtype).view(self.num_heads, self.nope_dim + self.v_dim,
+                                         self.lora_rank)
+        return per_head[:, :self.nope_dim], per_head[:, self.nope_dim:]
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.shape[0]
+        q = self._queries(hidden_states).view(tokens, self.num_heads,
+                                              self.nope_dim + self.rope_dim)
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split(
+            [self.lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rot = self._rotated(q_rot, cos, sin)
+        k_rot = self._rotated(k_rot.reshape(tokens, 1, self.rope_dim), cos, sin)
+        key_map, value_map = self._expansion(q.dtype)
+        # (the key expansion folded into the query: [T, H, nope] x [H, nope, lora])
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, key_map)
+        query = torch.cat([q_latent, q_rot], dim=-1).reshape(tokens, -1)
+        key = torch.cat([latent, k_rot.reshape(tokens, self.rope_dim)], dim=-1)
+        value = torch.cat([latent, latent.new_zeros(tokens, self.rope_dim)], dim=-1)
+        out = self.attn(query, key, value).view(tokens, self.num_heads, -1)[..., :self.lora_rank]
+        out = torch.einsum("thl,hvl->thv", out, value_map)  # the value expansion
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
+
+
+class DeepseekV3DecoderLayer(PreNormAttentionLayer):
+    @staticmethod
+    def make_attention(hf_config: Any, layout: HybridLayout,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        return MultiHeadLatentAttention(hf_config, tp_group)
+
+
+class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
+    check_config = staticmethod(check_supported_config)
+    layout = staticmethod(mla_layout)
+    feed_forward = staticmethod(glm4_moe_feed_forward)
+    decoder_layer = DeepseekV3DecoderLayer
+
+    def param_name(self, hf_name: str) -> tuple[str, Any]:
+        if ".self_attn." in hf_name:  # (MLA's projections are its own, nothing merged)
+            return hf_name, None
+        return super().param_name(hf_name)
