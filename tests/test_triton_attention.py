@@ -611,3 +611,18 @@ def test_decode_order_is_longest_first_with_ties_and_padding_in_batch_order():
     assert not longest_first_enabled({}) and not longest_first_enabled({LONGEST_FIRST_ENV: "0"})
     with pytest.raises(ValueError, match=f"{LONGEST_FIRST_ENV} must be 0 or 1"):
         longest_first_enabled({LONGEST_FIRST_ENV: "yes"})
+
+
+@pytest.mark.parametrize("num_heads,head_dim", [(4, 40), (16, 576)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latent_attention_heads(num_heads, head_dim, dtype):
+    """Multi-head latent attention's shape (models/deepseek_v3.py): one KV head of
+    kv_lora_rank + qk_rope_head_dim features for every query head (576: DeepSeek-V3's),
+    a width no power of two; prefill with earlier context and decode."""
+    for query_lens, context_lens in (([1, 7, 20], [0, 40, 17]), ([1, 1, 1], [0, 40, 100])):
+        case = make_case(query_lens, context_lens, num_heads, 1, head_dim, 16, dtype,
+                         seed=head_dim + len(query_lens))
+        out, scale = run_backend(case, num_heads, 1, head_dim)
+        ref, _, _ = reference(case, scale)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < REL_TOL[dtype]
