@@ -294,3 +294,16 @@ def test_a_model_of_state_layers_only_needs_no_blocks():
     (slot,), = m.get_block_ids("a")
     assert slot in range(3)
     assert m.can_ever_fit(10**6)
+
+
+def test_a_page_whose_values_are_its_keys_holds_one_plane():
+    both = AttentionCacheSpec(1, 40, torch.float32)
+    keys_only = AttentionCacheSpec(1, 40, torch.float32, values_are_keys=True)
+    assert keys_only.block_bytes(16) * 2 == both.block_bytes(16)
+    assert keys_only.page_key != both.page_key  # (never one tensor for the two)
+    pages = torch.zeros(keys_only.shape(5, 16))
+    seen = keys_only.layer_view(pages)
+    assert seen.shape == (2, 5, 16, 1, 40)
+    seen[1, 2, 3, 0, 4] = 7.0  # a value written lands on the key
+    assert pages[0, 2, 3, 0, 4] == 7.0 and seen[0, 2, 3, 0, 4] == 7.0
+    assert both.layer_view(pages) is pages

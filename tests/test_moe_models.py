@@ -155,3 +155,32 @@ def test_multi_token_prediction_layers_are_not_loaded(checkpoint, tmp_path, case
     with LLM(str(rewritten_checkpoint(path, tmp_path / "mtp", with_mtp)), device="cpu",
              dtype="float32", max_model_len=256) as llm:
         check(llm, expected)
+
+
+def test_deepseek_v3_caches_the_latent_once_and_survives_sleep(checkpoint):
+    """Latent attention's cache holds its keys only (they are its values too): one plane
+    of kv_lora_rank + qk_rope_head_dim per token and layer, the layer reading it as
+    both; the output stays transformers' across sleep at level 1 and 2."""
+    path, expected = checkpoint("deepseek_v3")
+    with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,
+             enable_sleep_mode=True) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        pages = runner.kv_caches[0]
+        assert pages.shape[0] == 1 and pages.shape[-2:] == (1, 32 + 8)
+        layer = runner.cache_layout.group_layers[0][0]
+        assert layer.kv_cache.shape[0] == 2 and layer.kv_cache.stride(0) == 0
+        assert layer.kv_cache.data_ptr() == pages.data_ptr()
+        check(llm, expected)
+        for level in (1, 2):
+            llm.sleep(level=level)
+            llm.wake_up()
+            check(llm, expected)
+
+
+def test_latent_attention_refuses_values_other_than_its_keys():
+    from spindle.attention import Attention
+
+    attn = Attention(2, 8, 0.3, 1, values_are_keys=True)
+    k = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="pass v = k"):
+        attn(torch.zeros(3, 16), k, k.clone())

@@ -30,7 +30,9 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  backend: str | None = None, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, values_are_keys: bool = False) -> None:
+        """values_are_keys: forward's v is always its k (multi-head latent attention's
+        latent), so the cache keeps one plane (AttentionCacheSpec.values_are_keys)."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -40,6 +42,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         # Scores become cap * tanh(scores / cap) before masking (None: no cap).
         self.logits_soft_cap = logits_soft_cap
+        self.values_are_keys = values_are_keys
         self.backend_name = backend
         self.impl = self._make_impl(backend)
         self.kv_cache: torch.Tensor | None = None
@@ -53,7 +56,8 @@ class Attention(nn.Module):
 
     def cache_spec(self, dtype: torch.dtype) -> AttentionCacheSpec:
         """What this layer caches: paged keys and values (spindle/cache/spec.py)."""
-        return AttentionCacheSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
+        return AttentionCacheSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window,
+                                  self.values_are_keys)
 
     def use_backend(self, name: str) -> None:
         """Switch the math to another registered backend (the runner picks the
@@ -67,6 +71,8 @@ class Attention(nn.Module):
         A backend whose class sets ``fuses_qk_transform`` takes it as a keyword and
         folds it into its own kernels (Triton: one decode launch does rotary, KV store
         and attention); for any other backend it is applied here first."""
+        if self.values_are_keys and v is not k:
+            raise ValueError("this attention caches its keys as its values too: pass v = k")
         attn_metadata = get_forward_context().for_group(self.cache_group)
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)

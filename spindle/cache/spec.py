@@ -5,6 +5,9 @@ A layer that caches something has a ``cache_spec()`` method returning one of:
 * ``AttentionCacheSpec``: paged keys and values, ``block_size`` tokens per block;
   with ``sliding_window`` W, a token attends to the W newest positions only (itself
   included), so blocks wholly before the window can be freed as decoding moves on.
+  With ``values_are_keys`` the layer's values are its keys (multi-head latent
+  attention: both are the latent), so a page holds the keys only and the layer sees
+  them twice (a stride-0 view), at half the memory.
 * ``MambaCacheSpec``: a fixed-size state per sequence (a state-space layer's conv
   and SSM states): one state slot per running sequence, whatever its length.
 * ``CrossAttentionCacheSpec``: an encoder-decoder's cross-attention keys and values,
@@ -50,6 +53,7 @@ class AttentionCacheSpec:
     head_dim: int
     dtype: torch.dtype
     sliding_window: int | None = None
+    values_are_keys: bool = False
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -62,10 +66,18 @@ class AttentionCacheSpec:
     @property
     def page_key(self) -> tuple:
         """Layers whose pages have one shape can share a tensor."""
-        return (self.num_kv_heads, self.head_dim, self.dtype)
+        return (self.num_kv_heads, self.head_dim, self.dtype, self.values_are_keys)
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        """The tensor to allocate: keys and values, or keys only (values_are_keys)."""
+        planes = 1 if self.values_are_keys else 2
+        return (planes, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def layer_view(self, pages: torch.Tensor) -> torch.Tensor:
+        """What the layer reads as its kv_cache, [2, blocks, block_size, kv heads, head
+        dim] either way: with values_are_keys, the one plane seen as both (writes of
+        the values then land on the keys, which the layer makes equal)."""
+        return pages.expand(2, *pages.shape[1:]) if self.values_are_keys else pages
 
     def block_bytes(self, block_size: int) -> int:
         return math.prod(self.shape(1, block_size)) * _itemsize(self.dtype)

@@ -14,11 +14,12 @@ non-rotary key and its value. Scores scale by qk_head_dim ** -0.5, times YaRN's
 spindle caches the latent, not the expanded keys and values: the expansion is folded
 into the query and the output (the "absorbed" form). Head h's score q_nope . (W_k c) +
 q_rot . k_rot equals [W_k^T q_nope, q_rot] . [c, k_rot], so attention runs as one KV head
-of kv_lora_rank + qk_rope_head_dim features shared by every query head (multi-query),
-whose values are [c, 0]; the output's first kv_lora_rank features times W_v are the
-head's output. So a token costs 2 x (kv_lora_rank + qk_rope_head_dim) cached values per
-layer (576 x 2 for DeepSeek-V3: the value copy of c is the price of reusing the paged
-attention path as it is) instead of heads x (qk_head_dim + v_head_dim) expanded.
+of kv_lora_rank + qk_rope_head_dim features shared by every query head (multi-query);
+its values are its keys (the output's first kv_lora_rank features are the weighted sum
+of c; times W_v they are the head's output, the rest is dropped). The cache keeps the
+keys only (``Attention(values_are_keys=True)``): a token costs kv_lora_rank +
+qk_rope_head_dim values per layer (576 for DeepSeek-V3), as transformers caches it,
+against heads x (qk_head_dim + v_head_dim) expanded.
 Under tensor parallelism the heads (q, kv_b_proj, o_proj) split across ranks and every
 rank holds the whole latent.
 
@@ -106,7 +107,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias, tp_group=tp_group)
         self.num_heads = heads // tp_group.size  # rank-local (the column splits' divide)
         self.attn = Attention(self.num_heads, self.lora_rank + self.rope_dim,
-                              softmax_scale(hf_config), num_kv_heads=1)
+                              softmax_scale(hf_config), num_kv_heads=1, values_are_keys=True)
 
     def _queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
@@ -143,8 +144,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_latent = torch.einsum("thn,hnl->thl", q_nope, key_map)
         query = torch.cat([q_latent, q_rot], dim=-1).reshape(tokens, -1)
         key = torch.cat([latent, k_rot.reshape(tokens, self.rope_dim)], dim=-1)
-        value = torch.cat([latent, latent.new_zeros(tokens, self.rope_dim)], dim=-1)
-        out = self.attn(query, key, value).view(tokens, self.num_heads, -1)[..., :self.lora_rank]
+        # (values: the keys themselves; the output's rotary features are dropped)
+        out = self.attn(query, key, key).view(tokens, self.num_heads, -1)[..., :self.lora_rank]
         out = torch.einsum("thl,hvl->thv", out, value_map)  # the value expansion
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
 

@@ -232,7 +232,7 @@ class ModelRunner:
                 self.kv_caches.extend(shared)
                 for g in layout.paged_groups:
                     for j, layer in enumerate(layout.group_layers[g]):
-                        layer.kv_cache = shared[j]
+                        layer.kv_cache = layout.attention_page.layer_view(shared[j])
             for g in layout.state_groups:
                 spec = layout.group_specs[g]
                 for layer in layout.group_layers[g]:

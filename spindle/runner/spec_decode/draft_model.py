@@ -63,9 +63,12 @@ class DraftModelProposer(Proposer):
     def allocate_cache(self, num_blocks, allocate) -> list[torch.Tensor]:
         dtype = self.config.draft.dtype
         block_size = self.runner.config.cache.block_size
+        pages = []
         for layer in self.layers:
-            layer.kv_cache = allocate(layer.cache_spec(dtype).shape(num_blocks, block_size), dtype)
-        return [layer.kv_cache for layer in self.layers]
+            spec = layer.cache_spec(dtype)
+            pages.append(allocate(spec.shape(num_blocks, block_size), dtype))
+            layer.kv_cache = spec.layer_view(pages[-1])
+        return pages
 
     def weights(self) -> list[torch.Tensor]:
         return list(self.model.parameters()) + list(self.model.buffers())
