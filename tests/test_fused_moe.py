@@ -71,3 +71,31 @@ def test_rows_are_grouped_by_expert_in_whole_blocks():
     assert rows[:12] == [1, 4, -1, -1, 3, -1, -1, -1, 0, 2, 5, -1]
     assert all(r == -1 for r in rows[12:])
     assert block_experts[:3] == [0, 1, 2] and all(e == 4 for e in block_experts[3:])
+
+
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_biased_experts_with_the_clamped_swiglu(tokens, hidden, inter, experts, top_k, dtype):
+    """gpt-oss's experts: biases on both projections, (clamp(up) + 1) * g * sigmoid(1.702 g)
+    with g = min(gate, limit); a limit low enough that the clamps bite."""
+    from spindle.distributed.parallel_state import TensorParallelGroup
+    from spindle.layers.fused_moe import fused_experts
+    from spindle.layers.moe import ClampedSwiGLU, FusedExperts
+
+    x, w13, w2, ids, weights = _inputs(tokens, hidden, inter, experts, top_k, dtype,
+                                       seed=tokens + 7 * experts)
+    gen = torch.Generator().manual_seed(tokens)
+    b13 = torch.randn(experts, 2 * inter, generator=gen).to(dtype=dtype, device=DEVICE)
+    b2 = torch.randn(experts, hidden, generator=gen).to(dtype=dtype, device=DEVICE)
+    activation = ClampedSwiGLU(alpha=1.702, limit=1.5)
+    out = fused_experts(x * 3, w13, w2, ids, weights, True, b13, b2, activation)
+    ref_experts = FusedExperts(experts, hidden, inter, TensorParallelGroup.single(), bias=True,
+                               activation=activation)
+    for name, value in (("w13", w13), ("w2", w2), ("w13_bias", b13), ("w2_bias", b2)):
+        getattr(ref_experts, name).data = value.float().cpu()
+    ref = ref_experts((x * 3).float().cpu(), ids.cpu(), weights.float().cpu())
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    else:
+        assert (out.float().cpu() - ref).norm() / ref.norm() < 1e-2

@@ -6,7 +6,9 @@ also: sigmoid routing with a correction bias, q/k normalised over their whole wi
 sums of squares all-reduced under TP), half of each head rotated. GLM-4.5: a dense
 first layer, DeepSeek-V3 routing (groups, a correction bias, scaling) with a shared expert,
 biases on q/k/v only, per-head q/k norms, half of each head rotated. DeepSeek-V3: that MoE
-behind multi-head latent attention, served from a cached latent (the absorbed form)."""
+behind multi-head latent attention, served from a cached latent (the absorbed form).
+gpt-oss: attention sinks, alternating windows, biased experts with a clamped SwiGLU, and
+its released MXFP4 expert weights."""
 
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ CASES = {
                                               "mscale_all_dim": 0.8,
                                               "original_max_position_embeddings": 512,
                                               "beta_fast": 32, "beta_slow": 1}),
+    # gpt-oss: attention sinks, a window of 8 on every other layer, biased experts with the
+    # clamped SwiGLU, a router with a bias (YaRN rotary).
+    "gpt_oss": dict(num_layers=3),
     "granite_moe": {},  # (Granite 3.x: the experts stacked, Granite's multipliers)
     "granite_moe_shared": {},  # (and a shared SwiGLU MLP beside the experts)
 }
@@ -84,7 +89,7 @@ def test_greedy_equals_transformers(checkpoint, case):
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
-                                  "granite_moe_shared", "deepseek_v3-yarn"])
+                                  "granite_moe_shared", "deepseek_v3-yarn", "gpt_oss"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,
@@ -104,7 +109,7 @@ def test_experts_that_do_not_split_across_ranks_are_refused(tiny_model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
-                                  "deepseek_v3"])
+                                  "deepseek_v3", "gpt_oss"])
 def test_cuda_fused_experts_in_cuda_graphs_equal_transformers(checkpoint, case):
     """The fused grouped GEMMs end to end on CUDA (float32, decode replayed from CUDA
     graphs), against transformers on the CPU."""
@@ -184,3 +189,72 @@ def test_latent_attention_refuses_values_other_than_its_keys():
     k = torch.zeros(3, 8)
     with pytest.raises(ValueError, match="pass v = k"):
         attn(torch.zeros(3, 16), k, k.clone())
+
+
+def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., K] -> MXFP4 (blocks uint8 [..., K / 32, 16], scales uint8 [..., K / 32]):
+    per 32 values the power of two that brings the largest to at most 6, each value the
+    nearest e2m1 code (the low nibble first)."""
+    from spindle.models.gpt_oss import FP4_VALUES
+
+    groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(FP4_VALUES[:8])
+    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized(tiny_model, tmp_path):
+    """The released checkpoints keep the experts' weights as MXFP4 blocks and scales:
+    spindle on such a checkpoint equals transformers on the same weights dequantized
+    (written as a plain checkpoint), tokens and logprobs."""
+    import json
+
+    from checkpoint_utils import rewritten_checkpoint
+    from spindle.models.gpt_oss import mxfp4_dequantize
+
+    path = tiny_model("gpt_oss", num_layers=3, hidden_size=64, intermediate_size=64)
+    packed = {}
+
+    def quantized(tensors):  # gate_up_proj [E, H, 2I], down_proj [E, I, H]: per output row
+        out = {}
+        for name, tensor in tensors.items():
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                blocks, scales = _mxfp4(tensor.transpose(1, 2))
+                packed[name] = mxfp4_dequantize(blocks, scales,
+                                                torch.float32).transpose(1, 2).contiguous()
+                out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+            else:
+                out[name] = tensor
+        return out
+
+    mxfp4 = rewritten_checkpoint(path, tmp_path / "mxfp4", quantized)
+    config = json.loads((mxfp4 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (mxfp4 / "config.json").write_text(json.dumps(config))
+    original = {}
+    plain = rewritten_checkpoint(path, tmp_path / "plain",
+                                 lambda t: original.update(t) or {**t, **packed})
+    # (the codes round: the plain checkpoint is another model than the one quantized)
+    assert any(not torch.equal(packed[name], original[name]) for name in packed)
+    expected = hf_greedy(plain, prompts(), MAX_NEW)
+    with LLM(str(mxfp4), device="cpu", dtype="float32", max_model_len=256) as llm:
+        check(llm, expected)
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    """The dequantization against transformers' own (convert_moe_packed_tensors, which
+    also transposes to its [E, in, out] layout), on random codes and scales."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from spindle.models.gpt_oss import mxfp4_dequantize
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(120, 134, (3, 10, 4), generator=gen, dtype=torch.uint8)
+    ours = mxfp4_dequantize(blocks, scales).transpose(1, 2)
+    theirs = convert_moe_packed_tensors(blocks, scales)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    assert torch.equal(ours, theirs)

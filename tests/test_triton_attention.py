@@ -72,10 +72,11 @@ def make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block
         query_lens=query_lens, context_lens=context_lens, block_size=block_size)
 
 
-def reference(case, scale, window=None, soft_cap=None):
+def reference(case, scale, window=None, soft_cap=None, sinks=None):
     """float64 attention of each request's queries over its (cache + new) context; with
     a window W, query at position p sees keys p - W < k <= p only; with soft_cap C,
-    scores become C * tanh(score / C)."""
+    scores become C * tanh(score / C); with sinks [H], each head's softmax has one more
+    logit that weighs nothing (transformers' gpt-oss)."""
     q, kv = case["q"].double(), case["kv_cache"].double().clone()
     bs = case["block_size"]
     flat_k = kv[0].reshape(-1, *kv.shape[3:])
@@ -99,7 +100,12 @@ def reference(case, scale, window=None, soft_cap=None):
         if window is not None:
             visible &= pos[None, :] > query_pos - window
         scores = scores.masked_fill(~visible[None], float("-inf"))
-        outs.append(torch.einsum("hqs,shd->qhd", scores.softmax(-1), values))
+        if sinks is None:
+            weights = scores.softmax(-1)
+        else:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, ql, 1)
+            weights = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        outs.append(torch.einsum("hqs,shd->qhd", weights, values))
         start += ql
     return torch.cat(outs), flat_k, flat_v
 
@@ -131,7 +137,8 @@ def poison_blocks_before_window(case, window) -> int:
     return poisoned
 
 
-def run_backend(case, num_heads, num_kv_heads, head_dim, window=None, ordered=False):
+def run_backend(case, num_heads, num_kv_heads, head_dim, window=None, ordered=False,
+                sinks=None):
     """What the backend does for one step without a q/k transform: decode (one launch
     that stores k/v and attends) or store + prefill. ordered: decode starts the
     requests longest first (meta.decode_order), as the runner has it on a GPU."""
@@ -148,11 +155,12 @@ def run_backend(case, num_heads, num_kv_heads, head_dim, window=None, ordered=Fa
     if meta.max_query_len == 1:
         counters = split_counters(DEVICE)
         decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta, scale, out,
-                         counters, sliding_window=window)
+                         counters, sliding_window=window, sinks=sinks)
         assert not counters.any(), "the last split must leave its counter at zero"
     else:
         store_kv(case["k"], case["v"], case["kv_cache"], case["slot_mapping"])
-        prefill_attention(case["q"], case["kv_cache"], meta, scale, out, sliding_window=window)
+        prefill_attention(case["q"], case["kv_cache"], meta, scale, out, sliding_window=window,
+                          sinks=sinks)
     return out, scale
 
 
@@ -624,5 +632,26 @@ def test_latent_attention_heads(num_heads, head_dim, dtype):
                          seed=head_dim + len(query_lens))
         out, scale = run_backend(case, num_heads, 1, head_dim)
         ref, _, _ = reference(case, scale)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "window"])
+@pytest.mark.parametrize("batch", [1, 17], ids=["split-context", "one-split"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_sinks(window, batch, dtype):
+    """gpt-oss's sinks: a logit per query head in each softmax's denominator, in prefill,
+    in a decode whose context is split (the merge counts the sink once) and one that is
+    not; large sinks, so a wrong share shows."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    gen = torch.Generator().manual_seed(batch)
+    sinks = (3.0 * torch.randn(num_heads, generator=gen)).to(DEVICE)
+    for query_lens, context_lens in (([1, 7, 30], [0, 40, 17]),
+                                     ([1] * batch, [0] + [50 + 13 * i for i in range(batch - 1)])):
+        case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype,
+                         seed=batch + len(query_lens))
+        out, scale = run_backend(case, num_heads, num_kv_heads, head_dim, window=window,
+                                 sinks=sinks)
+        ref, _, _ = reference(case, scale, window=window, sinks=sinks)
         assert not out.isnan().any()
         assert rel_err(out, ref) < REL_TOL[dtype]

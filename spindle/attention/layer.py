@@ -30,9 +30,13 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  backend: str | None = None, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None, values_are_keys: bool = False) -> None:
+                 logits_soft_cap: float | None = None, values_are_keys: bool = False,
+                 sinks: torch.Tensor | None = None) -> None:
         """values_are_keys: forward's v is always its k (multi-head latent attention's
-        latent), so the cache keeps one plane (AttentionCacheSpec.values_are_keys)."""
+        latent), so the cache keeps one plane (AttentionCacheSpec.values_are_keys).
+        sinks: a learned logit per query head [num_heads] (gpt-oss's attention sinks),
+        in every softmax's denominator and attending to nothing: the owner's parameter,
+        which the backend reads at each call (so loads and sleep's swaps show)."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -43,6 +47,10 @@ class Attention(nn.Module):
         # Scores become cap * tanh(scores / cap) before masking (None: no cap).
         self.logits_soft_cap = logits_soft_cap
         self.values_are_keys = values_are_keys
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must be one logit per head ({num_heads}), got "
+                             f"{tuple(sinks.shape)}")
+        self._sinks = (sinks,)  # (in a tuple: the owner registers the parameter, not this)
         self.backend_name = backend
         self.impl = self._make_impl(backend)
         self.kv_cache: torch.Tensor | None = None
@@ -52,7 +60,7 @@ class Attention(nn.Module):
     def _make_impl(self, backend: str | None):
         return get_backend(backend)(self.num_heads, self.head_dim, self.scale,
                                     self.num_kv_heads, sliding_window=self.sliding_window,
-                                    logits_soft_cap=self.logits_soft_cap)
+                                    logits_soft_cap=self.logits_soft_cap, sinks=self._sinks[0])
 
     def cache_spec(self, dtype: torch.dtype) -> AttentionCacheSpec:
         """What this layer caches: paged keys and values (spindle/cache/spec.py)."""

@@ -7,9 +7,9 @@ GEMM launches, no host synchronisation (so it can be captured in CUDA graphs).
    (the row list has room for T * k + E * (BLOCK_M - 1) rows, the worst case).
 2. gate/up: each block's rows of x times its expert's [gate | up] weight, SiLU(gate) *
    up fused into the epilogue -> [rows, I] (experts without a gate: the up weight,
-   relu(x)^2 in the epilogue).
-3. down: those rows times the expert's down weight, each row scaled by its routing
-   weight -> one row per (token, choice).
+   relu(x)^2 in the epilogue; gpt-oss's: biases, and the clamped SwiGLU).
+3. down: those rows times the expert's down weight (plus its bias), each row scaled by
+   its routing weight -> one row per (token, choice).
 4. A token's k rows are summed (in the order of its choices).
 
 Padding rows point at no pair (-1) and are neither read nor written; blocks past the
@@ -53,11 +53,14 @@ def align_by_expert(top_ids: torch.Tensor, num_experts: int, block_m: int = BLOC
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   top_ids: torch.Tensor, top_weights: torch.Tensor,
-                  gated: bool = True) -> torch.Tensor:
+                  gated: bool = True, w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None, activation=None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] ([gate | up]), w2 [E, H, I], top_ids / top_weights
     [T, k] -> sum over each token's choices of weight * down(silu(gate) * up), [T, H]
     in x's dtype (the products accumulated in float32). gated=False: w13 [E, I, H] is
-    the up projection alone, and the experts compute down(relu(up)^2)."""
+    the up projection alone, and the experts compute down(relu(up)^2). w13_bias [E, 2I]
+    and w2_bias [E, H]: added to each projection; activation: moe.ClampedSwiGLU's
+    alpha and limit in place of SiLU."""
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
@@ -72,26 +75,34 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ieee = x.dtype == torch.float32
     block_n, block_k = (32, 32) if ieee else (64, 64)
     weights = top_weights.reshape(-1)
+    clamped = activation is not None
+    alpha, limit = (activation.alpha, activation.limit) if clamped else (1.0, 0.0)
     # gate/up: rows -> act (act rows follow the padded row list).
     _grouped_gemm_kernel[(capacity // BLOCK_M, triton.cdiv(inter, block_n))](
-        x, w13, act, rows, block_experts, weights, inter, hidden, num_experts,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        K_TOKENS=k, GATED=gated, RELU2=not gated, SCALE=False, GATHER_A=True, IEEE=ieee,
+        x, w13, act, rows, block_experts, weights, w13 if w13_bias is None else w13_bias,
+        inter, hidden, num_experts, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        0 if w13_bias is None else w13_bias.stride(0), alpha, limit,
+        K_TOKENS=k, GATED=gated, RELU2=not gated, CLAMPED=clamped, SCALE=False,
+        GATHER_A=True, BIAS=w13_bias is not None, IEEE=ieee,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     # down: act rows -> one output row per (token, choice), scaled by its weight.
     _grouped_gemm_kernel[(capacity // BLOCK_M, triton.cdiv(hidden, block_n))](
-        act, w2, out_rows, rows, block_experts, weights, hidden, inter, num_experts,
-        act.stride(0), w2.stride(0), w2.stride(1), out_rows.stride(0),
-        K_TOKENS=k, GATED=False, RELU2=False, SCALE=True, GATHER_A=False, IEEE=ieee,
+        act, w2, out_rows, rows, block_experts, weights, w2 if w2_bias is None else w2_bias,
+        hidden, inter, num_experts, act.stride(0), w2.stride(0), w2.stride(1),
+        out_rows.stride(0), 0 if w2_bias is None else w2_bias.stride(0), 1.0, 0.0,
+        K_TOKENS=k, GATED=False, RELU2=False, CLAMPED=False, SCALE=True, GATHER_A=False,
+        BIAS=w2_bias is not None, IEEE=ieee,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     return out_rows.view(num_tokens, k, hidden).sum(dim=1)
 
 
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, block_experts_ptr, weights_ptr,
-                         N, K, num_experts, stride_a, stride_we, stride_wn, stride_out,
+                         bias_ptr, N, K, num_experts, stride_a, stride_we, stride_wn,
+                         stride_out, stride_be, alpha, limit,
                          K_TOKENS: tl.constexpr, GATED: tl.constexpr, RELU2: tl.constexpr,
-                         SCALE: tl.constexpr, GATHER_A: tl.constexpr, IEEE: tl.constexpr,
+                         CLAMPED: tl.constexpr, SCALE: tl.constexpr, GATHER_A: tl.constexpr,
+                         BIAS: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     """One BLOCK_M block of padded rows (one expert's) x BLOCK_N output columns.
@@ -99,8 +110,11 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, block_experts_ptr, wei
     GATHER_A: row r's input is a_ptr's row rows[r] // K_TOKENS (the token), and the
     output goes to padded row r; else the input is padded row r and the output goes
     to row rows[r] (the pair). GATED: the weight's rows are [gate | up], N columns
-    each; the output is silu(gate) * up. RELU2: the output is relu(x)^2. SCALE: the
-    output row is multiplied by weights_ptr[pair] (in float32)."""
+    each; the output is silu(gate) * up. RELU2: the output is relu(x)^2. CLAMPED (with
+    GATED): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate,
+    limit). BIAS: bias_ptr's row of the expert ([gate | up] when GATED) added to the
+    product first. SCALE: the output row is multiplied by weights_ptr[pair] (in
+    float32)."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= num_experts:
@@ -132,7 +146,18 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, block_experts_ptr, wei
                            mask=w_mask, other=0.0)
             acc_up = _dot(a, w_up, acc_up, IEEE)
     dtype = out_ptr.dtype.element_ty
-    if GATED:  # rounded where the torch path rounds: each projection, silu, the product
+    if BIAS:  # (rounded with the product, as a linear with a bias rounds once)
+        b_expert = bias_ptr + expert.to(tl.int64) * stride_be
+        acc += tl.load(b_expert + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_expert + N + offs_n, mask=n_valid,
+                              other=0.0).to(tl.float32)[None, :]
+    if GATED and CLAMPED:
+        gate = tl.minimum(acc.to(dtype).to(tl.float32), limit)
+        up = tl.minimum(tl.maximum(acc_up.to(dtype).to(tl.float32), -limit), limit)
+        glu = (gate / (1.0 + tl.exp(-alpha * gate))).to(dtype).to(tl.float32)
+        acc = (up + 1.0) * glu
+    elif GATED:  # rounded where the torch path rounds: each projection, silu, the product
         gate = acc.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = act * acc_up.to(dtype).to(tl.float32)

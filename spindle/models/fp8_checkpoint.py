@@ -32,6 +32,7 @@ WEIGHT_SCALE_NAMES = ("weight_scale_inv", "weight_scale")
 _SKIPPED_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
 SUPPORTED = ("quant_method 'fp8' (transformers' FineGrainedFP8)",
              "quant_method 'compressed-tensors' with 8-bit float weights",
+             "quant_method 'mxfp4' on gpt-oss's experts",
              "GGUF files (spindle.models.gguf)")
 
 
@@ -56,6 +57,9 @@ def fp8_checkpoint_format(hf_config: Any) -> Fp8Checkpoint | None:
         return Fp8Checkpoint(tuple(int(b) for b in block) if block else None)
     if method == "compressed-tensors":
         return _compressed_tensors_format(qc)
+    if method == "mxfp4" and "GptOssForCausalLM" in (getattr(hf_config, "architectures", None)
+                                                     or []):
+        return None  # (gpt-oss's experts: dequantized as they load, models/gpt_oss.py)
     raise ValueError(f"checkpoint quantization {method!r} is not supported; spindle reads "
                      f"{'; '.join(SUPPORTED)}")
 

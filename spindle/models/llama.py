@@ -38,7 +38,7 @@ from spindle.forward_context import get_forward_context
 from spindle.layers import cpu_kernels
 from spindle.layers.activation import SiluAndMul
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                   RowParallelLinear)
+                                   RowParallelLinear, set_weight_loader)
 from spindle.layers.norm import RMSNorm, fp32_residual_stream
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary
 from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, stage_embedding,
@@ -54,6 +54,7 @@ class AttentionOptions:
     scale: float | None = None  # None: head_dim ** -0.5
     logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     qk_norm_class: type = RMSNorm  # the per-head q/k norm (Gemma 3: GemmaRMSNorm)
+    sinks: bool = False  # a learned logit per head in each softmax (gpt-oss's "sinks")
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -149,9 +150,20 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         scale = options.scale if options.scale is not None else self.head_dim ** -0.5
+        self.sinks = self._sinks(tp_group) if options.sinks else None
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
                               sliding_window=sliding_window,
-                              logits_soft_cap=options.logits_soft_cap)
+                              logits_soft_cap=options.logits_soft_cap, sinks=self.sinks)
+
+    def _sinks(self, tp_group: TensorParallelGroup) -> nn.Parameter:
+        """This rank's heads' sink logits, float32 (checkpoint name ``sinks``)."""
+        from spindle.layers.mamba.mixer import rows_loader
+
+        param = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32),
+                             requires_grad=False)
+        set_weight_loader(param, rows_loader([(tp_group.rank * self.num_heads,
+                                               self.num_heads)]))
+        return param
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor | None, sin: torch.Tensor | None,

@@ -73,6 +73,7 @@ ARCHITECTURES = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -93,6 +94,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config",
                   "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
+                  "gpt_oss": "GptOssConfig",
                   "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
@@ -238,6 +240,14 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 16, "rope_interleave": True,
                 # (transformers' MLA repeats its per-head keys num_heads / num_kv_heads times)
                 "num_key_value_heads": num_heads}
+    if arch == "gpt_oss":  # 4 experts of the intermediate size (2 per token), a window of
+        # 8 on every other layer, sinks; a clamp low enough to bite; YaRN as released
+        return {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                "swiglu_limit": 1.0, "attention_bias": True,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0,
+                                    "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False,
+                                    "original_max_position_embeddings": 64}}
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}
@@ -406,8 +416,10 @@ def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD,
                 param.copy_(1.0 + 0.2 * _randn_like(param, generator))
             elif name.endswith(SSM_PARAMETERS):
                 param.copy_(_ssm_parameter(name, param, generator))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):  # (gpt-oss's experts: *_proj_bias)
                 param.copy_(0.1 * _randn_like(param, generator))
+            elif name.endswith(".sinks"):  # gpt-oss's: a logit per head, some dominant
+                param.copy_(_randn_like(param, generator))
             else:  # linear / embedding weights, transformers' N(0, initializer_range)
                 param.mul_(WEIGHT_STD / param.std())
         for name, buffer in model.named_buffers():

@@ -43,8 +43,11 @@ class BatchInvariantBackend:
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
+        if sinks is not None:
+            raise ValueError("batch_invariant does not support attention sinks")
         if sliding_window is not None:
             raise ValueError("batch_invariant does not support sliding-window attention")
         if logits_soft_cap is not None:

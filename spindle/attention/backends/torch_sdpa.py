@@ -56,7 +56,8 @@ class TorchSDPABackend:
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -66,6 +67,9 @@ class TorchSDPABackend:
         # Scores become cap * tanh(scores / cap) before the mask (Gemma 2): SDPA has no
         # such step, so those layers attend with explicit torch ops (_attention).
         self.logits_soft_cap = logits_soft_cap
+        # A logit per query head in each softmax's denominator (gpt-oss): explicit steps
+        # too, as transformers' eager attention takes them.
+        self.sinks = sinks
         self.gqa = num_heads != num_kv_heads
 
     # ---------------------------------------------------------------- entry point
@@ -106,11 +110,10 @@ class TorchSDPABackend:
                           plan.query_start, plan.seq_lens, out)
         return out
 
-    @staticmethod
-    def _fused_decode(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    def _fused_decode(self, q: torch.Tensor, key_cache: torch.Tensor) -> bool:
         """bf16 decode on the CPU attends in one C++ call (cpu_kernels.decode_attention;
-        float32 keeps SDPA, whose sums match transformers')."""
-        return key_cache.dtype == q.dtype and cpu_kernels.applies(q)
+        float32 keeps SDPA, whose sums match transformers'), without sinks."""
+        return self.sinks is None and key_cache.dtype == q.dtype and cpu_kernels.applies(q)
 
     def step_plan(self, md: AttentionMetadata, block_size: int) -> _StepPlan:
         """The step's split into decode groups and prefill requests, with each decode
@@ -237,7 +240,7 @@ class TorchSDPABackend:
             scores = torch.tanh(scores.div_(cap)).mul_(cap)
         if key_bias is not None:
             scores.add_(key_bias)
-        weights = torch.softmax(scores, dim=-1)
+        weights = _softmax_with_sinks(scores, self._sink_logits(scores, group))
         out = torch.matmul(weights, values)  # [B, H_kv, G, D]
         return out.reshape(batch, self.num_heads, self.head_dim).to(q.dtype)
 
@@ -256,20 +259,44 @@ class TorchSDPABackend:
         """q [B, H, L, D], k/v [B, H_kv, S, D], mask (bool, broadcast to [B, H, L, S])
         -> [B, H, L, D]: SDPA, or with a soft cap the same in explicit steps (as
         transformers' eager attention: scores, cap, mask, float32 softmax)."""
-        if self.logits_soft_cap is None:
+        if self.logits_soft_cap is None and self.sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                   scale=self.scale, enable_gqa=self.gqa)
         repeat = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        cap = self.logits_soft_cap
-        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * self.scale / cap) * cap
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        if self.logits_soft_cap is not None:
+            cap = self.logits_soft_cap
+            scores = torch.tanh(scores / cap) * cap
         if is_causal:
             mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
                               device=q.device).tril(k.shape[-2] - q.shape[-2])
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if self.sinks is None:
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            weights = _softmax_with_sinks(scores, self.sinks.view(1, -1, 1, 1)).to(q.dtype)
         return torch.matmul(weights, v)
+
+    def _sink_logits(self, scores: torch.Tensor, group: int) -> torch.Tensor | None:
+        """The sinks laid out as _decode_attention's scores [B, H_kv, G, S]: [1, H_kv, G, 1]."""
+        if self.sinks is None:
+            return None
+        return self.sinks.view(1, self.num_kv_heads, group, 1)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension with one more logit per row, sinks (broadcast to
+    scores[..., :1]), that takes its share of the denominator and weighs nothing: as
+    transformers' gpt-oss takes them (max subtracted over both, then a softmax in the
+    scores' float type, the sink's column dropped). None: a plain float32 softmax."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    scores = scores.float()
+    combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 @dataclass

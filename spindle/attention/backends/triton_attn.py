@@ -79,8 +79,10 @@ class TritonAttentionBackend:
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
+        self.sinks = sinks  # (a logit per query head in every denominator: gpt-oss)
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         self.logits_soft_cap = logits_soft_cap
@@ -105,7 +107,8 @@ class TritonAttentionBackend:
                 qk_transform.apply_(q, k)
             return TorchSDPABackend(self.num_heads, self.head_dim, self.scale,
                                     self.num_kv_heads, self.sliding_window,
-                                    self.logits_soft_cap).forward(q, k, v, None, attn_metadata)
+                                    self.logits_soft_cap, self.sinks).forward(q, k, v, None,
+                                                                              attn_metadata)
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
         out = torch.empty_like(q)
@@ -113,14 +116,15 @@ class TritonAttentionBackend:
             decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
                              self._split_counters(q.device), qk_transform,
                              sliding_window=self.sliding_window,
-                             soft_cap=self.logits_soft_cap)
+                             soft_cap=self.logits_soft_cap, sinks=self.sinks)
             return out
         if qk_transform is None:
             store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
         else:
             qk_transform.apply_(q, k, v, kv_cache, attn_metadata.slot_mapping)
         prefill_attention(q, kv_cache, attn_metadata, self.scale, out,
-                          sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap)
+                          sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap,
+                          sinks=self.sinks)
         return out
 
     def _split_counters(self, device: torch.device) -> torch.Tensor:
@@ -171,10 +175,11 @@ def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor, sliding_window: int | None = None,
                       block_m: int | None = None, pack_gqa: bool = False,
-                      soft_cap: float | None = None) -> None:
+                      soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Causal attention of every request's new tokens over its context (the new tokens'
     k/v already stored), within sliding_window positions when given, scores soft-capped
-    (cap * tanh(score / cap), Gemma 2) with soft_cap. block_m: rows
+    (cap * tanh(score / cap), Gemma 2) with soft_cap; sinks [H]: a logit per query head
+    in every softmax's denominator, attending to nothing (gpt-oss). block_m: rows
     per tile (default: by the step's longest query); a request with no context (a
     CUDA-graph padding row) gets zeros.
 
@@ -193,13 +198,14 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[grid](
         q, key_cache, value_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        q if sinks is None else sinks,
         scale, sliding_window or 0, soft_cap or 0.0, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), meta.block_tables.stride(0), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2),
         GQA=gqa, PAGE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
-        IEEE=q.dtype == torch.float32, PACK_GQA=pack_gqa,
+        SINKS=sinks is not None, IEEE=q.dtype == torch.float32, PACK_GQA=pack_gqa,
         num_warps=4, num_stages=2)
 
 
@@ -207,13 +213,13 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 # so one compiled variant serves every step (no compiling after warm-up).
 @triton.jit(do_not_specialize=["bt_stride"])
 def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr,
-                    query_start_ptr, seq_lens_ptr, scale, window, soft_cap,
+                    query_start_ptr, seq_lens_ptr, sinks_ptr, scale, window, soft_cap,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
                     c_stride_b, c_stride_t, c_stride_h,
                     GQA: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr,
-                    PACK_GQA: tl.constexpr):
+                    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
+                    IEEE: tl.constexpr, PACK_GQA: tl.constexpr):
     tile = tl.program_id(0)
     req = tl.program_id(1)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -267,7 +273,7 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE, EMPTY_ROWS=SLIDING)
     # (With a window, rows past the request's queries may have seen no key; a padding
     # request none at all. Neither is stored or read.)
-    out = acc / _nonzero(l_i)[:, None]
+    out = acc / _denominator(l_i, m_i, sinks_ptr, heads, m_valid, SINKS)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * o_stride_t
              + heads[:, None] * o_stride_h + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
@@ -291,13 +297,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                      out: torch.Tensor, counters: torch.Tensor,
                      qk_transform: QKNormRope | None = None,
-                     sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+                     sliding_window: int | None = None, soft_cap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> None:
     """One query token per request: q [B, H, D], this step's k/v [B, H_kv, D] -> out
     [B, H, D], in one launch. Stores k/v into the cache slots meta.slot_mapping
     (negative: padding, skipped); applies qk_transform to q and k first when given
     (q and k themselves are left as they are). counters: see split_counters. With
     sliding_window W, each request attends to (and reads) only its last W positions;
-    soft_cap: scores soft-capped as in prefill_attention.
+    soft_cap, sinks: as in prefill_attention.
 
     The grid depends only on B, H and H_kv (never on sequence lengths): CUDA-graph
     safe. A padding row (sequence length 0) gets zeros."""
@@ -324,7 +331,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
         rope.sin_cache if rope else q, rope.q_weight if has_norm else q,
         rope.k_weight if has_norm else q, rope.eps if rope else 0.0,
-        part_out, part_lse, out, counters, scale, sliding_window or 0, soft_cap or 0.0,
+        part_out, part_lse, out, counters, q if sinks is None else sinks, scale,
+        sliding_window or 0, soft_cap or 0.0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -333,15 +341,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
         SPLITS=splits, ORDERED=meta.decode_order is not None, ROPE=rope is not None,
         HAS_NORM=has_norm, SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        SINKS=sinks is not None, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
         **pdl.kernel_args(q.device, num_reqs))
 
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
 def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                    block_tables_ptr, seq_lens_ptr, order_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr,
-                   kw_ptr, eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, scale, window,
-                   soft_cap,
+                   kw_ptr, eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, sinks_ptr,
+                   scale, window, soft_cap,
                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                    o_stride_t, o_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h,
                    cs_stride,
@@ -349,7 +357,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLITS: tl.constexpr, ORDERED: tl.constexpr, ROPE: tl.constexpr,
                    HAS_NORM: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
-                   IEEE: tl.constexpr, PDL: tl.constexpr):
+                   SINKS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     # Until pdl.wait (in _attend_split, or below for a split with no context), only
     # what no kernel of the step writes is read: the step's inputs and the cache.
     pdl.release(PDL)
@@ -389,7 +397,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
             k_stride_h, v_stride_t, v_stride_h, bt_stride, c_stride_b, c_stride_t,
             c_stride_h, cs_stride,
             PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, IEEE, PDL)
-        _store_rows(out_rows, g_valid, d_valid, offs_d, acc / _nonzero(l_i)[:, None])
+        _store_rows(out_rows, g_valid, d_valid, offs_d,
+                    acc / _denominator(l_i, m_i, sinks_ptr, heads, g_valid, SINKS)[:, None])
     else:
         part_rows = (split * num_reqs + req).to(tl.int64) * num_heads + heads
         if start < end:  # (splits past the end of a short context only check in)
@@ -412,9 +421,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
         counter = counters_ptr + req * tl.num_programs(0) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
             used_splits = tl.cdiv(span, tl.maximum(per_split, 1))
-            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_reqs,
-                          num_heads, used_splits, o_stride_t, o_stride_h,
-                          GQA, HEAD_DIM, BLOCK_D, SPLITS)
+            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, kv_head,
+                          num_reqs, num_heads, used_splits, o_stride_t, o_stride_h,
+                          GQA, HEAD_DIM, BLOCK_D, SPLITS, SINKS)
             tl.store(counter, 0)  # ready for the next launch
 
 
@@ -506,9 +515,10 @@ def _attend_tile(m_i, l_i, acc, q, k, v, n_valid, scale, soft_cap, SOFT_CAP: tl.
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_reqs, num_heads,
-                  used_splits, o_stride_t, o_stride_h, GQA: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, kv_head, num_reqs,
+                  num_heads, used_splits, o_stride_t, o_stride_h, GQA: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+                  SINKS: tl.constexpr):
     """Write the output of this KV head's query heads from the partials of splits
     [0, used_splits) (the later ones had no context; none at all, for a padding row,
     gives zeros). All of a head's partials are loaded at once, so the merge waits on
@@ -527,10 +537,24 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_reqs, n
                         mask=s_valid[:, None] & d_valid[None, :], other=0.0,
                         cache_modifier=".cg")
         lse_max = tl.max(lse, 0)
-        weights = tl.exp(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-        merged = tl.sum(parts * weights[:, None], 0) / _nonzero(tl.sum(weights, 0))
+        reference = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        weights = tl.exp(lse - reference)
+        total = tl.sum(weights, 0)
+        if SINKS:  # (the sink's share, once, against the same reference)
+            total += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - reference)
+        merged = tl.sum(parts * weights[:, None], 0) / _nonzero(total)
         tl.store(out_ptr + req.to(tl.int64) * o_stride_t + head * o_stride_h + offs_d,
                  merged.to(out_ptr.dtype.element_ty), mask=d_valid)
+
+
+@triton.jit
+def _denominator(l_i, m_i, sinks_ptr, heads, valid, SINKS: tl.constexpr):
+    """The softmax denominator of rows with state (m_i, l_i): l_i, plus exp(sink - m_i)
+    with sinks (a row that saw no key, m_i = -inf, gets 0 / inf = 0)."""
+    if SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
+        return l_i + tl.exp(sink - m_i)
+    return _nonzero(l_i)
 
 
 @triton.jit
