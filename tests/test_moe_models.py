@@ -43,6 +43,10 @@ CASES = {
                                               "mscale_all_dim": 0.8,
                                               "original_max_position_embeddings": 512,
                                               "beta_fast": 32, "beta_slow": 1}),
+    # DeepSeek-V2: the same attention (complex-number rotary in transformers), softmax
+    # routing limited to the best group, or greedy, and the low-rank query pair.
+    "deepseek_v2": {},
+    "deepseek_v2-greedy": dict(arch="deepseek_v2", topk_method="greedy", q_lora_rank=24),
     # gpt-oss: attention sinks, a window of 8 on every other layer, biased experts with the
     # clamped SwiGLU, a router with a bias (YaRN rotary).
     "gpt_oss": dict(num_layers=3),
@@ -89,7 +93,8 @@ def test_greedy_equals_transformers(checkpoint, case):
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
-                                  "granite_moe_shared", "deepseek_v3-yarn", "gpt_oss"])
+                                  "granite_moe_shared", "deepseek_v3-yarn", "gpt_oss",
+                                  "deepseek_v2"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,

@@ -1,7 +1,11 @@
 """DeepseekV3ForCausalLM: DeepSeek-V3 / R1 and the models built on its architecture (Kimi
 K2, ...): multi-head latent attention (MLA), then a dense SwiGLU MLP for the first
 ``first_k_dense_replace`` layers and routed experts with shared experts after them (the
-same routing as GLM-4.5: models/glm4_moe.py).
+same routing as GLM-4.5: models/glm4_moe.py). DeepseekV2ForCausalLM (DeepSeek-V2,
+V2-Lite, V2.5): the same attention, experts routed by softmax (``topk_method`` greedy or
+group_limited_greedy: the best ``topk_group`` groups by their best expert), the chosen
+probabilities times ``routed_scaling_factor`` and never renormalised (as transformers
+routes them, whatever norm_topk_prob says).
 
 MLA, as transformers computes it: queries from ``q_proj`` (or a low-rank ``q_a_proj``,
 RMSNorm, ``q_b_proj``), each head ``qk_nope_head_dim`` features without position and
@@ -42,7 +46,10 @@ from spindle.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import apply_rotary, rope_parameters_from_config
 from spindle.models.bamba import HybridLayout, PreNormAttentionLayer, attention_only_layout
+from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
+from spindle.layers.moe import FusedExperts
 from spindle.models.glm4_moe import Glm4MoeForCausalLM, glm4_moe_feed_forward
+from spindle.models.llama import LlamaMLP
 from spindle.models.nemotron_h import check_routing
 
 
@@ -167,3 +174,91 @@ class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
         if ".self_attn." in hf_name:  # (MLA's projections are its own, nothing merged)
             return hf_name, None
         return super().param_name(hf_name)
+
+
+# DeepSeek-V2's ways to pick a token's experts.
+GREEDY, GROUP_LIMITED = "greedy", "group_limited_greedy"
+
+
+def check_v2_config(hf_config: Any) -> None:
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    method = getattr(hf_config, "topk_method", GREEDY)
+    if method not in (GREEDY, GROUP_LIMITED):
+        raise ValueError(f"topk_method {method!r} is not supported ({GREEDY!r} or "
+                         f"{GROUP_LIMITED!r})")
+    experts, top_k = hf_config.n_routed_experts, hf_config.num_experts_per_tok
+    if method == GROUP_LIMITED:
+        groups, top_groups = hf_config.n_group, hf_config.topk_group
+        if not groups or experts % groups or not 1 <= (top_groups or 0) <= groups:
+            raise ValueError(f"group_limited_greedy needs n_group dividing n_routed_experts "
+                             f"({experts}) and topk_group in 1..n_group; got {groups}, "
+                             f"{top_groups}")
+        experts = top_groups * (experts // groups)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..{experts}")
+    if hf_config.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim must be even, got {hf_config.qk_rope_head_dim}")
+
+
+class DeepseekV2Router(nn.Module):
+    """Softmax scores of a float32 [E, H] linear; the top k (greedy, or within the best
+    topk_group groups by their best score) times routed_scaling_factor. Replicated."""
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.top_k = hf_config.num_experts_per_tok
+        self.method = getattr(hf_config, "topk_method", GREEDY)
+        self.num_groups = getattr(hf_config, "n_group", None) or 1
+        self.top_groups = getattr(hf_config, "topk_group", None) or 1
+        self.scaling = float(getattr(hf_config, "routed_scaling_factor", 1.0))
+        self.weight = nn.Parameter(torch.empty(hf_config.n_routed_experts, hf_config.hidden_size,
+                                               dtype=torch.float32), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+        self.batch_invariant = False  # set by enable_batch_invariance
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.softmax(apply_linear(x.float(), self.weight,
+                                            invariant=self.batch_invariant), dim=-1)
+        if self.method == GROUP_LIMITED:
+            grouped = scores.view(x.shape[0], self.num_groups, -1)
+            best = grouped.amax(dim=-1).topk(self.top_groups, dim=-1, sorted=False)[1]
+            keep = torch.zeros(grouped.shape[:2], dtype=torch.bool,
+                               device=x.device).scatter_(1, best, True)
+            scores = grouped.masked_fill(~keep[..., None], 0.0).view_as(scores)
+        weights, ids = torch.topk(scores, self.top_k, dim=-1, sorted=False)
+        return ids, weights * self.scaling
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.gate = DeepseekV2Router(hf_config)
+        self.experts = FusedExperts(hf_config.n_routed_experts, hf_config.hidden_size,
+                                    hf_config.moe_intermediate_size, tp_group)
+        self.shared_experts = LlamaMLP(
+            hf_config.hidden_size, hf_config.moe_intermediate_size * hf_config.n_shared_experts,
+            bool(getattr(hf_config, "mlp_bias", False)), tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        return self.tp_group.all_reduce(self.experts(x, ids, weights)) + self.shared_experts(x)
+
+
+def deepseek_v2_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                             ) -> nn.Module:
+    if layer_idx < (getattr(hf_config, "first_k_dense_replace", 0) or 0):
+        return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
+                        bool(getattr(hf_config, "mlp_bias", False)), tp_group)
+    return DeepseekV2MoE(hf_config, tp_group)
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V2: its rotary pairs are interleaved (transformers rotates them as complex
+    numbers and keeps them interleaved; de-interleaving q and k alike leaves their dot
+    products the same)."""
+
+    check_config = staticmethod(check_v2_config)
+    feed_forward = staticmethod(deepseek_v2_feed_forward)

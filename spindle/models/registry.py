@@ -19,6 +19,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "MiniMaxM2ForCausalLM": "spindle.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Glm4MoeForCausalLM": "spindle.models.glm4_moe:Glm4MoeForCausalLM",
     "DeepseekV3ForCausalLM": "spindle.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM": "spindle.models.deepseek_v3:DeepseekV2ForCausalLM",
     "GptOssForCausalLM": "spindle.models.gpt_oss:GptOssForCausalLM",
     "Phi3ForCausalLM": "spindle.models.llama:Phi3ForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",

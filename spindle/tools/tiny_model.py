@@ -73,6 +73,7 @@ ARCHITECTURES = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -94,7 +95,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "qwen3_moe": "Qwen3MoeConfig",
                   "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config",
                   "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
-                  "gpt_oss": "GptOssConfig",
+                  "gpt_oss": "GptOssConfig", "deepseek_v2": "DeepseekV2Config",
                   "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
@@ -105,7 +106,8 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
                         "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                         "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
                         "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                        "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                        "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                        "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -240,6 +242,14 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 16, "rope_interleave": True,
                 # (transformers' MLA repeats its per-head keys num_heads / num_kv_heads times)
                 "num_key_value_heads": num_heads}
+    if arch == "deepseek_v2":  # DeepSeek-V2-Lite's kind: no low-rank query pair, softmax
+        # routing of 4 experts in 2 groups (the best group only), scaled, a shared expert
+        return {"first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 2,
+                "topk_group": 1, "topk_method": "group_limited_greedy",
+                "routed_scaling_factor": 1.5, "q_lora_rank": None, "kv_lora_rank": 32,
+                "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "head_dim": 8,
+                "v_head_dim": 16, "num_key_value_heads": num_heads}
     if arch == "gpt_oss":  # 4 experts of the intermediate size (2 per token), a window of
         # 8 on every other layer, sinks; a clamp low enough to bite; YaRN as released
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
