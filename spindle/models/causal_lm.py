@@ -52,6 +52,19 @@ class DecoderForCausalLM(nn.Module):
     lm_head: ParallelLMHead | None
     stage: PipelineStage
 
+    def build_single_stage(self, hf_config: Any, tp_group: TensorParallelGroup,
+                           stage: PipelineStage | None,
+                           make_model: Callable[[Any, TensorParallelGroup], nn.Module],
+                           tie: bool | None = None) -> None:
+        """The whole model in one pipeline stage (a pipeline of several refused by
+        name): stage, config, tp_group, make_model(hf_config, tp_group) as self.model,
+        and the head (tie: as build_lm_head's)."""
+        self.stage = single_stage(type(self).__name__, stage)
+        self.config = hf_config
+        self.tp_group = tp_group
+        self.model = make_model(hf_config, tp_group)
+        self.build_lm_head(hf_config, tp_group, tie=tie)
+
     def build_lm_head(self, hf_config: Any, tp_group: TensorParallelGroup,
                       tie: bool | None = None) -> None:
         """tie: whether the head shares the embedding (default: the config's

@@ -47,9 +47,7 @@ from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import apply_rotary, rope_parameters_from_config
 from spindle.models.bamba import HybridLayout, PreNormAttentionLayer, attention_only_layout
 from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
-from spindle.layers.moe import FusedExperts
 from spindle.models.glm4_moe import Glm4MoeForCausalLM, glm4_moe_feed_forward
-from spindle.models.llama import LlamaMLP
 from spindle.models.nemotron_h import check_routing
 
 
@@ -231,28 +229,9 @@ class DeepseekV2Router(nn.Module):
         return ids, weights * self.scaling
 
 
-class DeepseekV2MoE(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
-        super().__init__()
-        self.tp_group = tp_group
-        self.gate = DeepseekV2Router(hf_config)
-        self.experts = FusedExperts(hf_config.n_routed_experts, hf_config.hidden_size,
-                                    hf_config.moe_intermediate_size, tp_group)
-        self.shared_experts = LlamaMLP(
-            hf_config.hidden_size, hf_config.moe_intermediate_size * hf_config.n_shared_experts,
-            bool(getattr(hf_config, "mlp_bias", False)), tp_group)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
-        return self.tp_group.all_reduce(self.experts(x, ids, weights)) + self.shared_experts(x)
-
-
 def deepseek_v2_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
                              ) -> nn.Module:
-    if layer_idx < (getattr(hf_config, "first_k_dense_replace", 0) or 0):
-        return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
-                        bool(getattr(hf_config, "mlp_bias", False)), tp_group)
-    return DeepseekV2MoE(hf_config, tp_group)
+    return glm4_moe_feed_forward(hf_config, layer_idx, tp_group, router=DeepseekV2Router)
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

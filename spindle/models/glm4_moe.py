@@ -13,7 +13,7 @@ from ``num_hidden_layers`` on) are not loaded.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,28 +33,33 @@ def glm4_moe_layout(hf_config: Any) -> HybridLayout:
 
 
 class Glm4MoeBlock(nn.Module):
-    """Routed experts (the router's float32 weights) plus the shared experts."""
+    """Routed experts (the router's float32 weights) plus the shared experts. router:
+    the module that picks and weighs each token's experts (DeepSeek-V3's by default;
+    DeepSeek-V2's in models/deepseek_v3.py)."""
 
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 router: Callable[[Any], nn.Module] = NemotronHRouter) -> None:
         super().__init__()
         self.tp_group = tp_group
-        self.gate = NemotronHRouter(hf_config)
+        self.gate = router(hf_config)
         self.experts = FusedExperts(hf_config.n_routed_experts, hf_config.hidden_size,
                                     hf_config.moe_intermediate_size, tp_group)
         self.shared_experts = LlamaMLP(
-            hf_config.hidden_size,
-            hf_config.moe_intermediate_size * hf_config.n_shared_experts, False, tp_group)
+            hf_config.hidden_size, hf_config.moe_intermediate_size * hf_config.n_shared_experts,
+            bool(getattr(hf_config, "mlp_bias", False)), tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
         return self.tp_group.all_reduce(self.experts(x, ids, weights)) + self.shared_experts(x)
 
 
-def glm4_moe_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
-                          ) -> nn.Module:
-    if layer_idx < hf_config.first_k_dense_replace:
-        return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, False, tp_group)
-    return Glm4MoeBlock(hf_config, tp_group)
+def glm4_moe_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup,
+                          router: Callable[[Any], nn.Module] = NemotronHRouter) -> nn.Module:
+    """A dense MLP in the first first_k_dense_replace layers, experts after them."""
+    if layer_idx < (getattr(hf_config, "first_k_dense_replace", 0) or 0):
+        return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
+                        bool(getattr(hf_config, "mlp_bias", False)), tp_group)
+    return Glm4MoeBlock(hf_config, tp_group, router)
 
 
 class Glm4MoeDecoderLayer(PreNormAttentionLayer):

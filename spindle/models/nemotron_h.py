@@ -42,7 +42,7 @@ from spindle.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowP
 from spindle.layers.mamba.mixer import MambaMixer, time_step_limit
 from spindle.layers.moe import FusedExperts
 from spindle.layers.norm import Float32WeightRMSNorm
-from spindle.models.causal_lm import DecoderForCausalLM, single_stage
+from spindle.models.causal_lm import DecoderForCausalLM
 from spindle.models.llama import _to_param_name, head_dim_of
 from spindle.models.mamba2 import mamba2_mixer
 from spindle.models.moe import _expert_param, one_per_expert
@@ -256,13 +256,9 @@ class NemotronHForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         check_supported_config(hf_config)
-        self.stage = single_stage(type(self).__name__, stage)
-        self.config = hf_config
-        self.tp_group = tp_group
-        self.model = NemotronHModel(hf_config, tp_group)
         # transformers' NemotronH ties nothing, whatever tie_word_embeddings says: its
         # checkpoints always hold lm_head.weight.
-        self.build_lm_head(hf_config, tp_group, tie=False)
+        self.build_single_stage(hf_config, tp_group, stage, NemotronHModel, tie=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this rank's parameters (q/k/v_proj into

@@ -45,7 +45,7 @@ from spindle.layers.linear import (ColumnParallelLinear, MergedColumnParallelLin
 from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary
-from spindle.models.causal_lm import DecoderForCausalLM, single_stage
+from spindle.models.causal_lm import DecoderForCausalLM
 from spindle.models.llama import _to_param_name
 from spindle.models.weights import load_named_weights, not_on_this_rank
 
@@ -305,11 +305,7 @@ class Zamba2ForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         check_supported_config(hf_config)
-        self.stage = single_stage(type(self).__name__, stage)
-        self.config = hf_config
-        self.tp_group = tp_group
-        self.model = Zamba2Model(hf_config, tp_group)
-        self.build_lm_head(hf_config, tp_group)
+        self.build_single_stage(hf_config, tp_group, stage, Zamba2Model)
         self._block_of_layer = {
             layer: position % getattr(hf_config, "num_mem_blocks", 1)
             for position, layer in enumerate(hybrid_layer_ids(hf_config))}
