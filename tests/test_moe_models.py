@@ -29,6 +29,11 @@ CASES = {
                                                     norm_topk_prob=False),
     "qwen3_moe-sparse-every-second-layer": dict(arch="qwen3_moe", decoder_sparse_step=2,
                                                 num_experts=6, num_experts_per_tok=3),
+    # Qwen2-MoE: Qwen2's attention biases, a sigmoid-gated shared expert beside the routed
+    # ones, unnormalised top-k (then every other layer sparse, renormalised).
+    "qwen2_moe": {},
+    "qwen2_moe-sparse-every-second-layer": dict(arch="qwen2_moe", num_layers=4,
+                                                decoder_sparse_step=2, norm_topk_prob=True),
     "mixtral": {},
     "minimax_m2": {},
     "glm4_moe": {},
@@ -94,7 +99,7 @@ def test_greedy_equals_transformers(checkpoint, case):
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
                                   "granite_moe_shared", "deepseek_v3-yarn", "gpt_oss",
-                                  "deepseek_v2"])
+                                  "deepseek_v2", "qwen2_moe"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,

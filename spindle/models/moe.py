@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders: Qwen3MoeForCausalLM and MixtralForCausalLM.
+"""Mixture-of-experts decoders: Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and
+MixtralForCausalLM.
 
 Both are their dense family (Qwen3, Mistral) with some feed-forward blocks replaced by
 a sparse MoE block (layers/moe.py):
@@ -8,6 +9,9 @@ a sparse MoE block (layers/moe.py):
   experts of moe_intermediate_size; the top-k weights renormalised iff
   norm_topk_prob, then cast to the activation dtype. Checkpoint names:
   mlp.gate.weight, mlp.experts.E.{gate,up,down}_proj.weight.
+* Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases) and
+  Qwen3-MoE's sparse layers with a shared expert beside the routed ones, weighted by
+  sigmoid(shared_expert_gate(x)) (qwen3_next.SharedExpertMoeBlock, as Qwen3-Next's).
 * Mixtral: every layer sparse, experts of intermediate_size, top-k weights always
   renormalised and kept in float32. Checkpoint names: block_sparse_moe.gate.weight,
   block_sparse_moe.experts.E.{w1,w3,w2}.weight (gate, up, down).
@@ -22,8 +26,8 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.moe import SparseMoeBlock
-from spindle.models.llama import (MistralForCausalLM, Qwen3ForCausalLM, _to_param_name,
-                                  dense_mlp)
+from spindle.models.llama import (MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                                  _to_param_name, dense_mlp)
 
 _MIXTRAL_EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down"}
 _QWEN_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -84,6 +88,24 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                               hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
                               normalize_top_k=bool(hf_config.norm_topk_prob),
                               weights_in_activation_dtype=True, tp_group=tp_group)
+
+    @classmethod
+    def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        return _expert_param(hf_name, _QWEN_EXPERT_PARTS) or _to_param_name(hf_name)
+
+
+class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+    @classmethod
+    def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
+                      tp_group: TensorParallelGroup) -> nn.Module:
+        from spindle.models.qwen3_next import qwen3_next_feed_forward
+
+        return qwen3_next_feed_forward(hf_config, layer_idx, tp_group)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from spindle.models.qwen3_next import shared_expert_block_names
+
+        return super().load_weights(shared_expert_block_names(weights))
 
     @classmethod
     def param_name(cls, hf_name: str) -> tuple[str, Any]:

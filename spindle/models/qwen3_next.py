@@ -161,7 +161,17 @@ def _in_our_names(weights: Iterable[tuple[str, torch.Tensor]], head_dim: int
             per_head = tensor.unflatten(0, (-1, 2, head_dim))  # [heads, (q, gate), D, ...]
             yield name, per_head[:, 0].flatten(0, 1)
             yield name.replace(".q_proj.", ".output_gate."), per_head[:, 1].flatten(0, 1)
-        elif ".mlp.shared_expert_gate." in name:
+        else:
+            yield from shared_expert_block_names([(name, tensor)])
+
+
+def shared_expert_block_names(weights: Iterable[tuple[str, torch.Tensor]]
+                              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A SharedExpertMoeBlock's checkpoint names as its parameters': the router and the
+    routed experts under ``mlp.routed.``, the shared gate's weight as the parameter
+    ``shared_expert_gate`` itself (Qwen3-Next's, Qwen2-MoE's)."""
+    for name, tensor in weights:
+        if ".mlp.shared_expert_gate." in name:
             yield name.replace(".shared_expert_gate.weight", ".shared_expert_gate"), tensor
         elif ".mlp.gate." in name or ".mlp.experts." in name:
             yield name.replace(".mlp.", ".mlp.routed.", 1), tensor

@@ -15,6 +15,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "spindle.models.moe:Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "spindle.models.moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "spindle.models.moe:MixtralForCausalLM",
     "MiniMaxM2ForCausalLM": "spindle.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Glm4MoeForCausalLM": "spindle.models.glm4_moe:Glm4MoeForCausalLM",

@@ -75,6 +75,7 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -96,6 +97,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config",
                   "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
                   "gpt_oss": "GptOssConfig", "deepseek_v2": "DeepseekV2Config",
+                  "qwen2_moe": "Qwen2MoeConfig",
                   "phi3": "Phi3Config",
                   "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
@@ -107,7 +109,8 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
                         "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
                         "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                        "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                        "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                        "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -242,6 +245,9 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 16, "rope_interleave": True,
                 # (transformers' MLA repeats its per-head keys num_heads / num_kv_heads times)
                 "num_key_value_heads": num_heads}
+    if arch == "qwen2_moe":  # 4 experts of 32 (2 per token) and a shared one of 48
+        return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 48, "norm_topk_prob": False}
     if arch == "deepseek_v2":  # DeepSeek-V2-Lite's kind: no low-rank query pair, softmax
         # routing of 4 experts in 2 groups (the best group only), scaled, a shared expert
         return {"first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
