@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text) against transformers (eager attention, which applies the
+"""Gemma, Gemma 2 and Gemma 3 (text) against transformers (eager attention, which applies the
 attention soft cap) on tiny random checkpoints, CPU float32: greedy tokens equal and
 logprobs within 1e-4, with the soft caps (Gemma 2), q/k norms and a rotary table per
 layer type (Gemma 3, one of them linearly scaled) and the alternating sliding window
@@ -28,8 +28,9 @@ def hf_eager_greedy(path, batch, max_new):
     return hf_greedy(path, batch, max_new, attn_implementation="eager")
 
 
-@pytest.fixture(scope="module", params=[("gemma2", False), ("gemma2", True), ("gemma3", True)],
-                ids=["gemma2-untied", "gemma2-tied", "gemma3"])
+@pytest.fixture(scope="module", params=[("gemma", True), ("gemma2", False), ("gemma2", True),
+                                        ("gemma3", True)],
+                ids=["gemma-tied", "gemma2-untied", "gemma2-tied", "gemma3"])
 def reference(tiny_model, request):
     arch, tied = request.param
     path = tiny_model(arch, tie_word_embeddings=tied)

@@ -1,5 +1,5 @@
-"""Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM), as transformers
-computes them with eager attention. Gemma 2:
+"""Gemma (GemmaForCausalLM), Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text
+(Gemma3ForCausalLM), as transformers computes them with eager attention. Gemma 2:
 
 * embeddings scaled by sqrt(hidden_size) (the factor rounded to the activation dtype);
 * "sandwich" norms: every layer normalises the input and the output of its attention
@@ -12,6 +12,9 @@ computes them with eager attention. Gemma 2:
   alternate between a sliding window (config.layer_types "sliding_attention") and
   full attention;
 * the logits soft-capped too (final_logit_softcapping).
+
+Gemma (the first) is Gemma 2 without the sandwich (a norm before attention and one
+before the MLP), soft caps or windows, scores scaled by head_dim ** -0.5.
 
 Gemma 3 is the same layer plus a per-head GemmaRMSNorm on q and k (before the rotary
 embedding), with rotary tables per layer type (rope_parameters["sliding_attention"]
@@ -46,8 +49,11 @@ from spindle.models.weights import load_named_weights
 SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
-def gemma2_sliding_windows(hf_config: Any) -> list[int | None]:
-    """Per layer: config.sliding_window where layer_types says "sliding_attention"."""
+def gemma2_sliding_windows(hf_config: Any, windows: bool = True) -> list[int | None]:
+    """Per layer: config.sliding_window where layer_types says "sliding_attention"
+    (windows=False: Gemma, none)."""
+    if not windows:
+        return [None] * hf_config.num_hidden_layers
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is None:
         raise ValueError("a Gemma 2 config needs layer_types (transformers sets them)")
@@ -70,24 +76,33 @@ class Gemma2MLP(nn.Module):
 
 class Gemma2DecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
-                 sliding_window: int | None, qk_norm: bool = False) -> None:
+                 sliding_window: int | None, qk_norm: bool = False,
+                 sandwich: bool = True) -> None:
+        """sandwich: the norms after attention and after the MLP too (Gemma 2 and 3)."""
         super().__init__()
         eps = hf_config.rms_norm_eps
         bias = bool(getattr(hf_config, "attention_bias", False))
+        scalar = getattr(hf_config, "query_pre_attn_scalar", None) or head_dim_of(hf_config)
         options = AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=qk_norm,
-                                   scale=hf_config.query_pre_attn_scalar ** -0.5,
+                                   scale=scalar ** -0.5,
                                    logits_soft_cap=getattr(hf_config, "attn_logit_softcapping",
                                                            None),
                                    qk_norm_class=GemmaRMSNorm)
         self.self_attn = LlamaAttention(hf_config, options, tp_group, sliding_window)
         self.mlp = Gemma2MLP(hf_config.hidden_size, hf_config.intermediate_size, tp_group)
-        for name in ("input_layernorm", "post_attention_layernorm",
-                     "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        self.sandwich = sandwich
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if sandwich:
+            norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        for name in norms:
             setattr(self, name, GemmaRMSNorm(hf_config.hidden_size, eps=eps))
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(hidden_states), positions, cos, sin)
+        if not self.sandwich:  # (Gemma: post_attention_layernorm is the MLP's input norm)
+            hidden_states = hidden_states + attended
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         hidden_states = hidden_states + self.post_attention_layernorm(attended)
         mixed = self.mlp(self.pre_feedforward_layernorm(hidden_states))
         return hidden_states + self.post_feedforward_layernorm(mixed)
@@ -97,14 +112,16 @@ class Gemma2Model(nn.Module):
     """rope_per_layer_type (Gemma 3): a rotary table per layer type, and q/k norms."""
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
-                 rope_per_layer_type: bool = False) -> None:
+                 rope_per_layer_type: bool = False, gemma2: bool = True) -> None:
+        """gemma2=False: Gemma's layers (no sandwich norms, no windows)."""
         super().__init__()
         self.hidden_size = hf_config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
                                                    tp_group=tp_group)
-        windows = gemma2_sliding_windows(hf_config)
+        windows = gemma2_sliding_windows(hf_config, windows=gemma2)
         self.layers = nn.ModuleList(
-            Gemma2DecoderLayer(hf_config, tp_group, windows[i], qk_norm=rope_per_layer_type)
+            Gemma2DecoderLayer(hf_config, tp_group, windows[i], qk_norm=rope_per_layer_type,
+                               sandwich=gemma2)
             for i in range(hf_config.num_hidden_layers))
         self.norm = GemmaRMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         head_dim = head_dim_of(hf_config)
@@ -146,6 +163,7 @@ class Gemma2Model(nn.Module):
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
     rope_per_layer_type = False  # (Gemma 3: True, and q/k norms)
+    gemma2 = True  # (Gemma: False)
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
                  stage: PipelineStage | None = None) -> None:
@@ -155,13 +173,13 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
                              "supported")
         act = getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
         if act not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"Gemma 2 hidden_activation {act!r} is not supported (only "
+            raise ValueError(f"Gemma hidden_activation {act!r} is not supported (only "
                              f"{', '.join(SUPPORTED_ACTIVATIONS)})")
         self.config = hf_config
         self.stage = stage or PipelineStage.single()
         if self.stage.size > 1:
-            raise ValueError("Gemma2ForCausalLM does not support pipeline parallelism")
-        self.model = Gemma2Model(hf_config, tp_group, self.rope_per_layer_type)
+            raise ValueError(f"{type(self).__name__} does not support pipeline parallelism")
+        self.model = Gemma2Model(hf_config, tp_group, self.rope_per_layer_type, self.gemma2)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
         self.build_lm_head(hf_config, tp_group)
 
@@ -181,6 +199,12 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         if hf_name == "lm_head.weight" and self.tie_word_embeddings:
             return None
         return _to_param_name(hf_name)
+
+
+class GemmaForCausalLM(Gemma2ForCausalLM):
+    """The first Gemma: see the module docstring."""
+
+    gemma2 = False
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

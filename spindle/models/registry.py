@@ -23,6 +23,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "DeepseekV2ForCausalLM": "spindle.models.deepseek_v3:DeepseekV2ForCausalLM",
     "GptOssForCausalLM": "spindle.models.gpt_oss:GptOssForCausalLM",
     "Phi3ForCausalLM": "spindle.models.llama:Phi3ForCausalLM",
+    "GemmaForCausalLM": "spindle.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "spindle.models.gemma:Gemma3ForCausalLM",
     "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",

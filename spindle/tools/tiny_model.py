@@ -77,6 +77,7 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
@@ -99,7 +100,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "gpt_oss": "GptOssConfig", "deepseek_v2": "DeepseekV2Config",
                   "qwen2_moe": "Qwen2MoeConfig",
                   "phi3": "Phi3Config",
-                  "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
+                  "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
 # block's name, and the names of an expert's gate, up and down projections.
@@ -267,6 +268,8 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}
+    if arch == "gemma":  # the first Gemma: GeGLU with the tanh GELU
+        return {"hidden_act": "gelu_pytorch_tanh"}
     if arch == "gemma2":  # small caps and window, so that both act on a tiny model
         return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
