@@ -133,10 +133,15 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
-                 tp_group: TensorParallelGroup, sliding_window: int | None = None) -> None:
+                 tp_group: TensorParallelGroup, sliding_window: int | None = None,
+                 rotate: bool = True) -> None:
+        """rotate: False for a layer without positions (SmolLM3's NoPE layers)."""
         super().__init__()
         hidden_size = hf_config.hidden_size
         self.head_dim = head_dim_of(hf_config)
+        if not rotate and options.qk_norm:
+            raise ValueError("attention without rotary but with q/k norms is not supported")
+        self.rotate = rotate
         self.qkv_proj = QKVParallelLinear(
             hidden_size, self.head_dim, hf_config.num_attention_heads,
             hf_config.num_key_value_heads, bias=options.qkv_bias, tp_group=tp_group)
@@ -175,7 +180,9 @@ class LlamaAttention(nn.Module):
         LlamaMLP.forward's, for o_proj."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = self.qkv_proj.split_qkv(qkv)
-        if cos is None:
+        if not self.rotate and self.q_norm is None:
+            out = self.attn(q, k, v)
+        elif cos is None:
             out = self.attn(q, k, v, qk_transform=self._qk_norm_rope(positions))
         else:
             num_tokens = hidden_states.shape[0]
@@ -211,12 +218,12 @@ def dense_mlp(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup) -> 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
                  tp_group: TensorParallelGroup, sliding_window: int | None = None,
-                 mlp: nn.Module | None = None) -> None:
+                 mlp: nn.Module | None = None, rotate: bool = True) -> None:
         """mlp: the feed-forward block (default: the dense SwiGLU MLP; a mixture of
-        experts in the MoE models)."""
+        experts in the MoE models). rotate: as LlamaAttention's."""
         super().__init__()
         eps = hf_config.rms_norm_eps
-        self.self_attn = LlamaAttention(hf_config, options, tp_group, sliding_window)
+        self.self_attn = LlamaAttention(hf_config, options, tp_group, sliding_window, rotate)
         self.mlp = mlp if mlp is not None else dense_mlp(hf_config, 0, tp_group)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
@@ -279,7 +286,7 @@ class LlamaDecoderLayer(nn.Module):
                                                          self.mlp.gate_up_proj,
                                                          self.mlp.down_proj)] \
             if isinstance(self.mlp, LlamaMLP) else [None]
-        if (cache.dtype == dtype and attn.o_proj.tp_group.size == 1
+        if (cache.dtype == dtype and attn.o_proj.tp_group.size == 1 and attn.rotate
                 and all(args is not None for args in linears)):
             layer, q_norm = attn.attn, attn.q_norm
             weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
@@ -298,16 +305,19 @@ class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
                  tp_group: TensorParallelGroup, stage: PipelineStage | None = None,
                  sliding_windows: list[int | None] | None = None,
-                 mlp_for_layer=dense_mlp) -> None:
+                 mlp_for_layer=dense_mlp, rotary_layers: list[bool] | None = None) -> None:
         """sliding_windows: each layer's window (None: full attention; default all).
-        mlp_for_layer(hf_config, layer_idx, tp_group): each layer's feed-forward block."""
+        mlp_for_layer(hf_config, layer_idx, tp_group): each layer's feed-forward block.
+        rotary_layers: whether each layer rotates q and k (default: all)."""
         super().__init__()
         windows = sliding_windows or [None] * hf_config.num_hidden_layers
+        rotates = rotary_layers or [True] * hf_config.num_hidden_layers
         self.stage = stage = stage or PipelineStage.single()
         # A pipeline stage builds only what it runs.
         self.embed_tokens = stage_embedding(hf_config, stage, tp_group)
         self.layers = stage_layers(stage, hf_config.num_hidden_layers, lambda i: LlamaDecoderLayer(
-            hf_config, options, tp_group, windows[i], mlp_for_layer(hf_config, i, tp_group)))
+            hf_config, options, tp_group, windows[i], mlp_for_layer(hf_config, i, tp_group),
+            rotates[i]))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps) if stage.is_last else None
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
         for layer in self.own_layers():  # plain tensor references, not submodules
@@ -380,8 +390,14 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self.tp_group = tp_group
         self.stage = stage or PipelineStage.single()
         self.model = LlamaModel(hf_config, self.attention_options(hf_config), tp_group,
-                                self.stage, self.sliding_windows(hf_config), self.mlp_for_layer)
+                                self.stage, self.sliding_windows(hf_config), self.mlp_for_layer,
+                                self.rotary_layers(hf_config))
         self.build_lm_head(hf_config, tp_group)
+
+    @classmethod
+    def rotary_layers(cls, hf_config: Any) -> list[bool] | None:
+        """Whether each layer rotates q and k (None: every layer does)."""
+        return None
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
@@ -421,6 +437,30 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
         return not_on_this_rank(self, hf_name)
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3: Llama's layers, every no_rope_layer_interval-th without rotary (NoPE:
+    ``no_rope_layers[i] == 0``), windows where use_sliding_window and layer_types say."""
+
+    @classmethod
+    def rotary_layers(cls, hf_config: Any) -> list[bool]:
+        flags = getattr(hf_config, "no_rope_layers", None)
+        if flags is None:
+            interval = getattr(hf_config, "no_rope_layer_interval", 4)
+            flags = [int((i + 1) % interval != 0) for i in range(hf_config.num_hidden_layers)]
+        if len(flags) != hf_config.num_hidden_layers:
+            raise ValueError(f"no_rope_layers has {len(flags)} entries for "
+                             f"{hf_config.num_hidden_layers} layers")
+        return [bool(flag) for flag in flags]
+
+    @classmethod
+    def sliding_windows(cls, hf_config: Any) -> list[int | None]:
+        num_layers = hf_config.num_hidden_layers
+        if not getattr(hf_config, "use_sliding_window", False):
+            return [None] * num_layers
+        window = checked_window(getattr(hf_config, "sliding_window", None))
+        return windows_by_layer_type(list(hf_config.layer_types), window, num_layers)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

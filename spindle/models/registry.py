@@ -12,6 +12,7 @@ from typing import Any
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "spindle.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "spindle.models.llama:MistralForCausalLM",
+    "SmolLM3ForCausalLM": "spindle.models.llama:SmolLM3ForCausalLM",
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "spindle.models.moe:Qwen3MoeForCausalLM",

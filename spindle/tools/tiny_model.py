@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "bamba": "BambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "mamba": "MambaForCausalLM",
@@ -83,6 +84,7 @@ ARCHITECTURES = {
 }
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
+                  "smollm3": "SmolLM3Config",
                   "mamba2": "Mamba2Config", "mamba": "MambaConfig",
                   "falcon_mamba": "FalconMambaConfig", "nemotron_h": "NemotronHConfig",
                   "zamba2": "Zamba2Config",
