@@ -25,6 +25,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "GptOssForCausalLM": "spindle.models.gpt_oss:GptOssForCausalLM",
     "Phi3ForCausalLM": "spindle.models.llama:Phi3ForCausalLM",
     "GemmaForCausalLM": "spindle.models.gemma:GemmaForCausalLM",
+    "CohereForCausalLM": "spindle.models.cohere:CohereForCausalLM",
+    "Cohere2ForCausalLM": "spindle.models.cohere:Cohere2ForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "spindle.models.gemma:Gemma3ForCausalLM",
     "BambaForCausalLM": "spindle.models.bamba:BambaForCausalLM",

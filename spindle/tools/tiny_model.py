@@ -79,6 +79,8 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
@@ -102,7 +104,8 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "gpt_oss": "GptOssConfig", "deepseek_v2": "DeepseekV2Config",
                   "qwen2_moe": "Qwen2MoeConfig",
                   "phi3": "Phi3Config",
-                  "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
+                  "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
+                  "cohere": "CohereConfig", "cohere2": "Cohere2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
 # block's name, and the names of an expert's gate, up and down projections.
@@ -270,6 +273,14 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}
+    if arch in ("cohere", "cohere2"):  # parallel layers, a logit scale away from 1 (and
+        # Cohere2: a window of 8 on the first two of every three layers, global ones unrotated)
+        fields = {"logit_scale": 0.5, "use_qk_norm": False}
+        if arch == "cohere2":
+            fields.update(sliding_window=8, layer_types=[
+                "full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                for i in range(num_layers)])
+        return fields
     if arch == "gemma":  # the first Gemma: GeGLU with the tanh GELU
         return {"hidden_act": "gelu_pytorch_tanh"}
     if arch == "gemma2":  # small caps and window, so that both act on a tiny model

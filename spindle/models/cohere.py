@@ -1,0 +1,151 @@
+"""CohereForCausalLM (Command R) and Cohere2ForCausalLM (Command R7B, Command A).
+
+Each layer is parallel: one norm of the input feeds both the attention and the SwiGLU
+MLP, and both outputs join the residual stream (x + attn(n) + mlp(n), n = norm(x)). The
+norm is a LayerNorm without a bias (mean-centred, weight only, computed in float32).
+The logits are multiplied by ``logit_scale``. Cohere rotates interleaved pairs of each
+head (x0, x1), (x2, x3), ...: the q and k projections' rows are permuted per head at
+load to the rotate-half layout spindle's rotary (and its fused kernels) apply, which
+leaves every q . k the same. Cohere2 attends within ``sliding_window`` on the layers
+``layer_types`` calls sliding, and only those rotate (its global layers have no
+positions).
+
+Not supported, refused by name: Command R+'s per-head q/k LayerNorms (use_qk_norm).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import PipelineStage
+from spindle.layers.embedding import VocabParallelEmbedding
+from spindle.layers.linear import default_weight_loader, set_weight_loader
+from spindle.layers.rotary import RotaryEmbedding
+from spindle.models.causal_lm import DecoderForCausalLM
+from spindle.models.llama import (AttentionOptions, LlamaAttention, LlamaMLP, _to_param_name,
+                                  checked_window, head_dim_of, windows_by_layer_type)
+from spindle.models.weights import load_named_weights, not_on_this_rank
+
+
+def check_supported_config(hf_config: Any) -> None:
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    if getattr(hf_config, "use_qk_norm", False):
+        raise ValueError("Cohere's per-head q/k LayerNorms (use_qk_norm, Command R+) are not "
+                         "supported")
+
+
+class CohereLayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight over the last dimension, in float32, cast
+    back to x's dtype; no bias (transformers' CohereLayerNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+class CohereDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 sliding_window: int | None, rotate: bool) -> None:
+        super().__init__()
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        self.input_layernorm = CohereLayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
+        self.self_attn = LlamaAttention(hf_config, AttentionOptions(bias, bias, False),
+                                        tp_group, sliding_window, rotate)
+        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, False, tp_group)
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        normed = self.input_layernorm(hidden_states)
+        attended = self.self_attn(normed, positions, cos, sin)
+        return hidden_states + attended + self.mlp(normed)
+
+
+class CohereModel(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 windows: list[int | None], rotates: list[bool]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                   tp_group=tp_group)
+        self.layers = nn.ModuleList(
+            CohereDecoderLayer(hf_config, tp_group, windows[i], rotates[i])
+            for i in range(hf_config.num_hidden_layers))
+        self.norm = CohereLayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
+        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: Any = None) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # (the rotation in torch on every device: each layer is handed the tables)
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, positions, cos, sin)
+        return self.norm(hidden_states)
+
+
+class CohereForCausalLM(DecoderForCausalLM):
+    supports_pipeline_parallel = False
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage | None = None) -> None:
+        super().__init__()
+        check_supported_config(hf_config)
+        windows, rotates = self.layer_attention(hf_config)
+        self.build_single_stage(hf_config, tp_group, stage,
+                                lambda c, tp: CohereModel(c, tp, windows, rotates))
+        self.logit_scale = float(getattr(hf_config, "logit_scale", 1.0))
+        self.head_dim = head_dim_of(hf_config)
+
+    @classmethod
+    def layer_attention(cls, hf_config: Any) -> tuple[list[int | None], list[bool]]:
+        """Each layer's window and whether it rotates: Command R, no window, all rotate."""
+        count = hf_config.num_hidden_layers
+        return [None] * count, [True] * count
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden_states) * self.logit_scale
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_named_weights(self, self._rotate_half_layout(weights), self._param_name)
+
+    def _param_name(self, hf_name: str) -> tuple[str, Any] | None:
+        return None if not_on_this_rank(self, hf_name) else _to_param_name(hf_name)
+
+    def _rotate_half_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
+        """q_proj / k_proj rows (and biases) of each head reordered from interleaved
+        pairs to halves: features 0, 2, 4, ... then 1, 3, 5, ..."""
+        order = torch.cat([torch.arange(0, self.head_dim, 2), torch.arange(1, self.head_dim, 2)])
+        for name, tensor in weights:
+            if name.endswith((".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
+                              ".self_attn.q_proj.bias", ".self_attn.k_proj.bias")):
+                per_head = tensor.unflatten(0, (-1, self.head_dim))
+                tensor = per_head[:, order].flatten(0, 1)
+            yield name, tensor
+
+
+class Cohere2ForCausalLM(CohereForCausalLM):
+    @classmethod
+    def layer_attention(cls, hf_config: Any) -> tuple[list[int | None], list[bool]]:
+        """The layers layer_types calls sliding attend within sliding_window and rotate;
+        the others attend to everything, without positions."""
+        count = hf_config.num_hidden_layers
+        window = checked_window(getattr(hf_config, "sliding_window", None))
+        windows = windows_by_layer_type(list(hf_config.layer_types), window, count)
+        return windows, [w is not None for w in windows]

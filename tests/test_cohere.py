@@ -1,0 +1,60 @@
+"""Cohere (Command R) and Cohere2 (Command R7B / A) against transformers on tiny random
+checkpoints, CPU float32 (tokens equal, logprobs within 1e-4): parallel attention and
+MLP after one bias-free LayerNorm, interleaved rotary pairs, the logit scale; Cohere2's
+windows on two of every three layers and unrotated global layers; chunked prefill and
+two tensor-parallel ranks. And the q/k norms of Command R+, refused by name."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from spindle import LLM, SamplingParams
+from test_generate_vs_hf import hf_greedy
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
+         "cohere-biases": dict(num_layers=2, attention_bias=True),
+         "cohere2": dict(num_layers=3)}
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(9)
+    return [[rng.randrange(512) for _ in range(n)] for n in (2, 13, 40)]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def reference(tiny_model, request):
+    kwargs = dict(CASES[request.param])
+    path = tiny_model(request.param.split("-")[0], **kwargs)
+    return path, hf_greedy(path, prompts(), MAX_NEW)
+
+
+@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 8},
+                                           {"tensor_parallel_size": 2}],
+                         ids=["default", "chunked", "tp2"])
+def test_greedy_equals_transformers(reference, engine_kwargs):
+    path, expected = reference
+    with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,
+             **engine_kwargs) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
+                               use_tqdm=False)
+    for output, (tokens, logprobs) in zip(outputs, expected):
+        answer = output.outputs[0]
+        assert answer.token_ids == tokens
+        got = [d[t].logprob for d, t in zip(answer.logprobs, tokens)]
+        assert got == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_command_r_plus_q_k_norms_are_refused(tiny_model, tmp_path):
+    path = tmp_path / "qk-norm"
+    shutil.copytree(tiny_model("cohere", **CASES["cohere"]), path)
+    config = json.loads((path / "config.json").read_text())
+    config["use_qk_norm"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="use_qk_norm"):
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=256)
