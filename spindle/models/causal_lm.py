@@ -93,3 +93,33 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size], the full vocabulary on every rank."""
         return self.lm_head.compute_logits(hidden_states)
+
+
+class RotaryDecoderModel(nn.Module):
+    """A decoder's inner model whose layers take (hidden_states, positions, cos, sin) and
+    return the next hidden states, the rotary tables read once per step and rotated in
+    torch on every device (Cohere's, StarCoder2's): the embedding, the layers
+    make_layer(i), the final norm."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 make_layer: Callable[[int], nn.Module], norm: nn.Module,
+                 head_dim: int) -> None:
+        from spindle.layers.rotary import RotaryEmbedding
+
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                   tp_group=tp_group)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(hf_config.num_hidden_layers))
+        self.norm = norm
+        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: Any = None) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, positions, cos, sin)
+        return self.norm(hidden_states)

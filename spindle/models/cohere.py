@@ -22,10 +22,8 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
-from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import default_weight_loader, set_weight_loader
-from spindle.layers.rotary import RotaryEmbedding
-from spindle.models.causal_lm import DecoderForCausalLM
+from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
 from spindle.models.llama import (AttentionOptions, LlamaAttention, LlamaMLP, _to_param_name,
                                   checked_window, head_dim_of, windows_by_layer_type)
 from spindle.models.weights import load_named_weights, not_on_this_rank
@@ -74,29 +72,13 @@ class CohereDecoderLayer(nn.Module):
         return hidden_states + attended + self.mlp(normed)
 
 
-class CohereModel(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
-                 windows: list[int | None], rotates: list[bool]) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   tp_group=tp_group)
-        self.layers = nn.ModuleList(
-            CohereDecoderLayer(hf_config, tp_group, windows[i], rotates[i])
-            for i in range(hf_config.num_hidden_layers))
-        self.norm = CohereLayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
-        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate_tensors: Any = None) -> torch.Tensor:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        # (the rotation in torch on every device: each layer is handed the tables)
-        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, positions, cos, sin)
-        return self.norm(hidden_states)
+def cohere_model(hf_config: Any, tp_group: TensorParallelGroup, windows: list[int | None],
+                 rotates: list[bool]) -> RotaryDecoderModel:
+    return RotaryDecoderModel(
+        hf_config, tp_group,
+        lambda i: CohereDecoderLayer(hf_config, tp_group, windows[i], rotates[i]),
+        CohereLayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps),
+        head_dim_of(hf_config))
 
 
 class CohereForCausalLM(DecoderForCausalLM):
@@ -108,7 +90,7 @@ class CohereForCausalLM(DecoderForCausalLM):
         check_supported_config(hf_config)
         windows, rotates = self.layer_attention(hf_config)
         self.build_single_stage(hf_config, tp_group, stage,
-                                lambda c, tp: CohereModel(c, tp, windows, rotates))
+                                lambda c, tp: cohere_model(c, tp, windows, rotates))
         self.logit_scale = float(getattr(hf_config, "logit_scale", 1.0))
         self.head_dim = head_dim_of(hf_config)
 

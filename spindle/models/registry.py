@@ -26,6 +26,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Phi3ForCausalLM": "spindle.models.llama:Phi3ForCausalLM",
     "GemmaForCausalLM": "spindle.models.gemma:GemmaForCausalLM",
     "CohereForCausalLM": "spindle.models.cohere:CohereForCausalLM",
+    "Starcoder2ForCausalLM": "spindle.models.starcoder2:Starcoder2ForCausalLM",
     "Cohere2ForCausalLM": "spindle.models.cohere:Cohere2ForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "spindle.models.gemma:Gemma3ForCausalLM",

@@ -80,6 +80,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "cohere": "CohereForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -105,7 +106,8 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "qwen2_moe": "Qwen2MoeConfig",
                   "phi3": "Phi3Config",
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
-                  "cohere": "CohereConfig", "cohere2": "Cohere2Config", "gemma3": "Gemma3TextConfig"}
+                  "cohere": "CohereConfig", "cohere2": "Cohere2Config",
+                  "starcoder2": "Starcoder2Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
 # block's name, and the names of an expert's gate, up and down projections.
@@ -273,6 +275,9 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}
+    if arch == "starcoder2":  # LayerNorms, biases, a plain GELU MLP, a window of 8
+        return {"hidden_act": "gelu_pytorch_tanh", "use_bias": True, "sliding_window": 8,
+                "norm_epsilon": 1e-5}
     if arch in ("cohere", "cohere2"):  # parallel layers, a logit scale away from 1 (and
         # Cohere2: a window of 8 on the first two of every three layers, global ones unrotated)
         fields = {"logit_scale": 0.5, "use_qk_norm": False}

@@ -1,8 +1,10 @@
-"""Cohere (Command R) and Cohere2 (Command R7B / A) against transformers on tiny random
-checkpoints, CPU float32 (tokens equal, logprobs within 1e-4): parallel attention and
-MLP after one bias-free LayerNorm, interleaved rotary pairs, the logit scale; Cohere2's
-windows on two of every three layers and unrotated global layers; chunked prefill and
-two tensor-parallel ranks. And the q/k norms of Command R+, refused by name."""
+"""Dense families on their own layers, against transformers on tiny random checkpoints,
+CPU float32 (tokens equal, logprobs within 1e-4), with chunked prefill and two
+tensor-parallel ranks: Cohere (Command R) and Cohere2 (Command R7B / A): parallel
+attention and MLP after one bias-free LayerNorm, interleaved rotary pairs, the logit
+scale, Cohere2's windows on two of every three layers and unrotated global layers (and
+Command R+'s q/k norms, refused by name); StarCoder2: LayerNorms with biases, biased
+attention within a window, a plain GELU MLP."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
 CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "cohere-biases": dict(num_layers=2, attention_bias=True),
-         "cohere2": dict(num_layers=3)}
+         "cohere2": dict(num_layers=3),
+         "starcoder2": dict(num_layers=3)}
 
 
 def prompts() -> list[list[int]]:
