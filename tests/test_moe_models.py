@@ -34,6 +34,8 @@ CASES = {
     "qwen2_moe": {},
     "qwen2_moe-sparse-every-second-layer": dict(arch="qwen2_moe", num_layers=4,
                                                 decoder_sparse_step=2, norm_topk_prob=True),
+    # OLMoE: q/k normalised over their whole width, q/k/v clamped, Qwen-style routing.
+    "olmoe": dict(num_layers=3),
     "mixtral": {},
     "minimax_m2": {},
     "glm4_moe": {},
@@ -99,7 +101,7 @@ def test_greedy_equals_transformers(checkpoint, case):
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
                                   "granite_moe_shared", "deepseek_v3-yarn", "gpt_oss",
-                                  "deepseek_v2", "qwen2_moe"])
+                                  "deepseek_v2", "qwen2_moe", "olmoe"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,

@@ -88,11 +88,14 @@ class WholeWidthRMSNorm(nn.Module):
 class OlmoAttention(nn.Module):
     """Attention whose q and k are normalised over their whole width (WholeWidthRMSNorm,
     its float_weight as given), then rotated by layout.rotary_dim features of each head
-    (all of them, a part, or none)."""
+    (all of them, a part, or none). clip_qkv: q, k (after their norms) and v clamped to
+    [-clip_qkv, clip_qkv] (OLMoE's)."""
 
     def __init__(self, hf_config: Any, layout: HybridLayout, tp_group: TensorParallelGroup,
-                 sliding_window: int | None = None, float_weight_norms: bool = True) -> None:
+                 sliding_window: int | None = None, float_weight_norms: bool = True,
+                 clip_qkv: float | None = None) -> None:
         super().__init__()
+        self.clip_qkv = clip_qkv
         self.head_dim = head_dim_of(hf_config)
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
         if kv_heads % tp_group.size != 0:
@@ -121,6 +124,9 @@ class OlmoAttention(nn.Module):
         num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
         q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            clip = self.clip_qkv
+            q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
         if self.rotates:
             q = apply_partial_rotary(q.reshape(num_tokens, self.num_heads, self.head_dim),
                                      cos, sin).reshape(num_tokens, -1)

@@ -17,6 +17,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "spindle.models.moe:Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM": "spindle.models.moe:Qwen2MoeForCausalLM",
+    "OlmoeForCausalLM": "spindle.models.olmoe:OlmoeForCausalLM",
     "MixtralForCausalLM": "spindle.models.moe:MixtralForCausalLM",
     "MiniMaxM2ForCausalLM": "spindle.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Glm4MoeForCausalLM": "spindle.models.glm4_moe:Glm4MoeForCausalLM",

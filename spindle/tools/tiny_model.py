@@ -77,6 +77,7 @@ ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "cohere": "CohereForCausalLM",
@@ -103,7 +104,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config",
                   "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
                   "gpt_oss": "GptOssConfig", "deepseek_v2": "DeepseekV2Config",
-                  "qwen2_moe": "Qwen2MoeConfig",
+                  "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
                   "phi3": "Phi3Config",
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                   "cohere": "CohereConfig", "cohere2": "Cohere2Config",
@@ -118,7 +119,8 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
                         "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                        "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                        "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                        "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -253,6 +255,9 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 16, "rope_interleave": True,
                 # (transformers' MLA repeats its per-head keys num_heads / num_kv_heads times)
                 "num_key_value_heads": num_heads}
+    if arch == "olmoe":  # 4 experts of 32 (2 per token), q/k/v clamped at 2
+        return {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                "norm_topk_prob": False, "clip_qkv": 2.0}
     if arch == "qwen2_moe":  # 4 experts of 32 (2 per token) and a shared one of 48
         return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "shared_expert_intermediate_size": 48, "norm_topk_prob": False}
