@@ -39,10 +39,9 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_model, tmp_path)
     for f in src.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
-    config["architectures"] = ["GemmaForCausalLM"]
-    config["model_type"] = "gemma"
+    config["architectures"] = ["SpeculativeNonsenseForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="GemmaForCausalLM") as info:
+    with pytest.raises(ValueError, match="SpeculativeNonsenseForCausalLM") as info:
         LLM(str(tmp_path), device="cpu")
     assert "LlamaForCausalLM" in str(info.value) and "Qwen3ForCausalLM" in str(info.value)
 
