@@ -4,7 +4,8 @@ tensor-parallel ranks: Cohere (Command R) and Cohere2 (Command R7B / A): paralle
 attention and MLP after one bias-free LayerNorm, interleaved rotary pairs, the logit
 scale, Cohere2's windows on two of every three layers and unrotated global layers (and
 Command R+'s q/k norms, refused by name); StarCoder2: LayerNorms with biases, biased
-attention within a window, a plain GELU MLP."""
+attention within a window, a plain GELU MLP; GLM-4: sandwich norms, a half-head rotary
+of interleaved pairs, the fused gate/up checkpoint tensor."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, lo
 CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "cohere-biases": dict(num_layers=2, attention_bias=True),
          "cohere2": dict(num_layers=3),
-         "starcoder2": dict(num_layers=3)}
+         "starcoder2": dict(num_layers=3),
+         "glm4": dict(num_layers=3)}
 
 
 def prompts() -> list[list[int]]:

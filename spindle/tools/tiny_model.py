@@ -73,6 +73,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -104,6 +105,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config",
                   "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
                   "gpt_oss": "GptOssConfig", "deepseek_v2": "DeepseekV2Config",
+                  "glm4": "Glm4Config",
                   "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
                   "phi3": "Phi3Config",
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
@@ -280,6 +282,8 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}
+    if arch == "glm4":  # q/k/v biases, half of each head rotated (interleaved pairs)
+        return {"attention_bias": True, "partial_rotary_factor": 0.5}
     if arch == "starcoder2":  # LayerNorms, biases, a plain GELU MLP, a window of 8
         return {"hidden_act": "gelu_pytorch_tanh", "use_bias": True, "sliding_window": 8,
                 "norm_epsilon": 1e-5}
