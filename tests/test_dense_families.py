@@ -5,7 +5,9 @@ attention and MLP after one bias-free LayerNorm, interleaved rotary pairs, the l
 scale, Cohere2's windows on two of every three layers and unrotated global layers (and
 Command R+'s q/k norms, refused by name); StarCoder2: LayerNorms with biases, biased
 attention within a window, a plain GELU MLP; GLM-4: sandwich norms, a half-head rotary
-of interleaved pairs, the fused gate/up checkpoint tensor."""
+of interleaved pairs, the fused gate/up checkpoint tensor; SmolLM3: Llama's layers,
+every other one here without rotary (NoPE), with and without windows, and in bf16 the
+CPU's fused kernels leaving the NoPE layers unrotated."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "cohere-biases": dict(num_layers=2, attention_bias=True),
          "cohere2": dict(num_layers=3),
          "starcoder2": dict(num_layers=3),
-         "glm4": dict(num_layers=3)}
+         "glm4": dict(num_layers=3),
+         "smollm3": dict(num_layers=4, no_rope_layer_interval=2),
+         "smollm3-windows": dict(num_layers=4, no_rope_layer_interval=2,
+                                 use_sliding_window=True, sliding_window=8)}
 
 
 def prompts() -> list[list[int]]:
@@ -63,3 +68,16 @@ def test_command_r_plus_q_k_norms_are_refused(tiny_model, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="use_qk_norm"):
         LLM(str(path), device="cpu", dtype="float32", max_model_len=256)
+
+
+def test_smollm3_bf16_on_the_cpu_keeps_close_to_float32(tiny_model):
+    """bf16 runs the fused CPU kernels (rotary inside the KV store, a decode layer per
+    C++ call) on the rotating layers only: the answers start as transformers' float32
+    (with every layer rotated, two of the three did not)."""
+    path = tiny_model("smollm3", **CASES["smollm3"])
+    expected = hf_greedy(path, prompts(), MAX_NEW)
+    with LLM(str(path), device="cpu", dtype="bfloat16", max_model_len=256) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
+                               use_tqdm=False)
+    agree = [o.outputs[0].token_ids[:3] == tokens[:3] for o, (tokens, _) in zip(outputs, expected)]
+    assert sum(agree) >= 2, agree
