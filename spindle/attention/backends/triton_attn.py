@@ -188,8 +188,9 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     query heads that share them (a decode step's tile is then one token's heads)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    block_m = block_m or (64 if meta.max_query_len > 32 else 16)
-    block_n = 64
+    wide = _wide_heads(head_dim)
+    block_m = block_m or (64 if meta.max_query_len > 32 and not wide else 16)
+    block_n = 16 if wide else 64
     gqa = num_heads // num_kv_heads
     if pack_gqa:
         grid = (triton.cdiv(meta.max_query_len * gqa, block_m), meta.num_reqs, num_kv_heads)
@@ -279,6 +280,14 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
 
 
+def _wide_heads(head_dim: int) -> bool:
+    """Heads wider than 256 features (latent attention's 576): 16-key tiles (and 16-query
+    prefill tiles), so that a stage's K and V tiles of 1,024 padded features stay within
+    shared memory (64 keys would take 256 KB a stage in bf16). Narrower heads keep the
+    tiles measured on the H200. Not yet run on a GPU at these widths."""
+    return head_dim > 256
+
+
 # ---------------------------------------------------------------------- decode
 def num_decode_splits(num_reqs: int, num_kv_heads: int) -> int:
     """Context splits per request: enough programs to fill the GPU, no more."""
@@ -338,7 +347,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         rope.cos_cache.stride(0) if rope else 0,
         GQA=gqa, BLOCK_G=max(16, triton.next_power_of_2(gqa)), PAGE=block_size,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=16 if _wide_heads(head_dim) else 64,
         SPLITS=splits, ORDERED=meta.decode_order is not None, ROPE=rope is not None,
         HAS_NORM=has_norm, SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
         SINKS=sinks is not None, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
