@@ -108,7 +108,20 @@ def test_samples_share_one_computation(model, hf_logprobs):
         check(prompt, out.prompt_logprobs, 1, hf_logprobs(prompt))
 
 
-def test_preemption_recomputes_them_unchanged(model, hf_logprobs):
+def test_preemption_recomputes_them_unchanged(model, hf_logprobs, monkeypatch):
+    """And a request preempted after its first token (its prompt logprobs delivered) does
+    not score its prompt again when it is recomputed: every prompt position is scored
+    at most once per time its prefill runs before the first token."""
+    from spindle.runner import model_runner
+
+    scored = []
+    score_rows = model_runner.score_rows
+
+    def counting(hidden, targets, k, compute_logits):
+        scored.append(hidden.shape[0])
+        return score_rows(hidden, targets, k, compute_logits)
+
+    monkeypatch.setattr(model_runner, "score_rows", counting)
     prompts = prompts_for(5)
     # Room for about 136 tokens: the 40- and 77-token prompts growing by 30 tokens each
     # preempt each other.
@@ -120,6 +133,8 @@ def test_preemption_recomputes_them_unchanged(model, hf_logprobs):
         assert llm.engine.core.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
         check(prompt, out.prompt_logprobs, 2, hf_logprobs(prompt))
+    # (the preemptions here come after the first tokens: no prompt is scored twice)
+    assert sum(scored) == sum(len(p) - 1 for p in prompts)
 
 
 def test_requests_without_them_get_none(model):

@@ -5,6 +5,7 @@ It knows nothing of text (the output processor detokenizes) nor of devices.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from typing import Any
@@ -90,7 +91,15 @@ class Request:
                                                    None) is not None
         self.prompt_logprobs: list | None = (
             [None] * max(0, len(self.prompt_token_ids) - 1) if wants else None)
-        self.prompt_logprobs_sent = False
+        # The sampling params the runner gets (the prompt logprobs left out once sent).
+        self.runner_sampling_params = sampling_params
+
+    def prompt_logprobs_delivered(self) -> None:
+        """Its prompt logprobs went out with its first token: none are kept or computed
+        any more."""
+        self.prompt_logprobs = None
+        self.runner_sampling_params = dataclasses.replace(self.sampling_params,
+                                                          prompt_logprobs=None)
 
     @property
     def is_pooling(self) -> bool:

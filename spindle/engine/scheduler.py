@@ -354,7 +354,7 @@ class Scheduler:
                 req_id=request.request_id,
                 token_ids=list(request.all_token_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params,
+                sampling_params=request.runner_sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 pooling_params=request.pooling_params,
@@ -488,14 +488,15 @@ class Scheduler:
             request.prompt_logprobs[start:start + len(entries)] = entries
 
     def _take_prompt_logprobs(self, request: Request) -> list | None:
-        """A request's prompt logprobs, once: with its first token."""
-        if request.prompt_logprobs_sent:
-            return None
-        request.prompt_logprobs_sent = True
-        if any(entry is None for entry in request.prompt_logprobs):
+        """A request's prompt logprobs, once: with its first token. From then on the
+        request is one without them (a recompute after a preemption neither scores its
+        prompt again nor is kept from prefix-cache hits)."""
+        entries = request.prompt_logprobs
+        if any(entry is None for entry in entries):
             raise RuntimeError(f"request {request.request_id!r} sampled before every prompt "
                                "token's logprob was computed")
-        return request.prompt_logprobs
+        request.prompt_logprobs_delivered()
+        return entries
 
     def _take_back_rejected(self, request: Request, num_drafts: int, num_tokens: int) -> None:
         """A verified step gave num_tokens tokens: the accepted drafts and one more.
