@@ -12,7 +12,8 @@ from spindle.tools.tiny_model import (CHAT_TEMPLATE, EOS_ID, IM_END_ID, SPECIAL_
                                       add_cli_arguments, run_cli)
 
 ARCHS = ["llama", "qwen2", "qwen3"]
-HYBRID_ARCHS = ["bamba", "zamba2"]  # checked for sound logits only (no tokenizer class of their own)
+# Checked for sound logits only (no tokenizer class of their own).
+HYBRID_ARCHS = ["bamba", "zamba2"]
 
 
 @pytest.fixture(autouse=True, scope="module")
