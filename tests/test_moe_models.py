@@ -59,6 +59,9 @@ CASES = {
     "gpt_oss": dict(num_layers=3),
     "granite_moe": {},  # (Granite 3.x: the experts stacked, Granite's multipliers)
     "granite_moe_shared": {},  # (and a shared SwiGLU MLP beside the experts)
+    # (and windows, attention sinks, a rotary base per layer: transformers' own names,
+    # which transformers 5.25 reads for this model, unlike the hub's)
+    "granite_moe_swa": dict(num_layers=4),
 }
 
 
@@ -101,7 +104,7 @@ def test_greedy_equals_transformers(checkpoint, case):
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
                                   "granite_moe_shared", "deepseek_v3-yarn", "gpt_oss",
-                                  "deepseek_v2", "qwen2_moe", "olmoe"])
+                                  "deepseek_v2", "qwen2_moe", "olmoe", "granite_moe_swa"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,

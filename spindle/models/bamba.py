@@ -15,7 +15,7 @@ checkpoint, except the merged qkv_proj and gate_up_proj.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from spindle.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPa
 from spindle.layers.mamba.mixer import MambaMixer, norm_group_size, time_step_limit
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
-from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
+from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of, head_sinks
 from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, stage_embedding,
                                       stage_layers)
 from spindle.models.weights import load_named_weights, not_on_this_rank
@@ -110,6 +110,16 @@ class HybridLayout:
     # Each layer's key into rope parameters given per layer type (OLMo 3:
     # "sliding_attention" / "full_attention"), a rotary table per type; None: one table.
     rope_layer_types: tuple[str, ...] | None = None
+    # The rope parameters of each of those keys where the config does not hold them by
+    # layer type (GraniteSWA's theta per layer); a key mapped to None: no rotary there.
+    rope_parameters_of: Mapping[str, Mapping[str, Any] | None] | None = None
+    # Each layer's sliding window (None: none anywhere, or full attention there).
+    sliding_windows: tuple[int | None, ...] | None = None
+    # Attention sinks on every attention layer (a logit per head in each softmax).
+    attention_sinks: bool = False
+
+    def window_of(self, layer_idx: int) -> int | None:
+        return None if self.sliding_windows is None else self.sliding_windows[layer_idx]
 
 
 def attention_only_layout(hf_config: Any, rotary_dim: int, **fields: Any) -> HybridLayout:
@@ -129,13 +139,16 @@ def bamba_layout(hf_config: Any) -> HybridLayout:
 class BambaAttention(nn.Module):
     def __init__(self, hf_config: Any, layout: HybridLayout, tp_group: TensorParallelGroup,
                  key_multiplier: float = 1.0, qk_norm_eps: float | None = None,
-                 output_gate: bool = False, o_bias: bool | None = None) -> None:
+                 output_gate: bool = False, o_bias: bool | None = None,
+                 sliding_window: int | None = None) -> None:
         """key_multiplier: a factor on the keys before the rotary embedding (FalconH1's);
         qk_norm_eps: RMSNorm each head of q and k first (layout.norm_class), with this
         epsilon (LFM2's, Qwen3-Next's); output_gate: the attention's output times
         sigmoid(output_gate(x)), a projection of the layer's input per feature of every
         head (Qwen3-Next's, whose checkpoints interleave it with q in q_proj); o_bias:
-        o_proj's bias where it differs from q/k/v's (``attention_bias``: GLM-4.5's)."""
+        o_proj's bias where it differs from q/k/v's (``attention_bias``: GLM-4.5's);
+        sliding_window: this layer's window. layout.attention_sinks: a sink logit per
+        head (``sinks``). A layer handed no rotary tables (cos None) does not rotate."""
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         self.rotates = layout.rotary_dim > 0
@@ -149,8 +162,10 @@ class BambaAttention(nn.Module):
                                         hf_config.hidden_size,
                                         bias=bias if o_bias is None else o_bias,
                                         tp_group=tp_group)
+        self.sinks = head_sinks(self.num_heads, tp_group) if layout.attention_sinks else None
         self.attn = Attention(self.num_heads, self.head_dim, layout.attention_scale,
-                              self.num_kv_heads)
+                              self.num_kv_heads, sliding_window=sliding_window,
+                              sinks=self.sinks)
         self.key_multiplier = key_multiplier
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
@@ -172,7 +187,7 @@ class BambaAttention(nn.Module):
             q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
-        if self.rotates:
+        if self.rotates and cos is not None:
             q = apply_partial_rotary(q.reshape(num_tokens, self.num_heads, self.head_dim),
                                      cos, sin).reshape(num_tokens, -1)
             k = apply_partial_rotary(k.reshape(num_tokens, self.num_kv_heads, self.head_dim),
@@ -221,7 +236,8 @@ class BambaDecoderLayer(nn.Module):
         self.is_attention = layer_idx in layout.attention_layers
         self.residual_multiplier = layout.residual_multiplier
         if self.is_attention:
-            self.self_attn = BambaAttention(hf_config, layout, tp_group)
+            self.self_attn = BambaAttention(hf_config, layout, tp_group,
+                                            sliding_window=layout.window_of(layer_idx))
         else:
             self.mamba = self.mixer_factory(hf_config, tp_group)
         self.feed_forward = feed_forward(hf_config, layer_idx, tp_group)
@@ -288,7 +304,13 @@ class BambaModel(nn.Module):
                                 if stage.is_last else None)
         self.rotary_emb = None
         self.rope_of_layer = layout.rope_layer_types
-        if layout.rotary_dim > 0 and self.rope_of_layer is not None:
+        if layout.rotary_dim > 0 and layout.rope_parameters_of is not None:
+            self.rotary_emb = nn.ModuleDict({
+                kind: RotaryEmbedding(layout.rotary_dim, hf_config.max_position_embeddings,
+                                      dict(params))
+                for kind, params in sorted(layout.rope_parameters_of.items())
+                if params is not None})
+        elif layout.rotary_dim > 0 and self.rope_of_layer is not None:
             self.rotary_emb = nn.ModuleDict({
                 kind: RotaryEmbedding.from_config(hf_config, layout.rotary_dim, kind)
                 for kind in sorted(set(self.rope_of_layer))})
@@ -311,7 +333,7 @@ class BambaModel(nn.Module):
         if self.rope_of_layer is None:
             return [self.rotary_emb(positions, dtype)] * count
         tables = {kind: table(positions, dtype) for kind, table in self.rotary_emb.items()}
-        return [tables[kind] for kind in self.rope_of_layer]
+        return [tables.get(kind, (None, None)) for kind in self.rope_of_layer]
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,

@@ -1,7 +1,10 @@
 """GraniteForCausalLM, GraniteMoeForCausalLM and GraniteMoeSharedForCausalLM: IBM's
 Granite 3.x decoders (granite-3.3-2b/8b-instruct; granite-3.0-1b-a400m / 3b-a800m; the
 shared-expert variant), served as GraniteMoeHybrid (models/granite_hybrid.py) with
-every layer attending:
+every layer attending. GraniteSWAForCausalLM and GraniteMoeSWAForCausalLM are Granite
+and GraniteMoeShared with a sliding window on the layers ``layer_types`` calls sliding,
+attention sinks (a learned logit per head in each softmax, as gpt-oss's), and a rotary
+base per layer (``layer_rope_theta``; 0: that layer has no rotary).
 
 - Llama's layers with Granite's scalings: the embeddings times ``embedding_multiplier``,
   each sublayer's output times ``residual_multiplier`` before it joins the residual
@@ -27,7 +30,8 @@ from spindle.models import granite_hybrid
 from spindle.models.bamba import HybridLayout, bamba_feed_forward, check_silu
 from spindle.models.granite_hybrid import (GraniteMoeFeedForward,
                                            GraniteMoeHybridForCausalLM, granite_experts)
-from spindle.models.llama import head_dim_of
+from spindle.layers.rotary import rope_parameters_from_config
+from spindle.models.llama import checked_window, head_dim_of, windows_by_layer_type
 
 
 def check_granite_config(hf_config: Any) -> None:
@@ -85,3 +89,28 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
     def feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
                      ) -> nn.Module:
         return GraniteMoeFeedForward(hf_config, tp_group)
+
+
+def granite_swa_layout(hf_config: Any) -> HybridLayout:
+    """Granite's layout with each layer's window, sinks, and a rotary table per distinct
+    rope_theta of layer_rope_theta (named "theta_<value>"; "none" for a theta of 0)."""
+    num_layers = hf_config.num_hidden_layers
+    window = checked_window(getattr(hf_config, "sliding_window", None))
+    windows = windows_by_layer_type(list(hf_config.layer_types), window, num_layers)
+    base = dict(rope_parameters_from_config(hf_config))
+    thetas = getattr(hf_config, "layer_rope_theta", None) or [base["rope_theta"]] * num_layers
+    if len(thetas) != num_layers:
+        raise ValueError(f"layer_rope_theta has {len(thetas)} entries for {num_layers} layers")
+    kinds = tuple(f"theta_{float(t):g}".replace(".", "_") if t else "none" for t in thetas)
+    params = {kind: ({**base, "rope_theta": float(t)} if t else None)
+              for kind, t in zip(kinds, thetas)}
+    return replace(granite_layout(hf_config), sliding_windows=tuple(windows),
+                   attention_sinks=True, rope_layer_types=kinds, rope_parameters_of=params)
+
+
+class GraniteSWAForCausalLM(GraniteForCausalLM):
+    layout = staticmethod(granite_swa_layout)
+
+
+class GraniteMoeSWAForCausalLM(GraniteMoeSharedForCausalLM):
+    layout = staticmethod(granite_swa_layout)

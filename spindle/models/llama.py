@@ -161,14 +161,17 @@ class LlamaAttention(nn.Module):
                               logits_soft_cap=options.logits_soft_cap, sinks=self.sinks)
 
     def _sinks(self, tp_group: TensorParallelGroup) -> nn.Parameter:
-        """This rank's heads' sink logits, float32 (checkpoint name ``sinks``)."""
-        from spindle.layers.mamba.mixer import rows_loader
+        return head_sinks(self.num_heads, tp_group)
 
-        param = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32),
-                             requires_grad=False)
-        set_weight_loader(param, rows_loader([(tp_group.rank * self.num_heads,
-                                               self.num_heads)]))
-        return param
+
+def head_sinks(num_heads: int, tp_group: TensorParallelGroup) -> nn.Parameter:
+    """Attention sinks of this rank's num_heads heads: a float32 logit each (checkpoint
+    name ``sinks``, split with the heads under tensor parallelism)."""
+    from spindle.layers.mamba.mixer import rows_loader
+
+    param = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+    set_weight_loader(param, rows_loader([(tp_group.rank * num_heads, num_heads)]))
+    return param
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor | None, sin: torch.Tensor | None,

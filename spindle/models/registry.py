@@ -39,6 +39,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "GraniteForCausalLM": "spindle.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "spindle.models.granite:GraniteMoeForCausalLM",
     "GraniteMoeSharedForCausalLM": "spindle.models.granite:GraniteMoeSharedForCausalLM",
+    "GraniteSWAForCausalLM": "spindle.models.granite:GraniteSWAForCausalLM",
+    "GraniteMoeSWAForCausalLM": "spindle.models.granite:GraniteMoeSWAForCausalLM",
     "Lfm2ForCausalLM": "spindle.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "spindle.models.lfm2:Lfm2MoeForCausalLM",
     "Mamba2ForCausalLM": "spindle.models.mamba2:Mamba2ForCausalLM",

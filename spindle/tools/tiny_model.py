@@ -59,6 +59,8 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "granite_moe": "GraniteMoeForCausalLM",
     "granite_moe_shared": "GraniteMoeSharedForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
+    "granite_moe_swa": "GraniteMoeSWAForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
@@ -96,6 +98,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "granite_hybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config",
                   "granite": "GraniteConfig", "granite_moe": "GraniteMoeConfig",
                   "granite_moe_shared": "GraniteMoeSharedConfig",
+                  "granite_swa": "GraniteSWAConfig", "granite_moe_swa": "GraniteMoeSWAConfig",
                   "lfm2": "Lfm2Config", "lfm2_moe": "Lfm2MoeConfig",
                   "qwen3_next": "Qwen3NextConfig", "qwen3_5": "Qwen3_5TextConfig",
                   "jamba": "JambaConfig", "olmo_hybrid": "OlmoHybridConfig",
@@ -169,6 +172,15 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "shared_intermediate_size": 96, "embedding_multiplier": 1.5,
                 "residual_multiplier": 0.5, "attention_multiplier": 0.2,
                 "logits_scaling": 1.25, "position_embedding_type": "nope"}
+    if arch in ("granite_swa", "granite_moe_swa"):  # Granite's (MoE: with a shared MLP),
+        # a window of 8 on all but every third layer, a rotary base per layer (none on one)
+        fields = default_config_extra("granite" if arch == "granite_swa"
+                                      else "granite_moe_shared", num_layers)
+        fields.update(sliding_window=8, layer_types=[
+            "full_attention" if i % 3 == 0 else "sliding_attention" for i in range(num_layers)],
+            layer_rope_theta=[10000.0 if i % 2 else (0 if i == 2 else 500.0)
+                              for i in range(num_layers)])
+        return fields
     if arch in ("granite", "granite_moe", "granite_moe_shared"):  # Granite's scalings away
         # from 1; (MoE) 4 experts of the intermediate size, 2 per token, (shared) one of 48
         fields = {"embedding_multiplier": 1.5, "residual_multiplier": 0.5,
