@@ -137,6 +137,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def interleaved_rows_as_halves(weight: torch.Tensor, head_dim: int,
+                              rotary_dim: int | None = None) -> torch.Tensor:
+    """A q or k projection's rows (weight [heads * head_dim, ...] or its bias) with each
+    head's first rotary_dim (default: all) features reordered from interleaved rotary
+    pairs (x0, x1), (x2, x3), ... to halves (0, 2, 4, ..., then 1, 3, 5, ...), the rest
+    in place. Rotating the result the rotate-half way (apply_rotary, the fused kernels)
+    gives the interleaved rotation's features in that order, for q and k alike, so every
+    q . k is the same: how models that rotate interleaved pairs (Cohere, GLM-4, ERNIE
+    4.5) are served by the one rotary path."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                       torch.arange(rotary_dim, head_dim)])
+    return weight.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: [T, num_heads, head_dim]; cos, signed_sin: [T, head_dim] in x's dtype, as
     RotaryEmbedding.forward gives them (the sine with its first half negated).

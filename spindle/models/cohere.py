@@ -23,10 +23,16 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.linear import default_weight_loader, set_weight_loader
+from spindle.layers.rotary import interleaved_rows_as_halves
 from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
 from spindle.models.llama import (AttentionOptions, LlamaAttention, LlamaMLP, _to_param_name,
                                   checked_window, head_dim_of, windows_by_layer_type)
 from spindle.models.weights import load_named_weights, not_on_this_rank
+
+
+# The checkpoint tensors of q and k projections (whose rows carry the rotary layout).
+QK_TENSORS = (".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
+              ".self_attn.q_proj.bias", ".self_attn.k_proj.bias")
 
 
 def check_supported_config(hf_config: Any) -> None:
@@ -113,12 +119,9 @@ class CohereForCausalLM(DecoderForCausalLM):
                             ) -> Iterator[tuple[str, torch.Tensor]]:
         """q_proj / k_proj rows (and biases) of each head reordered from interleaved
         pairs to halves: features 0, 2, 4, ... then 1, 3, 5, ..."""
-        order = torch.cat([torch.arange(0, self.head_dim, 2), torch.arange(1, self.head_dim, 2)])
         for name, tensor in weights:
-            if name.endswith((".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
-                              ".self_attn.q_proj.bias", ".self_attn.k_proj.bias")):
-                per_head = tensor.unflatten(0, (-1, self.head_dim))
-                tensor = per_head[:, order].flatten(0, 1)
+            if name.endswith(QK_TENSORS):
+                tensor = interleaved_rows_as_halves(tensor, self.head_dim)
             yield name, tensor
 
 

@@ -17,9 +17,11 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.norm import RMSNorm
+from spindle.layers.rotary import interleaved_rows_as_halves
 from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
                                   HybridLayout, attention_only_layout, bamba_feed_forward,
                                   check_silu, rotary_dim)
+from spindle.models.cohere import QK_TENSORS
 from spindle.models.llama import head_dim_of
 
 
@@ -65,15 +67,12 @@ class Glm4ForCausalLM(BambaForCausalLM):
         """The fused gate_up_proj as gate_proj and up_proj; each q/k head's rotated rows
         from interleaved pairs to halves."""
         head_dim, rotated = head_dim_of(self.config), rotary_dim(self.config)
-        order = torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2),
-                           torch.arange(rotated, head_dim)])
         for name, tensor in weights:
             if name.endswith(".mlp.gate_up_proj.weight"):
                 gate, up = tensor.chunk(2, dim=0)
                 yield name.replace(".gate_up_proj.", ".gate_proj."), gate
                 yield name.replace(".gate_up_proj.", ".up_proj."), up
-            elif name.endswith((".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
-                                ".self_attn.q_proj.bias", ".self_attn.k_proj.bias")):
-                yield name, tensor.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)
+            elif name.endswith(QK_TENSORS):
+                yield name, interleaved_rows_as_halves(tensor, head_dim, rotated)
             else:
                 yield name, tensor

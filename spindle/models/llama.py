@@ -131,6 +131,16 @@ class LlamaMLP(nn.Module):
                                                               defer_merge)
 
 
+def head_sinks(num_heads: int, tp_group: TensorParallelGroup) -> nn.Parameter:
+    """Attention sinks of this rank's num_heads heads: a float32 logit each (checkpoint
+    name ``sinks``, split with the heads under tensor parallelism)."""
+    from spindle.layers.mamba.mixer import rows_loader
+
+    param = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+    set_weight_loader(param, rows_loader([(tp_group.rank * num_heads, num_heads)]))
+    return param
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
                  tp_group: TensorParallelGroup, sliding_window: int | None = None,
@@ -162,16 +172,6 @@ class LlamaAttention(nn.Module):
 
     def _sinks(self, tp_group: TensorParallelGroup) -> nn.Parameter:
         return head_sinks(self.num_heads, tp_group)
-
-
-def head_sinks(num_heads: int, tp_group: TensorParallelGroup) -> nn.Parameter:
-    """Attention sinks of this rank's num_heads heads: a float32 logit each (checkpoint
-    name ``sinks``, split with the heads under tensor parallelism)."""
-    from spindle.layers.mamba.mixer import rows_loader
-
-    param = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
-    set_weight_loader(param, rows_loader([(tp_group.rank * num_heads, num_heads)]))
-    return param
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor | None, sin: torch.Tensor | None,
