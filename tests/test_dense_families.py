@@ -8,7 +8,8 @@ attention within a window, a plain GELU MLP; GLM-4: sandwich norms, a half-head 
 of interleaved pairs, the fused gate/up checkpoint tensor; SmolLM3: Llama's layers,
 every other one here without rotary (NoPE), with and without windows, and in bf16 the
 CPU's fused kernels leaving the NoPE layers unrotated; GraniteSWA: Granite's scalings
-with windows, attention sinks and a rotary base per layer (none on one)."""
+with windows, attention sinks and a rotary base per layer (none on one); Seed-OSS (q/k/v
+biases, none on o); ERNIE 4.5 (biases everywhere, interleaved rotary pairs)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "starcoder2": dict(num_layers=3),
          "glm4": dict(num_layers=3),
          "granite_swa": dict(num_layers=4),
+         "seed_oss": dict(num_layers=2),
+         "ernie4_5": dict(num_layers=2),
          "smollm3": dict(num_layers=4, no_rope_layer_interval=2),
          "smollm3-windows": dict(num_layers=4, no_rope_layer_interval=2,
                                  use_sliding_window=True, sliding_window=8)}

@@ -466,6 +466,43 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
         return windows_by_layer_type(list(hf_config.layer_types), window, num_layers)
 
 
+class SeedOssForCausalLM(LlamaForCausalLM):
+    """ByteDance's Seed-OSS: Llama's layers, q/k/v biases (attention_bias) apart from
+    o_proj's (attention_out_bias)."""
+
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+                                o_bias=bool(getattr(hf_config, "attention_out_bias", False)),
+                                qk_norm=False)
+
+
+class Ernie4_5ForCausalLM(LlamaForCausalLM):
+    """Baidu's ERNIE 4.5 (dense): Llama's layers with biases everywhere or nowhere
+    (use_bias), rotating interleaved pairs: served by permuting each q/k head's rows at
+    load (rotary.interleaved_rows_as_halves)."""
+
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> AttentionOptions:
+        bias = bool(getattr(hf_config, "use_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    @classmethod
+    def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
+                      tp_group: TensorParallelGroup) -> nn.Module:
+        return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
+                        bool(getattr(hf_config, "use_bias", False)), tp_group)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from spindle.layers.rotary import interleaved_rows_as_halves
+        from spindle.models.cohere import QK_TENSORS
+
+        head_dim = head_dim_of(self.config)
+        return super().load_weights(
+            (name, interleaved_rows_as_halves(t, head_dim) if name.endswith(QK_TENSORS) else t)
+            for name, t in weights)
+
+
 class MistralForCausalLM(LlamaForCausalLM):
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:

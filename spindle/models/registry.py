@@ -13,6 +13,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "spindle.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "spindle.models.llama:MistralForCausalLM",
     "SmolLM3ForCausalLM": "spindle.models.llama:SmolLM3ForCausalLM",
+    "SeedOssForCausalLM": "spindle.models.llama:SeedOssForCausalLM",
+    "Ernie4_5ForCausalLM": "spindle.models.llama:Ernie4_5ForCausalLM",
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "spindle.models.moe:Qwen3MoeForCausalLM",

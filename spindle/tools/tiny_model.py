@@ -49,6 +49,8 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
     "bamba": "BambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "mamba": "MambaForCausalLM",
@@ -91,7 +93,8 @@ ARCHITECTURES = {
 }
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
-                  "smollm3": "SmolLM3Config",
+                  "smollm3": "SmolLM3Config", "seed_oss": "SeedOssConfig",
+                  "ernie4_5": "Ernie4_5Config",
                   "mamba2": "Mamba2Config", "mamba": "MambaConfig",
                   "falcon_mamba": "FalconMambaConfig", "nemotron_h": "NemotronHConfig",
                   "zamba2": "Zamba2Config",
@@ -294,6 +297,10 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}
+    if arch == "seed_oss":  # q/k/v biases, none on o
+        return {"attention_bias": True, "attention_out_bias": False}
+    if arch == "ernie4_5":  # biases everywhere, interleaved rotary pairs
+        return {"use_bias": True}
     if arch == "glm4":  # q/k/v biases, half of each head rotated (interleaved pairs)
         return {"attention_bias": True, "partial_rotary_factor": 0.5}
     if arch == "starcoder2":  # LayerNorms, biases, a plain GELU MLP, a window of 8
