@@ -9,7 +9,9 @@ of interleaved pairs, the fused gate/up checkpoint tensor; SmolLM3: Llama's laye
 every other one here without rotary (NoPE), with and without windows, and in bf16 the
 CPU's fused kernels leaving the NoPE layers unrotated; GraniteSWA: Granite's scalings
 with windows, attention sinks and a rotary base per layer (none on one); Seed-OSS (q/k/v
-biases, none on o); ERNIE 4.5 (biases everywhere, interleaved rotary pairs)."""
+biases, none on o); ERNIE 4.5 (biases everywhere, interleaved rotary pairs); EXAONE 4.0
+(OLMo 2's post-norm layers, per-head q/k norms, windows with unrotated global layers,
+or no window and every layer rotating)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "granite_swa": dict(num_layers=4),
          "seed_oss": dict(num_layers=2),
          "ernie4_5": dict(num_layers=2),
+         "exaone4": dict(num_layers=3),
+         "exaone4-global": dict(num_layers=2, sliding_window=None,
+                                layer_types=["full_attention"] * 2),
          "smollm3": dict(num_layers=4, no_rope_layer_interval=2),
          "smollm3-windows": dict(num_layers=4, no_rope_layer_interval=2,
                                  use_sliding_window=True, sliding_window=8)}

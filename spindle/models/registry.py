@@ -24,6 +24,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "MiniMaxM2ForCausalLM": "spindle.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Glm4MoeForCausalLM": "spindle.models.glm4_moe:Glm4MoeForCausalLM",
     "Glm4ForCausalLM": "spindle.models.glm4:Glm4ForCausalLM",
+    "Exaone4ForCausalLM": "spindle.models.exaone4:Exaone4ForCausalLM",
     "DeepseekV3ForCausalLM": "spindle.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "spindle.models.deepseek_v3:DeepseekV2ForCausalLM",
     "GptOssForCausalLM": "spindle.models.gpt_oss:GptOssForCausalLM",

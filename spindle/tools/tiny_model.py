@@ -78,6 +78,7 @@ ARCHITECTURES = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -111,7 +112,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config",
                   "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
                   "gpt_oss": "GptOssConfig", "deepseek_v2": "DeepseekV2Config",
-                  "glm4": "Glm4Config",
+                  "glm4": "Glm4Config", "exaone4": "Exaone4Config",
                   "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
                   "phi3": "Phi3Config",
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
@@ -297,6 +298,8 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}
+    if arch == "exaone4":  # a window of 8 on two of every three layers, the third global
+        return {"sliding_window": 8, "sliding_window_pattern": 3}
     if arch == "seed_oss":  # q/k/v biases, none on o
         return {"attention_bias": True, "attention_out_bias": False}
     if arch == "ernie4_5":  # biases everywhere, interleaved rotary pairs
