@@ -36,6 +36,8 @@ CASES = {
                                                 decoder_sparse_step=2, norm_topk_prob=True),
     # OLMoE: q/k normalised over their whole width, q/k/v clamped, Qwen-style routing.
     "olmoe": dict(num_layers=3),
+    # dots.llm1: Qwen3's attention with DeepSeek-V3's experts.
+    "dots1": dict(num_layers=3),
     "mixtral": {},
     "minimax_m2": {},
     "glm4_moe": {},
@@ -104,7 +106,8 @@ def test_greedy_equals_transformers(checkpoint, case):
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
                                   "granite_moe_shared", "deepseek_v3-yarn", "gpt_oss",
-                                  "deepseek_v2", "qwen2_moe", "olmoe", "granite_moe_swa"])
+                                  "deepseek_v2", "qwen2_moe", "olmoe", "granite_moe_swa",
+                                  "dots1"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,

@@ -92,10 +92,13 @@ class GptOssForCausalLM(LlamaForCausalLM):
     supports_pipeline_parallel = False
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup, stage=None) -> None:
-        check_supported_config(hf_config)
         super().__init__(hf_config, tp_group, stage)
         if self.stage.size > 1:
             raise ValueError("GptOssForCausalLM does not support pipeline parallelism")
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        check_supported_config(hf_config)
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:

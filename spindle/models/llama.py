@@ -388,7 +388,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
-        check_supported_config(hf_config)
+        self.check_config(hf_config)
         self.config = hf_config
         self.tp_group = tp_group
         self.stage = stage or PipelineStage.single()
@@ -396,6 +396,11 @@ class LlamaForCausalLM(DecoderForCausalLM):
                                 self.stage, self.sliding_windows(hf_config), self.mlp_for_layer,
                                 self.rotary_layers(hf_config))
         self.build_lm_head(hf_config, tp_group)
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        """Refuse config features this model would get wrong (an activation but SiLU)."""
+        check_supported_config(hf_config)
 
     @classmethod
     def rotary_layers(cls, hf_config: Any) -> list[bool] | None:
@@ -475,6 +480,30 @@ class SeedOssForCausalLM(LlamaForCausalLM):
         return AttentionOptions(qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
                                 o_bias=bool(getattr(hf_config, "attention_out_bias", False)),
                                 qk_norm=False)
+
+
+class ArceeForCausalLM(LlamaForCausalLM):
+    """Arcee's AFM: Llama's layers with an MLP of two projections, down(relu(up(x))^2)
+    (NemotronH's), mlp_bias on both."""
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        act = getattr(hf_config, "hidden_act", "relu2")
+        if act != "relu2":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'relu2')")
+
+    @classmethod
+    def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
+                      tp_group: TensorParallelGroup) -> nn.Module:
+        from spindle.models.nemotron_h import NemotronHMLP
+
+        return NemotronHMLP(hf_config, tp_group)
+
+    @classmethod
+    def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        if ".mlp.up_proj." in hf_name:  # (its own parameter: there is no gate)
+            return hf_name, None
+        return super().param_name(hf_name)
 
 
 class Ernie4_5ForCausalLM(LlamaForCausalLM):

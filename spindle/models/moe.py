@@ -112,6 +112,25 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         return _expert_param(hf_name, _QWEN_EXPERT_PARTS) or _to_param_name(hf_name)
 
 
+class Dots1ForCausalLM(Qwen3ForCausalLM):
+    """rednote's dots.llm1: Qwen3's attention (per-head q/k norms) with DeepSeek-V3's
+    feed-forward: dense layers first, then routed experts (sigmoid scores with a
+    correction bias, groups) and shared experts (glm4_moe's block)."""
+
+    @classmethod
+    def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
+                      tp_group: TensorParallelGroup) -> nn.Module:
+        from spindle.models.glm4_moe import glm4_moe_feed_forward
+        from spindle.models.nemotron_h import check_routing
+
+        check_routing(hf_config)
+        return glm4_moe_feed_forward(hf_config, layer_idx, tp_group)
+
+    @classmethod
+    def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        return _expert_param(hf_name, _QWEN_EXPERT_PARTS) or _to_param_name(hf_name)
+
+
 class MixtralForCausalLM(MistralForCausalLM):
     @classmethod
     def mlp_for_layer(cls, hf_config: Any, layer_idx: int,

@@ -50,6 +50,8 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "arcee": "ArceeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "bamba": "BambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
@@ -95,6 +97,7 @@ ARCHITECTURES = {
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "smollm3": "SmolLM3Config", "seed_oss": "SeedOssConfig",
+                  "arcee": "ArceeConfig", "dots1": "Dots1Config",
                   "ernie4_5": "Ernie4_5Config",
                   "mamba2": "Mamba2Config", "mamba": "MambaConfig",
                   "falcon_mamba": "FalconMambaConfig", "nemotron_h": "NemotronHConfig",
@@ -129,7 +132,8 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
                         "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                        "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                        "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                        "dots1": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -300,6 +304,12 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "partial_rotary_factor": 0.5}
     if arch == "exaone4":  # a window of 8 on two of every three layers, the third global
         return {"sliding_window": 8, "sliding_window_pattern": 3}
+    if arch == "arcee":  # relu^2 MLP without a gate, biases on it
+        return {"hidden_act": "relu2", "mlp_bias": True}
+    if arch == "dots1":  # GLM-4.5's experts and routing, Qwen3's attention
+        return {"first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 2,
+                "topk_group": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": True}
     if arch == "seed_oss":  # q/k/v biases, none on o
         return {"attention_bias": True, "attention_out_bias": False}
     if arch == "ernie4_5":  # biases everywhere, interleaved rotary pairs
