@@ -38,6 +38,9 @@ CASES = {
     "olmoe": dict(num_layers=3),
     # dots.llm1: Qwen3's attention with DeepSeek-V3's experts.
     "dots1": dict(num_layers=3),
+    # ERNIE 4.5 MoE: a dense first layer, a correction bias for the choice, renormalised
+    # float32 probabilities, a shared expert; interleaved rotary pairs.
+    "ernie4_5_moe": dict(num_layers=3),
     "mixtral": {},
     "minimax_m2": {},
     "glm4_moe": {},
@@ -107,7 +110,7 @@ def test_greedy_equals_transformers(checkpoint, case):
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
                                   "granite_moe_shared", "deepseek_v3-yarn", "gpt_oss",
                                   "deepseek_v2", "qwen2_moe", "olmoe", "granite_moe_swa",
-                                  "dots1"])
+                                  "dots1", "ernie4_5_moe"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,

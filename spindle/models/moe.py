@@ -26,8 +26,8 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.moe import SparseMoeBlock
-from spindle.models.llama import (MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-                                  _to_param_name, dense_mlp)
+from spindle.models.llama import (Ernie4_5ForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                                  Qwen3ForCausalLM, _to_param_name, dense_mlp)
 
 _MIXTRAL_EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down"}
 _QWEN_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -144,3 +144,94 @@ class MixtralForCausalLM(MistralForCausalLM):
     def param_name(cls, hf_name: str) -> tuple[str, Any]:
         hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")
         return _expert_param(hf_name, _MIXTRAL_EXPERT_PARTS) or _to_param_name(hf_name)
+
+
+class ErnieMoeRouter(nn.Module):
+    """ERNIE 4.5's router: a float32 [E, H] linear, softmax; the top k chosen by
+    probability plus a correction bias (``moe_statics.e_score_correction_bias``), weighed
+    by their probabilities renormalised (the sum clamped at moe_norm_min), then cast to
+    the activation dtype. Replicated."""
+
+    def __init__(self, hf_config: Any) -> None:
+        from spindle.layers.linear import default_weight_loader, set_weight_loader
+
+        super().__init__()
+        experts = hf_config.num_experts
+        self.top_k = hf_config.num_experts_per_tok
+        self.norm_min = float(getattr(hf_config, "moe_norm_min", 1e-12))
+        self.weight = nn.Parameter(torch.empty(experts, hf_config.hidden_size,
+                                               dtype=torch.float32), requires_grad=False)
+        self.correction_bias = nn.Parameter(torch.empty(experts, dtype=torch.float32),
+                                            requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+        set_weight_loader(self.correction_bias,
+                          lambda param, loaded, shard_id=None: default_weight_loader(
+                              param, loaded.reshape(-1), shard_id))  # (stored [1, E])
+        self.batch_invariant = False  # set by enable_batch_invariance
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from spindle.layers.linear import apply_linear
+
+        probs = torch.softmax(apply_linear(x.float(), self.weight,
+                                           invariant=self.batch_invariant), dim=1)
+        ids = torch.topk(probs + self.correction_bias, self.top_k, dim=-1)[1]
+        weights = probs.gather(1, ids)
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
+        return ids, weights.to(x.dtype)
+
+
+class ErnieMoeBlock(nn.Module):
+    """Routed experts plus moe_num_shared_experts shared ones as one SwiGLU MLP."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        from spindle.layers.moe import FusedExperts
+        from spindle.models.llama import LlamaMLP
+
+        super().__init__()
+        self.tp_group = tp_group
+        self.gate = ErnieMoeRouter(hf_config)
+        self.experts = FusedExperts(hf_config.num_experts, hf_config.hidden_size,
+                                    hf_config.moe_intermediate_size, tp_group)
+        shared = getattr(hf_config, "moe_num_shared_experts", 0) or 0
+        self.shared_experts = None if shared == 0 else LlamaMLP(
+            hf_config.hidden_size, hf_config.moe_intermediate_size * shared,
+            bool(getattr(hf_config, "use_bias", False)), tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        out = self.tp_group.all_reduce(self.experts(x, ids, weights))
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
+    """ERNIE 4.5's mixture of experts (21B-A3B, 300B-A47B): the dense model's layers
+    with ErnieMoeBlock every moe_layer_interval-th layer between moe_layer_start_index and
+    moe_layer_end_index. Its multi-token-prediction layers (``mtp_*``) are not loaded."""
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        super().check_config(hf_config)
+        if getattr(hf_config, "use_bias", False):
+            raise ValueError("ERNIE 4.5 MoE with use_bias (transformers gives its LM head a "
+                             "bias too) is not supported")
+
+    @classmethod
+    def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
+                      tp_group: TensorParallelGroup) -> nn.Module:
+        end = getattr(hf_config, "moe_layer_end_index", -1)
+        end = hf_config.num_hidden_layers - 1 if end in (None, -1) else end
+        if ((layer_idx + 1) % (getattr(hf_config, "moe_layer_interval", 1) or 1) == 0
+                and getattr(hf_config, "moe_layer_start_index", 1) <= layer_idx <= end):
+            return ErnieMoeBlock(hf_config, tp_group)
+        return super().mlp_for_layer(hf_config, layer_idx, tp_group)
+
+    @classmethod
+    def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        for stored in (".mlp.moe_statics.", ".mlp.gate.moe_statics."):  # (hub, transformers)
+            hf_name = hf_name.replace(stored + "e_score_correction_bias",
+                                      ".mlp.gate.correction_bias")
+        return _expert_param(hf_name, _QWEN_EXPERT_PARTS) or super().param_name(hf_name)
+
+    def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
+        return hf_name.startswith(("mtp_", "model.mtp_")) or super()._skip_checkpoint_tensor(
+            hf_name)

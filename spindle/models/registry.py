@@ -21,6 +21,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3MoeForCausalLM": "spindle.models.moe:Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM": "spindle.models.moe:Qwen2MoeForCausalLM",
     "Dots1ForCausalLM": "spindle.models.moe:Dots1ForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "spindle.models.moe:Ernie4_5_MoeForCausalLM",
     "OlmoeForCausalLM": "spindle.models.olmoe:OlmoeForCausalLM",
     "MixtralForCausalLM": "spindle.models.moe:MixtralForCausalLM",
     "MiniMaxM2ForCausalLM": "spindle.models.minimax_m2:MiniMaxM2ForCausalLM",

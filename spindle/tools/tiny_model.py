@@ -52,6 +52,7 @@ ARCHITECTURES = {
     "seed_oss": "SeedOssForCausalLM",
     "arcee": "ArceeForCausalLM",
     "dots1": "Dots1ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "bamba": "BambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
@@ -98,6 +99,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "smollm3": "SmolLM3Config", "seed_oss": "SeedOssConfig",
                   "arcee": "ArceeConfig", "dots1": "Dots1Config",
+                  "ernie4_5_moe": "Ernie4_5_MoeConfig",
                   "ernie4_5": "Ernie4_5Config",
                   "mamba2": "Mamba2Config", "mamba": "MambaConfig",
                   "falcon_mamba": "FalconMambaConfig", "nemotron_h": "NemotronHConfig",
@@ -133,7 +135,8 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
                         "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                        "dots1": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                        "dots1": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                        "ernie4_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -304,6 +307,11 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "partial_rotary_factor": 0.5}
     if arch == "exaone4":  # a window of 8 on two of every three layers, the third global
         return {"sliding_window": 8, "sliding_window_pattern": 3}
+    if arch == "ernie4_5_moe":  # a dense first layer, then 4 experts of 32 (2 per token)
+        # and a shared one, a correction bias (randomised below)
+        return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+                "moe_layer_interval": 1, "use_bias": False}
     if arch == "arcee":  # relu^2 MLP without a gate, biases on it
         return {"hidden_act": "relu2", "mlp_bias": True}
     if arch == "dots1":  # GLM-4.5's experts and routing, Qwen3's attention
@@ -494,7 +502,8 @@ def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD,
                 param.copy_(1.0 + 0.2 * _randn_like(param, generator))
             elif name.endswith(SSM_PARAMETERS):
                 param.copy_(_ssm_parameter(name, param, generator))
-            elif name.endswith((".bias", "_proj_bias")):  # (gpt-oss's experts: *_proj_bias)
+            elif name.endswith((".bias", "_proj_bias", ".e_score_correction_bias")):
+                # (gpt-oss's experts: *_proj_bias; ERNIE 4.5's correction bias: a parameter)
                 param.copy_(0.1 * _randn_like(param, generator))
             elif name.endswith(".sinks"):  # gpt-oss's: a logit per head, some dominant
                 param.copy_(_randn_like(param, generator))
