@@ -20,6 +20,7 @@ from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardF
                                   HybridLayout, attention_only_layout, bamba_feed_forward,
                                   check_silu)
 from spindle.models.llama import checked_window, head_dim_of, windows_by_layer_type
+from spindle.models.olmo_hybrid import post_norm_attention_block
 
 ROTATING, NOPE = "rotating", "nope"
 
@@ -55,11 +56,7 @@ class Exaone4DecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor | None, sin: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            hidden_states = hidden_states + residual
-        residual = hidden_states + self.post_attention_layernorm(
-            self.self_attn(hidden_states, cos, sin))
-        return self.post_feedforward_layernorm(self.mlp(residual)), residual
+        return post_norm_attention_block(self, hidden_states, residual, cos, sin)
 
 
 class Exaone4ForCausalLM(BambaForCausalLM):

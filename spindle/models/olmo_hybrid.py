@@ -176,11 +176,20 @@ class OlmoHybridDecoderLayer(nn.Module):
             hidden_states = self.linear_attn(hidden_states)
             hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
             return self.mlp(hidden_states), residual
-        if residual is not None:
-            hidden_states = hidden_states + residual
-        residual = hidden_states + self.post_attention_layernorm(
-            self.self_attn(hidden_states, cos, sin))
-        return self.post_feedforward_layernorm(self.mlp(residual)), residual
+        return post_norm_attention_block(self, hidden_states, residual, cos, sin)
+
+
+def post_norm_attention_block(layer: nn.Module, hidden_states: torch.Tensor,
+                              residual: torch.Tensor | None, cos: torch.Tensor | None,
+                              sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """OLMo 2's attention layer (EXAONE 4's too): attention, its norm, the residual; MLP,
+    its norm; no input norm. The residual is carried separately: the next layer, or the
+    final norm, adds the returned output to it."""
+    if residual is not None:
+        hidden_states = hidden_states + residual
+    residual = hidden_states + layer.post_attention_layernorm(
+        layer.self_attn(hidden_states, cos, sin))
+    return layer.post_feedforward_layernorm(layer.mlp(residual)), residual
 
 
 class OlmoHybridForCausalLM(BambaForCausalLM):
