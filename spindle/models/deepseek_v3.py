@@ -45,7 +45,8 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import apply_rotary, rope_parameters_from_config
-from spindle.models.bamba import HybridLayout, PreNormAttentionLayer, attention_only_layout
+from spindle.models.bamba import (BambaForCausalLM, HybridLayout, PreNormAttentionLayer,
+                                  attention_only_layout, bamba_feed_forward)
 from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
 from spindle.models.glm4_moe import Glm4MoeForCausalLM, glm4_moe_feed_forward
 from spindle.models.nemotron_h import check_routing
@@ -86,12 +87,16 @@ def deinterleaved(x: torch.Tensor) -> torch.Tensor:
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 interleaved: bool | None = None) -> None:
+        """interleaved: whether the rotary pairs are interleaved (default: the config's
+        rope_interleave, True where it names none, as DeepSeek's)."""
         super().__init__()
         hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
         self.nope_dim, self.rope_dim = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim
         self.v_dim, self.lora_rank = hf_config.v_head_dim, hf_config.kv_lora_rank
-        self.interleaved = bool(getattr(hf_config, "rope_interleave", True))
+        self.interleaved = (bool(getattr(hf_config, "rope_interleave", True))
+                            if interleaved is None else interleaved)
         bias = bool(getattr(hf_config, "attention_bias", False))
         single = TensorParallelGroup.single()
         q_width = heads * (self.nope_dim + self.rope_dim)
@@ -241,3 +246,67 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
 
     check_config = staticmethod(check_v2_config)
     feed_forward = staticmethod(deepseek_v2_feed_forward)
+
+
+class MiniCPM3DecoderLayer(PreNormAttentionLayer):
+    """Latent attention with rotate-half rotary, Llama's MLP, each output times
+    scale_depth / sqrt(num_hidden_layers) before it joins the residual stream."""
+
+    def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
+                 feed_forward: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__(hf_config, layer_idx, layout, feed_forward, tp_group)
+        self.scale = layout.residual_multiplier
+
+    @staticmethod
+    def make_attention(hf_config: Any, layout: HybridLayout,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        return MultiHeadLatentAttention(hf_config, tp_group, interleaved=False)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin) * self.scale
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states) * self.scale, residual
+
+
+def minicpm3_layout(hf_config: Any) -> HybridLayout:
+    """The rotated part of a head; the embeddings times scale_emb, each sublayer's output
+    times scale_depth / sqrt(num_hidden_layers)."""
+    import math
+
+    depth = getattr(hf_config, "scale_depth", None) or math.sqrt(hf_config.num_hidden_layers)
+    return attention_only_layout(
+        hf_config, hf_config.qk_rope_head_dim,
+        embedding_multiplier=float(getattr(hf_config, "scale_emb", 1.0)),
+        residual_multiplier=float(depth) / math.sqrt(hf_config.num_hidden_layers))
+
+
+def check_minicpm3_config(hf_config: Any) -> None:
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+
+
+class MiniCPM3ForCausalLM(BambaForCausalLM):
+    """OpenBMB's MiniCPM3: Llama's dense layers around DeepSeek's latent attention (with
+    the plain rotate-half rotary), maximal-update scalings: the embeddings times
+    scale_emb, each sublayer's output times scale_depth / sqrt(layers), and the final
+    hidden states divided by hidden_size / dim_model_base before the LM head."""
+
+    model_kind = "decoder"
+    checkpoint_final_norm = "norm"
+    check_config = staticmethod(check_minicpm3_config)
+    layout = staticmethod(minicpm3_layout)
+    feed_forward = staticmethod(bamba_feed_forward)
+    decoder_layer = MiniCPM3DecoderLayer
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        base = getattr(self.config, "dim_model_base", None) or self.config.hidden_size
+        return super().compute_logits(hidden_states / (self.config.hidden_size / base))
+
+    def param_name(self, hf_name: str) -> tuple[str, Any]:
+        if ".self_attn." in hf_name:  # (MLA's projections are its own, nothing merged)
+            return hf_name, None
+        return super().param_name(hf_name)

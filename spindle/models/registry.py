@@ -30,6 +30,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Exaone4ForCausalLM": "spindle.models.exaone4:Exaone4ForCausalLM",
     "DeepseekV3ForCausalLM": "spindle.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "spindle.models.deepseek_v3:DeepseekV2ForCausalLM",
+    "MiniCPM3ForCausalLM": "spindle.models.deepseek_v3:MiniCPM3ForCausalLM",
     "GptOssForCausalLM": "spindle.models.gpt_oss:GptOssForCausalLM",
     "Phi3ForCausalLM": "spindle.models.llama:Phi3ForCausalLM",
     "GemmaForCausalLM": "spindle.models.gemma:GemmaForCausalLM",

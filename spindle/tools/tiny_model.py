@@ -84,6 +84,7 @@ ARCHITECTURES = {
     "exaone4": "Exaone4ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "minicpm3": "MiniCPM3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
@@ -118,6 +119,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
                   "gpt_oss": "GptOssConfig", "deepseek_v2": "DeepseekV2Config",
                   "glm4": "Glm4Config", "exaone4": "Exaone4Config",
+                  "minicpm3": "MiniCPM3Config",
                   "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
                   "phi3": "Phi3Config",
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
@@ -286,6 +288,11 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "qwen2_moe":  # 4 experts of 32 (2 per token) and a shared one of 48
         return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "shared_expert_intermediate_size": 48, "norm_topk_prob": False}
+    if arch == "minicpm3":  # latent attention (rotate-half), scalings away from 1
+        return {"q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 16,
+                "num_key_value_heads": num_heads, "scale_emb": 3.0, "scale_depth": 1.4,
+                "dim_model_base": 32}
     if arch == "deepseek_v2":  # DeepSeek-V2-Lite's kind: no low-rank query pair, softmax
         # routing of 4 experts in 2 groups (the best group only), scaled, a shared expert
         return {"first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
