@@ -12,7 +12,8 @@ with windows, attention sinks and a rotary base per layer (none on one); Seed-OS
 biases, none on o); ERNIE 4.5 (biases everywhere, interleaved rotary pairs); EXAONE 4.0
 (OLMo 2's post-norm layers, per-head q/k norms, windows with unrotated global layers,
 or no window and every layer rotating); Arcee's AFM (a relu^2 MLP without a gate);
-MiniCPM3 (latent attention with the plain rotary, maximal-update scalings)."""
+MiniCPM3 (latent attention with the plain rotary, maximal-update scalings); Hunyuan
+(q/k normed after the rotation, an NTK alpha stretching the rotary base)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "seed_oss": dict(num_layers=2),
          "arcee": dict(num_layers=2),
          "minicpm3": dict(num_layers=3),
+         "hunyuan": dict(num_layers=3),
          "ernie4_5": dict(num_layers=2),
          "exaone4": dict(num_layers=3),
          "exaone4-global": dict(num_layers=2, sliding_window=None,

@@ -140,7 +140,7 @@ class BambaAttention(nn.Module):
     def __init__(self, hf_config: Any, layout: HybridLayout, tp_group: TensorParallelGroup,
                  key_multiplier: float = 1.0, qk_norm_eps: float | None = None,
                  output_gate: bool = False, o_bias: bool | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, norm_after_rotary: bool = False) -> None:
         """key_multiplier: a factor on the keys before the rotary embedding (FalconH1's);
         qk_norm_eps: RMSNorm each head of q and k first (layout.norm_class), with this
         epsilon (LFM2's, Qwen3-Next's); output_gate: the attention's output times
@@ -148,7 +148,8 @@ class BambaAttention(nn.Module):
         head (Qwen3-Next's, whose checkpoints interleave it with q in q_proj); o_bias:
         o_proj's bias where it differs from q/k/v's (``attention_bias``: GLM-4.5's);
         sliding_window: this layer's window. layout.attention_sinks: a sink logit per
-        head (``sinks``). A layer handed no rotary tables (cos None) does not rotate."""
+        head (``sinks``). A layer handed no rotary tables (cos None) does not rotate.
+        norm_after_rotary: the q/k norms after the rotation, not before (Hunyuan's)."""
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         self.rotates = layout.rotary_dim > 0
@@ -167,6 +168,7 @@ class BambaAttention(nn.Module):
                               self.num_kv_heads, sliding_window=sliding_window,
                               sinks=self.sinks)
         self.key_multiplier = key_multiplier
+        self.norm_after_rotary = norm_after_rotary
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
             self.q_norm = layout.norm_class(self.head_dim, eps=qk_norm_eps)
@@ -179,23 +181,33 @@ class BambaAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
+        if self.q_norm is not None and not self.norm_after_rotary:
+            q, k = self._normed(q, k)
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         if self.rotates and cos is not None:
-            q = apply_partial_rotary(q.reshape(num_tokens, self.num_heads, self.head_dim),
-                                     cos, sin).reshape(num_tokens, -1)
-            k = apply_partial_rotary(k.reshape(num_tokens, self.num_kv_heads, self.head_dim),
-                                     cos, sin).reshape(num_tokens, -1)
+            q, k = self._rotated(q, k, cos, sin)
+        if self.q_norm is not None and self.norm_after_rotary:
+            q, k = self._normed(q, k)
         out = self.attn(q, k, v)
         if self.output_gate is not None:
             out = out * torch.sigmoid(self.output_gate(hidden_states))
         return self.o_proj(out)
+
+    def _normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head of q and k through its RMSNorm."""
+        tokens = q.shape[0]
+        q = self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim))
+        return q.reshape(tokens, -1), k.reshape(tokens, -1)
+
+    def _rotated(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = q.shape[0]
+        q = apply_partial_rotary(q.reshape(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_partial_rotary(k.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        return q.reshape(tokens, -1), k.reshape(tokens, -1)
 
 
 def make_mixer(hf_config: Any, tp_group: TensorParallelGroup, head_dim: int | None = None,

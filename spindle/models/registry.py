@@ -28,6 +28,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Glm4MoeForCausalLM": "spindle.models.glm4_moe:Glm4MoeForCausalLM",
     "Glm4ForCausalLM": "spindle.models.glm4:Glm4ForCausalLM",
     "Exaone4ForCausalLM": "spindle.models.exaone4:Exaone4ForCausalLM",
+    "HunYuanDenseV1ForCausalLM": "spindle.models.hunyuan:HunYuanDenseV1ForCausalLM",
     "DeepseekV3ForCausalLM": "spindle.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "spindle.models.deepseek_v3:DeepseekV2ForCausalLM",
     "MiniCPM3ForCausalLM": "spindle.models.deepseek_v3:MiniCPM3ForCausalLM",

@@ -82,6 +82,7 @@ ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "hunyuan": "HunYuanDenseV1ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "minicpm3": "MiniCPM3ForCausalLM",
@@ -119,7 +120,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
                   "gpt_oss": "GptOssConfig", "deepseek_v2": "DeepseekV2Config",
                   "glm4": "Glm4Config", "exaone4": "Exaone4Config",
-                  "minicpm3": "MiniCPM3Config",
+                  "minicpm3": "MiniCPM3Config", "hunyuan": "HunYuanDenseV1Config",
                   "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
                   "phi3": "Phi3Config",
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
@@ -312,6 +313,9 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}
+    if arch == "hunyuan":  # q/k normed after the rotation; NTK alpha on the base
+        return {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                    "alpha": 50.0, "factor": 1.0}}
     if arch == "exaone4":  # a window of 8 on two of every three layers, the third global
         return {"sliding_window": 8, "sliding_window_pattern": 3}
     if arch == "ernie4_5_moe":  # a dense first layer, then 4 experts of 32 (2 per token)
