@@ -13,7 +13,8 @@ biases, none on o); ERNIE 4.5 (biases everywhere, interleaved rotary pairs); EXA
 (OLMo 2's post-norm layers, per-head q/k norms, windows with unrotated global layers,
 or no window and every layer rotating); Arcee's AFM (a relu^2 MLP without a gate);
 MiniCPM3 (latent attention with the plain rotary, maximal-update scalings); Hunyuan
-(q/k normed after the rotation, an NTK alpha stretching the rotary base)."""
+(q/k normed after the rotation, an NTK alpha stretching the rotary base); Apertus (an
+xIELU MLP without a gate, q/k norms)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "granite_swa": dict(num_layers=4),
          "seed_oss": dict(num_layers=2),
          "arcee": dict(num_layers=2),
+         "apertus": dict(num_layers=2),
          "minicpm3": dict(num_layers=3),
          "hunyuan": dict(num_layers=3),
          "ernie4_5": dict(num_layers=2),

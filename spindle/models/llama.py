@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from spindle.forward_context import get_forward_context
 from spindle.layers import cpu_kernels
 from spindle.layers.activation import SiluAndMul
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                   RowParallelLinear, set_weight_loader)
+                                   RowParallelLinear, default_weight_loader, set_weight_loader)
 from spindle.layers.norm import RMSNorm, fp32_residual_stream
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary
 from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, stage_embedding,
@@ -501,6 +501,91 @@ class ArceeForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        if ".mlp.up_proj." in hf_name:  # (its own parameter: there is no gate)
+            return hf_name, None
+        return super().param_name(hf_name)
+
+
+class XIELU(nn.Module):
+    """xIELU (Apertus's activation): alpha_p * x^2 + beta * x for x > 0, else
+    alpha_n * (expm1(min(x, eps)) - x) + beta * x, with alpha_p = softplus(a_p) and
+    alpha_n = beta + softplus(a_n) from the learned a_p, a_n (checkpoint ``alpha_p``,
+    ``alpha_n``, one each); beta and eps are constants the checkpoint may carry too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.empty(1), requires_grad=False)
+        for param in (self.alpha_p, self.alpha_n):
+            set_weight_loader(param, default_weight_loader)
+        self.register_buffer("beta", torch.tensor(0.5), persistent=False)
+        self.register_buffer("eps", torch.tensor(-1e-6), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = torch.nn.functional.softplus(self.alpha_p).to(x.dtype)
+        beta = self.beta.to(x.dtype)
+        alpha_n = beta + torch.nn.functional.softplus(self.alpha_n).to(x.dtype)
+        negative = (torch.expm1(torch.minimum(x, self.eps.to(x.dtype))) - x) * alpha_n
+        return torch.where(x > 0, alpha_p * x * x + beta * x, negative + beta * x)
+
+
+class ApertusMLP(nn.Module):
+    """down(xIELU(up(x))): two projections, no gate."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        from spindle.layers.linear import ColumnParallelLinear
+
+        super().__init__()
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        self.up_proj = ColumnParallelLinear(hf_config.hidden_size, hf_config.intermediate_size,
+                                            bias=bias, tp_group=tp_group)
+        self.down_proj = RowParallelLinear(hf_config.intermediate_size, hf_config.hidden_size,
+                                           bias=bias, tp_group=tp_group)
+        self.act_fn = XIELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class ApertusForCausalLM(LlamaForCausalLM):
+    """Swiss AI's Apertus: Llama's layers with per-head q/k norms (before the rotation,
+    Qwen3's), an xIELU MLP without a gate, and the norms named attention_layernorm /
+    feedforward_layernorm."""
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        act = getattr(hf_config, "hidden_act", "xielu")
+        if act != "xielu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'xielu')")
+
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> AttentionOptions:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+    @classmethod
+    def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
+                      tp_group: TensorParallelGroup) -> nn.Module:
+        return ApertusMLP(hf_config, tp_group)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._constants_kept(weights))
+
+    def _constants_kept(self, weights: Iterable[tuple[str, torch.Tensor]]
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """xIELU's beta and eps, where the checkpoint carries them, into the buffers."""
+        buffers = dict(self.named_buffers())
+        for name, tensor in weights:
+            if name.endswith((".act_fn.beta", ".act_fn.eps")):
+                if name in buffers:
+                    buffers[name].copy_(tensor.reshape(()))
+                continue
+            yield name, tensor
+
+    @classmethod
+    def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        hf_name = hf_name.replace(".attention_layernorm.", ".input_layernorm.")
+        hf_name = hf_name.replace(".feedforward_layernorm.", ".post_attention_layernorm.")
         if ".mlp.up_proj." in hf_name:  # (its own parameter: there is no gate)
             return hf_name, None
         return super().param_name(hf_name)

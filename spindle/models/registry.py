@@ -15,6 +15,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "SmolLM3ForCausalLM": "spindle.models.llama:SmolLM3ForCausalLM",
     "SeedOssForCausalLM": "spindle.models.llama:SeedOssForCausalLM",
     "ArceeForCausalLM": "spindle.models.llama:ArceeForCausalLM",
+    "ApertusForCausalLM": "spindle.models.llama:ApertusForCausalLM",
     "Ernie4_5ForCausalLM": "spindle.models.llama:Ernie4_5ForCausalLM",
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",

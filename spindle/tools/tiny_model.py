@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "arcee": "ArceeForCausalLM",
+    "apertus": "ApertusForCausalLM",
     "dots1": "Dots1ForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
@@ -100,7 +101,7 @@ ARCHITECTURES = {
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "smollm3": "SmolLM3Config", "seed_oss": "SeedOssConfig",
-                  "arcee": "ArceeConfig", "dots1": "Dots1Config",
+                  "arcee": "ArceeConfig", "dots1": "Dots1Config", "apertus": "ApertusConfig",
                   "ernie4_5_moe": "Ernie4_5_MoeConfig",
                   "ernie4_5": "Ernie4_5Config",
                   "mamba2": "Mamba2Config", "mamba": "MambaConfig",
@@ -323,6 +324,8 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
                 "moe_layer_interval": 1, "use_bias": False}
+    if arch == "apertus":  # the xIELU MLP, q/k norms
+        return {"hidden_act": "xielu"}
     if arch == "arcee":  # relu^2 MLP without a gate, biases on it
         return {"hidden_act": "relu2", "mlp_bias": True}
     if arch == "dots1":  # GLM-4.5's experts and routing, Qwen3's attention
@@ -518,6 +521,8 @@ def build_model(config: Any, seed: int, logit_std: float = TARGET_LOGIT_STD,
                 param.copy_(0.1 * _randn_like(param, generator))
             elif name.endswith(".sinks"):  # gpt-oss's: a logit per head, some dominant
                 param.copy_(_randn_like(param, generator))
+            elif name.endswith((".alpha_p", ".alpha_n")):  # xIELU's (Apertus): around its init
+                param.add_(0.2 * _randn_like(param, generator))
             else:  # linear / embedding weights, transformers' N(0, initializer_range)
                 param.mul_(WEIGHT_STD / param.std())
         for name, buffer in model.named_buffers():
