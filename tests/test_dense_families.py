@@ -14,7 +14,8 @@ biases, none on o); ERNIE 4.5 (biases everywhere, interleaved rotary pairs); EXA
 or no window and every layer rotating); Arcee's AFM (a relu^2 MLP without a gate);
 MiniCPM3 (latent attention with the plain rotary, maximal-update scalings); Hunyuan
 (q/k normed after the rotation, an NTK alpha stretching the rotary base); Apertus (an
-xIELU MLP without a gate, q/k norms)."""
+xIELU MLP without a gate, q/k norms); Jais 2 (StarCoder2's layer shape with a relu^2
+MLP); InternLM3 (Llama with biases, served as transformers serves it)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "cohere-biases": dict(num_layers=2, attention_bias=True),
          "cohere2": dict(num_layers=3),
          "starcoder2": dict(num_layers=3),
+         "jais2": dict(num_layers=2),
+         "internlm3": dict(num_layers=2),
          "glm4": dict(num_layers=3),
          "granite_swa": dict(num_layers=4),
          "seed_oss": dict(num_layers=2),

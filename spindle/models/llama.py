@@ -471,6 +471,11 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
         return windows_by_layer_type(list(hf_config.layer_types), window, num_layers)
 
 
+class InternLM3ForCausalLM(LlamaForCausalLM):
+    """Shanghai AI Lab's InternLM3: Llama itself (transformers serves it with its Llama
+    model; ``qkv_bias`` and ``bias`` are attention_bias and mlp_bias)."""
+
+
 class SeedOssForCausalLM(LlamaForCausalLM):
     """ByteDance's Seed-OSS: Llama's layers, q/k/v biases (attention_bias) apart from
     o_proj's (attention_out_bias)."""

@@ -1,7 +1,10 @@
 """Starcoder2ForCausalLM (StarCoder2 3B / 7B / 15B): pre-norm layers with LayerNorms
 (weight and bias), attention with biases (``use_bias``) within ``sliding_window`` on
 every layer when the config sets one, and a plain MLP: c_proj(gelu_tanh(c_fc(x))), both
-with biases. The rotation is Llama's (rotate-half), in torch on every device."""
+with biases. The rotation is Llama's (rotate-half), in torch on every device.
+
+Jais2ForCausalLM (Inception's Jais 2) is the same layer shape: LayerNorms, attention
+with biases (``attention_bias``), and NemotronH's gate-less relu^2 MLP (``mlp_bias``)."""
 
 from __future__ import annotations
 
@@ -38,16 +41,15 @@ class Starcoder2MLP(nn.Module):
 
 
 class Starcoder2DecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup, bias: bool, eps: float,
+                 mlp: nn.Module) -> None:
         super().__init__()
-        bias = bool(getattr(hf_config, "use_bias", True))
-        eps = hf_config.norm_epsilon
         window = checked_window(getattr(hf_config, "sliding_window", None))
         self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, eps=eps)
         self.self_attn = LlamaAttention(hf_config, AttentionOptions(bias, bias, False),
                                         tp_group, window)
         self.post_attention_layernorm = nn.LayerNorm(hf_config.hidden_size, eps=eps)
-        self.mlp = Starcoder2MLP(hf_config, tp_group)
+        self.mlp = mlp
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -62,15 +64,48 @@ class Starcoder2ForCausalLM(DecoderForCausalLM):
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
+        self.check_config(hf_config)
+        self.build_single_stage(hf_config, tp_group, stage, self._model)
+
+    @staticmethod
+    def check_config(hf_config: Any) -> None:
         if hf_config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (known: "
                              f"{sorted(ACTIVATIONS)})")
-        self.build_single_stage(hf_config, tp_group, stage, lambda c, tp: RotaryDecoderModel(
-            c, tp, lambda i: Starcoder2DecoderLayer(c, tp),
-            nn.LayerNorm(c.hidden_size, eps=c.norm_epsilon), head_dim_of(c)))
+
+    @staticmethod
+    def _model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
+        bias, eps = bool(getattr(hf_config, "use_bias", True)), hf_config.norm_epsilon
+        return RotaryDecoderModel(
+            hf_config, tp_group, lambda i: Starcoder2DecoderLayer(
+                hf_config, tp_group, bias, eps, Starcoder2MLP(hf_config, tp_group)),
+            nn.LayerNorm(hf_config.hidden_size, eps=eps), head_dim_of(hf_config))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_named_weights(self, weights, self._param_name)
 
     def _param_name(self, hf_name: str) -> tuple[str, Any] | None:
         return None if not_on_this_rank(self, hf_name) else _to_param_name(hf_name)
+
+
+class Jais2ForCausalLM(Starcoder2ForCausalLM):
+    @staticmethod
+    def check_config(hf_config: Any) -> None:
+        act = getattr(hf_config, "hidden_act", "relu2")
+        if act != "relu2":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'relu2')")
+
+    @staticmethod
+    def _model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
+        from spindle.models.nemotron_h import NemotronHMLP
+
+        bias, eps = bool(getattr(hf_config, "attention_bias", True)), hf_config.layer_norm_eps
+        return RotaryDecoderModel(
+            hf_config, tp_group, lambda i: Starcoder2DecoderLayer(
+                hf_config, tp_group, bias, eps, NemotronHMLP(hf_config, tp_group)),
+            nn.LayerNorm(hf_config.hidden_size, eps=eps), head_dim_of(hf_config))
+
+    def _param_name(self, hf_name: str) -> tuple[str, Any] | None:
+        if ".mlp.up_proj." in hf_name:  # (its own parameter: there is no gate)
+            return None if not_on_this_rank(self, hf_name) else (hf_name, None)
+        return super()._param_name(hf_name)

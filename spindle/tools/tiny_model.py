@@ -94,6 +94,8 @@ ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "cohere": "CohereForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
+    "jais2": "Jais2ForCausalLM",
+    "internlm3": "InternLM3ForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -126,7 +128,8 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "phi3": "Phi3Config",
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                   "cohere": "CohereConfig", "cohere2": "Cohere2Config",
-                  "starcoder2": "Starcoder2Config", "gemma3": "Gemma3TextConfig"}
+                  "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
+                  "internlm3": "InternLM3Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
 # block's name, and the names of an expert's gate, up and down projections.
@@ -338,6 +341,11 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"use_bias": True}
     if arch == "glm4":  # q/k/v biases, half of each head rotated (interleaved pairs)
         return {"attention_bias": True, "partial_rotary_factor": 0.5}
+    if arch == "jais2":  # LayerNorms, biases, a relu^2 MLP without a gate
+        return {"hidden_act": "relu2", "attention_bias": True, "mlp_bias": True,
+                "layer_norm_eps": 1e-5}
+    if arch == "internlm3":  # Llama with biases on attention and MLP (qkv_bias / bias)
+        return {"attention_bias": True, "mlp_bias": True}
     if arch == "starcoder2":  # LayerNorms, biases, a plain GELU MLP, a window of 8
         return {"hidden_act": "gelu_pytorch_tanh", "use_bias": True, "sliding_window": 8,
                 "norm_epsilon": 1e-5}
