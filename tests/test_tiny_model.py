@@ -165,3 +165,14 @@ def test_cli(tmp_path):
     assert (path / "model.safetensors.index.json").is_file()
     model, tokenizer = hf_load(path)
     assert len(tokenizer) == 300
+
+
+def test_every_registered_decoder_has_a_tiny_checkpoint():
+    """A new architecture in the registry comes with tiny_model's support, so that it is
+    compared with transformers (the encoders and Whisper have builders of their own)."""
+    from spindle.models.registry import MODEL_REGISTRY
+    from spindle.tools.tiny_model import ARCHITECTURES
+
+    own_builders = {"BertModel", "RobertaModel", "XLMRobertaModel",
+                    "WhisperForConditionalGeneration"}
+    assert sorted(set(MODEL_REGISTRY) - set(ARCHITECTURES.values()) - own_builders) == []
