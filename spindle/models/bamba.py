@@ -27,7 +27,8 @@ from spindle.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPa
 from spindle.layers.mamba.mixer import MambaMixer, norm_group_size, time_step_limit
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
-from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of, head_sinks
+from spindle.models.llama import (LlamaMLP, _to_param_name, head_dim_of, head_sinks,
+                                  require_activation)
 from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, stage_embedding,
                                       stage_layers)
 from spindle.models.weights import load_named_weights, not_on_this_rank
@@ -37,9 +38,7 @@ BAMBA_PARTIAL_ROTARY_FACTOR = 0.5
 
 
 def check_silu(hf_config: Any) -> None:
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    require_activation(hf_config, "silu")
 
 
 def check_layer_types(kinds: list[str], num_layers: int, known: set[str]) -> None:

@@ -26,7 +26,8 @@ from spindle.layers.linear import default_weight_loader, set_weight_loader
 from spindle.layers.rotary import interleaved_rows_as_halves
 from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
 from spindle.models.llama import (AttentionOptions, LlamaAttention, LlamaMLP, _to_param_name,
-                                  checked_window, head_dim_of, windows_by_layer_type)
+                                  checked_window, head_dim_of, require_activation,
+                                  windows_by_layer_type)
 from spindle.models.weights import load_named_weights, not_on_this_rank
 
 
@@ -36,9 +37,7 @@ QK_TENSORS = (".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
 
 
 def check_supported_config(hf_config: Any) -> None:
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    require_activation(hf_config, "silu")
     if getattr(hf_config, "use_qk_norm", False):
         raise ValueError("Cohere's per-head q/k LayerNorms (use_qk_norm, Command R+) are not "
                          "supported")

@@ -49,14 +49,13 @@ from spindle.models.bamba import (BambaForCausalLM, HybridLayout, PreNormAttenti
                                   attention_only_layout, bamba_feed_forward)
 from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
 from spindle.models.glm4_moe import Glm4MoeForCausalLM, glm4_moe_feed_forward
+from spindle.models.llama import require_activation
 from spindle.models.nemotron_h import check_routing
 
 
 def check_supported_config(hf_config: Any) -> None:
     """Reject config features this implementation would silently get wrong."""
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    require_activation(hf_config, "silu")
     check_routing(hf_config)
     if hf_config.qk_rope_head_dim % 2:
         raise ValueError(f"qk_rope_head_dim must be even, got {hf_config.qk_rope_head_dim}")
@@ -184,9 +183,7 @@ GREEDY, GROUP_LIMITED = "greedy", "group_limited_greedy"
 
 
 def check_v2_config(hf_config: Any) -> None:
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    require_activation(hf_config, "silu")
     method = getattr(hf_config, "topk_method", GREEDY)
     if method not in (GREEDY, GROUP_LIMITED):
         raise ValueError(f"topk_method {method!r} is not supported ({GREEDY!r} or "
@@ -284,9 +281,7 @@ def minicpm3_layout(hf_config: Any) -> HybridLayout:
 
 
 def check_minicpm3_config(hf_config: Any) -> None:
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    require_activation(hf_config, "silu")
 
 
 class MiniCPM3ForCausalLM(BambaForCausalLM):

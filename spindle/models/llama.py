@@ -57,15 +57,21 @@ class AttentionOptions:
     sinks: bool = False  # a learned logit per head in each softmax (gpt-oss's "sinks")
 
 
+def require_activation(hf_config: Any, expected: str, default: str | None = None) -> None:
+    """Refuse a config whose hidden_act (default: expected) is not the one this model
+    implements."""
+    act = getattr(hf_config, "hidden_act", default or expected)
+    if act != expected:
+        raise ValueError(f"hidden_act {act!r} is not supported (only {expected!r})")
+
+
 def head_dim_of(hf_config: Any) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def check_supported_config(hf_config: Any) -> None:
     """Reject config features this implementation would silently get wrong."""
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    require_activation(hf_config, "silu")
 
 
 def checked_window(window: Any) -> int | None:
@@ -493,9 +499,7 @@ class ArceeForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
-        act = getattr(hf_config, "hidden_act", "relu2")
-        if act != "relu2":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'relu2')")
+        require_activation(hf_config, "relu2")
 
     @classmethod
     def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
@@ -559,9 +563,7 @@ class ApertusForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
-        act = getattr(hf_config, "hidden_act", "xielu")
-        if act != "xielu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'xielu')")
+        require_activation(hf_config, "xielu")
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:

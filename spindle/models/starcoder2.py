@@ -19,7 +19,7 @@ from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
 from spindle.models.llama import (AttentionOptions, LlamaAttention, _to_param_name,
-                                  checked_window, head_dim_of)
+                                  checked_window, head_dim_of, require_activation)
 from spindle.models.weights import load_named_weights, not_on_this_rank
 
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -67,6 +67,8 @@ class Starcoder2ForCausalLM(DecoderForCausalLM):
         self.check_config(hf_config)
         self.build_single_stage(hf_config, tp_group, stage, self._model)
 
+    # What Jais2ForCausalLM overrides: the activations known, whether attention has
+    # biases and the LayerNorms' epsilon, and the MLP.
     @staticmethod
     def check_config(hf_config: Any) -> None:
         if hf_config.hidden_act not in ACTIVATIONS:
@@ -74,11 +76,18 @@ class Starcoder2ForCausalLM(DecoderForCausalLM):
                              f"{sorted(ACTIVATIONS)})")
 
     @staticmethod
-    def _model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
-        bias, eps = bool(getattr(hf_config, "use_bias", True)), hf_config.norm_epsilon
+    def layer_options(hf_config: Any) -> tuple[bool, float]:
+        return bool(getattr(hf_config, "use_bias", True)), hf_config.norm_epsilon
+
+    @staticmethod
+    def mlp(hf_config: Any, tp_group: TensorParallelGroup) -> nn.Module:
+        return Starcoder2MLP(hf_config, tp_group)
+
+    def _model(self, hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
+        bias, eps = self.layer_options(hf_config)
         return RotaryDecoderModel(
             hf_config, tp_group, lambda i: Starcoder2DecoderLayer(
-                hf_config, tp_group, bias, eps, Starcoder2MLP(hf_config, tp_group)),
+                hf_config, tp_group, bias, eps, self.mlp(hf_config, tp_group)),
             nn.LayerNorm(hf_config.hidden_size, eps=eps), head_dim_of(hf_config))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -91,19 +100,17 @@ class Starcoder2ForCausalLM(DecoderForCausalLM):
 class Jais2ForCausalLM(Starcoder2ForCausalLM):
     @staticmethod
     def check_config(hf_config: Any) -> None:
-        act = getattr(hf_config, "hidden_act", "relu2")
-        if act != "relu2":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'relu2')")
+        require_activation(hf_config, "relu2")
 
     @staticmethod
-    def _model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
+    def layer_options(hf_config: Any) -> tuple[bool, float]:
+        return bool(getattr(hf_config, "attention_bias", True)), hf_config.layer_norm_eps
+
+    @staticmethod
+    def mlp(hf_config: Any, tp_group: TensorParallelGroup) -> nn.Module:
         from spindle.models.nemotron_h import NemotronHMLP
 
-        bias, eps = bool(getattr(hf_config, "attention_bias", True)), hf_config.layer_norm_eps
-        return RotaryDecoderModel(
-            hf_config, tp_group, lambda i: Starcoder2DecoderLayer(
-                hf_config, tp_group, bias, eps, NemotronHMLP(hf_config, tp_group)),
-            nn.LayerNorm(hf_config.hidden_size, eps=eps), head_dim_of(hf_config))
+        return NemotronHMLP(hf_config, tp_group)
 
     def _param_name(self, hf_name: str) -> tuple[str, Any] | None:
         if ".mlp.up_proj." in hf_name:  # (its own parameter: there is no gate)
