@@ -15,7 +15,8 @@ or no window and every layer rotating); Arcee's AFM (a relu^2 MLP without a gate
 MiniCPM3 (latent attention with the plain rotary, maximal-update scalings); Hunyuan
 (q/k normed after the rotation, an NTK alpha stretching the rotary base); Apertus (an
 xIELU MLP without a gate, q/k norms); Jais 2 (StarCoder2's layer shape with a relu^2
-MLP); InternLM3 (Llama with biases, served as transformers serves it)."""
+MLP); InternLM3 (Llama with biases, served as transformers serves it); Ministral
+(Mistral with a window on every other layer)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "starcoder2": dict(num_layers=3),
          "jais2": dict(num_layers=2),
          "internlm3": dict(num_layers=2),
+         "ministral": dict(num_layers=2),
          "glm4": dict(num_layers=3),
          "granite_swa": dict(num_layers=4),
          "seed_oss": dict(num_layers=2),

@@ -637,6 +637,19 @@ class MistralForCausalLM(LlamaForCausalLM):
         return [window] * hf_config.num_hidden_layers
 
 
+class MinistralForCausalLM(MistralForCausalLM):
+    """Ministral (8B): Mistral's layers, the window on the layers layer_types calls
+    sliding (transformers' Ministral alternates them; its default: every layer)."""
+
+    @classmethod
+    def sliding_windows(cls, hf_config: Any) -> list[int | None]:
+        window = checked_window(getattr(hf_config, "sliding_window", None))
+        num_layers = hf_config.num_hidden_layers
+        kinds = getattr(hf_config, "layer_types", None) or [
+            "sliding_attention" if window is not None else "full_attention"] * num_layers
+        return windows_by_layer_type(list(kinds), window, num_layers)
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:

@@ -12,6 +12,7 @@ from typing import Any
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "spindle.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "spindle.models.llama:MistralForCausalLM",
+    "MinistralForCausalLM": "spindle.models.llama:MinistralForCausalLM",
     "SmolLM3ForCausalLM": "spindle.models.llama:SmolLM3ForCausalLM",
     "SeedOssForCausalLM": "spindle.models.llama:SeedOssForCausalLM",
     "InternLM3ForCausalLM": "spindle.models.llama:InternLM3ForCausalLM",

@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral": "MinistralForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "arcee": "ArceeForCausalLM",
@@ -103,6 +104,7 @@ ARCHITECTURES = {
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "smollm3": "SmolLM3Config", "seed_oss": "SeedOssConfig",
+                  "ministral": "MinistralConfig",
                   "arcee": "ArceeConfig", "dots1": "Dots1Config", "apertus": "ApertusConfig",
                   "ernie4_5_moe": "Ernie4_5_MoeConfig",
                   "ernie4_5": "Ernie4_5Config",
@@ -341,6 +343,9 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"use_bias": True}
     if arch == "glm4":  # q/k/v biases, half of each head rotated (interleaved pairs)
         return {"attention_bias": True, "partial_rotary_factor": 0.5}
+    if arch == "ministral":  # a window of 8 on every other layer
+        return {"sliding_window": 8, "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]}
     if arch == "jais2":  # LayerNorms, biases, a relu^2 MLP without a gate
         return {"hidden_act": "relu2", "attention_bias": True, "mlp_bias": True,
                 "layer_norm_eps": 1e-5}
