@@ -16,7 +16,8 @@ MiniCPM3 (latent attention with the plain rotary, maximal-update scalings); Huny
 (q/k normed after the rotation, an NTK alpha stretching the rotary base); Apertus (an
 xIELU MLP without a gate, q/k norms); Jais 2 (StarCoder2's layer shape with a relu^2
 MLP); InternLM3 (Llama with biases, served as transformers serves it); Ministral
-(Mistral with a window on every other layer)."""
+(Mistral with a window on every other layer); Ministral 3 (queries scaled by position
+past the original length, YaRN)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "jais2": dict(num_layers=2),
          "internlm3": dict(num_layers=2),
          "ministral": dict(num_layers=2),
+         "ministral3": dict(num_layers=2),
          "glm4": dict(num_layers=3),
          "granite_swa": dict(num_layers=4),
          "seed_oss": dict(num_layers=2),

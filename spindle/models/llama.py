@@ -40,7 +40,7 @@ from spindle.layers.activation import SiluAndMul
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear, default_weight_loader, set_weight_loader)
 from spindle.layers.norm import RMSNorm, fp32_residual_stream
-from spindle.layers.rotary import RotaryEmbedding, apply_rotary
+from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
 from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, stage_embedding,
                                       stage_layers)
 from spindle.models.weights import load_named_weights, not_on_this_rank
@@ -55,6 +55,9 @@ class AttentionOptions:
     logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     qk_norm_class: type = RMSNorm  # the per-head q/k norm (Gemma 3: GemmaRMSNorm)
     sinks: bool = False  # a learned logit per head in each softmax (gpt-oss's "sinks")
+    # (beta, original length): queries times 1 + beta * log(1 + floor(position / length))
+    # (Llama 4's attention temperature, Ministral 3's); None: no scaling.
+    query_scaling: tuple[float, int] | None = None
 
 
 def require_activation(hf_config: Any, expected: str, default: str | None = None) -> None:
@@ -170,6 +173,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = options.qk_norm_class(self.head_dim, eps=hf_config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.query_scaling = options.query_scaling
         scale = options.scale if options.scale is not None else self.head_dim ** -0.5
         self.sinks = self._sinks(tp_group) if options.sinks else None
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
@@ -189,23 +193,34 @@ class LlamaAttention(nn.Module):
         LlamaMLP.forward's, for o_proj."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = self.qkv_proj.split_qkv(qkv)
+        if self.query_scaling is not None:  # (a scalar a token: before or after the rotation)
+            q = q * self._query_scales(positions, q.dtype)
+            qkv = None  # (q is not the projection's view any more)
         if not self.rotate and self.q_norm is None:
             out = self.attn(q, k, v)
         elif cos is None:
             out = self.attn(q, k, v, qk_transform=self._qk_norm_rope(positions))
         else:
             num_tokens = hidden_states.shape[0]
-            if self.q_norm is None:  # q and k side by side in qkv: rotated in one go
+            if self.q_norm is None and qkv is not None:  # q and k side by side: one rotation
                 heads = self.num_heads + self.num_kv_heads
                 qk = qkv[:, :heads * self.head_dim].view(num_tokens, heads, self.head_dim)
                 qk = apply_rotary(qk, cos, sin)
                 q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             else:
-                q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-                k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+                q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+                k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+                if self.q_norm is not None:
+                    q, k = self.q_norm(q), self.k_norm(k)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
         return self.o_proj(out, defer_merge)
+
+    def _query_scales(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[T, 1]: 1 + beta * log(1 + floor(position / original length))."""
+        beta, length = self.query_scaling
+        scales = 1 + beta * torch.log1p(torch.floor(positions.to(torch.float32) / length))
+        return scales.to(dtype)[:, None]
 
     def _qk_norm_rope(self, positions: torch.Tensor):
         """This layer's q/k norms and rotary embedding, as a rotary.QKNormRope."""
@@ -296,7 +311,7 @@ class LlamaDecoderLayer(nn.Module):
                                                          self.mlp.down_proj)] \
             if isinstance(self.mlp, LlamaMLP) else [None]
         if (cache.dtype == dtype and attn.o_proj.tp_group.size == 1 and attn.rotate
-                and all(args is not None for args in linears)):
+                and attn.query_scaling is None and all(args is not None for args in linears)):
             layer, q_norm = attn.attn, attn.q_norm
             weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
                        self.input_layernorm.variance_epsilon, *linears,
@@ -635,6 +650,23 @@ class MistralForCausalLM(LlamaForCausalLM):
         ignores layer_types; Ministral is the architecture that alternates)."""
         window = checked_window(getattr(hf_config, "sliding_window", None))
         return [window] * hf_config.num_hidden_layers
+
+
+class Ministral3ForCausalLM(MistralForCausalLM):
+    """Ministral 3: Mistral's layers with each query scaled by its position, 1 + beta *
+    log(1 + floor(position / original_max_position_embeddings)) (rope_parameters'
+    llama_4_scaling_beta; Llama 4's attention temperature), and YaRN."""
+
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> AttentionOptions:
+        from dataclasses import replace
+
+        params = rope_parameters_from_config(hf_config)
+        beta = params.get("llama_4_scaling_beta")
+        scaling = None
+        if beta:
+            scaling = (float(beta), int(params["original_max_position_embeddings"]))
+        return replace(super().attention_options(hf_config), query_scaling=scaling)
 
 
 class MinistralForCausalLM(MistralForCausalLM):

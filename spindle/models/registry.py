@@ -13,6 +13,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "spindle.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "spindle.models.llama:MistralForCausalLM",
     "MinistralForCausalLM": "spindle.models.llama:MinistralForCausalLM",
+    "Ministral3ForCausalLM": "spindle.models.llama:Ministral3ForCausalLM",
     "SmolLM3ForCausalLM": "spindle.models.llama:SmolLM3ForCausalLM",
     "SeedOssForCausalLM": "spindle.models.llama:SeedOssForCausalLM",
     "InternLM3ForCausalLM": "spindle.models.llama:InternLM3ForCausalLM",

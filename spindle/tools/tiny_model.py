@@ -49,6 +49,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "ministral": "MinistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "arcee": "ArceeForCausalLM",
@@ -104,7 +105,7 @@ ARCHITECTURES = {
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mistral": "MistralConfig", "bamba": "BambaConfig",
                   "smollm3": "SmolLM3Config", "seed_oss": "SeedOssConfig",
-                  "ministral": "MinistralConfig",
+                  "ministral": "MinistralConfig", "ministral3": "Ministral3Config",
                   "arcee": "ArceeConfig", "dots1": "Dots1Config", "apertus": "ApertusConfig",
                   "ernie4_5_moe": "Ernie4_5_MoeConfig",
                   "ernie4_5": "Ernie4_5Config",
@@ -346,6 +347,11 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "ministral":  # a window of 8 on every other layer
         return {"sliding_window": 8, "layer_types": [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]}
+    if arch == "ministral3":  # YaRN, and queries scaled from position 16 on (of 2048)
+        return {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 16,
+                                    "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "llama_4_scaling_beta": 0.5}}
     if arch == "jais2":  # LayerNorms, biases, a relu^2 MLP without a gate
         return {"hidden_act": "relu2", "attention_bias": True, "mlp_bias": True,
                 "layer_norm_eps": 1e-5}
