@@ -21,6 +21,9 @@ from spindle.models.loader import text_model_tensors
     ("gemma3_vl", dict(num_layers=2), "language_model.model.", "AutoModelForCausalLM"),
     ("mistral3_vl", dict(num_layers=2, tie_word_embeddings=False), "language_model.model.",
      "AutoModelForImageTextToText"),  # (transformers has no causal LM class for it)
+    # (a Ministral 3 text model inside: served as Ministral3ForCausalLM, by its model_type)
+    ("ministral3_vl", dict(num_layers=2, tie_word_embeddings=False), "language_model.model.",
+     "AutoModelForImageTextToText"),
     ("qwen2_5_vl", dict(num_layers=2), "model.layers.", "AutoModelForImageTextToText"),
     ("qwen3_vl", dict(num_layers=2), "model.language_model.", "AutoModelForImageTextToText"),
     ("qwen3_5_vl", dict(num_layers=3), "model.language_model.", "AutoModelForCausalLM"),

@@ -86,6 +86,9 @@ TEXT_MODEL_OF = {
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
 }
+# The text model by the text config's own model_type, where it differs from the outer
+# architecture's usual one (Mistral 3 checkpoints of Ministral 3 text models).
+TEXT_MODEL_BY_TYPE = {"ministral3": "Ministral3ForCausalLM", "ministral": "MinistralForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
@@ -102,7 +105,8 @@ def text_model_config(hf_config: Any) -> Any:
     if outer not in TEXT_MODEL_OF:
         return hf_config
     text = hf_config.text_config
-    text.architectures = [TEXT_MODEL_OF[outer]]
+    text.architectures = [TEXT_MODEL_BY_TYPE.get(getattr(text, "model_type", None),
+                                                 TEXT_MODEL_OF[outer])]
     text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
     for name in ("dtype", "quantization_config"):
         if getattr(text, name, None) is None and getattr(hf_config, name, None) is not None:

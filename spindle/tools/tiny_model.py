@@ -393,6 +393,7 @@ IMAGE_TEXT_MODELS = {
     "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
     "gemma3_vl": ("gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration"),
     "mistral3_vl": ("mistral", "Mistral3Config", "Mistral3ForConditionalGeneration"),
+    "ministral3_vl": ("ministral3", "Mistral3Config", "Mistral3ForConditionalGeneration"),
     "qwen2_5_vl": ("qwen2", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("qwen3", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
 }
