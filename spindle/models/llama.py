@@ -582,8 +582,9 @@ class ApertusForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
-        bias = bool(getattr(hf_config, "attention_bias", False))
-        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+        from dataclasses import replace
+
+        return replace(super().attention_options(hf_config), qk_norm=True)
 
     @classmethod
     def mlp_for_layer(cls, hf_config: Any, layer_idx: int,
