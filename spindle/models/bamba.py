@@ -29,7 +29,7 @@ from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
 from spindle.models.llama import (LlamaMLP, _to_param_name, head_dim_of, head_sinks,
                                   require_activation)
-from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, stage_embedding,
+from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, embedded, stage_embedding,
                                       stage_layers)
 from spindle.models.weights import load_named_weights, not_on_this_rank
 
@@ -351,9 +351,7 @@ class BambaModel(nn.Module):
                 intermediate_tensors: IntermediateTensors | None = None,
                 ) -> torch.Tensor | IntermediateTensors:
         if self.stage.is_first:
-            if (input_ids is None) == (inputs_embeds is None):
-                raise ValueError("pass exactly one of input_ids and inputs_embeds")
-            hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
             if self.embedding_multiplier != 1.0:
                 hidden_states = hidden_states * self.embedding_multiplier
             residual = None

@@ -4,7 +4,7 @@ step's flat tokens, its embedding, and the LM head that the last pipeline stage 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from spindle.models.weights import load_named_weights, not_on_this_rank
 
 
 def single_stage(model_name: str, stage: PipelineStage | None) -> PipelineStage:
@@ -20,6 +21,15 @@ def single_stage(model_name: str, stage: PipelineStage | None) -> PipelineStage:
     if stage is not None and stage.size > 1:
         raise ValueError(f"{model_name} does not support pipeline parallelism")
     return PipelineStage.single()
+
+
+def embedded(embed_tokens: nn.Module, input_ids: torch.Tensor | None,
+             inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+    """The step's input embeddings: embed_tokens(input_ids), or inputs_embeds as given
+    (ValueError unless exactly one of the two is passed)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    return embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
 
 
 class MissingLayer(nn.Identity):
@@ -94,6 +104,31 @@ class DecoderForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab_size], the full vocabulary on every rank."""
         return self.lm_head.compute_logits(hidden_states)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into this rank's parameters.
+
+        Returns the names of the parameters that are completely loaded (merged
+        parameters only once every shard arrived). Raises ValueError on a checkpoint
+        tensor that matches no parameter, or whose shape does not fit.
+        """
+        return load_named_weights(
+            self, weights,
+            lambda hf_name: None if self._skip_checkpoint_tensor(hf_name)
+            else self.param_name(hf_name))
+
+    @classmethod
+    def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        """The parameter and shard id an HF checkpoint tensor loads into (q/k/v and
+        gate/up into their merged parameters)."""
+        from spindle.models.llama import _to_param_name
+
+        return _to_param_name(hf_name)
+
+    def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
+        """Whether this rank loads nothing of hf_name (another pipeline stage's layer, a
+        tied head)."""
+        return not_on_this_rank(self, hf_name)
+
 
 class RotaryDecoderModel(nn.Module):
     """A decoder's inner model whose layers take (hidden_states, positions, cos, sin) and
@@ -116,9 +151,7 @@ class RotaryDecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,
                 intermediate_tensors: Any = None) -> torch.Tensor:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
         cos, sin = self.rotary_emb(positions, hidden_states.dtype)
         for layer in self.layers:
             hidden_states = layer(hidden_states, positions, cos, sin)

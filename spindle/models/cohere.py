@@ -25,10 +25,9 @@ from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.linear import default_weight_loader, set_weight_loader
 from spindle.layers.rotary import interleaved_rows_as_halves
 from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
-from spindle.models.llama import (AttentionOptions, LlamaAttention, LlamaMLP, _to_param_name,
+from spindle.models.llama import (AttentionOptions, LlamaAttention, LlamaMLP,
                                   checked_window, head_dim_of, require_activation,
                                   windows_by_layer_type)
-from spindle.models.weights import load_named_weights, not_on_this_rank
 
 
 # The checkpoint tensors of q and k projections (whose rows carry the rotary layout).
@@ -109,10 +108,7 @@ class CohereForCausalLM(DecoderForCausalLM):
         return super().compute_logits(hidden_states) * self.logit_scale
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_named_weights(self, self._rotate_half_layout(weights), self._param_name)
-
-    def _param_name(self, hf_name: str) -> tuple[str, Any] | None:
-        return None if not_on_this_rank(self, hf_name) else _to_param_name(hf_name)
+        return super().load_weights(self._rotate_half_layout(weights))
 
     def _rotate_half_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
                             ) -> Iterator[tuple[str, torch.Tensor]]:

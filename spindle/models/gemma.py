@@ -41,7 +41,7 @@ from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from spindle.layers.norm import GemmaRMSNorm
 from spindle.layers.rotary import RotaryEmbedding
-from spindle.models.causal_lm import DecoderForCausalLM
+from spindle.models.causal_lm import DecoderForCausalLM, embedded, single_stage
 from spindle.models.llama import (AttentionOptions, LlamaAttention, _to_param_name,
                                   checked_window, head_dim_of, windows_by_layer_type)
 from spindle.models.weights import load_named_weights
@@ -143,9 +143,7 @@ class Gemma2Model(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,
                 intermediate_tensors: Any = None) -> torch.Tensor:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
         # sqrt(hidden) rounded to the activation dtype, as transformers scales; a 0-d
         # host tensor multiplies as a scalar (no copy to the device, graph-safe).
         normalizer = torch.tensor(self.hidden_size ** 0.5, dtype=hidden_states.dtype)
@@ -176,9 +174,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
             raise ValueError(f"Gemma hidden_activation {act!r} is not supported (only "
                              f"{', '.join(SUPPORTED_ACTIVATIONS)})")
         self.config = hf_config
-        self.stage = stage or PipelineStage.single()
-        if self.stage.size > 1:
-            raise ValueError(f"{type(self).__name__} does not support pipeline parallelism")
+        self.stage = single_stage(type(self).__name__, stage)
         self.model = Gemma2Model(hf_config, tp_group, self.rope_per_layer_type, self.gemma2)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
         self.build_lm_head(hf_config, tp_group)

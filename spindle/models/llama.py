@@ -41,9 +41,8 @@ from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear
                                    RowParallelLinear, default_weight_loader, set_weight_loader)
 from spindle.layers.norm import RMSNorm, fp32_residual_stream
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
-from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, stage_embedding,
+from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, embedded, stage_embedding,
                                       stage_layers)
-from spindle.models.weights import load_named_weights, not_on_this_rank
 
 
 @dataclass(frozen=True)
@@ -357,9 +356,7 @@ class LlamaModel(nn.Module):
         """-> final-normed hidden states on the last stage; on any other stage the
         hidden states and residual for the next one."""
         if self.stage.is_first:
-            if (input_ids is None) == (inputs_embeds is None):
-                raise ValueError("pass exactly one of input_ids and inputs_embeds")
-            hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
             residual = None
             if self.stage.size == 1 and fp32_residual_stream(hidden_states):
                 # (the first norm adds zeros: the stream starts as the embeddings, exactly)
@@ -403,6 +400,14 @@ def _to_param_name(hf_name: str) -> tuple[str, Any]:
     return hf_name, None
 
 
+def ungated_param_name(hf_name: str) -> tuple[str, Any]:
+    """_to_param_name for a model whose MLP has no gate: its up_proj is a parameter of
+    its own, not a shard of gate_up_proj (Arcee, Apertus, Jais 2)."""
+    if ".mlp.up_proj." in hf_name:
+        return hf_name, None
+    return _to_param_name(hf_name)
+
+
 class LlamaForCausalLM(DecoderForCausalLM):
     supports_pipeline_parallel = True
 
@@ -444,28 +449,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
         """Each layer's sliding window (None: full attention). transformers' Llama has
         none (its attention ignores sliding-window config fields)."""
         return [None] * hf_config.num_hidden_layers
-
-    # ------------------------------------------------------------------ inference
-    # ------------------------------------------------------------------ loading
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named checkpoint tensors into this rank's parameters.
-
-        Returns the names of the parameters that are completely loaded (merged
-        parameters only once every shard arrived). Raises ValueError on a checkpoint
-        tensor that matches no parameter, or whose shape does not fit.
-        """
-        return load_named_weights(
-            self, weights,
-            lambda hf_name: None if self._skip_checkpoint_tensor(hf_name)
-            else self.param_name(hf_name))
-
-    @classmethod
-    def param_name(cls, hf_name: str) -> tuple[str, Any]:
-        """The parameter and shard id an HF checkpoint tensor loads into."""
-        return _to_param_name(hf_name)
-
-    def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
-        return not_on_this_rank(self, hf_name)
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
@@ -525,9 +508,7 @@ class ArceeForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def param_name(cls, hf_name: str) -> tuple[str, Any]:
-        if ".mlp.up_proj." in hf_name:  # (its own parameter: there is no gate)
-            return hf_name, None
-        return super().param_name(hf_name)
+        return ungated_param_name(hf_name)
 
 
 class XIELU(nn.Module):
@@ -609,9 +590,7 @@ class ApertusForCausalLM(LlamaForCausalLM):
     def param_name(cls, hf_name: str) -> tuple[str, Any]:
         hf_name = hf_name.replace(".attention_layernorm.", ".input_layernorm.")
         hf_name = hf_name.replace(".feedforward_layernorm.", ".post_attention_layernorm.")
-        if ".mlp.up_proj." in hf_name:  # (its own parameter: there is no gate)
-            return hf_name, None
-        return super().param_name(hf_name)
+        return ungated_param_name(hf_name)
 
 
 class Ernie4_5ForCausalLM(LlamaForCausalLM):

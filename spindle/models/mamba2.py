@@ -26,7 +26,7 @@ from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spindle.layers.mamba.mixer import MambaMixer, norm_group_size, time_step_limit
 from spindle.layers.norm import RMSNorm, rms_normalized
-from spindle.models.causal_lm import single_stage
+from spindle.models.causal_lm import embedded, single_stage
 from spindle.models.weights import load_named_weights
 
 
@@ -158,9 +158,7 @@ class Mamba2ForCausalLM(nn.Module):
                 intermediate_tensors: Any = None) -> torch.Tensor:
         """-> final-normed hidden states [T, hidden] (positions are unused: the state
         carries the order)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
         return self.backbone(hidden_states)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

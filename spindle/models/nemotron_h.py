@@ -42,7 +42,7 @@ from spindle.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowP
 from spindle.layers.mamba.mixer import MambaMixer, time_step_limit
 from spindle.layers.moe import FusedExperts
 from spindle.layers.norm import Float32WeightRMSNorm
-from spindle.models.causal_lm import DecoderForCausalLM
+from spindle.models.causal_lm import DecoderForCausalLM, embedded
 from spindle.models.llama import _to_param_name, head_dim_of
 from spindle.models.mamba2 import mamba2_mixer
 from spindle.models.moe import _expert_param, one_per_expert
@@ -240,9 +240,7 @@ class NemotronHModel(nn.Module):
                 intermediate_tensors: Any = None) -> torch.Tensor:
         """-> final-normed hidden states [T, hidden] (positions are unused: attention
         has no rotary, and the Mamba states carry the order)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
         for layer in self.layers:
             hidden_states = layer(hidden_states)
         return self.norm_f(hidden_states)

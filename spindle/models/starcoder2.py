@@ -8,7 +8,7 @@ with biases (``attention_bias``), and NemotronH's gate-less relu^2 MLP (``mlp_bi
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,8 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
-from spindle.models.llama import (AttentionOptions, LlamaAttention, _to_param_name,
-                                  checked_window, head_dim_of, require_activation)
-from spindle.models.weights import load_named_weights, not_on_this_rank
+from spindle.models.llama import (AttentionOptions, LlamaAttention, checked_window,
+                                  head_dim_of, require_activation, ungated_param_name)
 
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                "gelu": F.gelu}
@@ -90,12 +89,6 @@ class Starcoder2ForCausalLM(DecoderForCausalLM):
                 hf_config, tp_group, bias, eps, self.mlp(hf_config, tp_group)),
             nn.LayerNorm(hf_config.hidden_size, eps=eps), head_dim_of(hf_config))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_named_weights(self, weights, self._param_name)
-
-    def _param_name(self, hf_name: str) -> tuple[str, Any] | None:
-        return None if not_on_this_rank(self, hf_name) else _to_param_name(hf_name)
-
 
 class Jais2ForCausalLM(Starcoder2ForCausalLM):
     @staticmethod
@@ -112,7 +105,6 @@ class Jais2ForCausalLM(Starcoder2ForCausalLM):
 
         return NemotronHMLP(hf_config, tp_group)
 
-    def _param_name(self, hf_name: str) -> tuple[str, Any] | None:
-        if ".mlp.up_proj." in hf_name:  # (its own parameter: there is no gate)
-            return None if not_on_this_rank(self, hf_name) else (hf_name, None)
-        return super()._param_name(hf_name)
+    @classmethod
+    def param_name(cls, hf_name: str) -> tuple[str, Any]:
+        return ungated_param_name(hf_name)

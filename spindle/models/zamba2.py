@@ -45,7 +45,7 @@ from spindle.layers.linear import (ColumnParallelLinear, MergedColumnParallelLin
 from spindle.layers.mamba.mixer import MambaMixer, norm_group_size
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary
-from spindle.models.causal_lm import DecoderForCausalLM
+from spindle.models.causal_lm import DecoderForCausalLM, embedded
 from spindle.models.llama import _to_param_name
 from spindle.models.weights import load_named_weights, not_on_this_rank
 
@@ -282,9 +282,7 @@ class Zamba2Model(nn.Module):
                 inputs_embeds: torch.Tensor | None = None,
                 intermediate_tensors: Any = None) -> torch.Tensor:
         """-> final-normed hidden states [T, hidden]."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        embeddings = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        embeddings = embedded(self.embed_tokens, input_ids, inputs_embeds)
         cos = sin = None
         if self.rotary_emb is not None:
             cos, sin = self.rotary_emb(positions, embeddings.dtype)
