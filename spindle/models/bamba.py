@@ -411,3 +411,14 @@ class BambaForCausalLM(DecoderForCausalLM):
 
     def _skip_checkpoint_tensor(self, hf_name: str) -> bool:
         return not_on_this_rank(self, hf_name, final_norm="final_layernorm")
+
+
+class AttentionOnlyDecoder(BambaForCausalLM):
+    """A decoder of another family built on this base with every layer attending (no
+    Mamba layers): what those models share unless they say otherwise (SiLU, the dense
+    MLP, the final norm named ``norm``); each names its layout and decoder_layer."""
+
+    model_kind = "decoder"
+    checkpoint_final_norm = "norm"
+    check_config = staticmethod(check_silu)
+    feed_forward = staticmethod(bamba_feed_forward)

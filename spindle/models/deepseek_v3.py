@@ -45,8 +45,8 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import apply_rotary, rope_parameters_from_config
-from spindle.models.bamba import (BambaForCausalLM, HybridLayout, PreNormAttentionLayer,
-                                  attention_only_layout, bamba_feed_forward)
+from spindle.models.bamba import (AttentionOnlyDecoder, HybridLayout, PreNormAttentionLayer,
+                                  attention_only_layout)
 from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
 from spindle.models.glm4_moe import Glm4MoeForCausalLM, glm4_moe_feed_forward
 from spindle.models.llama import require_activation
@@ -280,21 +280,13 @@ def minicpm3_layout(hf_config: Any) -> HybridLayout:
         residual_multiplier=float(depth) / math.sqrt(hf_config.num_hidden_layers))
 
 
-def check_minicpm3_config(hf_config: Any) -> None:
-    require_activation(hf_config, "silu")
-
-
-class MiniCPM3ForCausalLM(BambaForCausalLM):
+class MiniCPM3ForCausalLM(AttentionOnlyDecoder):
     """OpenBMB's MiniCPM3: Llama's dense layers around DeepSeek's latent attention (with
     the plain rotate-half rotary), maximal-update scalings: the embeddings times
     scale_emb, each sublayer's output times scale_depth / sqrt(layers), and the final
     hidden states divided by hidden_size / dim_model_base before the LM head."""
 
-    model_kind = "decoder"
-    checkpoint_final_norm = "norm"
-    check_config = staticmethod(check_minicpm3_config)
     layout = staticmethod(minicpm3_layout)
-    feed_forward = staticmethod(bamba_feed_forward)
     decoder_layer = MiniCPM3DecoderLayer
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,8 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import rope_parameters_from_config
-from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
-                                  HybridLayout, attention_only_layout, bamba_feed_forward,
-                                  check_silu)
+from spindle.models.bamba import (AttentionOnlyDecoder, BambaAttention, FeedForwardFactory,
+                                  HybridLayout, attention_only_layout)
 from spindle.models.llama import checked_window, head_dim_of, windows_by_layer_type
 from spindle.models.olmo_hybrid import post_norm_attention_block
 
@@ -59,10 +58,6 @@ class Exaone4DecoderLayer(nn.Module):
         return post_norm_attention_block(self, hidden_states, residual, cos, sin)
 
 
-class Exaone4ForCausalLM(BambaForCausalLM):
-    model_kind = "decoder"
-    checkpoint_final_norm = "norm"
-    check_config = staticmethod(check_silu)
+class Exaone4ForCausalLM(AttentionOnlyDecoder):
     layout = staticmethod(exaone4_layout)
-    feed_forward = staticmethod(bamba_feed_forward)
     decoder_layer = Exaone4DecoderLayer

@@ -18,9 +18,8 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import interleaved_rows_as_halves
-from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
-                                  HybridLayout, attention_only_layout, bamba_feed_forward,
-                                  check_silu, rotary_dim)
+from spindle.models.bamba import (AttentionOnlyDecoder, BambaAttention, FeedForwardFactory,
+                                  HybridLayout, attention_only_layout, rotary_dim)
 from spindle.models.cohere import QK_TENSORS
 from spindle.models.llama import head_dim_of
 
@@ -51,12 +50,8 @@ class Glm4DecoderLayer(nn.Module):
         return self.post_mlp_layernorm(self.mlp(hidden_states)), residual
 
 
-class Glm4ForCausalLM(BambaForCausalLM):
-    model_kind = "decoder"
-    checkpoint_final_norm = "norm"
-    check_config = staticmethod(check_silu)
+class Glm4ForCausalLM(AttentionOnlyDecoder):
     layout = staticmethod(glm4_layout)
-    feed_forward = staticmethod(bamba_feed_forward)
     decoder_layer = Glm4DecoderLayer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -20,10 +20,9 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.moe import FusedExperts
-from spindle.models.bamba import (BambaAttention, BambaForCausalLM, HybridLayout,
-                                  PreNormAttentionLayer, attention_only_layout, check_silu,
-                                  rotary_dim)
-from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
+from spindle.models.bamba import (AttentionOnlyDecoder, BambaAttention, HybridLayout,
+                                  PreNormAttentionLayer, attention_only_layout, rotary_dim)
+from spindle.models.llama import LlamaMLP, _to_param_name
 from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param
 from spindle.models.nemotron_h import NemotronHRouter
 
@@ -71,10 +70,7 @@ class Glm4MoeDecoderLayer(PreNormAttentionLayer):
         return BambaAttention(hf_config, layout, tp_group, o_bias=False, qk_norm_eps=qk_norm)
 
 
-class Glm4MoeForCausalLM(BambaForCausalLM):
-    model_kind = "decoder"
-    checkpoint_final_norm = "norm"
-    check_config = staticmethod(check_silu)
+class Glm4MoeForCausalLM(AttentionOnlyDecoder):
     layout = staticmethod(glm4_moe_layout)
     feed_forward = staticmethod(glm4_moe_feed_forward)
     decoder_layer = Glm4MoeDecoderLayer

@@ -31,6 +31,7 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
 from spindle.layers.moe import ClampedSwiGLU, FusedExperts
+from spindle.models.causal_lm import single_stage
 from spindle.models.llama import (AttentionOptions, LlamaForCausalLM, checked_window,
                                   windows_by_layer_type)
 
@@ -92,9 +93,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     supports_pipeline_parallel = False
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup, stage=None) -> None:
-        super().__init__(hf_config, tp_group, stage)
-        if self.stage.size > 1:
-            raise ValueError("GptOssForCausalLM does not support pipeline parallelism")
+        super().__init__(hf_config, tp_group, single_stage(type(self).__name__, stage))
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:

@@ -14,9 +14,8 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.rotary import rope_parameters_from_config
-from spindle.models.bamba import (BambaAttention, BambaForCausalLM, HybridLayout,
-                                  PreNormAttentionLayer, attention_only_layout,
-                                  bamba_feed_forward, check_silu)
+from spindle.models.bamba import (AttentionOnlyDecoder, BambaAttention, HybridLayout,
+                                  PreNormAttentionLayer, attention_only_layout)
 from spindle.models.llama import head_dim_of
 
 ALL_LAYERS = "all"
@@ -46,12 +45,8 @@ class HunYuanDecoderLayer(PreNormAttentionLayer):
                               norm_after_rotary=True)
 
 
-class HunYuanDenseV1ForCausalLM(BambaForCausalLM):
-    model_kind = "decoder"
-    checkpoint_final_norm = "norm"
-    check_config = staticmethod(check_silu)
+class HunYuanDenseV1ForCausalLM(AttentionOnlyDecoder):
     layout = staticmethod(hunyuan_layout)
-    feed_forward = staticmethod(bamba_feed_forward)
     decoder_layer = HunYuanDecoderLayer
 
     def param_name(self, hf_name: str) -> tuple[str, Any]:

@@ -21,8 +21,8 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
 from spindle.layers.moe import FusedExperts, Router
-from spindle.models.bamba import (BambaForCausalLM, HybridLayout, PreNormAttentionLayer,
-                                  attention_only_layout, check_silu)
+from spindle.models.bamba import (AttentionOnlyDecoder, HybridLayout, PreNormAttentionLayer,
+                                  attention_only_layout)
 from spindle.models.llama import _to_param_name, head_dim_of
 from spindle.models.moe import _MIXTRAL_EXPERT_PARTS, _expert_param, stacked_experts_one_by_one
 from spindle.models.olmo_hybrid import OlmoAttention
@@ -72,10 +72,7 @@ class MiniMaxM2DecoderLayer(PreNormAttentionLayer):
         return OlmoAttention(hf_config, layout, tp_group, float_weight_norms=False)
 
 
-class MiniMaxM2ForCausalLM(BambaForCausalLM):
-    model_kind = "decoder"
-    checkpoint_final_norm = "norm"
-    check_config = staticmethod(check_silu)
+class MiniMaxM2ForCausalLM(AttentionOnlyDecoder):
     layout = staticmethod(minimax_m2_layout)
     feed_forward = staticmethod(minimax_m2_feed_forward)
     decoder_layer = MiniMaxM2DecoderLayer

@@ -12,8 +12,8 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.moe import SparseMoeBlock
-from spindle.models.bamba import (BambaForCausalLM, HybridLayout, PreNormAttentionLayer,
-                                  attention_only_layout, check_silu)
+from spindle.models.bamba import (AttentionOnlyDecoder, HybridLayout, PreNormAttentionLayer,
+                                  attention_only_layout)
 from spindle.models.llama import _to_param_name, head_dim_of
 from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param
 from spindle.models.olmo_hybrid import OlmoAttention
@@ -39,10 +39,7 @@ class OlmoeDecoderLayer(PreNormAttentionLayer):
                              clip_qkv=getattr(hf_config, "clip_qkv", None))
 
 
-class OlmoeForCausalLM(BambaForCausalLM):
-    model_kind = "decoder"
-    checkpoint_final_norm = "norm"
-    check_config = staticmethod(check_silu)
+class OlmoeForCausalLM(AttentionOnlyDecoder):
     layout = staticmethod(olmoe_layout)
     feed_forward = staticmethod(olmoe_feed_forward)
     decoder_layer = OlmoeDecoderLayer
