@@ -397,7 +397,7 @@ class BambaForCausalLM(DecoderForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this rank's parameters (see
-        LlamaForCausalLM.load_weights)."""
+        DecoderForCausalLM.load_weights)."""
         return load_named_weights(self, weights, self._checkpoint_param)
 
     def _checkpoint_param(self, hf_name: str) -> tuple[str, Any] | None:
