@@ -42,23 +42,28 @@ from torch import nn
 
 from spindle.attention import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
-from spindle.layers.linear import ColumnParallelLinear, RowParallelLinear
+from spindle.layers.linear import (ColumnParallelLinear, RowParallelLinear, apply_linear,
+                                   default_weight_loader, set_weight_loader)
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import apply_rotary, rope_parameters_from_config
 from spindle.models.bamba import (AttentionOnlyDecoder, HybridLayout, PreNormAttentionLayer,
                                   attention_only_layout)
-from spindle.layers.linear import apply_linear, default_weight_loader, set_weight_loader
 from spindle.models.glm4_moe import Glm4MoeForCausalLM, glm4_moe_feed_forward
 from spindle.models.llama import require_activation
 from spindle.models.nemotron_h import check_routing
 
 
-def check_supported_config(hf_config: Any) -> None:
-    """Reject config features this implementation would silently get wrong."""
+def check_latent_attention(hf_config: Any) -> None:
+    """What DeepSeek-V2 and V3 both need: SiLU, an even number of rotated features."""
     require_activation(hf_config, "silu")
-    check_routing(hf_config)
     if hf_config.qk_rope_head_dim % 2:
         raise ValueError(f"qk_rope_head_dim must be even, got {hf_config.qk_rope_head_dim}")
+
+
+def check_supported_config(hf_config: Any) -> None:
+    """Reject config features this implementation would silently get wrong."""
+    check_latent_attention(hf_config)
+    check_routing(hf_config)
 
 
 def softmax_scale(hf_config: Any) -> float:
@@ -183,7 +188,7 @@ GREEDY, GROUP_LIMITED = "greedy", "group_limited_greedy"
 
 
 def check_v2_config(hf_config: Any) -> None:
-    require_activation(hf_config, "silu")
+    check_latent_attention(hf_config)
     method = getattr(hf_config, "topk_method", GREEDY)
     if method not in (GREEDY, GROUP_LIMITED):
         raise ValueError(f"topk_method {method!r} is not supported ({GREEDY!r} or "
@@ -198,8 +203,6 @@ def check_v2_config(hf_config: Any) -> None:
         experts = top_groups * (experts // groups)
     if not 1 <= top_k <= experts:
         raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..{experts}")
-    if hf_config.qk_rope_head_dim % 2:
-        raise ValueError(f"qk_rope_head_dim must be even, got {hf_config.qk_rope_head_dim}")
 
 
 class DeepseekV2Router(nn.Module):
