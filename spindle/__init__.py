@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 from spindle.outputs import (CompletionOutput, EmbeddingOutput,  # noqa: E402
                              EmbeddingRequestOutput, RequestOutput)
 from spindle.pooling_params import PoolingParams  # noqa: E402
-from spindle.sampling_params import SamplingParams  # noqa: E402
+from spindle.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -21,6 +21,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'spindle' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "ModelPool", "SamplingParams", "PoolingParams", "RequestOutput",
+__all__ = ["LLM", "ModelPool", "SamplingParams", "StructuredOutputsParams", "PoolingParams",
+           "RequestOutput",
            "CompletionOutput",
            "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]

@@ -7,14 +7,75 @@ engines without relearning; every bad value raises ValueError naming the field.
 from __future__ import annotations
 
 import copy
+import json
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
 # The seeds torch.Generator.manual_seed takes: a negative seed s stands for s + 2**64.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must be (structured outputs): exactly one of
+
+    json: a JSON schema (a dict, or its JSON text): the output is a JSON document
+        that satisfies it;
+    regex: the whole output matches this regular expression;
+    choice: the output is one of these strings;
+    json_object: True: the output is a JSON object (any keys; containers nested at most
+        structured/json_schema.py's DEFAULT_MAX_DEPTH deep).
+
+    The names follow vLLM's. Decoding forbids, at every step, each token that cannot
+    continue a match, and allows the end-of-sequence token only where the output is
+    complete."""
+
+    json: dict | str | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    def validate(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, "
+                             f"choice, json_object; got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from e
+        elif self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError("StructuredOutputsParams.json must be a JSON schema (a dict or "
+                             f"its JSON text), got {type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"StructuredOutputsParams.regex must be a string, got "
+                             f"{type(self.regex).__name__}")
+        if self.choice is not None and not (
+                isinstance(self.choice, list) and self.choice
+                and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of "
+                             f"non-empty strings, got {self.choice!r}")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"StructuredOutputsParams.json_object must be a bool, got "
+                             f"{self.json_object!r}")
+
+    @property
+    def key(self) -> str:
+        """A canonical text of what is asked (the compiled automata's cache key)."""
+        schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+        return json.dumps([schema, self.regex, self.choice, bool(self.json_object)],
+                          sort_keys=True)
 
 
 @dataclass
@@ -46,8 +107,13 @@ class SamplingParams:
     # (OpenAI's logit_bias); logprobs stay the raw model's unless the engine's
     # logprobs_mode says otherwise.
     logit_bias: dict[int, float] | None = None
-    # Filled by the engine, not the user: every id that ends generation.
+    # The output must be a JSON document of a schema, match a regex, or be one of a few
+    # strings (StructuredOutputsParams); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
+    # Filled by the engine, not the user: every id that ends generation, and the byte
+    # automaton of structured_outputs (spindle/structured/).
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    _grammar: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +176,21 @@ class SamplingParams:
         _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
                "seed", self.seed, "None or an integer in [-2**63, 2**64 - 1] (the seeds "
                "torch.Generator takes)")
+        if self.structured_outputs is not None:
+            self._validate_structured_outputs()
+
+    def _validate_structured_outputs(self) -> None:
+        """Structured outputs end where their automaton completes, with an end token:
+        nothing may forbid or ignore that token, nor restrict the ids another way."""
+        _check(isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
+        self.structured_outputs.validate()
+        for name, value, neutral in (("ignore_eos", self.ignore_eos, False),
+                                     ("min_tokens", self.min_tokens, 0),
+                                     ("allowed_token_ids", self.allowed_token_ids, None)):
+            if value != neutral:
+                raise ValueError(f"SamplingParams.{name} cannot be combined with "
+                                 f"structured_outputs (got {name}={value!r})")
 
     @property
     def is_greedy(self) -> bool:

@@ -4,6 +4,7 @@ client disconnects and metrics. One server for the whole module."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -11,7 +12,7 @@ import openai
 import pytest
 
 from server_utils import RemoteServer, metric_value, sse_events, wait_for
-from spindle import LLM, SamplingParams
+from spindle import LLM, SamplingParams, StructuredOutputsParams
 
 MAX_MODEL_LEN = 2048
 ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN))
@@ -243,6 +244,36 @@ def test_logit_bias_steers_sampling_as_offline(client, offline):
     assert [item.token for item in chat.choices[0].logprobs.content] == [piece] * 3
 
 
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                          "bright": {"type": "boolean"}},
+         "required": ["color", "bright"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_equals_offline_structured_outputs(client, offline):
+    """The official client's response_format (json_schema, json_object) and vLLM's
+    structured_outputs field give what LLM.chat / LLM.generate give offline."""
+    schema_params = greedy(60, structured_outputs=StructuredOutputsParams(json=COLOR))
+    expected = offline.chat(CHAT, schema_params, use_tqdm=False)[0].outputs[0]
+    response = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "color", "schema": COLOR, "strict": True}})
+    assert response.choices[0].message.content == expected.text
+    assert expected.finish_reason == "stop"
+    assert set(json.loads(expected.text)) == {"color", "bright"}
+    json_object = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=60, temperature=0,
+        response_format={"type": "json_object"})
+    want = offline.chat(CHAT, greedy(60, structured_outputs=StructuredOutputsParams(
+        json_object=True)), use_tqdm=False)[0].outputs[0].text
+    assert json_object.choices[0].message.content == want
+    regex = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20,
+                                      temperature=0,
+                                      extra_body={"structured_outputs": {"regex": "[a-z]{3}"}})
+    assert regex.choices[0].text == offline.generate(PROMPTS[0], greedy(20, structured_outputs=(
+        StructuredOutputsParams(regex="[a-z]{3}"))), use_tqdm=False)[0].outputs[0].text
+
+
 def test_request_id_from_header_is_the_response_id(client, http):
     response = client.completions.with_raw_response.create(
         model="tiny", prompt="hi", max_tokens=2, extra_headers={"X-Request-Id": "req-abc-1"})
@@ -279,6 +310,18 @@ def test_models_health_version(client, http):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 3}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "yaml"}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer",
+                                                                       "maximum": 3}}}}, None),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "(a"}}, None),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"grammar": "x"}},
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+     None),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(http, route, body, param):
     response = http.post(route, json={"model": "tiny", **body})

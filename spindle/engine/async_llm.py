@@ -122,7 +122,14 @@ class AsyncLLM:
         """The prompt tokenized and checked, in a tokenizer thread (ValueError for a bad
         one); it works while the engine sleeps. add_processed() then queues it."""
         self._loop.raise_if_dead()
-        return await self._in_tokenizer_thread(self._inputs.process, prompt, params)
+        return await self._in_tokenizer_thread(self._process, prompt, params)
+
+    def _process(self, prompt: PromptType | ProcessedPrompt,
+                 params: SamplingParams | PoolingParams | None) -> ProcessedPrompt:
+        structured = getattr(params, "structured_outputs", None)
+        if structured is not None:  # compiled here, off the engine thread (then cached)
+            self._loop.engine.grammars.compile(structured)
+        return self._inputs.process(prompt, params)
 
     async def add_processed(self, processed: ProcessedPrompt,
                             params: SamplingParams | PoolingParams | None = None,

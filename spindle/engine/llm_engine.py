@@ -30,6 +30,7 @@ from spindle.engine.tokenizer_loader import load_tokenizer
 from spindle.outputs import RequestOutput
 from spindle.pooling_params import PoolingParams
 from spindle.sampling_params import SamplingParams
+from spindle.structured.compile import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
+        self.grammars = GrammarCompiler()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -69,6 +71,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # (its fields may have changed since it was made)
+        grammar = self._grammar_of(params)
         vocab = self.config.model.vocab_size
         for name, ids in (("allowed_token_ids", params.allowed_token_ids),
                           ("logit_bias", params.logit_bias)):
@@ -87,6 +90,7 @@ class LLMEngine:
         token_ids = processed.token_ids
         max_tokens = self._resolve_max_tokens(token_ids, params)
         params = params.with_eos(self.eos_token_ids)
+        params._grammar = grammar
         children = {_child_id(request_id, i, params.n): params.for_child(i) for i in range(params.n)}
         # (Placeholder ids of prompt embeddings are no tokens to show or detokenize.)
         self.output_processor.add_request(request_id, processed.text,
@@ -98,6 +102,16 @@ class LLMEngine:
                                           encoder_inputs=processed.encoder_inputs,
                                           num_encoder_tokens=self.config.model.encoder_positions))
         return request_id
+
+    def _grammar_of(self, params: SamplingParams) -> Any:
+        """The byte automaton of params.structured_outputs (None without): compiled
+        here, so that a bad schema fails its request alone, before any worker sees it."""
+        if params.structured_outputs is None:
+            return None
+        if not self.eos_token_ids:
+            raise ValueError("structured_outputs need an end-of-sequence token, and this "
+                             "model's tokenizer and configs name none")
+        return self.grammars.compile(params.structured_outputs)
 
     def _add_pooling_request(self, prompt: PromptType | ProcessedPrompt,
                              params: PoolingParams | None, request_id: str | None) -> str:

@@ -8,8 +8,9 @@ the model architecture.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -18,6 +19,11 @@ from spindle.runner.sample.metadata import SamplingMetadata
 from spindle.runner.staging import HostToDevice
 from spindle.sampling_params import SamplingParams
 from spindle.step_messages import NewRequestData
+from spindle.structured.matcher import GrammarMatcher, TokenAutomaton
+
+
+# Token automata an InputBatch keeps (structured outputs' distinct schemas and regexes).
+MAX_AUTOMATA = 32
 
 
 @dataclass
@@ -38,6 +44,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # owned by the model state
     pooling_params: Any = None  # set for a pooling (embedding) request
+    grammar: GrammarMatcher | None = None  # a structured-outputs request's place
 
 
 @dataclass
@@ -100,7 +107,10 @@ class InputBatch:
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
                  vocab_size: int, device: torch.device,
-                 group_is_paged: Sequence[bool] = (True,)) -> None:
+                 group_is_paged: Sequence[bool] = (True,),
+                 token_vocab: Callable[[], Any] | None = None) -> None:
+        """token_vocab: loads the TokenVocab structured outputs walk (on their first
+        request; None: such requests are refused)."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -117,6 +127,9 @@ class InputBatch:
         # their outputs (penalties, min_tokens): most steps have none to look for.
         self.num_prompt_logprobs = 0
         self.num_output_readers = 0
+        self._token_vocab = token_vocab
+        # Structured outputs' token automata, by what was asked (the last few kept).
+        self._automata: OrderedDict[str, TokenAutomaton] = OrderedDict()
 
     def set_cache_groups(self, group_is_paged: Sequence[bool]) -> None:
         """One block table per paged cache group; one state slot per row for models
@@ -148,7 +161,11 @@ class InputBatch:
             num_computed_tokens=new.num_computed_tokens,
             num_tokens=len(new.token_ids),
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
-            pooling_params=new.pooling_params)
+            pooling_params=new.pooling_params,
+            grammar=self._grammar_for(new.req_id, new.sampling_params))
+        if state.grammar is not None:  # (a preempted request resumes where it was)
+            for token in state.output_token_ids:
+                state.grammar.advance(token)
         self.requests[new.req_id] = state
         self.num_prompt_logprobs += prompt_logprobs_of(state) is not None
         self.num_output_readers += _reads_outputs(state)
@@ -159,6 +176,25 @@ class InputBatch:
             self.remove_request(new.req_id)
             raise
         return state
+
+    def _grammar_for(self, req_id: str, params: SamplingParams | None
+                     ) -> GrammarMatcher | None:
+        """A matcher for a structured-outputs request (its automaton compiled by the
+        engine, lifted to tokens here once per distinct request)."""
+        dfa = getattr(params, "_grammar", None)
+        if dfa is None:
+            return None
+        if self._token_vocab is None:
+            raise ValueError(f"request {req_id!r}: this runner has no tokenizer to follow "
+                             "structured outputs with")
+        key = params.structured_outputs.key
+        automaton = self._automata.get(key)
+        if automaton is None:
+            automaton = self._automata[key] = TokenAutomaton(dfa, self._token_vocab())
+            if len(self._automata) > MAX_AUTOMATA:
+                self._automata.popitem(last=False)
+        self._automata.move_to_end(key)
+        return GrammarMatcher(automaton, params.all_stop_token_ids, req_id)
 
     def _generator_for(self, params: SamplingParams) -> torch.Generator | None:
         """The request's own random stream when it has a seed (greedy ones draw nothing)."""
@@ -201,6 +237,8 @@ class InputBatch:
         self.token_ids[state.row, state.num_tokens] = token_id
         state.num_tokens += 1
         state.output_token_ids.append(token_id)
+        if state.grammar is not None:
+            state.grammar.advance(token_id)
 
     def _write_block_ids(self, state: CachedRequestState, table: np.ndarray, start: int,
                          block_ids: Sequence[int]) -> None:
@@ -331,14 +369,15 @@ class InputBatch:
             state.num_inflight += samples
 
     def needs_outputs(self, req_ids: list[str]) -> bool:
-        """Whether sampling these requests reads their outputs so far (penalties, or
-        min_tokens still blocking stop tokens)."""
+        """Whether sampling these requests reads their outputs so far (penalties,
+        min_tokens still blocking stop tokens, structured outputs)."""
         if not self.num_output_readers:
             return False
         for r in req_ids:
             s = self.requests[r]
             p = s.sampling_params
-            if _has_penalties(p) or (p.min_tokens and len(s.output_token_ids) < p.min_tokens):
+            if _has_penalties(p) or (p.min_tokens and len(s.output_token_ids) < p.min_tokens) \
+                    or s.grammar is not None:
                 return True
         return False
 
@@ -369,7 +408,8 @@ class InputBatch:
             return self._metadata
         states = [self.requests[r] for r in req_ids]
         meta = self._build_sampling_metadata(states, h2d)
-        dynamic = meta.prompt_token_ids is not None or bool(meta.min_tokens_blocked)
+        dynamic = (meta.prompt_token_ids is not None or bool(meta.min_tokens_blocked)
+                   or any(s.grammar is not None for s in states))
         self._metadata_key, self._metadata = (None, None) if dynamic else (key, meta)
         return meta
 
@@ -398,8 +438,7 @@ class InputBatch:
                 enumerate(zip(states, outputs))
                 if len(out) < s.sampling_params.min_tokens
                 and s.sampling_params.all_stop_token_ids},
-            allowed_token_ids={i: p.allowed_token_ids for i, p in enumerate(params)
-                               if p.allowed_token_ids is not None},
+            allowed_token_ids=_allowed_token_ids(states, drafts_before),
             logit_bias=_logit_bias([p.logit_bias for p in params], h2d))
         if any(_has_penalties(p) for p in params):
             self._add_penalties(meta, states, outputs, h2d)
@@ -419,6 +458,20 @@ class InputBatch:
         meta.repetition_penalties = h2d.put([p.repetition_penalty for p in params], torch.float32)
 
 
+def _allowed_token_ids(states: list[CachedRequestState],
+                       drafts_before: list[list[int]] | None) -> dict[int, Any]:
+    """SamplingMetadata.allowed_token_ids: a request's own list, or where its structured
+    output stands (after the drafts before the row, when verifying)."""
+    allowed = {}
+    for i, s in enumerate(states):
+        if s.grammar is not None:
+            state = s.grammar.state_after(drafts_before[i]) if drafts_before else None
+            allowed[i] = s.grammar.allowed_ids(state)
+        elif s.sampling_params.allowed_token_ids is not None:
+            allowed[i] = s.sampling_params.allowed_token_ids
+    return allowed
+
+
 def _draft_logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
     """The last 1 + num_drafts[i] token indices before each ends[i], in order."""
     counts = num_drafts + 1
@@ -431,8 +484,8 @@ def _reads_outputs(state: CachedRequestState) -> bool:
     """Whether the request's sampling may read its outputs: penalties, or min_tokens
     (a pooling request samples nothing)."""
     p = state.sampling_params
-    return state.pooling_params is None and p is not None and (_has_penalties(p)
-                                                               or bool(p.min_tokens))
+    return state.pooling_params is None and p is not None and (
+        _has_penalties(p) or bool(p.min_tokens) or state.grammar is not None)
 
 
 def _logit_bias(biases: list[dict[int, float] | None], h2d: HostToDevice) -> tuple | None:

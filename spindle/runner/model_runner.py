@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from typing import Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -114,7 +114,20 @@ class ModelRunner:
             max_model_len=config.model.max_model_len,
             block_size=config.cache.block_size,
             vocab_size=config.model.vocab_size,
-            device=device)
+            device=device, token_vocab=self._token_vocab)
+        self._vocab = None  # the tokenizer's bytes, for structured outputs (on first use)
+
+    def _token_vocab(self) -> Any:
+        """The vocabulary's byte strings (structured/vocab.py) from the model's
+        tokenizer, loaded when the first structured-outputs request arrives."""
+        if self._vocab is None:
+            from spindle.engine.tokenizer_loader import load_tokenizer
+            from spindle.structured.vocab import TokenVocab, token_byte_strings
+
+            tokenizer = load_tokenizer(self.config.model.tokenizer)
+            self._vocab = TokenVocab(token_byte_strings(tokenizer.backend_tokenizer),
+                                     self.config.model.vocab_size)
+        return self._vocab
 
     # ---- lifecycle ------------------------------------------------------------
     def set_memory_scope(self, scope: MemoryScope | None) -> None:

@@ -19,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from spindle.engine.input_processor import PromptTooLongError
 from spindle.engine.pause import EngineUnavailableError, SleepModeUnavailableError
 from spindle.outputs import RequestFailedError
-from spindle.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from spindle.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -172,6 +172,8 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     # (vLLM's extension) per prompt token after the first: its logprob, plus the top k.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # (vLLM's extension) exactly one of json (a schema), regex, choice, json_object.
+    structured_outputs: dict[str, Any] | None = None
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -183,6 +185,18 @@ class _SamplingRequest(_Request):
 
     def prompt_logprobs_wanted(self) -> int | None:
         return self.prompt_logprobs
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """What the output must be: the structured_outputs field (ValueError naming
+        the problem when it is malformed)."""
+        if self.structured_outputs is None:
+            return None
+        unknown = sorted(set(self.structured_outputs) - {"json", "regex", "choice",
+                                                         "json_object"})
+        if unknown:
+            raise bad_request(f"structured_outputs takes json, regex, choice or json_object, "
+                              f"got {unknown}", "structured_outputs")
+        return StructuredOutputsParams(**self.structured_outputs)
 
     def token_biases(self) -> dict[int, float] | None:
         """logit_bias with its keys (token ids, as JSON object keys are strings) as ints."""
@@ -211,7 +225,8 @@ class _SamplingRequest(_Request):
             repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs_wanted(), logit_bias=self.token_biases())
+            prompt_logprobs=self.prompt_logprobs_wanted(), logit_bias=self.token_biases(),
+            structured_outputs=self.structured_outputs_params())
         # None means "not given": SamplingParams' own default applies.
         values = {k: v for k, v in values.items() if v is not None}
         return SamplingParams(max_tokens=max_tokens, **values)
@@ -283,11 +298,34 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("tools are not supported", "tools")
         if self.tool_choice not in (None, "none"):
             raise bad_request("tool_choice is not supported", "tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported",
-                              "response_format")
+        if self.structured_outputs is not None and self.response_format_params() is not None:
+            raise bad_request("give response_format or structured_outputs, not both",
+                              "structured_outputs")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+    def response_format_params(self) -> StructuredOutputsParams | None:
+        """OpenAI's response_format: text (None), json_object, or json_schema with its
+        json_schema.schema."""
+        fmt = self.response_format
+        if not fmt:
+            return None
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind != "json_schema":
+            raise bad_request(f"response_format type must be text, json_object or "
+                              f"json_schema, got {kind!r}", "response_format")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise bad_request("response_format json_schema needs json_schema.schema (a JSON "
+                              "schema)", "response_format")
+        return StructuredOutputsParams(json=spec["schema"])
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        return self.response_format_params() or super().structured_outputs_params()
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

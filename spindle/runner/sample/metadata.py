@@ -8,6 +8,7 @@ the common case (all greedy, no penalties) costs nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,8 +34,9 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None  # [B] float32
     # Row index -> token ids to forbid because the row has fewer than min_tokens outputs.
     min_tokens_blocked: dict[int, set[int]] = field(default_factory=dict)
-    # Row index -> the only token ids the row may sample (SamplingParams.allowed_token_ids).
-    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Row index -> the only token ids the row may sample (SamplingParams.allowed_token_ids,
+    # or where a structured output stands: a numpy array then).
+    allowed_token_ids: dict[int, Any] = field(default_factory=dict)
     # SamplingParams.logit_bias of the rows that have one, as (rows, token ids, biases):
     # three [N] tensors on the logits' device, added with index_put_ (None: no row).
     logit_bias: tuple | None = None

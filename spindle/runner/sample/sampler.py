@@ -20,7 +20,9 @@ values back to the host (checked on CUDA by the gpu test in tests/test_sampler.p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from spindle.layers import cpu_kernels
@@ -185,17 +187,22 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     return (probs / noise).argmax(dim=-1)
 
 
-def keep_allowed_tokens(logits: torch.Tensor, allowed: dict[int, list[int]]) -> torch.Tensor:
+def keep_allowed_tokens(logits: torch.Tensor, allowed: dict[int, Sequence[int]]) -> torch.Tensor:
     """Set every id but the allowed ones of each listed row to -inf (ids outside the
-    vocabulary are ignored): a bias row per listed row, added without a host sync."""
+    vocabulary are ignored): a bias row per listed row, added without a host sync.
+    A row's ids are a list or a numpy array (structured outputs allow up to the whole
+    vocabulary: packed without a Python loop over them)."""
     if not allowed:
         return logits
     vocab = logits.shape[-1]
     rows = list(allowed)
-    flat = [i * vocab + t for i, row in enumerate(rows) for t in allowed[row] if 0 <= t < vocab]
+    flat = []
+    for i, row in enumerate(rows):
+        ids = np.asarray(allowed[row], dtype=np.int64)
+        flat.append(i * vocab + ids[(ids >= 0) & (ids < vocab)])
     bias = torch.full((len(rows), vocab), float("-inf"), dtype=logits.dtype,
                       device=logits.device)
-    bias.view(-1).index_fill_(0, torch.tensor(flat, dtype=torch.int64).to(
+    bias.view(-1).index_fill_(0, torch.from_numpy(np.concatenate(flat)).to(
         logits.device, non_blocking=True), 0.0)
     logits = logits.clone()
     logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)] += bias
