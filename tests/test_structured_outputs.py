@@ -290,3 +290,15 @@ def test_preemption_and_speculation_keep_structured_outputs(llm):
     for tokens in expected:
         assert regex.fullmatch(pattern, engine.get_tokenizer().decode(tokens,
                                                                       skip_special_tokens=True))
+
+
+def test_two_tensor_parallel_ranks_follow_one_automaton(llm):
+    """TP=2 (worker processes; the automaton pickled to them, rank 0 samples) gives
+    the single process's structured tokens."""
+    engine, path = llm
+    params = SamplingParams(temperature=0.0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=PERSON))
+    expected = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
+    with LLM(str(path), dtype="float32", device="cpu", max_model_len=256,
+             tensor_parallel_size=2) as tp:
+        assert [o.outputs[0].token_ids for o in tp.generate(PROMPTS, params)] == expected

@@ -110,7 +110,7 @@ class InputBatch:
                  group_is_paged: Sequence[bool] = (True,),
                  token_vocab: Callable[[], Any] | None = None) -> None:
         """token_vocab: loads the TokenVocab structured outputs walk (on their first
-        request; None: such requests are refused)."""
+        request; None: a runner that does not sample, which follows no automaton)."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -182,11 +182,8 @@ class InputBatch:
         """A matcher for a structured-outputs request (its automaton compiled by the
         engine, lifted to tokens here once per distinct request)."""
         dfa = getattr(params, "_grammar", None)
-        if dfa is None:
+        if dfa is None or self._token_vocab is None:
             return None
-        if self._token_vocab is None:
-            raise ValueError(f"request {req_id!r}: this runner has no tokenizer to follow "
-                             "structured outputs with")
         key = params.structured_outputs.key
         automaton = self._automata.get(key)
         if automaton is None:

@@ -114,7 +114,11 @@ class ModelRunner:
             max_model_len=config.model.max_model_len,
             block_size=config.cache.block_size,
             vocab_size=config.model.vocab_size,
-            device=device, token_vocab=self._token_vocab)
+            device=device,
+            # (Only tensor-parallel rank 0 of the last stage samples: the others skip
+            # structured outputs' token tables.)
+            token_vocab=self._token_vocab if tp_group.rank == 0 and self.stage.is_last
+            else None)
         self._vocab = None  # the tokenizer's bytes, for structured outputs (on first use)
 
     def _token_vocab(self) -> Any:
