@@ -41,7 +41,7 @@ PERSON = {
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     path = tiny_model("llama")
-    engine = LLM(str(path), dtype="float32", max_model_len=256, max_num_seqs=4)
+    engine = LLM(str(path), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4)
     yield engine, path
     engine.shutdown()
 
@@ -272,14 +272,14 @@ def test_preemption_and_speculation_keep_structured_outputs(llm):
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     block_bytes = (2 * 16 * config["num_key_value_heads"] * head_dim * 4
                    * config["num_hidden_layers"])
-    small = LLM(str(path), dtype="float32", max_model_len=256, block_size=16,
+    small = LLM(str(path), dtype="float32", device="cpu", max_model_len=256, block_size=16,
                 kv_cache_memory_bytes=24 * block_bytes)
     try:
         assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == expected
         assert small.engine.core.scheduler.num_preemptions > 0
     finally:
         small.shutdown()
-    spec = LLM(str(path), dtype="float32", max_model_len=256,
+    spec = LLM(str(path), dtype="float32", device="cpu", max_model_len=256,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                    "disable_by_batch_size": 16})
     try:
@@ -302,3 +302,19 @@ def test_two_tensor_parallel_ranks_follow_one_automaton(llm):
     with LLM(str(path), dtype="float32", device="cpu", max_model_len=256,
              tensor_parallel_size=2) as tp:
         assert [o.outputs[0].token_ids for o in tp.generate(PROMPTS, params)] == expected
+
+
+@pytest.mark.gpu
+def test_cuda_structured_outputs_equal_the_cpu_engine(llm):
+    """On CUDA (decode in CUDA graphs, async scheduling on), float32: the same
+    structured tokens as the CPU engine, for a schema, a regex and choices at once."""
+    engine, path = llm
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=s)
+              for s in (StructuredOutputsParams(json=PERSON),
+                        StructuredOutputsParams(regex=r"[a-z]{2,8}@(example|test)\.com"),
+                        StructuredOutputsParams(choice=["red", "green", "blue"]))]
+    prompts = [p for p in PROMPTS for _ in params]
+    params = params * len(PROMPTS)
+    expected = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    with LLM(str(path), dtype="float32", device="cuda", max_model_len=256) as gpu:
+        assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == expected
