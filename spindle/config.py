@@ -241,8 +241,16 @@ class ServerArgs:
     max_audio_seconds: float = _arg(3600.0, "Longest audio upload /v1/audio/transcriptions "
                                     "and /v1/audio/translations accept, in seconds; a "
                                     "longer one gets 400 (default: one hour).")
+    tool_call_parser: str | None = _arg(
+        None, "How chat answers with tool_choice auto are read for tool calls: hermes "
+        "(<tool_call>{...}</tool_call> blocks: Hermes, Qwen 2.5 and 3). Default: none, and "
+        "requests with tools must then force a choice (required or a named function).")
 
     def __post_init__(self) -> None:
+        from spindle.entrypoints.tool_calls import TOOL_CALL_PARSERS
+
+        _require(self.tool_call_parser in (None, *TOOL_CALL_PARSERS), "tool_call_parser",
+                 self.tool_call_parser, f"one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.api_key is not None:
             _require(bool(self.api_key) and self.api_key.isascii() and self.api_key.isprintable()
                      and not any(c.isspace() for c in self.api_key), "api_key", "<hidden>",

@@ -317,6 +317,8 @@ def test_models_health_version(client, http):
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer",
                                                                        "maximum": 3}}}}, None),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # (no parser)
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "(a"}}, None),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"grammar": "x"}},
      "structured_outputs"),

@@ -8,10 +8,12 @@ token ids.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # "developer" is the OpenAI API's newer name for "system"; templates know "system".
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+# "tool" messages carry a tool's result back (tool calling).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def chat_messages(conversation: Any) -> list[dict[str, str]]:
@@ -19,7 +21,9 @@ def chat_messages(conversation: Any) -> list[dict[str, str]]:
     content; ValueError naming the message at fault.
 
     Each message is a dict with a role in CHAT_ROLES and content: a string, or a list
-    of text parts ({"type": "text", "text": ...}), which are joined. Other keys are
+    of text parts ({"type": "text", "text": ...}), which are joined. An assistant
+    message with tool_calls may have no content; their arguments (a JSON string in the
+    OpenAI API) reach the template as the dict chat templates expect. Other keys are
     kept for the template.
     """
     if not isinstance(conversation, (list, tuple)) or not conversation:
@@ -35,8 +39,34 @@ def _template_message(index: int, message: Any) -> dict[str, Any]:
     if role not in CHAT_ROLES:
         problem = "has no 'role'" if role is None else f"has role {role!r}"
         raise ValueError(f"{where} {problem}: the role must be one of {', '.join(CHAT_ROLES)}")
-    return {**message, "role": "system" if role == "developer" else role,
-            "content": _text_content(where, message.get("content"))}
+    out = {**message, "role": "system" if role == "developer" else role}
+    if role == "assistant" and message.get("tool_calls"):
+        out["tool_calls"] = _template_tool_calls(where, message["tool_calls"])
+        if message.get("content") is None:
+            out["content"] = ""
+            return out
+    out["content"] = _text_content(where, message.get("content"))
+    return out
+
+
+def _template_tool_calls(where: str, calls: Any) -> list[dict]:
+    """An assistant message's tool_calls with each function's arguments as a dict."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} tool_calls must be a list, got {calls!r}")
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where} tool_calls[{i}] needs function.name, got {call!r}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as e:
+                raise ValueError(f"{where} tool_calls[{i}] function.arguments is not valid "
+                                 f"JSON: {e}") from e
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 def _text_content(where: str, content: Any) -> str:
@@ -54,15 +84,18 @@ def _text_content(where: str, content: Any) -> str:
 
 
 def render_chat_prompt(tokenizer: Any, conversation: list[dict], add_generation_prompt: bool = True,
-                       chat_template: str | None = None) -> dict:
-    """{"prompt": text, "prompt_token_ids": ids}; ValueError for a bad conversation."""
+                       chat_template: str | None = None, tools: list[dict] | None = None) -> dict:
+    """{"prompt": text, "prompt_token_ids": ids}; ValueError for a bad conversation.
+    tools: the functions the model may call (OpenAI's {"type": "function", "function":
+    {...}} entries), handed to the template as its `tools`."""
     messages = chat_messages(conversation)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+    options = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template)
+                                             chat_template=chat_template, **options)
     except Exception as e:  # jinja raises its own error types for a broken template
         raise ValueError(f"the chat template failed to render: {e}") from e
     # The template already holds any BOS it wants: do not add special tokens twice.

@@ -20,6 +20,7 @@ from spindle.entrypoints.chat_utils import render_chat_prompt
 from spindle.logger import configure_logging
 from spindle.outputs import EmbeddingRequestOutput, RequestFailedError, RequestOutput
 from spindle.pooling_params import PoolingParams
+from spindle.entrypoints.tool_calls import check_tools
 from spindle.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -77,18 +78,21 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template, then generate."""
+             chat_template: str | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then generate.
+        tools: OpenAI-style function entries the template shows the model."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("chat() needs at least one conversation")
-        prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template, tools)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> dict:
+                    chat_template: str | None = None, tools: list[dict] | None = None) -> dict:
         return render_chat_prompt(self.engine.tokenizer, conversation, add_generation_prompt,
-                                  chat_template)
+                                  chat_template, check_tools(tools) if tools else None)
 
     # ---- sleep mode ----------------------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "keep") -> None:

@@ -71,9 +71,10 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
         for stat_logger in stat_loggers:
             engine.remove_stat_logger(stat_logger)
 
-    audio_limit = (server_args or ServerArgs()).max_audio_seconds
-    app = _make_app(ModelRoutes([ServedModel.of(engine, models, audio_limit)]), metrics.registry,
-                    attach, detach, server_args)
+    args = server_args or ServerArgs()
+    app = _make_app(ModelRoutes([ServedModel.of(engine, models, args.max_audio_seconds,
+                                                args.tool_call_parser)]),
+                    metrics.registry, attach, detach, server_args)
     app.state.engine = engine
     app.state.health = lambda: _engine_health(engine)
     if _dev_mode(dev_mode):
@@ -99,9 +100,10 @@ def build_pool_app(pool: ModelPool, dev_mode: bool | None = None,
     served, stat_loggers = [], []
     for name in pool.names:
         config = pool.config(name).model
+        args = server_args or ServerArgs()
         served.append(ServedModel.of(pool.engine(name), ServedModels(
             names=(name,), root=config.model, max_model_len=config.max_model_len),
-            (server_args or ServerArgs()).max_audio_seconds))
+            args.max_audio_seconds, args.tool_call_parser))
         stat_loggers += [(name, PrometheusStatLogger(name, families)),
                          (name, LoggingStatLogger(model_name=name))]
 

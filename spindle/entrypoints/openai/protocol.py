@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from spindle.engine.input_processor import PromptTooLongError
 from spindle.engine.pause import EngineUnavailableError, SleepModeUnavailableError
 from spindle.outputs import RequestFailedError
+from spindle.entrypoints.tool_calls import check_tools, forced_schema, tool_choice_of
 from spindle.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -278,6 +279,8 @@ class ChatMessage(BaseModel):
     role: Text
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls (chat_utils checks them)
+    tool_call_id: Text | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -290,19 +293,41 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: Text | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice")
         if self.structured_outputs is not None and self.response_format_params() is not None:
             raise bad_request("give response_format or structured_outputs, not both",
                               "structured_outputs")
+        if self.tool_choice_name() not in ("none", "auto") and (
+                self.structured_outputs is not None or self.response_format_params()):
+            raise bad_request("a forced tool_choice shapes the answer itself: give no "
+                              "response_format or structured_outputs with it", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+    def checked_tools(self) -> list[dict] | None:
+        if self.tools is None:
+            return None
+        try:
+            return check_tools(self.tools)
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
+
+    def tool_choice_name(self) -> str:
+        """"none", "auto", "required" or the forced function's name (tool_calls.py)."""
+        try:
+            return tool_choice_of(self.tool_choice, self.checked_tools())
+        except ValueError as e:
+            raise bad_request(str(e), "tool_choice") from None
+
+    def template_messages(self) -> list[dict]:
+        """The messages as chat_utils reads them (tool calls and results kept)."""
+        keys = {"role", "content", "name", "tool_calls", "tool_call_id"}
+        return [{k: v for k, v in m.model_dump(include=keys).items() if v is not None
+                 or k == "content"} for m in self.messages]
 
     def response_format_params(self) -> StructuredOutputsParams | None:
         """OpenAI's response_format: text (None), json_object, or json_schema with its
@@ -325,6 +350,10 @@ class ChatCompletionRequest(_SamplingRequest):
         return StructuredOutputsParams(json=spec["schema"])
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        forced = forced_schema(self.checked_tools() or [], self.tool_choice_name(),
+                               self.parallel_tool_calls)
+        if forced is not None:
+            return StructuredOutputsParams(json=forced)
         return self.response_format_params() or super().structured_outputs_params()
 
     def max_new_tokens(self) -> int | None:

@@ -26,13 +26,14 @@ class ServedModel:
     transcriptions: TranscriptionServing  # (and translations)
 
     @classmethod
-    def of(cls, engine: Any, models: ServedModels,
-           max_audio_seconds: float | None = None) -> "ServedModel":
+    def of(cls, engine: Any, models: ServedModels, max_audio_seconds: float | None = None,
+           tool_call_parser: str | None = None) -> "ServedModel":
         """The routes of one model; max_audio_seconds: the longest audio upload (None:
-        ServerArgs' default)."""
+        ServerArgs' default); tool_call_parser: ServerArgs.tool_call_parser."""
         audio = TranscriptionServing(engine, models) if max_audio_seconds is None \
             else TranscriptionServing(engine, models, max_audio_seconds)
-        return cls(models, CompletionServing(engine, models), ChatServing(engine, models),
+        return cls(models, CompletionServing(engine, models),
+                   ChatServing(engine, models, tool_call_parser),
                    EmbeddingServing(engine, models), audio)
 
 

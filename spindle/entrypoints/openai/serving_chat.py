@@ -8,7 +8,8 @@ import time
 from typing import Any, AsyncIterator
 
 from spindle.entrypoints.chat_utils import chat_messages, render_chat_prompt
-from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error
+from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error, bad_request
+from spindle.entrypoints.tool_calls import forced_calls, hermes_calls
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
                                                      final_outputs, logprob_token_count,
                                                      merge_streams, prompt_logprobs_json,
@@ -17,23 +18,34 @@ from spindle.outputs import CompletionOutput, finite_logprob
 
 
 class ChatServing(OpenAIServing):
+    def __init__(self, engine: Any, models: Any, tool_call_parser: str | None = None) -> None:
+        super().__init__(engine, models)
+        self.tool_call_parser = tool_call_parser
+
     async def create(self, req: ChatCompletionRequest,
                      request_id: str) -> dict[str, Any] | AsyncIterator[str]:
         """The response body, or an iterator of server-sent events when req.stream."""
         model = self.models.resolve(req.model)
         req.refuse_unsupported()
+        tools, tool_choice = req.checked_tools(), req.tool_choice_name()
+        if tool_choice == "auto" and tools and self.tool_call_parser is None:
+            raise bad_request("tool_choice auto (the default with tools) needs a server "
+                              "started with --tool-call-parser; or force a choice (required, "
+                              "or a named function)", "tool_choice")
         params = req.sampling_params(req.max_new_tokens(), req.logprobs_wanted(), self.max_n)
-        conversation = chat_messages([m.model_dump(include={"role", "content"})
-                                      for m in req.messages])
+        conversation = chat_messages(req.template_messages())
         special = await self.special_token_ids() if req.logprobs else frozenset()
         # Rendered and tokenized in a tokenizer thread, not on the engine's.
         prompt = await self.engine.with_tokenizer(lambda tokenizer: render_chat_prompt(
-            tokenizer, conversation, req.add_generation_prompt, req.chat_template))
+            tokenizer, conversation, req.add_generation_prompt, req.chat_template, tools))
         streams = await self.start(request_id, [prompt], params)
         created = int(time.time())
+        calls = tool_choice if tools and tool_choice != "none" else None
         if req.stream:
             header = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                       "model": model}
+            if calls is not None:
+                return self._stream_tool_answer(req, header, streams, calls, special)
             return self._stream(req, header, streams, params.stop_holdback, special)
         (output,) = await final_outputs(streams)
         k = req.top_logprobs or 0
@@ -41,16 +53,63 @@ class ChatServing(OpenAIServing):
         for c in output.outputs:
             raise_if_aborted(c)
             shown = c.token_ids[:logprob_token_count(c, special, req.skip_special_tokens)]
-            choices.append({"index": c.index,
-                            "message": {"role": "assistant", "content": c.text},
+            message, finish_reason = self._message(c, calls)
+            choices.append({"index": c.index, "message": message,
                             "logprobs": _logprobs(c, 0, shown, k),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
                             "weight_version": output.weight_version})
         body = {"id": request_id, "object": "chat.completion", "created": created,
                 "model": model, "choices": choices, "usage": usage_of([output])}
         if req.prompt_logprobs is not None:  # (vLLM's extension, beside the choices)
             body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
         return body
+
+    def _message(self, c: CompletionOutput, calls: str | None) -> tuple[dict, str | None]:
+        """The assistant message of a finished answer, and its finish reason: with tools
+        (calls: the tool choice), its tool calls read out ("tool_calls" when any)."""
+        if calls is None or c.finish_reason != "stop":
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        if calls == "auto":
+            content, found = hermes_calls(c.text)
+        else:
+            try:
+                content, found = None, forced_calls(c.text, calls)
+            except ValueError:  # (a stop string cut the JSON short: the text as it is)
+                content, found = c.text, []
+        message = {"role": "assistant", "content": content}
+        if not found:
+            return message, c.finish_reason
+        message["tool_calls"] = [call.to_openai() for call in found]
+        return message, "tool_calls"
+
+    async def _stream_tool_answer(self, req: ChatCompletionRequest, header: dict, streams,
+                                  calls: str, special: frozenset[int]) -> AsyncIterator[str]:
+        """A stream of an answer that may hold tool calls: whole once it is finished (its
+        calls can only be read then), as the role chunk, then one chunk with the content
+        or the calls and the finish reason."""
+        k = req.top_logprobs or 0
+        try:
+            (output,) = await final_outputs(streams)
+            for c in output.outputs:
+                raise_if_aborted(c)
+                yield sse({**header, "choices": [_delta_choice(
+                    c.index, {"role": "assistant", "content": ""},
+                    weight_version=output.weight_version)]})
+                message, finish_reason = self._message(c, calls)
+                delta = {"content": message["content"]} if message["content"] else {}
+                if "tool_calls" in message:
+                    delta["tool_calls"] = [{"index": i, **call}
+                                           for i, call in enumerate(message["tool_calls"])]
+                shown = c.token_ids[:logprob_token_count(c, special, req.skip_special_tokens)]
+                choice = _delta_choice(c.index, delta, _logprobs(c, 0, shown, k),
+                                       output.weight_version)
+                choice["finish_reason"], choice["stop_reason"] = finish_reason, c.stop_reason
+                yield sse({**header, "choices": [choice]})
+            if req.include_usage_in_stream():
+                yield sse({**header, "choices": [], "usage": usage_of([output])})
+        except Exception as e:  # the headers are sent: report in-band, as OpenAI does
+            yield sse(api_error(e).body())
+        yield SSE_DONE
 
     async def _stream(self, req: ChatCompletionRequest, header: dict, streams, holdback: int,
                       special: frozenset[int]) -> AsyncIterator[str]:

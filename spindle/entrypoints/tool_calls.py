@@ -1,0 +1,133 @@
+"""Tool calling (OpenAI's `tools` and `tool_choice`): which calls a chat answer makes.
+
+Two ways, by tool_choice:
+
+- "required", or a named function: structured outputs force the answer into a JSON
+  document that is the call. A named function's answer is its arguments (the
+  function's parameters schema); "required" answers a list of {"name", "parameters"}
+  objects, one schema branch per tool. Any model can do this; nothing is parsed but
+  JSON the automaton guaranteed.
+- "auto": the model decides, in its own format, which a tool call parser reads out of
+  the text. `hermes` reads <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+  blocks (Hermes, Qwen 2.5 / 3, and the many templates that copied them). A server
+  without a parser refuses "auto" with tools rather than return calls as plain text.
+
+"none" renders the tools into the prompt and returns plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes",)
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as the OpenAI API returns it
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def check_tools(tools: Any) -> list[dict]:
+    """OpenAI's tools list, checked: ValueError naming the entry at fault."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools must be a non-empty list of {'type': 'function', "
+                         "'function': {...}} entries")
+    names = set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" \
+                or not isinstance(function, dict):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}, "
+                             f"got {tool!r}")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(f"tools[{i}].function.name must be 1-64 letters, digits, '_', "
+                             f"'.' or '-', got {name!r}")
+        if name in names:
+            raise ValueError(f"tools[{i}]: a second function named {name!r}")
+        names.add(name)
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object, "
+                             f"got {parameters!r}")
+    return tools
+
+
+def tool_choice_of(choice: Any, tools: list[dict] | None) -> str:
+    """"none", "auto", "required", or the forced function's name; ValueError for a
+    choice that names no given tool."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("none", "auto", "required"):
+        if choice != "none" and not tools:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        return choice
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" \
+            or not isinstance(name, str):
+        raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': "
+                         f"'function', 'function': {{'name': ...}}}}, got {choice!r}")
+    if name not in {t["function"]["name"] for t in tools or []}:
+        raise ValueError(f"tool_choice names the function {name!r}, which tools does not hold")
+    return name
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def forced_schema(tools: list[dict], choice: str, parallel: bool = True) -> dict | None:
+    """The JSON schema a forced choice's answer follows (None for "none" / "auto")."""
+    if choice in ("none", "auto"):
+        return None
+    if choice != "required":
+        (tool,) = [t for t in tools if t["function"]["name"] == choice]
+        return _parameters(tool)
+    call = {"anyOf": [{"type": "object",
+                       "properties": {"name": {"const": t["function"]["name"]},
+                                      "parameters": _parameters(t)},
+                       "required": ["name", "parameters"], "additionalProperties": False}
+                      for t in tools]}
+    return {"type": "array", "items": call, "minItems": 1, **({} if parallel else
+                                                              {"maxItems": 1})}
+
+
+def forced_calls(text: str, choice: str) -> list[ToolCall]:
+    """The calls of an answer a forced choice's schema shaped (a finished one)."""
+    if choice != "required":
+        return [ToolCall(choice, text)]
+    return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+            for call in json.loads(text)]
+
+
+def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(the content before the first call, or None when only calls; the calls) of a
+    hermes-format answer. A block that is not a {"name", "arguments"} JSON object leaves
+    the whole text as content, as a model's slip should not lose its answer."""
+    blocks = _HERMES_BLOCK.findall(text)
+    if not blocks:
+        return text, []
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block)
+        except ValueError:
+            return text, []
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return text, []
+        arguments = call.get("arguments", call.get("parameters", {}))
+        calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str)
+                              else json.dumps(arguments, ensure_ascii=False)))
+    content = text[:text.index("<tool_call>")].strip()
+    return content or None, calls

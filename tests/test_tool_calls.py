@@ -1,0 +1,194 @@
+"""Tool calling: the official openai client against `spindle serve --tool-call-parser
+hermes`. Forced choices (a named function, "required") come back as calls whose
+arguments the `jsonschema` package validates against the tool's parameters, equal to
+what offline structured outputs give; "auto" reads hermes blocks; the tools and past
+calls reach the chat template."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from server_utils import RemoteServer
+from spindle import LLM, SamplingParams, StructuredOutputsParams
+from spindle.entrypoints.chat_utils import chat_messages
+from spindle.entrypoints.tool_calls import (ToolCall, check_tools, forced_calls, forced_schema,
+                                            hermes_calls, tool_choice_of)
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A chat template that shows the tools and renders past calls the way Qwen's does.
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{%- for t in tools %}{{ t.function.name }}: "
+    "{{ t.function.parameters | tojson }}\n{%- endfor %}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{%- endfor %}"
+    "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- endif %}")
+FLAGS = ("--device", "cpu", "--dtype", "float32", "--max-model-len", "1024")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    srv = RemoteServer(str(tiny_model(arch="llama")), *FLAGS, "--served-model-name", "tiny",
+                       "--tool-call-parser", "hermes",
+                       log_path=tmp_path_factory.mktemp("serve") / "server.log")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    llm = LLM(str(tiny_model(arch="llama")), device="cpu", dtype="float32", max_model_len=1024)
+    yield llm
+    llm.shutdown()
+
+
+def _offline_text(offline, schema: dict) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=80,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    return offline.chat(CHAT, params, use_tqdm=False, chat_template=TEMPLATE,
+                        tools=TOOLS)[0].outputs[0].text
+
+
+def test_a_named_function_is_called_with_arguments_of_its_schema(client, offline):
+    response = client.chat.completions.create(
+        model="tiny", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body={"chat_template": TEMPLATE})
+    choice = response.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert call.function.arguments == _offline_text(offline, WEATHER)
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_name_given_tools_with_valid_arguments(client, offline, parallel):
+    response = client.chat.completions.create(
+        model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required", temperature=0,
+        max_tokens=200, parallel_tool_calls=parallel, extra_body={"chat_template": TEMPLATE})
+    calls = response.choices[0].message.tool_calls
+    assert calls and (parallel or len(calls) == 1)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    want = json.loads(_offline_text(offline, forced_schema(TOOLS, "required", parallel)))
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [(w["name"], w["parameters"]) for w in want]
+
+
+def test_auto_reads_hermes_blocks(client):
+    """tool_choice auto: the answer (here shaped by a regex into a hermes block) is read
+    by the hermes parser into a call; text before it stays content."""
+    block = (r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "[a-z]{1,5}"\}\}'
+             r'</tool_call>')
+    response = client.chat.completions.create(
+        model="tiny", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=80,
+        extra_body={"chat_template": TEMPLATE, "structured_outputs": {"regex": block}})
+    message = response.choices[0].message
+    assert message.content == "Sure."
+    (call,) = message.tool_calls
+    assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), TIME)
+    assert response.choices[0].finish_reason == "tool_calls"
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS,
+                                           temperature=0, max_tokens=8)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+def test_streamed_tool_calls_arrive_whole(client):
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=80, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    (call,) = [t for d in deltas for t in d.tool_calls or []]
+    assert call.index == 0 and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_a_conversation_with_past_calls_and_results_is_served(client):
+    history = CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    response = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
+                                              tool_choice="none", temperature=0, max_tokens=6,
+                                              extra_body={"chat_template": TEMPLATE})
+    assert response.choices[0].message.content and not response.choices[0].message.tool_calls
+
+
+def test_the_template_sees_the_tools_and_past_arguments_as_objects(offline):
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}]
+    text = offline.render_chat(history, chat_template=TEMPLATE, tools=TOOLS)["prompt"]
+    assert f"get_weather: {json.dumps(WEATHER)}" in text
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "integer", "minimum": 2}}}],
+      "tool_choice": "required"}, None),
+])
+def test_bad_tool_requests_get_400(server, body, param):
+    import httpx
+
+    response = httpx.post(f"{server.url}/v1/chat/completions",
+                          json={"model": "tiny", "messages": CHAT, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    if param is not None:
+        assert response.json()["error"]["param"] == param
+
+
+def test_tool_helpers():
+    assert hermes_calls('a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+                        '<tool_call>{"name": "g", "arguments": {}}</tool_call>') == (
+        "a", [ToolCall("f", '{"x": 1}'), ToolCall("g", "{}")])
+    broken = "<tool_call>{not json}</tool_call>"
+    assert hermes_calls(broken) == (broken, [])
+    assert hermes_calls("plain") == ("plain", [])
+    assert tool_choice_of(None, TOOLS) == "auto" and tool_choice_of(None, None) == "none"
+    assert forced_schema(TOOLS, "get_time") == TIME
+    assert [c.name for c in forced_calls('[{"name": "get_time", "parameters": {"zone": "x"}}]',
+                                         "required")] == ["get_time"]
+    with pytest.raises(ValueError, match="second function"):
+        check_tools(TOOLS + TOOLS[:1])
+    (message,) = chat_messages([{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": '{"a": [1]}'}}]}])
+    assert message["tool_calls"][0]["function"]["arguments"] == {"a": [1]}
+    with pytest.raises(ValueError, match="not valid JSON"):
+        chat_messages([{"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{"}}]}])
