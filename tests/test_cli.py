@@ -57,6 +57,9 @@ def test_python_dash_m_spindle_is_the_spindle_command():
     ("generate", ["--task", "embed"], "--task"),
     ("chat", ["--temperature", "-1"], "--temperature"),
     ("chat", ["--n", "2"], "--n"),
+    ("generate", ["--regex", "a", "--choice", "b"], "--regex"),
+    ("generate", ["--json-schema", "/no/such/schema.json"], "--json-schema"),
+    ("generate", ["--choice", "a", "--ignore-eos"], "--ignore-eos"),
 ])
 def test_bad_flags_are_refused_before_the_engine_starts(model, command, flags, flag):
     result = spindle(command, "--model", model, *CPU, *flags,
@@ -193,6 +196,30 @@ def test_json_output_has_one_object_per_prompt_with_every_sample(json_run, token
                 assert entry["logprob"] <= top[0]["logprob"] + 1e-6
             assert sample["cumulative_logprob"] == pytest.approx(
                 sum(e["logprob"] for e in sample["logprobs"]), abs=1e-4)
+
+
+def test_structured_output_flags_shape_the_answers(model, tmp_path):
+    """--json-schema (a file) and --choice: every answer is a document of the schema /
+    one of the choices, as the Python API's structured outputs give them."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    prompts = ["hello there", "what is a list?"]
+    result = spindle("generate", "--model", model, *CPU, "--output", "json", "--max-tokens",
+                     "80", "--json-schema", str(path), *prompts)
+    assert result.returncode == 0, result.stderr
+    for line in result.stdout.splitlines():
+        (sample,) = json.loads(line)["samples"]
+        assert sample["finish_reason"] == "stop", sample
+        document = json.loads(sample["text"])
+        assert list(document) == ["ok", "n"] and isinstance(document["ok"], bool)
+    result = spindle("generate", "--model", model, *CPU, "--output", "json", "--choice", "yes",
+                     "--choice", "no", *prompts)
+    assert result.returncode == 0, result.stderr
+    assert all(json.loads(line)["samples"][0]["text"] in ("yes", "no")
+               for line in result.stdout.splitlines())
 
 
 def test_prompt_logprobs_score_the_prompt_as_the_engine_does(model):

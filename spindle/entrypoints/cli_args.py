@@ -8,9 +8,10 @@ import argparse
 import dataclasses
 import re
 import typing
+from pathlib import Path
 
 from spindle.config import EngineArgs, PoolArgs, ServerArgs
-from spindle.sampling_params import SamplingParams
+from spindle.sampling_params import SamplingParams, StructuredOutputsParams
 
 # No per-request --seed: the engine's --seed already makes a CLI run reproducible.
 _SAMPLING_HELP = {
@@ -153,11 +154,50 @@ def add_sampling_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
             continue
         kwargs = _flag_kwargs(hints[name], defaults.get(name, fields[name].default))
         group.add_argument(flag_name(name), dest=name, help=_SAMPLING_HELP[name], **kwargs)
+    shape = parser.add_argument_group("structured outputs (at most one)")
+    shape.add_argument("--json-schema", dest="json_schema", metavar="SCHEMA",
+                       help="Answer with a JSON document of this schema: a file holding it, "
+                            "or the schema's JSON text.")
+    shape.add_argument("--json-object", dest="json_object", action="store_true",
+                       help="Answer with a JSON object (any keys).")
+    shape.add_argument("--regex", dest="regex", metavar="PATTERN",
+                       help="Answer with text this regular expression matches in full.")
+    shape.add_argument("--choice", dest="choice", action="append", metavar="TEXT",
+                       help="Answer with one of these strings; repeat the flag for each.")
+
+
+def structured_outputs_from(ns: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The structured-outputs flags as StructuredOutputsParams (None: none given);
+    FlagError naming the flag at fault."""
+    given = {flag: value for flag, value in (
+        ("--json-schema", getattr(ns, "json_schema", None)),
+        ("--json-object", getattr(ns, "json_object", False) or None),
+        ("--regex", getattr(ns, "regex", None)), ("--choice", getattr(ns, "choice", None)))
+        if value is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise FlagError(sorted(given)[1], f"give one of {', '.join(sorted(given))}, not several")
+    schema = given.get("--json-schema")
+    if schema is not None and not schema.lstrip().startswith(("{", "true", "false")):
+        try:
+            schema = Path(schema).read_text()
+        except OSError as e:
+            raise FlagError("--json-schema", f"neither a file nor a schema's JSON text: {e}") \
+                from e
+    try:
+        return StructuredOutputsParams(json=schema, json_object=given.get("--json-object"),
+                                       regex=given.get("--regex"), choice=given.get("--choice"))
+    except ValueError as e:
+        raise FlagError(next(iter(given)), str(e)) from e
 
 
 def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
     """SamplingParams from the sampling flags; FlagError naming the flag for a bad value."""
     values = {name: getattr(ns, name) for name in SAMPLING_FLAGS if hasattr(ns, name)}
+    structured = structured_outputs_from(ns)
+    if structured is not None:
+        values["structured_outputs"] = structured
     try:
         return SamplingParams(**values)
     except ValueError as e:
