@@ -22,6 +22,15 @@ import httpx
 _READY = re.compile(r"serving .* on http://127\.0\.0\.1:(\d+)")
 
 
+def official_client(server: Any, api_key: str = "unused", **kwargs: Any) -> Any:
+    """The official openai client of server's /v1 routes, without retries (a failure
+    shows at once) and with a 60 s timeout."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0,
+                         timeout=60, **kwargs)
+
+
 class RemoteServer:
     """`python -m spindle.entrypoints.cli serve MODEL [MODEL ...] --host 127.0.0.1 --port 0
     ...`."""

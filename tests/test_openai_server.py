@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer, metric_value, sse_events, wait_for
+from server_utils import RemoteServer, metric_value, official_client, sse_events, wait_for
 from spindle import LLM, SamplingParams, StructuredOutputsParams
 
 MAX_MODEL_LEN = 2048
@@ -39,8 +39,7 @@ def offline(tiny_model):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return official_client(server)
 
 
 @pytest.fixture(scope="module")

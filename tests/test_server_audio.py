@@ -16,7 +16,7 @@ import pytest
 import soundfile
 import torch
 
-from server_utils import RemoteServer
+from server_utils import RemoteServer, official_client
 from spindle import LLM, SamplingParams
 from spindle.entrypoints.openai.transcription_formats import Segment, join_texts, srt, vtt
 from spindle.multimodal.audio_io import decode_audio, resample, split_windows
@@ -56,8 +56,7 @@ def server(whisper_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return official_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer, StreamReader, metric_value, sse_events, wait_for
+from server_utils import (RemoteServer, StreamReader, metric_value, official_client, sse_events,
+                          wait_for)
 from spindle import LLM, SamplingParams
 from spindle.entrypoints.openai.api_server import DEV_MODE_ENV
 
@@ -50,14 +51,13 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    return official_client(server, KEY)
 
 
 @pytest.fixture(scope="module")
 def strict_client(server):
     """Validates every response against the SDK's types (finish reasons included)."""
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60,
-                         _strict_response_validation=True)
+    return official_client(server, KEY, _strict_response_validation=True)
 
 
 @pytest.fixture

@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 
-from server_utils import RemoteServer
+from server_utils import RemoteServer, official_client
 from spindle import LLM, SamplingParams, StructuredOutputsParams
 from spindle.entrypoints.chat_utils import chat_messages
 from spindle.entrypoints.tool_calls import (ToolCall, check_tools, forced_calls, forced_schema,
@@ -51,8 +50,7 @@ def server(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return official_client(server)
 
 
 @pytest.fixture(scope="module")
