@@ -245,12 +245,19 @@ class ServerArgs:
         None, "How chat answers with tool_choice auto are read for tool calls: hermes "
         "(<tool_call>{...}</tool_call> blocks: Hermes, Qwen 2.5 and 3). Default: none, and "
         "requests with tools must then force a choice (required or a named function).")
+    reasoning_parser: str | None = _arg(
+        None, "Split a reasoning model's <think>...</think> off its chat answers into "
+        "reasoning_content: qwen3 (the answer opens <think> itself) or deepseek_r1 (the "
+        "template opens it: DeepSeek-R1, Qwen3 2507 thinking). Default: none, all content.")
 
     def __post_init__(self) -> None:
+        from spindle.entrypoints.reasoning import REASONING_PARSERS
         from spindle.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
         _require(self.tool_call_parser in (None, *TOOL_CALL_PARSERS), "tool_call_parser",
                  self.tool_call_parser, f"one of {', '.join(TOOL_CALL_PARSERS)}")
+        _require(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser",
+                 self.reasoning_parser, f"one of {', '.join(REASONING_PARSERS)}")
         if self.api_key is not None:
             _require(bool(self.api_key) and self.api_key.isascii() and self.api_key.isprintable()
                      and not any(c.isspace() for c in self.api_key), "api_key", "<hidden>",

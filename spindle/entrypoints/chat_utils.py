@@ -84,14 +84,16 @@ def _text_content(where: str, content: Any) -> str:
 
 
 def render_chat_prompt(tokenizer: Any, conversation: list[dict], add_generation_prompt: bool = True,
-                       chat_template: str | None = None, tools: list[dict] | None = None) -> dict:
+                       chat_template: str | None = None, tools: list[dict] | None = None,
+                       template_kwargs: dict[str, Any] | None = None) -> dict:
     """{"prompt": text, "prompt_token_ids": ids}; ValueError for a bad conversation.
     tools: the functions the model may call (OpenAI's {"type": "function", "function":
-    {...}} entries), handed to the template as its `tools`."""
+    {...}} entries), handed to the template as its `tools`; template_kwargs: more
+    variables for the template (say enable_thinking=False)."""
     messages = chat_messages(conversation)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
-    options = {"tools": tools} if tools else {}
+    options = {**_checked_template_kwargs(template_kwargs), **({"tools": tools} if tools else {})}
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
@@ -100,3 +102,23 @@ def render_chat_prompt(tokenizer: Any, conversation: list[dict], add_generation_
         raise ValueError(f"the chat template failed to render: {e}") from e
     # The template already holds any BOS it wants: do not add special tokens twice.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+# apply_chat_template's own parameters: not template variables a caller may set.
+_TEMPLATE_PARAMETERS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _checked_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got "
+                         f"{kwargs!r}")
+    for key in kwargs:
+        if not isinstance(key, str) or not key.isidentifier() or key in _TEMPLATE_PARAMETERS:
+            raise ValueError(f"chat_template_kwargs cannot set {key!r}: a template variable is "
+                             "an identifier other than apply_chat_template's own parameters")
+    return dict(kwargs)

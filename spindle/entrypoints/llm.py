@@ -78,21 +78,24 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then generate.
-        tools: OpenAI-style function entries the template shows the model."""
+        tools: OpenAI-style function entries the template shows the model;
+        chat_template_kwargs: more template variables (say enable_thinking=False)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("chat() needs at least one conversation")
-        prompts = [self.render_chat(c, add_generation_prompt, chat_template, tools)
-                   for c in conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template, tools,
+                                    chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, tools: list[dict] | None = None) -> dict:
+                    chat_template: str | None = None, tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> dict:
         return render_chat_prompt(self.engine.tokenizer, conversation, add_generation_prompt,
-                                  chat_template, check_tools(tools) if tools else None)
+                                  chat_template, check_tools(tools) if tools else None,
+                                  chat_template_kwargs)
 
     # ---- sleep mode ----------------------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "keep") -> None:

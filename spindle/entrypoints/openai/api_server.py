@@ -71,9 +71,7 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
         for stat_logger in stat_loggers:
             engine.remove_stat_logger(stat_logger)
 
-    args = server_args or ServerArgs()
-    app = _make_app(ModelRoutes([ServedModel.of(engine, models, args.max_audio_seconds,
-                                                args.tool_call_parser)]),
+    app = _make_app(ModelRoutes([ServedModel.of(engine, models, server_args or ServerArgs())]),
                     metrics.registry, attach, detach, server_args)
     app.state.engine = engine
     app.state.health = lambda: _engine_health(engine)
@@ -100,10 +98,9 @@ def build_pool_app(pool: ModelPool, dev_mode: bool | None = None,
     served, stat_loggers = [], []
     for name in pool.names:
         config = pool.config(name).model
-        args = server_args or ServerArgs()
         served.append(ServedModel.of(pool.engine(name), ServedModels(
             names=(name,), root=config.model, max_model_len=config.max_model_len),
-            args.max_audio_seconds, args.tool_call_parser))
+            server_args or ServerArgs()))
         stat_loggers += [(name, PrometheusStatLogger(name, families)),
                          (name, LoggingStatLogger(model_name=name))]
 

@@ -295,6 +295,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
+    # (vLLM's extension) more variables for the chat template, e.g. enable_thinking.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -325,7 +327,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def template_messages(self) -> list[dict]:
         """The messages as chat_utils reads them (tool calls and results kept)."""
-        keys = {"role", "content", "name", "tool_calls", "tool_call_id"}
+        keys = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
         return [{k: v for k, v in m.model_dump(include=keys).items() if v is not None
                  or k == "content"} for m in self.messages]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from spindle.config import ServerArgs
 from spindle.entrypoints.openai.protocol import APIError
 from spindle.entrypoints.openai.serving_base import ServedModels, model_not_found
 from spindle.entrypoints.openai.serving_chat import ChatServing
@@ -26,15 +27,12 @@ class ServedModel:
     transcriptions: TranscriptionServing  # (and translations)
 
     @classmethod
-    def of(cls, engine: Any, models: ServedModels, max_audio_seconds: float | None = None,
-           tool_call_parser: str | None = None) -> "ServedModel":
-        """The routes of one model; max_audio_seconds: the longest audio upload (None:
-        ServerArgs' default); tool_call_parser: ServerArgs.tool_call_parser."""
-        audio = TranscriptionServing(engine, models) if max_audio_seconds is None \
-            else TranscriptionServing(engine, models, max_audio_seconds)
+    def of(cls, engine: Any, models: ServedModels, args: ServerArgs) -> "ServedModel":
+        """The routes of one model, with the server's audio limit and parsers."""
         return cls(models, CompletionServing(engine, models),
-                   ChatServing(engine, models, tool_call_parser),
-                   EmbeddingServing(engine, models), audio)
+                   ChatServing(engine, models, args.tool_call_parser, args.reasoning_parser),
+                   EmbeddingServing(engine, models),
+                   TranscriptionServing(engine, models, args.max_audio_seconds))
 
 
 class ModelRoutes:

@@ -9,6 +9,8 @@ from typing import Any, AsyncIterator
 
 from spindle.entrypoints.chat_utils import chat_messages, render_chat_prompt
 from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error, bad_request
+from spindle.entrypoints.reasoning import (ReasoningSplitter, split_reasoning,
+                                          splits_constrained_answers)
 from spindle.entrypoints.tool_calls import forced_calls, hermes_calls
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
                                                      final_outputs, logprob_token_count,
@@ -18,9 +20,11 @@ from spindle.outputs import CompletionOutput, finite_logprob
 
 
 class ChatServing(OpenAIServing):
-    def __init__(self, engine: Any, models: Any, tool_call_parser: str | None = None) -> None:
+    def __init__(self, engine: Any, models: Any, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         super().__init__(engine, models)
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
     async def create(self, req: ChatCompletionRequest,
                      request_id: str) -> dict[str, Any] | AsyncIterator[str]:
@@ -37,23 +41,28 @@ class ChatServing(OpenAIServing):
         special = await self.special_token_ids() if req.logprobs else frozenset()
         # Rendered and tokenized in a tokenizer thread, not on the engine's.
         prompt = await self.engine.with_tokenizer(lambda tokenizer: render_chat_prompt(
-            tokenizer, conversation, req.add_generation_prompt, req.chat_template, tools))
+            tokenizer, conversation, req.add_generation_prompt, req.chat_template, tools,
+            req.chat_template_kwargs))
         streams = await self.start(request_id, [prompt], params)
         created = int(time.time())
         calls = tool_choice if tools and tool_choice != "none" else None
+        reasoning = self.reasoning_parser
+        if reasoning and params.structured_outputs is not None \
+                and not splits_constrained_answers(reasoning):
+            reasoning = None
         if req.stream:
             header = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                       "model": model}
             if calls is not None:
-                return self._stream_tool_answer(req, header, streams, calls, special)
-            return self._stream(req, header, streams, params.stop_holdback, special)
+                return self._stream_tool_answer(req, header, streams, calls, special, reasoning)
+            return self._stream(req, header, streams, params.stop_holdback, special, reasoning)
         (output,) = await final_outputs(streams)
         k = req.top_logprobs or 0
         choices = []
         for c in output.outputs:
             raise_if_aborted(c)
             shown = c.token_ids[:logprob_token_count(c, special, req.skip_special_tokens)]
-            message, finish_reason = self._message(c, calls)
+            message, finish_reason = _message(c, calls, reasoning)
             choices.append({"index": c.index, "message": message,
                             "logprobs": _logprobs(c, 0, shown, k),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason,
@@ -64,26 +73,9 @@ class ChatServing(OpenAIServing):
             body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
         return body
 
-    def _message(self, c: CompletionOutput, calls: str | None) -> tuple[dict, str | None]:
-        """The assistant message of a finished answer, and its finish reason: with tools
-        (calls: the tool choice), its tool calls read out ("tool_calls" when any)."""
-        if calls is None or c.finish_reason != "stop":
-            return {"role": "assistant", "content": c.text}, c.finish_reason
-        if calls == "auto":
-            content, found = hermes_calls(c.text)
-        else:
-            try:
-                content, found = None, forced_calls(c.text, calls)
-            except ValueError:  # (a stop string cut the JSON short: the text as it is)
-                content, found = c.text, []
-        message = {"role": "assistant", "content": content}
-        if not found:
-            return message, c.finish_reason
-        message["tool_calls"] = [call.to_openai() for call in found]
-        return message, "tool_calls"
-
     async def _stream_tool_answer(self, req: ChatCompletionRequest, header: dict, streams,
-                                  calls: str, special: frozenset[int]) -> AsyncIterator[str]:
+                                  calls: str, special: frozenset[int],
+                                  reasoning: str | None) -> AsyncIterator[str]:
         """A stream of an answer that may hold tool calls: whole once it is finished (its
         calls can only be read then), as the role chunk, then one chunk with the content
         or the calls and the finish reason."""
@@ -95,8 +87,8 @@ class ChatServing(OpenAIServing):
                 yield sse({**header, "choices": [_delta_choice(
                     c.index, {"role": "assistant", "content": ""},
                     weight_version=output.weight_version)]})
-                message, finish_reason = self._message(c, calls)
-                delta = {"content": message["content"]} if message["content"] else {}
+                message, finish_reason = _message(c, calls, reasoning)
+                delta = {k: message[k] for k in ("reasoning_content", "content") if message.get(k)}
                 if "tool_calls" in message:
                     delta["tool_calls"] = [{"index": i, **call}
                                            for i, call in enumerate(message["tool_calls"])]
@@ -112,8 +104,9 @@ class ChatServing(OpenAIServing):
         yield SSE_DONE
 
     async def _stream(self, req: ChatCompletionRequest, header: dict, streams, holdback: int,
-                      special: frozenset[int]) -> AsyncIterator[str]:
+                      special: frozenset[int], reasoning: str | None) -> AsyncIterator[str]:
         progress: dict[int, StreamProgress] = {}
+        splitters: dict[int, ReasoningSplitter] = {}
         k = req.top_logprobs or 0
         prompt_tokens = completion_tokens = 0
         try:
@@ -134,7 +127,11 @@ class ChatServing(OpenAIServing):
                         if state.finished:
                             end = max(first, min(end, logprob_token_count(
                                 c, special, req.skip_special_tokens)))
-                        choice = _delta_choice(c.index, {"content": text} if text else {},
+                        delta = {"content": text} if text else {}
+                        if reasoning is not None:
+                            delta = _split_delta(splitters.setdefault(
+                                c.index, ReasoningSplitter(reasoning)), text, state.finished)
+                        choice = _delta_choice(c.index, delta,
                                                _logprobs(c, first, c.token_ids[first:end], k),
                                                output.weight_version)
                         if state.finished:
@@ -150,6 +147,38 @@ class ChatServing(OpenAIServing):
         except Exception as e:  # the headers are sent: report in-band, as OpenAI does
             yield sse(api_error(e).body())
         yield SSE_DONE
+
+
+def _message(c: CompletionOutput, calls: str | None,
+             reasoning: str | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished answer, and its finish reason: its reasoning
+    split off (reasoning: the server's parser), and with tools (calls: the tool choice)
+    its tool calls read out (finish reason "tool_calls" when there are any)."""
+    thought, text = split_reasoning(c.text, reasoning) if reasoning else (None, c.text)
+    message = {"role": "assistant", "content": text}
+    if thought is not None:
+        message["reasoning_content"] = thought
+    if calls is None or c.finish_reason != "stop":
+        return message, c.finish_reason
+    if calls == "auto":
+        content, found = hermes_calls(text) if text else (text, [])
+    else:
+        try:
+            content, found = None, forced_calls(c.text, calls)
+        except ValueError:  # (a stop string cut the JSON short: the text as it is)
+            content, found = c.text, []
+    message["content"] = content
+    if not found:
+        return message, c.finish_reason
+    message["tool_calls"] = [call.to_openai() for call in found]
+    return message, "tool_calls"
+
+
+def _split_delta(splitter: ReasoningSplitter, text: str, final: bool) -> dict[str, str]:
+    """A streamed chunk's delta with its text split into reasoning and reply."""
+    thought, reply = splitter.feed(text, final)
+    return {key: value for key, value in (("reasoning_content", thought), ("content", reply))
+            if value}
 
 
 def _delta_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
