@@ -19,7 +19,8 @@
 # Pending (2026-12-05): SPINDLE_DECODE_LONGEST_FIRST, SPINDLE_SKINNY_WHOLE_K (both off
 # by default), SPINDLE_GDN_TRITON_PREFILL (off), the Granite 3.x GPU cases, prompt
 # logprobs on CUDA, Zamba2, DeepSeek-V3 and gpt-oss on CUDA (the Triton attention kernels'
-# sinks and 576-wide latent heads, the fused MoE kernels' biases and clamped SwiGLU).
+# sinks and 576-wide latent heads, the fused MoE kernels' biases and clamped SwiGLU),
+# structured outputs on CUDA (the nineteenth session's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -34,7 +35,7 @@ if [[ $what == tests || $what == all ]]; then
     timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu \
         tests/test_triton_attention.py tests/test_skinny_gemm.py tests/test_gated_delta.py \
         tests/test_selective_scan.py tests/test_prompt_logprobs.py tests/test_fused_moe.py \
-        2>&1 | tail -3
+        tests/test_structured_outputs.py 2>&1 | tail -3
     stamp "engine tests with the switches on"
     SPINDLE_DECODE_LONGEST_FIRST=1 SPINDLE_SKINNY_WHOLE_K=1 \
         timeout 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \
