@@ -114,18 +114,34 @@ def test_auto_reads_hermes_blocks(client):
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
 
 
-def test_streamed_tool_calls_arrive_whole(client):
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=80, stream=True,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        stream_options={"include_usage": True}))
+def test_a_streamed_named_call_streams_its_arguments(client):
+    """Its id and name first, then argument deltas whose concatenation is the whole
+    answer's arguments."""
+    body = dict(model="tiny", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=80,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**body).choices[0].message.tool_calls[0]
+    chunks = list(client.chat.completions.create(stream=True, **body,
+                                                 stream_options={"include_usage": True}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant"
-    (call,) = [t for d in deltas for t in d.tool_calls or []]
-    assert call.index == 0 and call.function.name == "get_weather"
-    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    parts = [t for d in deltas for t in d.tool_calls or []]
+    assert len(parts) > 2 and all(p.index == 0 for p in parts)
+    assert parts[0].id and parts[0].function.name == "get_weather"
+    assert all(p.id is None and p.function.name is None for p in parts[1:])
+    assert "".join(p.function.arguments for p in parts) == whole.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_streamed_required_calls_arrive_whole(client):
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=200, stream=True,
+        tool_choice="required", parallel_tool_calls=False,
+        extra_body={"chat_template": TEMPLATE}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    (call,) = [t for d in deltas for t in d.tool_calls or []]
+    assert call.index == 0 and call.id and call.function.name in ("get_weather", "get_time")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
 def test_a_conversation_with_past_calls_and_results_is_served(client):

@@ -11,7 +11,7 @@ from spindle.entrypoints.chat_utils import chat_messages, render_chat_prompt
 from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error, bad_request
 from spindle.entrypoints.reasoning import (ReasoningSplitter, split_reasoning,
                                           splits_constrained_answers)
-from spindle.entrypoints.tool_calls import forced_calls, hermes_calls
+from spindle.entrypoints.tool_calls import ToolCall, forced_calls, hermes_calls
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
                                                      final_outputs, logprob_token_count,
                                                      merge_streams, prompt_logprobs_json,
@@ -53,9 +53,10 @@ class ChatServing(OpenAIServing):
         if req.stream:
             header = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                       "model": model}
-            if calls is not None:
+            if calls in ("auto", "required"):
                 return self._stream_tool_answer(req, header, streams, calls, special, reasoning)
-            return self._stream(req, header, streams, params.stop_holdback, special, reasoning)
+            return self._stream(req, header, streams, params.stop_holdback, special, reasoning,
+                                named_call=calls)
         (output,) = await final_outputs(streams)
         k = req.top_logprobs or 0
         choices = []
@@ -76,9 +77,9 @@ class ChatServing(OpenAIServing):
     async def _stream_tool_answer(self, req: ChatCompletionRequest, header: dict, streams,
                                   calls: str, special: frozenset[int],
                                   reasoning: str | None) -> AsyncIterator[str]:
-        """A stream of an answer that may hold tool calls: whole once it is finished (its
-        calls can only be read then), as the role chunk, then one chunk with the content
-        or the calls and the finish reason."""
+        """A stream of an answer whose tool calls are read out of it (tool_choice auto or
+        required): whole once it is finished (its calls can only be read then), as the
+        role chunk, then one chunk with the content or the calls and the finish reason."""
         k = req.top_logprobs or 0
         try:
             (output,) = await final_outputs(streams)
@@ -88,7 +89,8 @@ class ChatServing(OpenAIServing):
                     c.index, {"role": "assistant", "content": ""},
                     weight_version=output.weight_version)]})
                 message, finish_reason = _message(c, calls, reasoning)
-                delta = {k: message[k] for k in ("reasoning_content", "content") if message.get(k)}
+                delta = {key: message[key] for key in ("reasoning_content", "content")
+                         if message.get(key)}
                 if "tool_calls" in message:
                     delta["tool_calls"] = [{"index": i, **call}
                                            for i, call in enumerate(message["tool_calls"])]
@@ -104,9 +106,13 @@ class ChatServing(OpenAIServing):
         yield SSE_DONE
 
     async def _stream(self, req: ChatCompletionRequest, header: dict, streams, holdback: int,
-                      special: frozenset[int], reasoning: str | None) -> AsyncIterator[str]:
+                      special: frozenset[int], reasoning: str | None,
+                      named_call: str | None = None) -> AsyncIterator[str]:
+        """Text deltas as they come; named_call: a forced function, whose arguments
+        (the whole answer) stream as its call's argument deltas, as OpenAI streams them."""
         progress: dict[int, StreamProgress] = {}
         splitters: dict[int, ReasoningSplitter] = {}
+        opened: set[int] = set()  # choices whose forced call was sent its id and name
         k = req.top_logprobs or 0
         prompt_tokens = completion_tokens = 0
         try:
@@ -128,15 +134,19 @@ class ChatServing(OpenAIServing):
                             end = max(first, min(end, logprob_token_count(
                                 c, special, req.skip_special_tokens)))
                         delta = {"content": text} if text else {}
-                        if reasoning is not None:
+                        if named_call is not None:
+                            delta = _argument_delta(named_call, text, c.index not in opened)
+                            opened.add(c.index)
+                        elif reasoning is not None:
                             delta = _split_delta(splitters.setdefault(
                                 c.index, ReasoningSplitter(reasoning)), text, state.finished)
                         choice = _delta_choice(c.index, delta,
                                                _logprobs(c, first, c.token_ids[first:end], k),
                                                output.weight_version)
                         if state.finished:
-                            choice["finish_reason"], choice["stop_reason"] = (c.finish_reason,
-                                                                              c.stop_reason)
+                            called = named_call is not None and c.finish_reason == "stop"
+                            choice["finish_reason"], choice["stop_reason"] = (
+                                "tool_calls" if called else c.finish_reason, c.stop_reason)
                         yield sse({**header, "choices": [choice]})
                     if output.finished:
                         prompt_tokens += len(output.prompt_token_ids)
@@ -172,6 +182,16 @@ def _message(c: CompletionOutput, calls: str | None,
         return message, c.finish_reason
     message["tool_calls"] = [call.to_openai() for call in found]
     return message, "tool_calls"
+
+
+def _argument_delta(name: str, text: str, opens: bool) -> dict[str, Any]:
+    """A forced call's streamed delta: its id, type and name first, then arguments."""
+    call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+    if opens:
+        opened = ToolCall(name, "").to_openai()
+        call.update(id=opened["id"], type="function")
+        call["function"]["name"] = name
+    return {"tool_calls": [call]}
 
 
 def _split_delta(splitter: ReasoningSplitter, text: str, final: bool) -> dict[str, str]:
