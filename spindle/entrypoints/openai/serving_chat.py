@@ -31,11 +31,7 @@ class ChatServing(OpenAIServing):
         """The response body, or an iterator of server-sent events when req.stream."""
         model = self.models.resolve(req.model)
         req.refuse_unsupported()
-        tools, tool_choice = req.checked_tools(), req.tool_choice_name()
-        if tool_choice == "auto" and tools and self.tool_call_parser is None:
-            raise bad_request("tool_choice auto (the default with tools) needs a server "
-                              "started with --tool-call-parser; or force a choice (required, "
-                              "or a named function)", "tool_choice")
+        tools, calls = self._tool_calls_wanted(req)
         params = req.sampling_params(req.max_new_tokens(), req.logprobs_wanted(), self.max_n)
         conversation = chat_messages(req.template_messages())
         special = await self.special_token_ids() if req.logprobs else frozenset()
@@ -45,11 +41,7 @@ class ChatServing(OpenAIServing):
             req.chat_template_kwargs))
         streams = await self.start(request_id, [prompt], params)
         created = int(time.time())
-        calls = tool_choice if tools and tool_choice != "none" else None
-        reasoning = self.reasoning_parser
-        if reasoning and params.structured_outputs is not None \
-                and not splits_constrained_answers(reasoning):
-            reasoning = None
+        reasoning = self._reasoning_parser_for(params)
         if req.stream:
             header = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                       "model": model}
@@ -73,6 +65,24 @@ class ChatServing(OpenAIServing):
         if req.prompt_logprobs is not None:  # (vLLM's extension, beside the choices)
             body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
         return body
+
+    def _tool_calls_wanted(self, req: ChatCompletionRequest) -> tuple[list | None, str | None]:
+        """(the tools, the tool choice to read calls by: None for none); 400 for auto
+        on a server without a parser."""
+        tools, choice = req.checked_tools(), req.tool_choice_name()
+        if choice == "auto" and tools and self.tool_call_parser is None:
+            raise bad_request("tool_choice auto (the default with tools) needs a server "
+                              "started with --tool-call-parser; or force a choice (required, "
+                              "or a named function)", "tool_choice")
+        return tools, choice if tools and choice != "none" else None
+
+    def _reasoning_parser_for(self, params: Any) -> str | None:
+        """The parser that splits this request's answers (None: no split)."""
+        parser = self.reasoning_parser
+        if parser and params.structured_outputs is not None \
+                and not splits_constrained_answers(parser):
+            return None
+        return parser
 
     async def _stream_tool_answer(self, req: ChatCompletionRequest, header: dict, streams,
                                   calls: str, special: frozenset[int],
