@@ -94,11 +94,10 @@ class TokenVocab:
     only touches the tokens longer than j (a prefix of that order)."""
 
     def __init__(self, byte_strings: list[bytes | None], vocab_size: int) -> None:
-        if vocab_size < len(byte_strings):
-            raise ValueError(f"the tokenizer has {len(byte_strings)} tokens, more than the "
-                             f"model's vocabulary ({vocab_size})")
-        self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
-        usable = [(i, b) for i, b in enumerate(byte_strings) if b]
+        """vocab_size: the logits' width. It may exceed the tokenizer's (padding rows,
+        never allowed); tokens past it cannot be sampled and are left out."""
+        self.vocab_size = vocab_size
+        usable = [(i, b) for i, b in enumerate(byte_strings[:vocab_size]) if b]
         usable.sort(key=lambda item: -len(item[1]))
         self.token_ids = np.array([i for i, _ in usable], dtype=np.int64)
         lengths = np.array([len(b) for _, b in usable], dtype=np.int64)
