@@ -73,3 +73,30 @@ def test_configs_it_would_get_wrong_are_refused(tiny_model, tmp_path, change, me
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         LLM(str(path), dtype="float32", device="cpu", max_model_len=128)
+
+
+@pytest.mark.parametrize("engine", [dict(block_size=16),
+                                    dict(block_size=32, max_num_batched_tokens=16,
+                                         enable_prefix_caching=False)])
+def test_a_prompt_token_alone_in_its_step_is_computed_as_a_prompt_token(tiny_model, engine):
+    """transformers (and mamba_ssm) clamp dt in the chunked scan of a prompt but not in
+    a decode step. A prompt cut at a block boundary (prefix caching's state snapshot) or
+    by a chunked-prefill budget can leave one prompt token to a step: it must still be
+    computed as the prompt's. Prompts of 16k + 1 tokens, logprobs at 1e-4 of
+    transformers' own generate (which the suite's float64-noise allowance would hide)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_generate_vs_hf import hf_greedy
+
+    path = tiny_model("zamba2", num_layers=4)
+    prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((17, 33))]
+    expected = hf_greedy(path, prompts, 10)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    with LLM(str(path), dtype="float32", device="cpu", max_model_len=128, **engine) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for (tokens, logprobs), out in zip(expected, outputs):
+        assert list(out.outputs[0].token_ids) == tokens
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        assert max(abs(a - b) for a, b in zip(logprobs, got)) < 1e-4

@@ -103,6 +103,8 @@ class CudaGraphRunner:
         from the stored state (a first token starts from zeros, eagerly)."""
         if batch.state_slots is not None and not batch.num_computed.all():
             return False
+        if not self.state.graph_can_take(batch):
+            return False
         num = batch.num_reqs
         query_len = batch.num_tokens // num if num else 0
         sizes = self.sizes_by_len.get(query_len)

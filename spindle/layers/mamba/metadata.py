@@ -31,6 +31,10 @@ class MambaMetadata:
     query_start_loc_cpu: torch.Tensor | None = None
     has_initial_state_cpu: torch.Tensor | None = None
     state_indices_cpu: torch.Tensor | None = None
+    # [num_reqs] bool, host: the request's tokens this step are prompt tokens (None:
+    # unknown, inside CUDA graphs, which the runner keeps to generated tokens for models
+    # that tell the two apart: MambaMixer(limit_decode_steps=False)).
+    prompt_rows_cpu: torch.Tensor | None = None
     # What the layers derive from this step's metadata once and share (the SSD scan's
     # chunk table, the split of a mixed step): one metadata object serves every layer
     # of its group in one forward, and lives for that step only.

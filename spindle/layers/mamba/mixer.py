@@ -136,6 +136,7 @@ class MambaMixer(nn.Module):
             [self.intermediate, self.conv_channels, self.num_heads], dim=-1)
         y = by_step_kind(
             md, self.kv_cache is not None, (xbc, dt),
+            prompts_as_prefill=self.decode_time_step_limit != self.time_step_limit,
             decode=lambda xbc, dt, slots: self._decode(ops, xbc, dt, slots),
             prefill=lambda xbc, dt, md: self._prefill(ops, xbc, dt, md))
         y = self.norm(y.reshape(num_tokens, self.intermediate), gate)
@@ -318,15 +319,23 @@ def step_metadata(layer: nn.Module, num_tokens: int, device: torch.device) -> Ma
 
 
 def by_step_kind(md: MambaMetadata, has_states: bool, rows: Sequence[torch.Tensor],
-                 decode: Callable, prefill: Callable) -> torch.Tensor:
+                 decode: Callable, prefill: Callable,
+                 prompts_as_prefill: bool = False) -> torch.Tensor:
     """A state layer's step: decode(*rows, state_indices) when every request feeds one
     token and continues its stored state; prefill(*rows, md) otherwise (the profiling
     forward, without states, too). A step mixing both sends its decode rows through
     decode (a prefill op would give each of them a whole chunk of work and scratch) and
-    the others through prefill, and merges the two."""
-    if has_states and md.is_pure_decode and _all_continuing(md):
+    the others through prefill, and merges the two.
+
+    prompts_as_prefill: a layer whose decode step computes otherwise than its prefill
+    (Zamba2's, as transformers' and mamba_ssm's: dt clamped in the chunked scan only)
+    sends a prompt's one-token rows (a prompt cut at a block boundary or a chunked-
+    prefill budget) through prefill too, as the reference computes every prompt token."""
+    prompts = prompts_as_prefill and md.prompt_rows_cpu is not None
+    if has_states and md.is_pure_decode and _all_continuing(md) and not (
+            prompts and bool(md.prompt_rows_cpu.any())):
         return decode(*rows, md.state_indices)
-    split = decode_prefill_split(md) if has_states else None
+    split = decode_prefill_split(md, prompts) if has_states else None
     if split is None:
         return prefill(*rows, md)
     decoded = decode(*(split.take_decode(r) for r in rows), split.decode_slots)
@@ -431,7 +440,8 @@ class DecodePrefillSplit:
             query_start_loc=parts[1].to(torch.int32), state_indices=parts[2].to(torch.int32),
             has_initial_state=has_initial.to(device, non_blocking=True),
             max_query_len=int(prefill_lens.max()), query_start_loc_cpu=prefill_qsl,
-            has_initial_state_cpu=has_initial, state_indices_cpu=slots[prefill])
+            has_initial_state_cpu=has_initial, state_indices_cpu=slots[prefill],
+            prompt_rows_cpu=None if md.prompt_rows_cpu is None else md.prompt_rows_cpu[prefill])
 
     def take_decode(self, t: torch.Tensor) -> torch.Tensor:
         return t[:self.num_decode] if self.contiguous else t.index_select(0, self._decode_index)
@@ -448,20 +458,25 @@ class DecodePrefillSplit:
         return out
 
 
-def decode_prefill_split(md: MambaMetadata) -> DecodePrefillSplit | None:
+def decode_prefill_split(md: MambaMetadata, prompts_as_prefill: bool = False
+                         ) -> DecodePrefillSplit | None:
     """The split of a step mixing decode rows and prefills (kept in md.derived for the
-    step's other layers); None when the step is not mixed or has no host copies."""
-    if "decode_prefill_split" not in md.derived:
-        md.derived["decode_prefill_split"] = _make_split(md)
-    return md.derived["decode_prefill_split"]
+    step's other layers); None when the step is not mixed or has no host copies.
+    prompts_as_prefill: a prompt's one-token rows count as prefill (by_step_kind)."""
+    key = ("decode_prefill_split", prompts_as_prefill)
+    if key not in md.derived:
+        md.derived[key] = _make_split(md, prompts_as_prefill)
+    return md.derived[key]
 
 
-def _make_split(md: MambaMetadata) -> DecodePrefillSplit | None:
+def _make_split(md: MambaMetadata, prompts_as_prefill: bool) -> DecodePrefillSplit | None:
     if (md.query_start_loc_cpu is None or md.has_initial_state_cpu is None
             or md.state_indices_cpu is None):
         return None
     lens = md.query_start_loc_cpu[1:] - md.query_start_loc_cpu[:-1]
     decode = (lens == 1) & md.has_initial_state_cpu & (md.state_indices_cpu >= 0)
+    if prompts_as_prefill and md.prompt_rows_cpu is not None:
+        decode &= ~md.prompt_rows_cpu
     if not decode.any() or bool(decode.all()):
         return None
     return DecodePrefillSplit(md, decode)

@@ -37,6 +37,11 @@ class ModelState(abc.ABC):
     #: (runner/cuda_graph.py); states with other inputs run eagerly.
     supports_cuda_graphs: bool = False
 
+    def graph_can_take(self, batch: Any) -> bool:
+        """Whether a decode graph may run this step (shape permitting): a state may keep
+        some steps eager."""
+        return True
+
     def __init__(self, model: nn.Module, device: torch.device,
                  h2d: HostToDevice | None = None) -> None:
         self.model = model

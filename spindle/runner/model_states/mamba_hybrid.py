@@ -23,13 +23,33 @@ import torch
 
 from spindle.cache.spec import CacheGroup
 from spindle.layers.mamba.metadata import MambaMetadata
+from spindle.layers.mamba.mixer import MambaMixer
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.default import DefaultModelState
+
+
+def prompt_rows(batch: StepBatch) -> np.ndarray:
+    """[num_reqs] bool: the request computes prompt tokens this step (its first new
+    token is one of its prompt's)."""
+    prompts = np.fromiter((r.num_prompt_tokens for r in batch.requests), dtype=np.int64,
+                          count=batch.num_reqs)
+    return batch.num_computed < prompts
 
 
 class MambaHybridModelState(DefaultModelState):
     needs_kv_cache = True
     supports_cuda_graphs = True
+    _prompts_differ: bool | None = None  # (graph_can_take's, found on first use)
+
+    def graph_can_take(self, batch: StepBatch) -> bool:
+        """A model whose state layers compute a prompt token otherwise than a generated
+        one (by_step_kind's prompts_as_prefill) runs a step holding prompt tokens
+        eagerly: inside a graph every one-token row is a decode row."""
+        if self._prompts_differ is None:
+            self._prompts_differ = any(
+                getattr(m, "decode_time_step_limit", None) != getattr(m, "time_step_limit", None)
+                for m in self.model.modules() if isinstance(m, MambaMixer))
+        return not (self._prompts_differ and prompt_rows(batch).any())
 
     def state_metadata(self, batch: StepBatch, group: CacheGroup, common: dict) -> MambaMetadata:
         if batch.state_slots is None:
@@ -43,7 +63,8 @@ class MambaHybridModelState(DefaultModelState):
             max_query_len=common["max_query_len"],
             query_start_loc_cpu=common["query_start_loc_cpu"],
             has_initial_state_cpu=torch.from_numpy(has_initial),
-            state_indices_cpu=torch.from_numpy(np.ascontiguousarray(batch.state_slots)))
+            state_indices_cpu=torch.from_numpy(np.ascontiguousarray(batch.state_slots)),
+            prompt_rows_cpu=torch.from_numpy(prompt_rows(batch)))
 
     def dummy_state_metadata(self, group: CacheGroup, query_start_loc: torch.Tensor,
                              tokens_per_req: int) -> MambaMetadata:
