@@ -243,7 +243,8 @@ class ServerArgs:
                                     "longer one gets 400 (default: one hour).")
     tool_call_parser: str | None = _arg(
         None, "How chat answers with tool_choice auto are read for tool calls: hermes "
-        "(<tool_call>{...}</tool_call> blocks: Hermes, Qwen 2.5 and 3). Default: none, and "
+        "(<tool_call>{...}</tool_call> blocks: Hermes, Qwen 2.5 and 3), llama3_json "
+        "(Llama 3.1-3.3's JSON calls) or mistral ([TOOL_CALLS]). Default: none, and "
         "requests with tools must then force a choice (required or a named function).")
     reasoning_parser: str | None = _arg(
         None, "Split a reasoning model's <think>...</think> off its chat answers into "

@@ -206,3 +206,36 @@ def test_tool_helpers():
     with pytest.raises(ValueError, match="not valid JSON"):
         chat_messages([{"role": "assistant", "tool_calls": [
             {"type": "function", "function": {"name": "f", "arguments": "{"}}]}])
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
+     None, [("f", {"a": 1}), ("g", {})]),
+    (' {"name": "f", "arguments": {"a": [1, 2]}}\n', None, [("f", {"a": [1, 2]})]),
+    ('It is sunny. {"name": "f", "parameters": {}}', "same", []),
+    ('{"name": "f", "parameters": {}} and more', "same", []),
+    ('{"city": "Oslo"}', "same", []),
+])
+def test_llama3_json_parser(text, content, calls):
+    from spindle.entrypoints.tool_calls import llama3_json_calls
+
+    got_content, got = llama3_json_calls(text)
+    assert got_content == (text if content == "same" else content)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('Let me check. [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, '
+     '{"name": "g", "arguments": {}}]', "Let me check.", [("f", {"x": 1}), ("g", {})]),
+    ('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{"y": "a b"}', None,
+     [("f", {"x": 1}), ("g", {"y": "a b"})]),
+    ("[TOOL_CALLS]f[ARGS]{not json}", "same", []),
+    ("[TOOL_CALLS] sorry, no", "same", []),
+    ("no calls here", "same", []),
+])
+def test_mistral_parser(text, content, calls):
+    from spindle.entrypoints.tool_calls import mistral_calls
+
+    got_content, got = mistral_calls(text)
+    assert got_content == (text if content == "same" else content)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls

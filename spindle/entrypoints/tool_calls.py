@@ -8,9 +8,15 @@ Two ways, by tool_choice:
   objects, one schema branch per tool. Any model can do this; nothing is parsed but
   JSON the automaton guaranteed.
 - "auto": the model decides, in its own format, which a tool call parser reads out of
-  the text. `hermes` reads <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-  blocks (Hermes, Qwen 2.5 / 3, and the many templates that copied them). A server
-  without a parser refuses "auto" with tools rather than return calls as plain text.
+  the text (TOOL_CALL_PARSERS). A server without a parser refuses "auto" with tools
+  rather than return calls as plain text:
+  - `hermes`: <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (Hermes,
+    Qwen 2.5 / 3, and the many templates that copied them);
+  - `llama3_json`: an answer that is {"name": ..., "parameters": {...}} objects, one or
+    several joined by ";", after an optional <|python_tag|> (Llama 3.1 - 3.3);
+  - `mistral`: [TOOL_CALLS] and a JSON list of {"name", "arguments"} (v0.3 tokenizers)
+    or name[ARGS]{...} pieces (later ones). [TOOL_CALLS] is a special token, so its
+    requests keep special tokens in the text.
 
 "none" renders the tools into the prompt and returns plain text.
 """
@@ -23,9 +29,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes",)
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_MISTRAL_TAG = "[TOOL_CALLS]"
+# name[ARGS]{...}: the arguments run to the next name[ARGS] or the end.
+_MISTRAL_PIECE = re.compile(r"([A-Za-z0-9_.-]+)\[ARGS\](.*?)(?=[A-Za-z0-9_.-]+\[ARGS\]|$)",
+                            re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,73 @@ def forced_calls(text: str, choice: str) -> list[ToolCall]:
             for call in json.loads(text)]
 
 
+def _call_of(obj: object) -> ToolCall | None:
+    """A {"name", "arguments" | "parameters"} object as a call (None: not one)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if arguments is None:
+        return None
+    return ToolCall(obj["name"], arguments if isinstance(arguments, str)
+                    else json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_values(text: str) -> list | None:
+    """The JSON values text holds one after another (whitespace or ";" between), or
+    None when it holds anything else."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] == ";"):
+            i += 1
+        if i == len(text):
+            return values
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def _json_object(text: str) -> dict | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def llama3_json_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """An answer that is only call objects (after an optional <|python_tag|>); any
+    other answer is content."""
+    body = text.strip().removeprefix("<|python_tag|>")
+    values = _json_values(body) if body.startswith("{") else None
+    calls = [_call_of(v) for v in values or []]
+    if not calls or None in calls:
+        return text, []
+    return None, calls
+
+
+def mistral_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """The content before [TOOL_CALLS]; after it a JSON list of calls, or
+    name[ARGS]{arguments} pieces, each piece after its own [TOOL_CALLS] or not."""
+    head, tag, rest = text.partition(_MISTRAL_TAG)
+    if not tag:
+        return text, []
+    rest = rest.replace(_MISTRAL_TAG, "").strip()
+    if rest.startswith("["):
+        values = _json_values(rest)
+        calls = [_call_of(v) for v in (values[0] if values and len(values) == 1
+                                       and isinstance(values[0], list) else [None])]
+    else:
+        calls = [_call_of({"name": name, "arguments": _json_object(arguments)})
+                 for name, arguments in _MISTRAL_PIECE.findall(rest)]
+        if "".join(_MISTRAL_PIECE.sub("", rest).split()):
+            calls = [None]  # (text between the pieces: not a call list)
+    if not calls or None in calls:
+        return text, []
+    return head.strip() or None, calls
+
+
 def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """(the content before the first call, or None when only calls; the calls) of a
     hermes-format answer. A block that is not a {"name", "arguments"} JSON object leaves
@@ -121,13 +197,18 @@ def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     calls = []
     for block in blocks:
         try:
-            call = json.loads(block)
+            call = _call_of(json.loads(block))
         except ValueError:
+            call = None
+        if call is None:
             return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return text, []
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str)
-                              else json.dumps(arguments, ensure_ascii=False)))
+        calls.append(call)
     content = text[:text.index("<tool_call>")].strip()
     return content or None, calls
+
+
+# --tool-call-parser NAME -> how an "auto" answer is read: (content or None, calls).
+TOOL_CALL_PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_json_calls,
+                     "mistral": mistral_calls}
+# Parsers whose format starts with a special token the text must keep.
+KEEPS_SPECIAL_TOKENS = ("mistral",)

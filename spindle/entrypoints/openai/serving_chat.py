@@ -11,7 +11,8 @@ from spindle.entrypoints.chat_utils import chat_messages, render_chat_prompt
 from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error, bad_request
 from spindle.entrypoints.reasoning import (ReasoningSplitter, split_reasoning,
                                           splits_constrained_answers)
-from spindle.entrypoints.tool_calls import ToolCall, forced_calls, hermes_calls
+from spindle.entrypoints.tool_calls import (KEEPS_SPECIAL_TOKENS, TOOL_CALL_PARSERS, ToolCall,
+                                            forced_calls)
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
                                                      final_outputs, logprob_token_count,
                                                      merge_streams, prompt_logprobs_json,
@@ -33,6 +34,8 @@ class ChatServing(OpenAIServing):
         req.refuse_unsupported()
         tools, calls = self._tool_calls_wanted(req)
         params = req.sampling_params(req.max_new_tokens(), req.logprobs_wanted(), self.max_n)
+        if calls == "auto" and self.tool_call_parser in KEEPS_SPECIAL_TOKENS:
+            params.skip_special_tokens = False  # (its calls start with a special token)
         conversation = chat_messages(req.template_messages())
         special = await self.special_token_ids() if req.logprobs else frozenset()
         # Rendered and tokenized in a tokenizer thread, not on the engine's.
@@ -55,7 +58,7 @@ class ChatServing(OpenAIServing):
         for c in output.outputs:
             raise_if_aborted(c)
             shown = c.token_ids[:logprob_token_count(c, special, req.skip_special_tokens)]
-            message, finish_reason = _message(c, calls, reasoning)
+            message, finish_reason = _message(c, calls, reasoning, self.tool_call_parser)
             choices.append({"index": c.index, "message": message,
                             "logprobs": _logprobs(c, 0, shown, k),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason,
@@ -98,7 +101,7 @@ class ChatServing(OpenAIServing):
                 yield sse({**header, "choices": [_delta_choice(
                     c.index, {"role": "assistant", "content": ""},
                     weight_version=output.weight_version)]})
-                message, finish_reason = _message(c, calls, reasoning)
+                message, finish_reason = _message(c, calls, reasoning, self.tool_call_parser)
                 delta = {key: message[key] for key in ("reasoning_content", "content")
                          if message.get(key)}
                 if "tool_calls" in message:
@@ -169,11 +172,12 @@ class ChatServing(OpenAIServing):
         yield SSE_DONE
 
 
-def _message(c: CompletionOutput, calls: str | None,
-             reasoning: str | None) -> tuple[dict, str | None]:
+def _message(c: CompletionOutput, calls: str | None, reasoning: str | None,
+             tool_call_parser: str | None) -> tuple[dict, str | None]:
     """The assistant message of a finished answer, and its finish reason: its reasoning
     split off (reasoning: the server's parser), and with tools (calls: the tool choice)
-    its tool calls read out (finish reason "tool_calls" when there are any)."""
+    its tool calls read out, by the server's parser for auto (finish reason
+    "tool_calls" when there are any)."""
     thought, text = split_reasoning(c.text, reasoning) if reasoning else (None, c.text)
     message = {"role": "assistant", "content": text}
     if thought is not None:
@@ -181,7 +185,7 @@ def _message(c: CompletionOutput, calls: str | None,
     if calls is None or c.finish_reason != "stop":
         return message, c.finish_reason
     if calls == "auto":
-        content, found = hermes_calls(text) if text else (text, [])
+        content, found = TOOL_CALL_PARSERS[tool_call_parser](text) if text else (text, [])
     else:
         try:
             content, found = None, forced_calls(c.text, calls)
