@@ -110,13 +110,17 @@ class TokenVocab:
 
     def walk(self, transitions: np.ndarray, byte_classes: np.ndarray, state: int) -> np.ndarray:
         """The state each token leads to from state (-1: the automaton dies on it), in
-        this vocabulary's token order. transitions: [states, classes], -1 for none."""
+        this vocabulary's token order. transitions: [states, classes], -1 for none.
+
+        Byte position j steps only the tokens still alive and longer than j: from a
+        state between JSON's punctuation most of a vocabulary dies at its first byte."""
         states = np.full(len(self.token_ids), state, dtype=np.int32)
-        dead = np.int32(-1)
-        for j, count in enumerate(self.active.tolist()):
-            current = states[:count]
-            live = current >= 0
-            classes = byte_classes[self.bytes[:count, j]]
-            stepped = transitions[np.where(live, current, 0), classes]
-            states[:count] = np.where(live, stepped, dead)
+        walking = np.arange(len(self.token_ids))  # ascending, so longest first
+        for j, longer in enumerate(self.active.tolist()):
+            walking = walking[:np.searchsorted(walking, longer)]
+            if not len(walking):
+                break
+            stepped = transitions[states[walking], byte_classes[self.bytes[walking, j]]]
+            states[walking] = stepped
+            walking = walking[stepped >= 0]
         return states
