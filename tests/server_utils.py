@@ -22,6 +22,16 @@ import httpx
 _READY = re.compile(r"serving .* on http://127\.0\.0\.1:(\d+)")
 
 
+def served(tmp_path_factory: Any, model: str, *args: str,
+           **kwargs: Any) -> Iterator["RemoteServer"]:
+    """A module fixture's body: `spindle serve model *args` (RemoteServer's keywords
+    too), logging to a fresh folder, yielded, then stopped, which must exit 0."""
+    srv = RemoteServer(model, *args, log_path=tmp_path_factory.mktemp("serve") / "server.log",
+                       **kwargs)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
 def official_client(server: Any, api_key: str = "unused", **kwargs: Any) -> Any:
     """The official openai client of server's /v1 routes, without retries (a failure
     shows at once) and with a 60 s timeout."""

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer, metric_value, official_client, sse_events, wait_for
+from server_utils import metric_value, official_client, served, sse_events, wait_for
 from spindle import LLM, SamplingParams, StructuredOutputsParams
 
 MAX_MODEL_LEN = 2048
@@ -23,10 +23,8 @@ CHAT = [{"role": "system", "content": "You are terse."},
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    srv = RemoteServer(str(tiny_model(arch="llama")), *ENGINE_FLAGS, "--served-model-name", "tiny",
-                       "tiny-alias", log_path=tmp_path_factory.mktemp("serve") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    yield from served(tmp_path_factory, str(tiny_model(arch="llama")), *ENGINE_FLAGS,
+                      "--served-model-name", "tiny", "tiny-alias")
 
 
 @pytest.fixture(scope="module")

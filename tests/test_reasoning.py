@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from server_utils import RemoteServer, official_client
+from server_utils import official_client, served
 from spindle import LLM, SamplingParams, StructuredOutputsParams
 from spindle.entrypoints.reasoning import ReasoningSplitter, split_reasoning
 
@@ -51,12 +51,9 @@ def test_unknown_parser_is_refused():
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    srv = RemoteServer(str(tiny_model(arch="llama")), "--device", "cpu", "--dtype", "float32",
-                       "--max-model-len", "512", "--served-model-name", "tiny",
-                       "--reasoning-parser", "qwen3",
-                       log_path=tmp_path_factory.mktemp("serve") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    yield from served(tmp_path_factory, str(tiny_model(arch="llama")), "--device", "cpu",
+                      "--dtype", "float32", "--max-model-len", "512", "--served-model-name",
+                      "tiny", "--reasoning-parser", "qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import soundfile
 import torch
 
-from server_utils import RemoteServer, official_client
+from server_utils import RemoteServer, official_client, served
 from spindle import LLM, SamplingParams
 from spindle.entrypoints.openai.transcription_formats import Segment, join_texts, srt, vtt
 from spindle.multimodal.audio_io import decode_audio, resample, split_windows
@@ -47,11 +47,8 @@ def whisper_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(whisper_path, tmp_path_factory):
-    srv = RemoteServer(str(whisper_path), *ENGINE_FLAGS, "--served-model-name", "whisper",
-                       "--max-audio-seconds", "60",
-                       log_path=tmp_path_factory.mktemp("serve") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    yield from served(tmp_path_factory, str(whisper_path), *ENGINE_FLAGS,
+                      "--served-model-name", "whisper", "--max-audio-seconds", "60")
 
 
 @pytest.fixture(scope="module")

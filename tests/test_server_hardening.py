@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import (RemoteServer, StreamReader, metric_value, official_client, sse_events,
+from server_utils import (StreamReader, metric_value, official_client, served, sse_events,
                           wait_for)
 from spindle import LLM, SamplingParams
 from spindle.entrypoints.openai.api_server import DEV_MODE_ENV
@@ -39,14 +39,11 @@ def model_dir(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = RemoteServer(model_dir, "--device", "cpu", "--dtype", "float32",
-                       "--max-model-len", str(MAX_MODEL_LEN),
-                       "--served-model-name", "tiny", "org/tiny", "--api-key", KEY,
-                       "--allowed-origins", ORIGIN, "--max-request-body-bytes", str(BODY_LIMIT),
-                       "--max-n", str(MAX_N), env={DEV_MODE_ENV: "1"},
-                       log_path=tmp_path_factory.mktemp("serve") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    yield from served(tmp_path_factory, model_dir, "--device", "cpu", "--dtype", "float32",
+                      "--max-model-len", str(MAX_MODEL_LEN),
+                      "--served-model-name", "tiny", "org/tiny", "--api-key", KEY,
+                      "--allowed-origins", ORIGIN, "--max-request-body-bytes", str(BODY_LIMIT),
+                      "--max-n", str(MAX_N), env={DEV_MODE_ENV: "1"})
 
 
 @pytest.fixture(scope="module")

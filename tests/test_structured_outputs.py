@@ -100,16 +100,23 @@ def _check_against_transformers(engine, hf_model, prompt: str, out_ids: list[int
     r"(def|class) [a-z_]{1,10}\((self)?\):",
 ])
 def test_greedy_regex_equals_transformers_under_an_outside_matcher(llm, hf_model, pattern):
-    engine, _ = llm
-    params = SamplingParams(temperature=0.0, max_tokens=40,
-                            structured_outputs=StructuredOutputsParams(regex=pattern))
-    outputs = engine.generate(PROMPTS, params)
-    for prompt, out in zip(PROMPTS, outputs):
-        sample = out.outputs[0]
+    for sample in _greedy_checked(llm, hf_model, StructuredOutputsParams(regex=pattern),
+                                  pattern, max_tokens=40):
         assert sample.finish_reason == "stop", (pattern, sample.text)
         assert regex.fullmatch(pattern, sample.text), (pattern, sample.text)
-        _check_against_transformers(engine, hf_model, prompt, list(sample.token_ids),
-                                    pattern)
+
+
+def _greedy_checked(llm, hf_model, structured: StructuredOutputsParams, pattern: str,
+                    max_tokens: int) -> list:
+    """The greedy samples of PROMPTS under structured, each token checked against
+    transformers' logits and the outside matcher of pattern."""
+    engine, _ = llm
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            structured_outputs=structured)
+    samples = [out.outputs[0] for out in engine.generate(PROMPTS, params)]
+    for prompt, sample in zip(PROMPTS, samples):
+        _check_against_transformers(engine, hf_model, prompt, list(sample.token_ids), pattern)
+    return samples
 
 
 def _valid_person(doc: dict) -> bool:
@@ -122,16 +129,11 @@ def _valid_person(doc: dict) -> bool:
 
 
 def test_json_schema_outputs_parse_and_follow_transformers(llm, hf_model):
-    engine, _ = llm
-    params = SamplingParams(temperature=0.0, max_tokens=120,
-                            structured_outputs=StructuredOutputsParams(json=PERSON))
-    outputs = engine.generate(PROMPTS, params)
-    for prompt, out in zip(PROMPTS, outputs):
-        sample = out.outputs[0]
+    samples = _greedy_checked(llm, hf_model, StructuredOutputsParams(json=PERSON),
+                              schema_to_regex(PERSON), max_tokens=120)
+    for sample in samples:
         if sample.finish_reason == "stop":
             assert _valid_person(json.loads(sample.text)), sample.text
-        _check_against_transformers(engine, hf_model, prompt, list(sample.token_ids),
-                                    schema_to_regex(PERSON))
 
 
 def test_sampled_choices_and_json_objects_are_valid(llm):

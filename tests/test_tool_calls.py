@@ -11,11 +11,10 @@ import json
 import jsonschema
 import pytest
 
-from server_utils import RemoteServer, official_client
+from server_utils import official_client, served
 from spindle import LLM, SamplingParams, StructuredOutputsParams
 from spindle.entrypoints.chat_utils import chat_messages
-from spindle.entrypoints.tool_calls import (ToolCall, check_tools, forced_calls, forced_schema,
-                                            hermes_calls, tool_choice_of)
+from spindle.entrypoints.tool_calls import check_tools, forced_calls, forced_schema, tool_choice_of
 
 WEATHER = {"type": "object",
            "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
@@ -41,11 +40,8 @@ FLAGS = ("--device", "cpu", "--dtype", "float32", "--max-model-len", "1024")
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    srv = RemoteServer(str(tiny_model(arch="llama")), *FLAGS, "--served-model-name", "tiny",
-                       "--tool-call-parser", "hermes",
-                       log_path=tmp_path_factory.mktemp("serve") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    yield from served(tmp_path_factory, str(tiny_model(arch="llama")), *FLAGS,
+                      "--served-model-name", "tiny", "--tool-call-parser", "hermes")
 
 
 @pytest.fixture(scope="module")
@@ -188,12 +184,6 @@ def test_bad_tool_requests_get_400(server, body, param):
 
 
 def test_tool_helpers():
-    assert hermes_calls('a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
-                        '<tool_call>{"name": "g", "arguments": {}}</tool_call>') == (
-        "a", [ToolCall("f", '{"x": 1}'), ToolCall("g", "{}")])
-    broken = "<tool_call>{not json}</tool_call>"
-    assert hermes_calls(broken) == (broken, [])
-    assert hermes_calls("plain") == ("plain", [])
     assert tool_choice_of(None, TOOLS) == "auto" and tool_choice_of(None, None) == "none"
     assert forced_schema(TOOLS, "get_time") == TIME
     assert [c.name for c in forced_calls('[{"name": "get_time", "parameters": {"zone": "x"}}]',
@@ -208,34 +198,28 @@ def test_tool_helpers():
             {"type": "function", "function": {"name": "f", "arguments": "{"}}]}])
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
-     None, [("f", {"a": 1}), ("g", {})]),
-    (' {"name": "f", "arguments": {"a": [1, 2]}}\n', None, [("f", {"a": [1, 2]})]),
-    ('It is sunny. {"name": "f", "parameters": {}}', "same", []),
-    ('{"name": "f", "parameters": {}} and more', "same", []),
-    ('{"city": "Oslo"}', "same", []),
-])
-def test_llama3_json_parser(text, content, calls):
-    from spindle.entrypoints.tool_calls import llama3_json_calls
-
-    got_content, got = llama3_json_calls(text)
-    assert got_content == (text if content == "same" else content)
-    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
-
-
-@pytest.mark.parametrize("text, content, calls", [
-    ('Let me check. [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, '
+@pytest.mark.parametrize("parser, text, content, calls", [
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; '
+     '{"name": "g", "parameters": {}}', None, [("f", {"a": 1}), ("g", {})]),
+    ("llama3_json", ' {"name": "f", "arguments": {"a": [1, 2]}}\n', None, [("f", {"a": [1, 2]})]),
+    ("llama3_json", 'It is sunny. {"name": "f", "parameters": {}}', "same", []),
+    ("llama3_json", '{"name": "f", "parameters": {}} and more', "same", []),
+    ("llama3_json", '{"city": "Oslo"}', "same", []),
+    ("mistral", 'Let me check. [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, '
      '{"name": "g", "arguments": {}}]', "Let me check.", [("f", {"x": 1}), ("g", {})]),
-    ('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{"y": "a b"}', None,
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{"y": "a b"}', None,
      [("f", {"x": 1}), ("g", {"y": "a b"})]),
-    ("[TOOL_CALLS]f[ARGS]{not json}", "same", []),
-    ("[TOOL_CALLS] sorry, no", "same", []),
-    ("no calls here", "same", []),
+    ("mistral", "[TOOL_CALLS]f[ARGS]{not json}", "same", []),
+    ("mistral", "[TOOL_CALLS] sorry, no", "same", []),
+    ("mistral", "no calls here", "same", []),
+    ("hermes", 'a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+     '<tool_call>{"name": "g", "arguments": {}}</tool_call>', "a", [("f", {"x": 1}), ("g", {})]),
+    ("hermes", "<tool_call>{not json}</tool_call>", "same", []),
+    ("hermes", "plain", "same", []),
 ])
-def test_mistral_parser(text, content, calls):
-    from spindle.entrypoints.tool_calls import mistral_calls
+def test_tool_call_parsers(parser, text, content, calls):
+    from spindle.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
-    got_content, got = mistral_calls(text)
+    got_content, got = TOOL_CALL_PARSERS[parser](text)
     assert got_content == (text if content == "same" else content)
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
