@@ -45,8 +45,8 @@ class StructuredOutputsParams:
         self.validate()
 
     def validate(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError("StructuredOutputsParams takes exactly one of json, regex, "
                              f"choice, json_object; got {given or 'none'}")
@@ -58,6 +58,11 @@ class StructuredOutputsParams:
         elif self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError("StructuredOutputsParams.json must be a JSON schema (a dict or "
                              f"its JSON text), got {type(self.json).__name__}")
+        elif isinstance(self.json, dict):
+            try:
+                json.dumps(self.json)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"StructuredOutputsParams.json is no JSON data: {e}") from e
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError(f"StructuredOutputsParams.regex must be a string, got "
                              f"{type(self.regex).__name__}")

@@ -174,6 +174,7 @@ def test_free_and_structured_requests_share_a_batch(llm):
     (dict(regex=r"(?=a)b"), "structured_outputs"),
     (dict(json={"type": "integer", "minimum": 3}), "minimum"),
     (dict(json={"type": "frobnicate"}), "frobnicate"),
+    (dict(json=False), "false"),
 ])
 def test_a_bad_grammar_fails_its_request_alone(llm, structured, message):
     engine, _ = llm
@@ -188,6 +189,8 @@ def test_a_bad_grammar_fails_its_request_alone(llm, structured, message):
     (dict(regex="a", choice=["a"]), "exactly one"),
     (dict(choice=[]), "choice"),
     (dict(json="{not json"), "not valid JSON"),
+    (dict(json={"enum": {1, 2}}), "no JSON data"),
+    (dict(json_object=False), "exactly one"),
 ])
 def test_structured_outputs_params_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
