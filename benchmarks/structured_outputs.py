@@ -7,9 +7,13 @@ token tables built on the first pass are reused). Each answer is checked with th
 
 Printed: the schema's compile time and automaton size, the vocabulary's byte table
 build, the time per automaton state of the token walk, and per run the wall time,
-output tokens per second, finished answers and the share that are valid.
+output tokens per second, finished answers and the share that are valid. --mixed N adds
+what one structured request costs the free ones beside it: N free answers alone, then
+with one structured answer among them (a step holding a structured request waits for
+the step before it, so on a GPU the async overlap pauses while it runs).
 
-    python benchmarks/structured_outputs.py [--new 96] [--json out.json]
+    python benchmarks/structured_outputs.py [--new 96] [--mixed 64] [--device cuda]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,10 +47,25 @@ def questions() -> list[list[dict]]:
               "the keys name, age, city and hobbies."}] for who in PEOPLE]
 
 
-def timed_chat(llm, params) -> tuple[float, list]:
+def timed_chat(llm, params, conversations=None) -> tuple[float, list]:
     start = time.perf_counter()
-    outputs = llm.chat(questions(), params, use_tqdm=False)
+    outputs = llm.chat(conversations or questions(), params, use_tqdm=False)
     return time.perf_counter() - start, [o.outputs[0] for o in outputs]
+
+
+def mixed_rows(llm, free, structured, count: int) -> list[dict]:
+    """count free answers alone, then beside one structured answer: the free ones'
+    output tokens per second."""
+    conversations = (questions() * (count // len(PEOPLE) + 1))[:count]
+    rows = []
+    for name, params in (("free alone", [free] * count),
+                         ("free beside one structured", [free] * count + [structured])):
+        convs = conversations + (conversations[:1] if len(params) > count else [])
+        seconds, samples = timed_chat(llm, params, convs)
+        tokens = sum(len(s.token_ids) for s in samples[:count])
+        rows.append({"run": f"{count} {name}", "seconds": seconds, "tokens": tokens,
+                     "tok_s": tokens / seconds, "finished": None, "valid": None})
+    return rows
 
 
 def validity(samples) -> tuple[int, int]:
@@ -92,13 +111,18 @@ def automaton_costs(llm) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new", type=int, default=96, help="max new tokens per answer")
+    parser.add_argument("--mixed", type=int, default=0,
+                        help="also time this many free answers with and without one "
+                             "structured answer among them (0: not)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 there)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
     from spindle import LLM, SamplingParams, StructuredOutputsParams
     from spindle.tools.smollm2 import smollm2_checkpoint
 
-    llm = LLM(str(smollm2_checkpoint()), device="cpu", max_model_len=1024)
+    dtype = "bfloat16" if args.device == "cuda" else "auto"
+    llm = LLM(str(smollm2_checkpoint()), device=args.device, dtype=dtype, max_model_len=1024)
     free = SamplingParams(temperature=0.0, max_tokens=args.new)
     structured = SamplingParams(temperature=0.0, max_tokens=args.new,
                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
@@ -112,18 +136,22 @@ def main() -> None:
         rows.append({"run": name, "seconds": seconds, "tokens": tokens,
                      "tok_s": tokens / seconds, "finished": finished, "valid": valid,
                      "example": samples[0].text})
+    if args.mixed:
+        rows += mixed_rows(llm, free, structured, args.mixed)
     costs = automaton_costs(llm)
     llm.shutdown()
 
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {args.device}, "
+          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     for key, value in costs.items():
         print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
     print(f"\n| run | s | tokens | tok/s | finished | valid JSON of the schema |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        checked = (f"{r['finished']}/{len(PEOPLE)} | {r['valid']}/{len(PEOPLE)}"
+                   if r["finished"] is not None else "- | -")
         print(f"| {r['run']} | {r['seconds']:.2f} | {r['tokens']} | {r['tok_s']:.0f} | "
-              f"{r['finished']}/{len(PEOPLE)} | {r['valid']}/{len(PEOPLE)} |")
+              f"{checked} |")
     print(f"\nfirst answer under the schema: {rows[1]['example']}")
     if args.json:
         with open(args.json, "w") as f:
