@@ -108,6 +108,17 @@ def test_auto_reads_hermes_blocks(client):
     plain = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS,
                                            temperature=0, max_tokens=8)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+    # Streamed: the content first, the call in the last chunk.
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=80, stream=True,
+        extra_body={"chat_template": TEMPLATE, "structured_outputs": {"regex": block}}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Sure."
+    (streamed,) = [t for d in deltas for t in d.tool_calls or []]
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name,
+                                                                     call.function.arguments)
+    assert deltas[-1].tool_calls and not deltas[-2].tool_calls
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
 def test_a_streamed_named_call_streams_its_arguments(client):
@@ -223,3 +234,32 @@ def test_tool_call_parsers(parser, text, content, calls):
     got_content, got = TOOL_CALL_PARSERS[parser](text)
     assert got_content == (text if content == "same" else content)
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", 'Let me look.  \n<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'),
+    ("hermes", "  plain answer <tool_ no tag"),
+    ("hermes", "bad <tool_call>{nope}</tool_call> end"),
+    ("hermes", '<tool_call>{"name": "g", "arguments": {}}</tool_call>'),
+    ("hermes", "trailing   "),
+    ("mistral", 'Sure [TOOL_CALLS] [{"name": "f", "arguments": {}}]'),
+    ("mistral", "no [TOOL_ calls"),
+    ("llama3_json", ' {"name": "f", "parameters": {}}'),
+    ("llama3_json", "It is 5 {not}"),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}'),
+    ("llama3_json", "<|pyt"),
+])
+def test_an_auto_answer_streamed_in_any_pieces_gives_the_whole_answers_content_and_calls(
+        parser, text):
+    import random
+
+    from spindle.entrypoints.tool_calls import TOOL_CALL_PARSERS, ToolCallStream
+
+    content, calls = TOOL_CALL_PARSERS[parser](text)
+    for seed in range(30):
+        rng, stream, sent, i = random.Random(seed), ToolCallStream(parser), "", 0
+        while i < len(text):
+            j = i + rng.randint(1, 5)
+            sent, i = sent + stream.feed(text[i:j]), j
+        rest, got = stream.finish()
+        assert ((sent + rest) or None, got) == (content, calls)

@@ -184,7 +184,7 @@ def mistral_calls(text: str) -> tuple[str | None, list[ToolCall]]:
             calls = [None]  # (text between the pieces: not a call list)
     if not calls or None in calls:
         return text, []
-    return head.strip() or None, calls
+    return head.rstrip() or None, calls
 
 
 def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -203,7 +203,7 @@ def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         if call is None:
             return text, []
         calls.append(call)
-    content = text[:text.index("<tool_call>")].strip()
+    content = text[:text.index("<tool_call>")].rstrip()
     return content or None, calls
 
 
@@ -212,3 +212,67 @@ TOOL_CALL_PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_json_calls,
                      "mistral": mistral_calls}
 # Parsers whose format starts with a special token the text must keep.
 KEEPS_SPECIAL_TOKENS = ("mistral",)
+# Where a parser's calls begin in an answer: text before it is content (None: the
+# whole answer is calls or content, llama3_json's way).
+CALL_MARKERS = {"hermes": "<tool_call>", "mistral": _MISTRAL_TAG, "llama3_json": None}
+_PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolCallStream:
+    """An auto answer streamed as content for as long as it surely is content: up to
+    where calls may begin (a marker, or a piece of one, waits; so does the whitespace
+    before it, which the parsers cut), or, for llama3_json, all of an answer that does
+    not open like a call. The rest is read at the end with the parser: what was sent
+    plus finish()'s content is the whole answer's content."""
+
+    def __init__(self, parser: str) -> None:
+        self.parse = TOOL_CALL_PARSERS[parser]
+        self.marker = CALL_MARKERS[parser]
+        self.text = ""
+        self.sent = 0
+        self.held = False  # calls may have begun: nothing more is sent before the end
+
+    def feed(self, delta: str) -> str:
+        """The content delta may add now."""
+        self.text += delta
+        if self.held:
+            return ""
+        if self.marker is None:
+            head = self.text.lstrip()
+            if head.startswith("{") or head.startswith(_PYTHON_TAG):
+                self.held = True
+                return ""
+            if not head or _PYTHON_TAG.startswith(head):
+                return ""
+            return self._send(len(self.text))
+        found = self.text.find(self.marker, self.sent)
+        if found >= 0:
+            self.held = True
+            return self._send(len(self.text[:found].rstrip()))
+        end = len(self.text) - _partial_suffix(self.text, self.marker)
+        return self._send(len(self.text[:end].rstrip()))
+
+    def _send(self, end: int) -> str:
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def unsent(self) -> str:
+        """The text not sent yet, as it is (an answer cut short: nothing is parsed)."""
+        return self.text[self.sent:]
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(the content not sent yet, the calls) once the answer is whole."""
+        content, calls = self.parse(self.text)
+        content = content or ""
+        if not content.startswith(self.text[:self.sent]):
+            raise RuntimeError("tool call stream: content sent ahead of the parser's")
+        return content[self.sent:], calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of text that is a proper start of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

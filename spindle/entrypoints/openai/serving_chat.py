@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, AsyncIterator
+from functools import partial
+from typing import Any, AsyncIterator, Callable
 
 from spindle.entrypoints.chat_utils import chat_messages, render_chat_prompt
 from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error, bad_request
 from spindle.entrypoints.reasoning import (ReasoningSplitter, split_reasoning,
                                           splits_constrained_answers)
 from spindle.entrypoints.tool_calls import (KEEPS_SPECIAL_TOKENS, TOOL_CALL_PARSERS, ToolCall,
-                                            forced_calls)
+                                            ToolCallStream, forced_calls)
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
                                                      final_outputs, logprob_token_count,
                                                      merge_streams, prompt_logprobs_json,
@@ -48,10 +49,11 @@ class ChatServing(OpenAIServing):
         if req.stream:
             header = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                       "model": model}
-            if calls in ("auto", "required"):
+            if calls == "required":
                 return self._stream_tool_answer(req, header, streams, calls, special, reasoning)
-            return self._stream(req, header, streams, params.stop_holdback, special, reasoning,
-                                named_call=calls)
+            return self._stream(req, header, streams, params.stop_holdback, special, partial(
+                _ChoiceDeltas, reasoning, None if calls == "auto" else calls,
+                self.tool_call_parser if calls == "auto" else None))
         (output,) = await final_outputs(streams)
         k = req.top_logprobs or 0
         choices = []
@@ -90,9 +92,9 @@ class ChatServing(OpenAIServing):
     async def _stream_tool_answer(self, req: ChatCompletionRequest, header: dict, streams,
                                   calls: str, special: frozenset[int],
                                   reasoning: str | None) -> AsyncIterator[str]:
-        """A stream of an answer whose tool calls are read out of it (tool_choice auto or
-        required): whole once it is finished (its calls can only be read then), as the
-        role chunk, then one chunk with the content or the calls and the finish reason."""
+        """A stream of an answer with tool_choice required: whole once it is finished
+        (its calls, a JSON list, can only be read then), as the role chunk, then one
+        chunk with the calls and the finish reason."""
         k = req.top_logprobs or 0
         try:
             (output,) = await final_outputs(streams)
@@ -119,13 +121,11 @@ class ChatServing(OpenAIServing):
         yield SSE_DONE
 
     async def _stream(self, req: ChatCompletionRequest, header: dict, streams, holdback: int,
-                      special: frozenset[int], reasoning: str | None,
-                      named_call: str | None = None) -> AsyncIterator[str]:
-        """Text deltas as they come; named_call: a forced function, whose arguments
-        (the whole answer) stream as its call's argument deltas, as OpenAI streams them."""
+                      special: frozenset[int],
+                      make_deltas: Callable[[], "_ChoiceDeltas"]) -> AsyncIterator[str]:
+        """Each choice's text as it comes, made into deltas by its own make_deltas()."""
         progress: dict[int, StreamProgress] = {}
-        splitters: dict[int, ReasoningSplitter] = {}
-        opened: set[int] = set()  # choices whose forced call was sent its id and name
+        deltas: dict[int, _ChoiceDeltas] = {}
         k = req.top_logprobs or 0
         prompt_tokens = completion_tokens = 0
         try:
@@ -146,20 +146,14 @@ class ChatServing(OpenAIServing):
                         if state.finished:
                             end = max(first, min(end, logprob_token_count(
                                 c, special, req.skip_special_tokens)))
-                        delta = {"content": text} if text else {}
-                        if named_call is not None:
-                            delta = _argument_delta(named_call, text, c.index not in opened)
-                            opened.add(c.index)
-                        elif reasoning is not None:
-                            delta = _split_delta(splitters.setdefault(
-                                c.index, ReasoningSplitter(reasoning)), text, state.finished)
+                        delta, finish_reason = deltas.setdefault(c.index, make_deltas()).make(
+                            text, state.finished, c.finish_reason)
                         choice = _delta_choice(c.index, delta,
                                                _logprobs(c, first, c.token_ids[first:end], k),
                                                output.weight_version)
                         if state.finished:
-                            called = named_call is not None and c.finish_reason == "stop"
-                            choice["finish_reason"], choice["stop_reason"] = (
-                                "tool_calls" if called else c.finish_reason, c.stop_reason)
+                            choice["finish_reason"], choice["stop_reason"] = (finish_reason,
+                                                                              c.stop_reason)
                         yield sse({**header, "choices": [choice]})
                     if output.finished:
                         prompt_tokens += len(output.prompt_token_ids)
@@ -170,6 +164,43 @@ class ChatServing(OpenAIServing):
         except Exception as e:  # the headers are sent: report in-band, as OpenAI does
             yield sse(api_error(e).body())
         yield SSE_DONE
+
+
+class _ChoiceDeltas:
+    """How one streamed choice's new text becomes its delta: as content; split into
+    reasoning and reply (reasoning: the server's parser); a forced function's argument
+    deltas (named_call); or, with tool_choice auto (auto_parser), content for as long as
+    it surely is content, the calls read when the answer ends."""
+
+    def __init__(self, reasoning: str | None, named_call: str | None,
+                 auto_parser: str | None) -> None:
+        self.splitter = ReasoningSplitter(reasoning) if reasoning else None
+        self.named_call = named_call
+        self.tools = ToolCallStream(auto_parser) if auto_parser else None
+        self.opened = False  # the forced call's id and name were sent
+
+    def make(self, text: str, finished: bool,
+             finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """(the delta, the choice's finish reason once finished)."""
+        if self.named_call is not None:
+            delta = _argument_delta(self.named_call, text, not self.opened)
+            self.opened = True
+            return delta, "tool_calls" if finish_reason == "stop" else finish_reason
+        thought, content = self.splitter.feed(text, finished) if self.splitter else ("", text)
+        calls: list = []
+        if self.tools is not None:
+            content = self.tools.feed(content)
+            if finished:
+                rest, calls = (self.tools.finish() if finish_reason == "stop"
+                               else (self.tools.unsent(), []))
+                content += rest
+        delta = {key: value for key, value in (("reasoning_content", thought),
+                                               ("content", content)) if value}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call.to_openai()}
+                                   for i, call in enumerate(calls)]
+            return delta, "tool_calls"
+        return delta, finish_reason
 
 
 def _message(c: CompletionOutput, calls: str | None, reasoning: str | None,
@@ -206,13 +237,6 @@ def _argument_delta(name: str, text: str, opens: bool) -> dict[str, Any]:
         call.update(id=opened["id"], type="function")
         call["function"]["name"] = name
     return {"tool_calls": [call]}
-
-
-def _split_delta(splitter: ReasoningSplitter, text: str, final: bool) -> dict[str, str]:
-    """A streamed chunk's delta with its text split into reasoning and reply."""
-    thought, reply = splitter.feed(text, final)
-    return {key: value for key, value in (("reasoning_content", thought), ("content", reply))
-            if value}
 
 
 def _delta_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
