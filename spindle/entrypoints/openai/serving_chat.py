@@ -51,9 +51,8 @@ class ChatServing(OpenAIServing):
                       "model": model}
             if calls == "required":
                 return self._stream_tool_answer(req, header, streams, calls, special, reasoning)
-            return self._stream(req, header, streams, params.stop_holdback, special, partial(
-                _ChoiceDeltas, reasoning, None if calls == "auto" else calls,
-                self.tool_call_parser if calls == "auto" else None))
+            return self._stream(req, header, streams, params.stop_holdback, special,
+                                self._deltas_maker(calls, reasoning))
         (output,) = await final_outputs(streams)
         k = req.top_logprobs or 0
         choices = []
@@ -80,6 +79,13 @@ class ChatServing(OpenAIServing):
                               "started with --tool-call-parser; or force a choice (required, "
                               "or a named function)", "tool_choice")
         return tools, choice if tools and choice != "none" else None
+
+    def _deltas_maker(self, calls: str | None, reasoning: str | None) -> Callable:
+        """What makes a streamed choice's deltas: calls is None (no tools), "auto" (read
+        by the server's parser) or a forced function's name."""
+        auto = calls == "auto"
+        return partial(_ChoiceDeltas, reasoning, None if auto else calls,
+                       self.tool_call_parser if auto else None)
 
     def _reasoning_parser_for(self, params: Any) -> str | None:
         """The parser that splits this request's answers (None: no split)."""
