@@ -17,10 +17,10 @@ from spindle.config import EngineArgs
 from spindle.engine.llm_engine import LLMEngine, PromptType
 from spindle.engine.pooling_inputs import pretokenize
 from spindle.entrypoints.chat_utils import render_chat_prompt
+from spindle.entrypoints.tool_calls import check_tools
 from spindle.logger import configure_logging
 from spindle.outputs import EmbeddingRequestOutput, RequestFailedError, RequestOutput
 from spindle.pooling_params import PoolingParams
-from spindle.entrypoints.tool_calls import check_tools
 from spindle.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}

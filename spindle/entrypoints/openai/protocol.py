@@ -18,8 +18,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from spindle.engine.input_processor import PromptTooLongError
 from spindle.engine.pause import EngineUnavailableError, SleepModeUnavailableError
-from spindle.outputs import RequestFailedError
 from spindle.entrypoints.tool_calls import check_tools, forced_schema, tool_choice_of
+from spindle.outputs import RequestFailedError
 from spindle.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20

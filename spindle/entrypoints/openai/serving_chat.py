@@ -10,14 +10,14 @@ from typing import Any, AsyncIterator, Callable
 
 from spindle.entrypoints.chat_utils import chat_messages, render_chat_prompt
 from spindle.entrypoints.openai.protocol import ChatCompletionRequest, api_error, bad_request
-from spindle.entrypoints.reasoning import (ReasoningSplitter, split_reasoning,
-                                          splits_constrained_answers)
-from spindle.entrypoints.tool_calls import (KEEPS_SPECIAL_TOKENS, TOOL_CALL_PARSERS, ToolCall,
-                                            ToolCallStream, forced_calls)
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
                                                      final_outputs, logprob_token_count,
                                                      merge_streams, prompt_logprobs_json,
                                                      raise_if_aborted, sse, usage, usage_of)
+from spindle.entrypoints.reasoning import (ReasoningSplitter, split_reasoning,
+                                          splits_constrained_answers)
+from spindle.entrypoints.tool_calls import (KEEPS_SPECIAL_TOKENS, TOOL_CALL_PARSERS, ToolCall,
+                                            ToolCallStream, forced_calls)
 from spindle.outputs import CompletionOutput, finite_logprob
 
 

@@ -31,9 +31,10 @@ class MambaMetadata:
     query_start_loc_cpu: torch.Tensor | None = None
     has_initial_state_cpu: torch.Tensor | None = None
     state_indices_cpu: torch.Tensor | None = None
-    # [num_reqs] bool, host: the request's tokens this step are prompt tokens (None:
-    # unknown, inside CUDA graphs, which the runner keeps to generated tokens for models
-    # that tell the two apart: MambaMixer(limit_decode_steps=False)).
+    # [num_reqs] bool, host: the request's tokens this step are prompt tokens. Set only
+    # for models whose state layers tell the two apart (MambaMixer(limit_decode_steps=
+    # False)); None otherwise, and inside CUDA graphs, which the runner then keeps to
+    # generated tokens.
     prompt_rows_cpu: torch.Tensor | None = None
     # What the layers derive from this step's metadata once and share (the SSD scan's
     # chunk table, the split of a mixed step): one metadata object serves every layer

@@ -39,17 +39,22 @@ def prompt_rows(batch: StepBatch) -> np.ndarray:
 class MambaHybridModelState(DefaultModelState):
     needs_kv_cache = True
     supports_cuda_graphs = True
-    _prompts_differ: bool | None = None  # (graph_can_take's, found on first use)
+    _prompts_differ: bool | None = None  # (prompts_differ's answer, found on first use)
+
+    def prompts_differ(self) -> bool:
+        """Whether the model's state layers compute a prompt token otherwise than a
+        generated one (by_step_kind's prompts_as_prefill: Zamba2). Only then does a step
+        need its prompt rows, a Python pass over its requests."""
+        if self._prompts_differ is None:
+            self._prompts_differ = any(m.decode_time_step_limit != m.time_step_limit
+                                       for m in self.model.modules()
+                                       if isinstance(m, MambaMixer))
+        return self._prompts_differ
 
     def graph_can_take(self, batch: StepBatch) -> bool:
-        """A model whose state layers compute a prompt token otherwise than a generated
-        one (by_step_kind's prompts_as_prefill) runs a step holding prompt tokens
-        eagerly: inside a graph every one-token row is a decode row."""
-        if self._prompts_differ is None:
-            self._prompts_differ = any(
-                getattr(m, "decode_time_step_limit", None) != getattr(m, "time_step_limit", None)
-                for m in self.model.modules() if isinstance(m, MambaMixer))
-        return not (self._prompts_differ and prompt_rows(batch).any())
+        """Such a model runs a step holding prompt tokens eagerly: inside a graph every
+        one-token row is a decode row."""
+        return not (self.prompts_differ() and prompt_rows(batch).any())
 
     def state_metadata(self, batch: StepBatch, group: CacheGroup, common: dict) -> MambaMetadata:
         if batch.state_slots is None:
@@ -64,7 +69,8 @@ class MambaHybridModelState(DefaultModelState):
             query_start_loc_cpu=common["query_start_loc_cpu"],
             has_initial_state_cpu=torch.from_numpy(has_initial),
             state_indices_cpu=torch.from_numpy(np.ascontiguousarray(batch.state_slots)),
-            prompt_rows_cpu=torch.from_numpy(prompt_rows(batch)))
+            prompt_rows_cpu=(torch.from_numpy(prompt_rows(batch)) if self.prompts_differ()
+                             else None))
 
     def dummy_state_metadata(self, group: CacheGroup, query_start_loc: torch.Tensor,
                              tokens_per_req: int) -> MambaMetadata:
