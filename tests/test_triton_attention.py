@@ -615,8 +615,8 @@ def test_decode_order_is_longest_first_with_ties_and_padding_in_batch_order():
     order = decode_order(np.array([5, 900, 5, 0, 37, 900, 0]))
     assert order.dtype == np.int32
     assert order.tolist() == [1, 5, 4, 0, 2, 3, 6]
-    assert longest_first_enabled({LONGEST_FIRST_ENV: "1"})
-    assert not longest_first_enabled({}) and not longest_first_enabled({LONGEST_FIRST_ENV: "0"})
+    assert longest_first_enabled({LONGEST_FIRST_ENV: "1"}) and longest_first_enabled({})
+    assert not longest_first_enabled({LONGEST_FIRST_ENV: "0"})
     with pytest.raises(ValueError, match=f"{LONGEST_FIRST_ENV} must be 0 or 1"):
         longest_first_enabled({LONGEST_FIRST_ENV: "yes"})
 
