@@ -5,9 +5,8 @@ one process to the next on the same machine, so one run per variant says little)
 A variant is a name and the environment variables it sets; "main=" sets none:
 
     python benchmarks/switch_ab.py --variant main= \\
-        --variant lf=SPINDLE_DECODE_LONGEST_FIRST=1 \\
-        --variant wk=SPINDLE_SKINNY_WHOLE_K=1 \\
-        --variant both=SPINDLE_DECODE_LONGEST_FIRST=1,SPINDLE_SKINNY_WHOLE_K=1 \\
+        --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 \\
+        --variant both_off=SPINDLE_DECODE_LONGEST_FIRST=0,SPINDLE_PDL=0 \\
         [--rounds 2] [--skip-nano] [--json out.json] [--out-dir DIR]
 
 Every run uses one random checkpoint (written by the first). Prints per variant the

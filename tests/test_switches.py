@@ -49,7 +49,6 @@ READERS = {
     "SPINDLE_SKINNY_GEMM": _skinny_applies,
     "SPINDLE_PDL": lambda: pdl.enabled(torch.device("cpu")),
     "SPINDLE_DECODE_LONGEST_FIRST": metadata.longest_first_enabled,
-    "SPINDLE_SKINNY_WHOLE_K": skinny_gemm.whole_k_enabled,
 }
 
 

@@ -14,7 +14,6 @@ CUDA graphs can capture it. This module knows nothing of layers or parallelism.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,8 +31,6 @@ MAX_M = 16
 _BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
 _DEEP_BLOCK_K = 256  # K tile of an unsplit program with few N tiles (pick_config)
 SWITCH_ENV = "SPINDLE_SKINNY_GEMM"  # "0": cuBLAS for every shape (A/B runs)
-WHOLE_K_ENV = "SPINDLE_SKINNY_WHOLE_K"
-_WHOLE_K_TILE = (16, 1024)  # (block_n, block_k) of whole_k_config
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -190,30 +187,9 @@ def pick_config(n: int, k: int, num_sms: int,
                                       splits[-1]))
 
 
-def whole_k_config(n: int, k: int, num_sms: int) -> SkinnyConfig | None:
-    """Tiles of 16 weight rows by 1024 columns, K split into 1024-column pieces: each
-    program's tile is then its whole share of the weight, and the kernel loads it
-    before waiting for the kernel before (pdl.wait), so under PDL the weight streams
-    in while that kernel finishes and only x, one dot and the store are left after
-    the wait. None where K is not a multiple of 1024 or there would be more than four
-    programs per SM (an LM head: a stream, not a wait). SPINDLE_SKINNY_WHOLE_K=1 uses it
-    (off by default until measured on a GPU)."""
-    block_n, block_k = _WHOLE_K_TILE
-    if k % block_k or triton.cdiv(n, block_n) > 4 * num_sms:
-        return None
-    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=k // block_k,
-                        num_warps=4, num_stages=2)
-
-
-def whole_k_enabled(environ=os.environ) -> bool:
-    return on_off(WHOLE_K_ENV, False, environ)
-
-
 @functools.lru_cache(maxsize=None)
 def _default_config(n: int, k: int, device: torch.device) -> SkinnyConfig:
-    num_sms = _num_sms(device)
-    whole = whole_k_config(n, k, num_sms) if whole_k_enabled() else None
-    return whole or pick_config(n, k, num_sms)
+    return pick_config(n, k, _num_sms(device))
 
 
 @functools.lru_cache(maxsize=None)
