@@ -17,7 +17,9 @@ MiniCPM3 (latent attention with the plain rotary, maximal-update scalings); Huny
 xIELU MLP without a gate, q/k norms); Jais 2 (StarCoder2's layer shape with a relu^2
 MLP); InternLM3 (Llama with biases, served as transformers serves it); Ministral
 (Mistral with a window on every other layer); Ministral 3 (queries scaled by position
-past the original length, YaRN)."""
+past the original length, YaRN); GPT-NeoX (Pythia): LayerNorms and biases, a quarter of
+each head rotated, parallel residual layers (and sequential ones), q/k/v fused per head
+in the checkpoint."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from spindle import LLM, SamplingParams
 from test_generate_vs_hf import hf_greedy
@@ -51,6 +54,8 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "exaone4": dict(num_layers=3),
          "exaone4-global": dict(num_layers=2, sliding_window=None,
                                 layer_types=["full_attention"] * 2),
+         "gpt_neox": dict(num_layers=3),
+         "gpt_neox-sequential": dict(num_layers=2, use_parallel_residual=False),
          "smollm3": dict(num_layers=4, no_rope_layer_interval=2),
          "smollm3-windows": dict(num_layers=4, no_rope_layer_interval=2,
                                  use_sliding_window=True, sliding_window=8)}
@@ -105,3 +110,52 @@ def test_smollm3_bf16_on_the_cpu_keeps_close_to_float32(tiny_model):
                                use_tqdm=False)
     agree = [o.outputs[0].token_ids[:3] == tokens[:3] for o, (tokens, _) in zip(outputs, expected)]
     assert sum(agree) >= 2, agree
+
+
+def test_gpt_neox_reads_the_hub_names_and_skips_old_buffers(tiny_model, tmp_path):
+    """Pythia's hub checkpoints name the head ``embed_out`` (transformers 5 writes
+    ``lm_head``) and older ones carry the causal mask and rotary frequencies as tensors:
+    the same model loads from either."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_model("gpt_neox", num_layers=2)
+    hub = tmp_path / "hub"
+    shutil.copytree(path, hub)
+    (weights_file,) = hub.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    tensors["embed_out.weight"] = tensors.pop("lm_head.weight")
+    for i in range(2):
+        tensors[f"gpt_neox.layers.{i}.attention.bias"] = torch.ones(1, 1, 8, 8).bool()
+        tensors[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+        tensors[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = torch.ones(2)
+    save_file(tensors, weights_file)
+    index = hub / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()
+    runs = []
+    for checkpoint in (path, hub):
+        with LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=256) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
+                                   use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outputs])
+    assert runs[0] == runs[1]
+    assert runs[0] == [tokens for tokens, _ in hf_greedy(path, prompts(), MAX_NEW)]
+
+
+def test_gpt_neox_refuses_what_it_would_get_wrong():
+    from types import SimpleNamespace
+
+    from spindle.models.gpt_neox import GPTNeoXForCausalLM
+
+    def config(**fields):
+        base = dict(hidden_act="gelu", hidden_size=64, num_attention_heads=4,
+                    max_position_embeddings=64,
+                    rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+        return SimpleNamespace(**{**base, **fields})
+
+    GPTNeoXForCausalLM.check_config(config())
+    with pytest.raises(ValueError, match="hidden_act 'relu' is not supported"):
+        GPTNeoXForCausalLM.check_config(config(hidden_act="relu"))
+    with pytest.raises(ValueError, match="turns 3 features of each head"):
+        GPTNeoXForCausalLM.check_config(config(rope_parameters={
+            "rope_theta": 10000.0, "partial_rotary_factor": 0.1875}))

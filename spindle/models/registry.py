@@ -41,6 +41,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "GemmaForCausalLM": "spindle.models.gemma:GemmaForCausalLM",
     "CohereForCausalLM": "spindle.models.cohere:CohereForCausalLM",
     "Starcoder2ForCausalLM": "spindle.models.starcoder2:Starcoder2ForCausalLM",
+    "GPTNeoXForCausalLM": "spindle.models.gpt_neox:GPTNeoXForCausalLM",
     "Jais2ForCausalLM": "spindle.models.starcoder2:Jais2ForCausalLM",
     "Cohere2ForCausalLM": "spindle.models.cohere:Cohere2ForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",

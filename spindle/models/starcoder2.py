@@ -8,7 +8,7 @@ with biases (``attention_bias``), and NemotronH's gate-less relu^2 MLP (``mlp_bi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +26,17 @@ ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 
 
 class Starcoder2MLP(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup, bias: bool | None = None,
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """bias, act: where a family names them otherwise (default: ``use_bias`` and
+        ``hidden_act``)."""
         super().__init__()
-        bias = bool(getattr(hf_config, "use_bias", True))
+        bias = bool(getattr(hf_config, "use_bias", True)) if bias is None else bias
         self.c_fc = ColumnParallelLinear(hf_config.hidden_size, hf_config.intermediate_size,
                                          bias=bias, tp_group=tp_group)
         self.c_proj = RowParallelLinear(hf_config.intermediate_size, hf_config.hidden_size,
                                         bias=bias, tp_group=tp_group)
-        self.act = ACTIVATIONS[hf_config.hidden_act]
+        self.act = act or ACTIVATIONS[hf_config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))

@@ -96,6 +96,7 @@ ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "cohere": "CohereForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
     "jais2": "Jais2ForCausalLM",
     "internlm3": "InternLM3ForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
@@ -132,6 +133,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                   "cohere": "CohereConfig", "cohere2": "Cohere2Config",
                   "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
+                  "gpt_neox": "GPTNeoXConfig",
                   "internlm3": "InternLM3Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
@@ -150,6 +152,9 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Fields of the Llama-style config that a family's configs do not have (GPT-NeoX: every
+# head has its keys and values; its head size is hidden / heads; its norms are LayerNorms).
+FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -360,6 +365,10 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "starcoder2":  # LayerNorms, biases, a plain GELU MLP, a window of 8
         return {"hidden_act": "gelu_pytorch_tanh", "use_bias": True, "sliding_window": 8,
                 "norm_epsilon": 1e-5}
+    if arch == "gpt_neox":  # Pythia's: parallel residual, a quarter of each head rotated
+        return {"hidden_act": "gelu", "use_parallel_residual": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.25}}
     if arch in ("cohere", "cohere2"):  # parallel layers, a logit scale away from 1 (and
         # Cohere2: a window of 8 on the first two of every three layers, global ones unrotated)
         fields = {"logit_scale": 0.5, "use_qk_norm": False}
@@ -512,6 +521,8 @@ def _hf_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
         pad_token_id=PAD_ID, hidden_act="silu",
     )
+    for name in FIELDS_NOT_IN.get(arch, ()):  # (as the family's real configs lack them)
+        del fields[name]
     # An architecture's own meaning of a field wins (Mamba2's head_dim is its SSM heads').
     config = config_class(**{**fields, **extra})
     config.architectures = [ARCHITECTURES[arch]]

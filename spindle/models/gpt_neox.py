@@ -1,0 +1,156 @@
+"""GPTNeoXForCausalLM (EleutherAI's GPT-NeoX-20B and the Pythia suite, and the models
+trained with their code): LayerNorms with biases; attention with biases whose rotary
+turns the first ``partial_rotary_factor`` of each head (``rotary_pct``, a quarter by
+default) the rotate-half way; a plain GELU MLP; and by default the "parallel residual"
+layer, where attention and the MLP both read the layer's input through their own norms
+and their outputs join the residual stream together (``use_parallel_residual``).
+
+The checkpoint fuses q, k and v into ``query_key_value`` with each head's q, k and v
+rows side by side ([heads, 3, head_dim] rows); they are split at load into the merged
+projection's shards. The head (``embed_out``) is not tied to the embedding."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import PipelineStage
+from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
+from spindle.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from spindle.attention.layer import Attention
+from spindle.models.bamba import apply_partial_rotary
+from spindle.models.causal_lm import DecoderForCausalLM, embedded
+from spindle.layers.embedding import VocabParallelEmbedding
+from spindle.models.starcoder2 import Starcoder2MLP
+
+# HF's names for the exact GELU and its tanh approximations (gelu_new and gelu_fast are
+# the tanh formula written two ways).
+ACTIVATIONS = {"gelu": F.gelu,
+               **{name: (lambda x: F.gelu(x, approximate="tanh"))
+                  for name in ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")}}
+# Tensors of older checkpoints that are buffers, not weights (the causal mask, the
+# rotary frequencies).
+_BUFFERS = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
+
+
+def rotary_dim(hf_config: Any) -> int:
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    factor = rope_parameters_from_config(hf_config).get(
+        "partial_rotary_factor", getattr(hf_config, "rotary_pct", 1.0))
+    return int(head_dim * factor)
+
+
+class GPTNeoXAttention(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        heads = hf_config.num_attention_heads
+        self.head_dim = hf_config.hidden_size // heads
+        bias = bool(getattr(hf_config, "attention_bias", True))
+        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, heads, heads,
+                                          bias=bias, tp_group=tp_group)
+        self.num_heads = self.qkv_proj.num_heads  # rank-local
+        self.o_proj = RowParallelLinear(hf_config.hidden_size, hf_config.hidden_size,
+                                        bias=bias, tp_group=tp_group)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_heads)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        shape = (q.shape[0], self.num_heads, self.head_dim)
+        q = apply_partial_rotary(q.reshape(shape), cos, sin).flatten(1)
+        k = apply_partial_rotary(k.reshape(shape), cos, sin).flatten(1)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class GPTNeoXLayer(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        eps = hf_config.layer_norm_eps
+        self.parallel_residual = bool(getattr(hf_config, "use_parallel_residual", True))
+        self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, eps=eps)
+        self.post_attention_layernorm = nn.LayerNorm(hf_config.hidden_size, eps=eps)
+        self.self_attn = GPTNeoXAttention(hf_config, tp_group)
+        self.mlp = Starcoder2MLP(hf_config, tp_group, bias=True,
+                                 act=ACTIVATIONS[hf_config.hidden_act])
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden_states), cos, sin)
+        if self.parallel_residual:  # (summed in transformers' order)
+            return self.mlp(self.post_attention_layernorm(hidden_states)) + attended \
+                + hidden_states
+        hidden_states = attended + hidden_states
+        return self.mlp(self.post_attention_layernorm(hidden_states)) + hidden_states
+
+
+class GPTNeoXModel(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                   tp_group=tp_group)
+        self.layers = nn.ModuleList(GPTNeoXLayer(hf_config, tp_group)
+                                    for _ in range(hf_config.num_hidden_layers))
+        self.norm = nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps)
+        params = dict(rope_parameters_from_config(hf_config))
+        params.pop("partial_rotary_factor", None)  # the table covers the rotated part only
+        self.rotary_emb = RotaryEmbedding(rotary_dim(hf_config),
+                                          hf_config.max_position_embeddings, params)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: Any = None) -> torch.Tensor:
+        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin)
+        return self.norm(hidden_states)
+
+
+class GPTNeoXForCausalLM(DecoderForCausalLM):
+    supports_pipeline_parallel = False
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage | None = None) -> None:
+        super().__init__()
+        self.check_config(hf_config)
+        self.build_single_stage(hf_config, tp_group, stage, GPTNeoXModel)
+
+    @staticmethod
+    def check_config(hf_config: Any) -> None:
+        if hf_config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (known: "
+                             f"{sorted(ACTIVATIONS)})")
+        if rotary_dim(hf_config) % 2:
+            raise ValueError(f"the rotary turns {rotary_dim(hf_config)} features of each "
+                             "head; it needs an even number")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._our_names(weights))
+
+    def _our_names(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """GPT-NeoX's checkpoint names as the Llama-style ones this model's parameters
+        load from; query_key_value split into q, k and v; the buffers skipped."""
+        heads = self.config.num_attention_heads
+        for name, tensor in weights:
+            if name.endswith(_BUFFERS):
+                continue
+            name = (name.replace("gpt_neox.embed_in.", "model.embed_tokens.")
+                    .replace("gpt_neox.final_layer_norm.", "model.norm.")
+                    .replace("gpt_neox.layers.", "model.layers.")
+                    .replace("embed_out.", "lm_head.")
+                    .replace(".attention.dense.", ".self_attn.o_proj.")
+                    .replace(".mlp.dense_h_to_4h.", ".mlp.c_fc.")
+                    .replace(".mlp.dense_4h_to_h.", ".mlp.c_proj."))
+            if ".attention.query_key_value." in name:
+                per_head = tensor.unflatten(0, (heads, 3, -1))
+                for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
+                    yield (name.replace(".attention.query_key_value.", f".self_attn.{part}."),
+                           per_head[:, i].flatten(0, 1))
+            else:
+                yield name, tensor
