@@ -19,7 +19,8 @@ MLP); InternLM3 (Llama with biases, served as transformers serves it); Ministral
 (Mistral with a window on every other layer); Ministral 3 (queries scaled by position
 past the original length, YaRN); GPT-NeoX (Pythia): LayerNorms and biases, a quarter of
 each head rotated, parallel residual layers (and sequential ones), q/k/v fused per head
-in the checkpoint."""
+in the checkpoint; Phi (phi-2): parallel attention and MLP after one LayerNorm, half of
+each head rotated, per-head q/k LayerNorms (phi's option), the LM head's bias."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
                                 layer_types=["full_attention"] * 2),
          "gpt_neox": dict(num_layers=3),
          "gpt_neox-sequential": dict(num_layers=2, use_parallel_residual=False),
+         "phi": dict(num_layers=3),
+         "phi-qk_norms": dict(num_layers=2, qk_layernorm=True, tie_word_embeddings=True),
          "smollm3": dict(num_layers=4, no_rope_layer_interval=2),
          "smollm3-windows": dict(num_layers=4, no_rope_layer_interval=2,
                                  use_sliding_window=True, sliding_window=8)}

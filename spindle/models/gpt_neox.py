@@ -17,14 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spindle.attention.layer import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
+from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
 from spindle.layers.rotary import RotaryEmbedding, rope_parameters_from_config
-from spindle.attention.layer import Attention
 from spindle.models.bamba import apply_partial_rotary
 from spindle.models.causal_lm import DecoderForCausalLM, embedded
-from spindle.layers.embedding import VocabParallelEmbedding
+from spindle.models.llama import head_dim_of
 from spindle.models.starcoder2 import Starcoder2MLP
 
 # HF's names for the exact GELU and its tanh approximations (gelu_new and gelu_fast are
@@ -38,32 +39,56 @@ _BUFFERS = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
 
 
 def rotary_dim(hf_config: Any) -> int:
-    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
     factor = rope_parameters_from_config(hf_config).get(
         "partial_rotary_factor", getattr(hf_config, "rotary_pct", 1.0))
-    return int(head_dim * factor)
+    return int(head_dim_of(hf_config) * factor)
 
 
-class GPTNeoXAttention(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+def partial_rotary_table(hf_config: Any) -> RotaryEmbedding:
+    """The rotary table of the rotated features only (rotary_dim of each head)."""
+    params = dict(rope_parameters_from_config(hf_config))
+    params.pop("partial_rotary_factor", None)
+    return RotaryEmbedding(rotary_dim(hf_config), hf_config.max_position_embeddings, params)
+
+
+def check_rotary_dim(hf_config: Any) -> None:
+    if rotary_dim(hf_config) % 2:
+        raise ValueError(f"the rotary turns {rotary_dim(hf_config)} features of each head; "
+                         "it needs an even number")
+
+
+class PartialRotaryAttention(nn.Module):
+    """Attention with biases whose rotary turns the first features of each head (the
+    step's table says how many); qk_norm_eps: a LayerNorm on each head of q and k first
+    (Phi's ``qk_layernorm``)."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup, num_kv_heads: int,
+                 bias: bool, qk_norm_eps: float | None = None) -> None:
         super().__init__()
         heads = hf_config.num_attention_heads
-        self.head_dim = hf_config.hidden_size // heads
-        bias = bool(getattr(hf_config, "attention_bias", True))
-        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, heads, heads,
-                                          bias=bias, tp_group=tp_group)
+        self.head_dim = head_dim_of(hf_config)
+        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, heads,
+                                          num_kv_heads, bias=bias, tp_group=tp_group)
         self.num_heads = self.qkv_proj.num_heads  # rank-local
-        self.o_proj = RowParallelLinear(hf_config.hidden_size, hf_config.hidden_size,
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hf_config.hidden_size,
                                         bias=bias, tp_group=tp_group)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_heads)
+                              self.num_kv_heads)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = nn.LayerNorm(self.head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.LayerNorm(self.head_dim, eps=qk_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
-        shape = (q.shape[0], self.num_heads, self.head_dim)
-        q = apply_partial_rotary(q.reshape(shape), cos, sin).flatten(1)
-        k = apply_partial_rotary(k.reshape(shape), cos, sin).flatten(1)
+        q = q.reshape(q.shape[0], self.num_heads, self.head_dim)
+        k = k.reshape(k.shape[0], self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_partial_rotary(q, cos, sin).flatten(1)
+        k = apply_partial_rotary(k, cos, sin).flatten(1)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -74,7 +99,9 @@ class GPTNeoXLayer(nn.Module):
         self.parallel_residual = bool(getattr(hf_config, "use_parallel_residual", True))
         self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, eps=eps)
         self.post_attention_layernorm = nn.LayerNorm(hf_config.hidden_size, eps=eps)
-        self.self_attn = GPTNeoXAttention(hf_config, tp_group)
+        self.self_attn = PartialRotaryAttention(
+            hf_config, tp_group, hf_config.num_attention_heads,
+            bool(getattr(hf_config, "attention_bias", True)))
         self.mlp = Starcoder2MLP(hf_config, tp_group, bias=True,
                                  act=ACTIVATIONS[hf_config.hidden_act])
 
@@ -96,10 +123,7 @@ class GPTNeoXModel(nn.Module):
         self.layers = nn.ModuleList(GPTNeoXLayer(hf_config, tp_group)
                                     for _ in range(hf_config.num_hidden_layers))
         self.norm = nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps)
-        params = dict(rope_parameters_from_config(hf_config))
-        params.pop("partial_rotary_factor", None)  # the table covers the rotated part only
-        self.rotary_emb = RotaryEmbedding(rotary_dim(hf_config),
-                                          hf_config.max_position_embeddings, params)
+        self.rotary_emb = partial_rotary_table(hf_config)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,
@@ -125,9 +149,7 @@ class GPTNeoXForCausalLM(DecoderForCausalLM):
         if hf_config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (known: "
                              f"{sorted(ACTIVATIONS)})")
-        if rotary_dim(hf_config) % 2:
-            raise ValueError(f"the rotary turns {rotary_dim(hf_config)} features of each "
-                             "head; it needs an even number")
+        check_rotary_dim(hf_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._our_names(weights))

@@ -42,6 +42,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "CohereForCausalLM": "spindle.models.cohere:CohereForCausalLM",
     "Starcoder2ForCausalLM": "spindle.models.starcoder2:Starcoder2ForCausalLM",
     "GPTNeoXForCausalLM": "spindle.models.gpt_neox:GPTNeoXForCausalLM",
+    "PhiForCausalLM": "spindle.models.phi:PhiForCausalLM",
     "Jais2ForCausalLM": "spindle.models.starcoder2:Jais2ForCausalLM",
     "Cohere2ForCausalLM": "spindle.models.cohere:Cohere2ForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",

@@ -97,6 +97,7 @@ ARCHITECTURES = {
     "cohere": "CohereForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "phi": "PhiForCausalLM",
     "jais2": "Jais2ForCausalLM",
     "internlm3": "InternLM3ForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
@@ -133,7 +134,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                   "cohere": "CohereConfig", "cohere2": "Cohere2Config",
                   "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
-                  "gpt_neox": "GPTNeoXConfig",
+                  "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig",
                   "internlm3": "InternLM3Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
@@ -153,8 +154,10 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # Fields of the Llama-style config that a family's configs do not have (GPT-NeoX: every
-# head has its keys and values; its head size is hidden / heads; its norms are LayerNorms).
-FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps")}
+# head has its keys and values; GPT-NeoX and Phi: the head size is hidden / heads, the
+# norms are LayerNorms).
+FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps"),
+                 "phi": ("head_dim", "rms_norm_eps")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -369,6 +372,10 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"hidden_act": "gelu", "use_parallel_residual": True,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                     "partial_rotary_factor": 0.25}}
+    if arch == "phi":  # phi-2's: a parallel layer after one LayerNorm, 0.4 of each head
+        # rotated (here 0.5: an even count of a 16-wide head)
+        return {"hidden_act": "gelu_new", "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
     if arch in ("cohere", "cohere2"):  # parallel layers, a logit scale away from 1 (and
         # Cohere2: a window of 8 on the first two of every three layers, global ones unrotated)
         fields = {"logit_scale": 0.5, "use_qk_norm": False}

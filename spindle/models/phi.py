@@ -1,0 +1,99 @@
+"""PhiForCausalLM (Microsoft's phi-1, phi-1.5 and phi-2): one LayerNorm per layer whose
+output feeds attention and the MLP side by side (x + attn(n) + mlp(n)); attention with
+biases rotating the first ``partial_rotary_factor`` of each head the rotate-half way
+(optionally after a LayerNorm on each head of q and k, ``qk_layernorm``); a plain GELU
+MLP (``fc1``, ``fc2``); a final LayerNorm; and an LM head with a bias, added to the
+logits of every rank's gathered vocabulary."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import PipelineStage
+from spindle.layers.embedding import VocabParallelEmbedding
+from spindle.models.causal_lm import DecoderForCausalLM, embedded
+from spindle.models.gpt_neox import (ACTIVATIONS, PartialRotaryAttention, check_rotary_dim,
+                                     partial_rotary_table)
+from spindle.models.starcoder2 import Starcoder2MLP
+
+
+class PhiLayer(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        eps = hf_config.layer_norm_eps
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) \
+            or hf_config.num_attention_heads
+        self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, eps=eps)
+        self.self_attn = PartialRotaryAttention(
+            hf_config, tp_group, kv_heads, bias=True,
+            qk_norm_eps=eps if getattr(hf_config, "qk_layernorm", False) else None)
+        self.mlp = Starcoder2MLP(hf_config, tp_group, bias=True,
+                                 act=ACTIVATIONS[hf_config.hidden_act])
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        normed = self.input_layernorm(hidden_states)
+        return self.self_attn(normed, cos, sin) + self.mlp(normed) + hidden_states
+
+
+class PhiModel(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                   tp_group=tp_group)
+        self.layers = nn.ModuleList(PhiLayer(hf_config, tp_group)
+                                    for _ in range(hf_config.num_hidden_layers))
+        self.final_layernorm = nn.LayerNorm(hf_config.hidden_size,
+                                            eps=hf_config.layer_norm_eps)
+        self.rotary_emb = partial_rotary_table(hf_config)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: Any = None) -> torch.Tensor:
+        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin)
+        return self.final_layernorm(hidden_states)
+
+
+class PhiForCausalLM(DecoderForCausalLM):
+    supports_pipeline_parallel = False
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage | None = None) -> None:
+        super().__init__()
+        self.check_config(hf_config)
+        self.build_single_stage(hf_config, tp_group, stage, PhiModel)
+        # The head's bias over the whole vocabulary, on every rank (the logits are
+        # gathered whole before it is added).
+        self.lm_head_bias = nn.Parameter(torch.zeros(hf_config.vocab_size),
+                                         requires_grad=False)
+
+    @staticmethod
+    def check_config(hf_config: Any) -> None:
+        if hf_config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (known: "
+                             f"{sorted(ACTIVATIONS)})")
+        check_rotary_dim(hf_config)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden_states) + self.lm_head_bias.to(hidden_states.dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._our_names(weights))
+
+    @staticmethod
+    def _our_names(weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            yield (name.replace("lm_head.bias", "lm_head_bias")
+                   .replace(".self_attn.dense.", ".self_attn.o_proj.")
+                   .replace(".self_attn.q_layernorm.", ".self_attn.q_norm.")
+                   .replace(".self_attn.k_layernorm.", ".self_attn.k_norm.")
+                   .replace(".mlp.fc1.", ".mlp.c_fc.")
+                   .replace(".mlp.fc2.", ".mlp.c_proj.")), tensor
