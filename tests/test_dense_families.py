@@ -20,7 +20,9 @@ MLP); InternLM3 (Llama with biases, served as transformers serves it); Ministral
 past the original length, YaRN); GPT-NeoX (Pythia): LayerNorms and biases, a quarter of
 each head rotated, parallel residual layers (and sequential ones), q/k/v fused per head
 in the checkpoint; Phi (phi-2): parallel attention and MLP after one LayerNorm, half of
-each head rotated, per-head q/k LayerNorms (phi's option), the LM head's bias."""
+each head rotated, per-head q/k LayerNorms (phi's option), the LM head's bias; GPT-2:
+learned positions, Conv1D weights, fused c_attn, the tied head, scores scaled by the
+inverse layer index (an option)."""
 
 from __future__ import annotations
 
@@ -58,6 +60,8 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "gpt_neox": dict(num_layers=3),
          "gpt_neox-sequential": dict(num_layers=2, use_parallel_residual=False),
          "phi": dict(num_layers=3),
+         "gpt2": dict(num_layers=3, tie_word_embeddings=True),
+         "gpt2-layer_scaled": dict(num_layers=2, scale_attn_by_inverse_layer_idx=True),
          "phi-qk_norms": dict(num_layers=2, qk_layernorm=True, tie_word_embeddings=True),
          "smollm3": dict(num_layers=4, no_rope_layer_interval=2),
          "smollm3-windows": dict(num_layers=4, no_rope_layer_interval=2,
@@ -162,3 +166,39 @@ def test_gpt_neox_refuses_what_it_would_get_wrong():
     with pytest.raises(ValueError, match="turns 3 features of each head"):
         GPTNeoXForCausalLM.check_config(config(rope_parameters={
             "rope_theta": 10000.0, "partial_rotary_factor": 0.1875}))
+
+
+def test_gpt2_reads_the_old_names_and_skips_the_mask_buffers(tiny_model, tmp_path):
+    """The original GPT-2 checkpoints name their tensors without ``transformer.`` and
+    carry each layer's causal mask: the same model loads from either form."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_model("gpt2", num_layers=3, tie_word_embeddings=True)
+    old = tmp_path / "old"
+    shutil.copytree(path, old)
+    (weights_file,) = old.glob("*.safetensors")
+    tensors = {name.removeprefix("transformer."): t for name, t in load_file(weights_file).items()}
+    for i in range(3):
+        tensors[f"h.{i}.attn.bias"] = torch.ones(1, 1, 8, 8)
+        tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(tensors, weights_file)
+    runs = []
+    for checkpoint in (path, old):
+        with LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=256) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
+                                   use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outputs])
+    assert runs[0] == runs[1] == [tokens for tokens, _ in hf_greedy(path, prompts(), MAX_NEW)]
+
+
+def test_gpt2_refuses_what_it_would_get_wrong():
+    from types import SimpleNamespace
+
+    from spindle.models.gpt2 import GPT2LMHeadModel
+
+    GPT2LMHeadModel.check_config(SimpleNamespace(activation_function="gelu_new"))
+    with pytest.raises(ValueError, match="activation_function 'swish' is not supported"):
+        GPT2LMHeadModel.check_config(SimpleNamespace(activation_function="swish"))
+    with pytest.raises(ValueError, match="cross-attention"):
+        GPT2LMHeadModel.check_config(SimpleNamespace(activation_function="gelu",
+                                                     add_cross_attention=True))

@@ -98,6 +98,7 @@ ARCHITECTURES = {
     "starcoder2": "Starcoder2ForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "phi": "PhiForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
     "jais2": "Jais2ForCausalLM",
     "internlm3": "InternLM3ForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
@@ -134,7 +135,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                   "cohere": "CohereConfig", "cohere2": "Cohere2Config",
                   "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
-                  "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig",
+                  "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig", "gpt2": "GPT2Config",
                   "internlm3": "InternLM3Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
@@ -155,9 +156,11 @@ PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # Fields of the Llama-style config that a family's configs do not have (GPT-NeoX: every
 # head has its keys and values; GPT-NeoX and Phi: the head size is hidden / heads, the
-# norms are LayerNorms).
+# norms are LayerNorms; GPT-2 names its activation and MLP width otherwise).
 FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps"),
-                 "phi": ("head_dim", "rms_norm_eps")}
+                 "phi": ("head_dim", "rms_norm_eps"),
+                 "gpt2": ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
+                          "intermediate_size")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -372,6 +375,8 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"hidden_act": "gelu", "use_parallel_residual": True,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                     "partial_rotary_factor": 0.25}}
+    if arch == "gpt2":  # GPT-2's own: the tanh GELU, an MLP of 4 x hidden
+        return {"activation_function": "gelu_new", "n_inner": None}
     if arch == "phi":  # phi-2's: a parallel layer after one LayerNorm, 0.4 of each head
         # rotated (here 0.5: an even count of a 16-wide head)
         return {"hidden_act": "gelu_new", "rope_parameters": {
@@ -590,8 +595,9 @@ def _tie_zamba2_blocks(model: torch.nn.Module) -> None:
                 layers[source].shared_transformer.state_dict())
 
 
-# Norm weights (initialised as ones): "norm_f" is the final norm of Mamba2 / NemotronH.
-NORM_WEIGHTS = ("norm.weight", "norm_f.weight")
+# Norm weights (initialised as ones): "norm_f" is the final norm of Mamba2 / NemotronH,
+# "ln_*" GPT-2's.
+NORM_WEIGHTS = ("norm.weight", "norm_f.weight", ".ln_1.weight", ".ln_2.weight", "ln_f.weight")
 # Per-head parameters of Mamba2 layers, initialised as ones / log(1..H) by transformers:
 # rescaling them by their std (0 for ones) would give NaN.
 SSM_PARAMETERS = (".A_log", ".D", ".dt_bias")

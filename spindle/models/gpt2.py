@@ -1,0 +1,143 @@
+"""GPT2LMHeadModel (OpenAI's GPT-2 and DistilGPT2, and the many models fine-tuned from
+them): learned absolute position embeddings added to the token embeddings, pre-norm
+layers with LayerNorms, attention with biases and no rotary, a plain GELU MLP, a final
+LayerNorm and an LM head tied to the embedding.
+
+The checkpoint's projections are ``Conv1D``s, whose weights are stored [in, out]: they
+are transposed at load, and the fused ``c_attn`` ([q | k | v] columns) is split into the
+merged projection's shards. Older checkpoints name the tensors without the
+``transformer.`` prefix and carry the causal mask (``attn.bias``, ``attn.masked_bias``):
+both are read."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from spindle.attention.layer import Attention
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import PipelineStage
+from spindle.layers.embedding import VocabParallelEmbedding
+from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
+from spindle.models.causal_lm import DecoderForCausalLM, embedded
+from spindle.models.gpt_neox import ACTIVATIONS
+from spindle.models.starcoder2 import Starcoder2MLP
+
+_BUFFERS = (".attn.bias", ".attn.masked_bias")
+# The Conv1D weights ([in, out] in the checkpoint) and the names they load as.
+_CONV1D = {".attn.c_proj.": ".attn.o_proj.", ".mlp.c_fc.": ".mlp.c_fc.",
+           ".mlp.c_proj.": ".mlp.c_proj."}
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
+        head_dim = hidden // heads
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, heads, bias=True,
+                                          tp_group=tp_group)
+        self.o_proj = RowParallelLinear(hidden, hidden, bias=True, tp_group=tp_group)
+        scale = head_dim ** -0.5 if getattr(hf_config, "scale_attn_weights", True) else 1.0
+        if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
+            scale /= layer_idx + 1
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, scale,
+                              self.qkv_proj.num_kv_heads)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        return self.o_proj(self.attn(q, k, v))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        eps = hf_config.layer_norm_epsilon
+        hidden = hf_config.hidden_size
+        inner = getattr(hf_config, "n_inner", None) or 4 * hidden
+        self.ln_1 = nn.LayerNorm(hidden, eps=eps)
+        self.attn = GPT2Attention(hf_config, layer_idx, tp_group)
+        self.ln_2 = nn.LayerNorm(hidden, eps=eps)
+        self.mlp = Starcoder2MLP(SimpleNamespace(hidden_size=hidden, intermediate_size=inner),
+                                 tp_group, bias=True,
+                                 act=ACTIVATIONS[hf_config.activation_function])
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.attn(self.ln_1(hidden_states)) + hidden_states
+        return self.mlp(self.ln_2(hidden_states)) + hidden_states
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                   tp_group=tp_group)
+        # (Replicated on every rank: one row per position is read.)
+        self.wpe = nn.Embedding(hf_config.max_position_embeddings, hf_config.hidden_size)
+        self.layers = nn.ModuleList(GPT2Block(hf_config, i, tp_group)
+                                    for i in range(hf_config.num_hidden_layers))
+        self.norm = nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: Any = None) -> torch.Tensor:
+        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
+        hidden_states = hidden_states + self.wpe(positions).to(hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return self.norm(hidden_states)
+
+
+class GPT2LMHeadModel(DecoderForCausalLM):
+    supports_pipeline_parallel = False
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage | None = None) -> None:
+        super().__init__()
+        self.check_config(hf_config)
+        self.build_single_stage(hf_config, tp_group, stage, GPT2Model,
+                                tie=bool(getattr(hf_config, "tie_word_embeddings", True)))
+
+    @staticmethod
+    def check_config(hf_config: Any) -> None:
+        if hf_config.activation_function not in ACTIVATIONS:
+            raise ValueError(f"activation_function {hf_config.activation_function!r} is not "
+                             f"supported (known: {sorted(ACTIVATIONS)})")
+        if getattr(hf_config, "add_cross_attention", False):
+            raise ValueError("GPT-2 with cross-attention (add_cross_attention) is not "
+                             "supported")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._our_names(weights))
+
+    @staticmethod
+    def _our_names(weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """GPT-2's checkpoint names (with or without ``transformer.``) as this model's;
+        Conv1D weights transposed; c_attn split into q, k and v; the mask buffers
+        skipped."""
+        for name, tensor in weights:
+            if name.endswith(_BUFFERS):
+                continue
+            if name.startswith("transformer."):
+                name = name[len("transformer."):]
+            if not name.startswith("lm_head."):
+                name = "model." + (name.replace("wte.", "embed_tokens.", 1)
+                                   .replace("ln_f.", "norm.", 1)
+                                   .replace("h.", "layers.", 1) if name.startswith(
+                                       ("wte.", "ln_f.", "h.")) else name)
+            if ".attn.c_attn." in name:
+                if name.endswith(".weight"):
+                    tensor = tensor.t()
+                for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3, dim=0)):
+                    yield name.replace(".attn.c_attn.", f".attn.{part}."), piece
+                continue
+            for theirs, ours in _CONV1D.items():
+                if theirs in name:
+                    name = name.replace(theirs, ours)
+                    if name.endswith(".weight"):
+                        tensor = tensor.t()
+                    break
+            yield name, tensor
