@@ -22,7 +22,8 @@ each head rotated, parallel residual layers (and sequential ones), q/k/v fused p
 in the checkpoint; Phi (phi-2): parallel attention and MLP after one LayerNorm, half of
 each head rotated, per-head q/k LayerNorms (phi's option), the LM head's bias; GPT-2:
 learned positions, Conv1D weights, fused c_attn, the tied head, scores scaled by the
-inverse layer index (an option)."""
+inverse layer index (an option); StableLM: LayerNorms, Llama's MLP and grouped-query
+attention with a quarter-head rotary and q/k/v biases, sequential or parallel layers."""
 
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "gpt_neox-sequential": dict(num_layers=2, use_parallel_residual=False),
          "phi": dict(num_layers=3),
          "gpt2": dict(num_layers=3, tie_word_embeddings=True),
+         "stablelm": dict(num_layers=3),
+         "stablelm-parallel": dict(num_layers=2, use_parallel_residual=True,
+                                   use_qkv_bias=False),
          "gpt2-layer_scaled": dict(num_layers=2, scale_attn_by_inverse_layer_idx=True),
          "phi-qk_norms": dict(num_layers=2, qk_layernorm=True, tie_word_embeddings=True),
          "smollm3": dict(num_layers=4, no_rope_layer_interval=2),
@@ -202,3 +206,13 @@ def test_gpt2_refuses_what_it_would_get_wrong():
     with pytest.raises(ValueError, match="cross-attention"):
         GPT2LMHeadModel.check_config(SimpleNamespace(activation_function="gelu",
                                                      add_cross_attention=True))
+
+
+def test_stablelm_refuses_per_head_q_k_norms(tiny_model, tmp_path):
+    path = tiny_model("stablelm", num_layers=2)
+    copy = tmp_path / "qk"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "qk_layernorm": True}))
+    with pytest.raises(ValueError, match="per-head q/k LayerNorms"):
+        LLM(str(copy), device="cpu", dtype="float32", max_model_len=64)

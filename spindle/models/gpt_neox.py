@@ -58,12 +58,13 @@ def check_rotary_dim(hf_config: Any) -> None:
 
 
 class PartialRotaryAttention(nn.Module):
-    """Attention with biases whose rotary turns the first features of each head (the
-    step's table says how many); qk_norm_eps: a LayerNorm on each head of q and k first
-    (Phi's ``qk_layernorm``)."""
+    """Attention whose rotary turns the first features of each head (the step's table
+    says how many); bias: on q, k, v (and o, unless o_bias says otherwise); qk_norm_eps:
+    a LayerNorm on each head of q and k first (Phi's ``qk_layernorm``)."""
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup, num_kv_heads: int,
-                 bias: bool, qk_norm_eps: float | None = None) -> None:
+                 bias: bool, qk_norm_eps: float | None = None,
+                 o_bias: bool | None = None) -> None:
         super().__init__()
         heads = hf_config.num_attention_heads
         self.head_dim = head_dim_of(hf_config)
@@ -72,7 +73,8 @@ class PartialRotaryAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # rank-local
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(heads * self.head_dim, hf_config.hidden_size,
-                                        bias=bias, tp_group=tp_group)
+                                        bias=bias if o_bias is None else o_bias,
+                                        tp_group=tp_group)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads)
         self.q_norm = self.k_norm = None

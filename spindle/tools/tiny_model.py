@@ -99,6 +99,7 @@ ARCHITECTURES = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "phi": "PhiForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "stablelm": "StableLmForCausalLM",
     "jais2": "Jais2ForCausalLM",
     "internlm3": "InternLM3ForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
@@ -136,6 +137,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "cohere": "CohereConfig", "cohere2": "Cohere2Config",
                   "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
                   "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig", "gpt2": "GPT2Config",
+                  "stablelm": "StableLmConfig",
                   "internlm3": "InternLM3Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
 # transformers writes and reads; its modules hold the experts stacked instead): the
@@ -155,10 +157,11 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # Fields of the Llama-style config that a family's configs do not have (GPT-NeoX: every
-# head has its keys and values; GPT-NeoX and Phi: the head size is hidden / heads, the
-# norms are LayerNorms; GPT-2 names its activation and MLP width otherwise).
+# head has its keys and values; GPT-NeoX, Phi, StableLM: the head size is hidden / heads,
+# the norms are LayerNorms; GPT-2 names its activation and MLP width otherwise).
 FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps"),
                  "phi": ("head_dim", "rms_norm_eps"),
+                 "stablelm": ("head_dim", "rms_norm_eps"),
                  "gpt2": ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
                           "intermediate_size")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -375,6 +378,10 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"hidden_act": "gelu", "use_parallel_residual": True,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                     "partial_rotary_factor": 0.25}}
+    if arch == "stablelm":  # StableLM 2 1.6B's: q/k/v biases, a quarter of each head
+        # rotated
+        return {"use_qkv_bias": True, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
     if arch == "gpt2":  # GPT-2's own: the tanh GELU, an MLP of 4 x hidden
         return {"activation_function": "gelu_new", "n_inner": None}
     if arch == "phi":  # phi-2's: a parallel layer after one LayerNorm, 0.4 of each head
