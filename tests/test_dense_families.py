@@ -22,7 +22,8 @@ each head rotated, parallel residual layers (and sequential ones), q/k/v fused p
 in the checkpoint; Phi (phi-2): parallel attention and MLP after one LayerNorm, half of
 each head rotated, per-head q/k LayerNorms (phi's option), the LM head's bias; GPT-2:
 learned positions, Conv1D weights, fused c_attn, the tied head, scores scaled by the
-inverse layer index (an option); StableLM: LayerNorms, Llama's MLP and grouped-query
+inverse layer index (an option); GPTBigCode (StarCoder 1): GPT-2 with Linear weights and
+one key/value head (or c_attn interleaved per head without multi_query); StableLM: LayerNorms, Llama's MLP and grouped-query
 attention with a quarter-head rotary and q/k/v biases, sequential or parallel layers."""
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "gpt_neox-sequential": dict(num_layers=2, use_parallel_residual=False),
          "phi": dict(num_layers=3),
          "gpt2": dict(num_layers=3, tie_word_embeddings=True),
+         "gpt_bigcode": dict(num_layers=3, tie_word_embeddings=True),
+         "gpt_bigcode-multi_head": dict(num_layers=2, multi_query=False),
          "stablelm": dict(num_layers=3),
          "stablelm-parallel": dict(num_layers=2, use_parallel_residual=True,
                                    use_qkv_bias=False),

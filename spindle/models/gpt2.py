@@ -32,13 +32,18 @@ _CONV1D = {".attn.c_proj.": ".attn.o_proj.", ".mlp.c_fc.": ".mlp.c_fc.",
            ".mlp.c_proj.": ".mlp.c_proj."}
 
 
+def kv_heads_of(hf_config: Any) -> int:
+    """GPT-2: every head its own keys and values; GPTBigCode's ``multi_query``: one."""
+    return 1 if getattr(hf_config, "multi_query", False) else hf_config.num_attention_heads
+
+
 class GPT2Attention(nn.Module):
     def __init__(self, hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup) -> None:
         super().__init__()
         heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
         head_dim = hidden // heads
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, heads, bias=True,
-                                          tp_group=tp_group)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads_of(hf_config),
+                                          bias=True, tp_group=tp_group)
         self.o_proj = RowParallelLinear(hidden, hidden, bias=True, tp_group=tp_group)
         scale = head_dim ** -0.5 if getattr(hf_config, "scale_attn_weights", True) else 1.0
         if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
@@ -109,11 +114,17 @@ class GPT2LMHeadModel(DecoderForCausalLM):
             raise ValueError("GPT-2 with cross-attention (add_cross_attention) is not "
                              "supported")
 
+    # Whether the checkpoint's projections are Conv1Ds ([in, out]: transposed at load).
+    conv1d = True
+
+    def split_c_attn(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """c_attn's rows ([out, in] by now) as q, k and v: [q | k | v]."""
+        return tensor.chunk(3, dim=0)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._our_names(weights))
 
-    @staticmethod
-    def _our_names(weights: Iterable[tuple[str, torch.Tensor]]
+    def _our_names(self, weights: Iterable[tuple[str, torch.Tensor]]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
         """GPT-2's checkpoint names (with or without ``transformer.``) as this model's;
         Conv1D weights transposed; c_attn split into q, k and v; the mask buffers
@@ -129,15 +140,33 @@ class GPT2LMHeadModel(DecoderForCausalLM):
                                    .replace("h.", "layers.", 1) if name.startswith(
                                        ("wte.", "ln_f.", "h.")) else name)
             if ".attn.c_attn." in name:
-                if name.endswith(".weight"):
+                if self.conv1d and name.endswith(".weight"):
                     tensor = tensor.t()
-                for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3, dim=0)):
+                for part, piece in zip(("q_proj", "k_proj", "v_proj"), self.split_c_attn(tensor)):
                     yield name.replace(".attn.c_attn.", f".attn.{part}."), piece
                 continue
             for theirs, ours in _CONV1D.items():
                 if theirs in name:
                     name = name.replace(theirs, ours)
-                    if name.endswith(".weight"):
+                    if self.conv1d and name.endswith(".weight"):
                         tensor = tensor.t()
                     break
             yield name, tensor
+
+
+class GPTBigCodeForCausalLM(GPT2LMHeadModel):
+    """GPTBigCode (BigCode's StarCoder 1, SantaCoder, and their fine-tunes): GPT-2's
+    layers with ``nn.Linear`` projections and, with ``multi_query``, one key/value head
+    shared by every query head (c_attn's rows: [q | k | v] with k and v one head wide);
+    without it c_attn interleaves each head's q, k and v rows, as GPT-NeoX does. Its
+    float32 softmax options change nothing here: attention's softmax is float32."""
+
+    conv1d = False
+
+    def split_c_attn(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        heads, hidden = self.config.num_attention_heads, self.config.hidden_size
+        if getattr(self.config, "multi_query", False):
+            head_dim = hidden // heads
+            return tensor.split([hidden, head_dim, head_dim], dim=0)
+        per_head = tensor.unflatten(0, (heads, 3, -1))
+        return tuple(per_head[:, i].flatten(0, 1) for i in range(3))

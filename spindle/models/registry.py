@@ -44,6 +44,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "GPTNeoXForCausalLM": "spindle.models.gpt_neox:GPTNeoXForCausalLM",
     "PhiForCausalLM": "spindle.models.phi:PhiForCausalLM",
     "GPT2LMHeadModel": "spindle.models.gpt2:GPT2LMHeadModel",
+    "GPTBigCodeForCausalLM": "spindle.models.gpt2:GPTBigCodeForCausalLM",
     "StableLmForCausalLM": "spindle.models.stablelm:StableLmForCausalLM",
     "Jais2ForCausalLM": "spindle.models.starcoder2:Jais2ForCausalLM",
     "Cohere2ForCausalLM": "spindle.models.cohere:Cohere2ForCausalLM",
