@@ -23,7 +23,9 @@ in the checkpoint; Phi (phi-2): parallel attention and MLP after one LayerNorm, 
 each head rotated, per-head q/k LayerNorms (phi's option), the LM head's bias; GPT-2:
 learned positions, Conv1D weights, fused c_attn, the tied head, scores scaled by the
 inverse layer index (an option); GPTBigCode (StarCoder 1): GPT-2 with Linear weights and
-one key/value head (or c_attn interleaved per head without multi_query); StableLM: LayerNorms, Llama's MLP and grouped-query
+one key/value head (or c_attn interleaved per head without multi_query); OPT: learned
+positions offset by two, pre-norm layers or OPT-350M's post-norm ones with the embedding
+projected in and out; StableLM: LayerNorms, Llama's MLP and grouped-query
 attention with a quarter-head rotary and q/k/v biases, sequential or parallel layers."""
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "gpt2": dict(num_layers=3, tie_word_embeddings=True),
          "gpt_bigcode": dict(num_layers=3, tie_word_embeddings=True),
          "gpt_bigcode-multi_head": dict(num_layers=2, multi_query=False),
+         "opt": dict(num_layers=3, tie_word_embeddings=True),
+         "opt-350m": dict(num_layers=2, do_layer_norm_before=False, word_embed_proj_dim=32,
+                          tie_word_embeddings=True),
          "stablelm": dict(num_layers=3),
          "stablelm-parallel": dict(num_layers=2, use_parallel_residual=True,
                                    use_qkv_bias=False),
@@ -219,3 +224,20 @@ def test_stablelm_refuses_per_head_q_k_norms(tiny_model, tmp_path):
     (copy / "config.json").write_text(json.dumps({**config, "qk_layernorm": True}))
     with pytest.raises(ValueError, match="per-head q/k LayerNorms"):
         LLM(str(copy), device="cpu", dtype="float32", max_model_len=64)
+
+
+def test_opt_reads_both_checkpoint_prefixes():
+    """OPT's hub checkpoints name their tensors ``model.decoder.*`` or, older ones,
+    ``decoder.*``; both load into the same parameters."""
+    from spindle.models.opt import OPTForCausalLM
+
+    names = ["model.decoder.embed_positions.weight", "decoder.embed_positions.weight",
+             "decoder.layers.1.self_attn.out_proj.bias", "model.decoder.layers.0.fc1.weight",
+             "decoder.layers.0.fc2.bias", "model.decoder.project_out.weight", "lm_head.weight",
+             "decoder.final_layer_norm.weight", "model.decoder.layers.2.final_layer_norm.bias"]
+    ours = [name for name, _ in OPTForCausalLM._our_names((n, None) for n in names)]
+    assert ours == ["model.embed_positions.weight", "model.embed_positions.weight",
+                    "model.layers.1.self_attn.o_proj.bias", "model.layers.0.mlp.c_fc.weight",
+                    "model.layers.0.mlp.c_proj.bias", "model.project_out.weight",
+                    "lm_head.weight", "model.final_layer_norm.weight",
+                    "model.layers.2.final_layer_norm.bias"]

@@ -38,13 +38,15 @@ def kv_heads_of(hf_config: Any) -> int:
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup,
+                 bias: bool = True) -> None:
+        """bias: on every projection (OPT's ``enable_bias``)."""
         super().__init__()
         heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
         head_dim = hidden // heads
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads_of(hf_config),
-                                          bias=True, tp_group=tp_group)
-        self.o_proj = RowParallelLinear(hidden, hidden, bias=True, tp_group=tp_group)
+                                          bias=bias, tp_group=tp_group)
+        self.o_proj = RowParallelLinear(hidden, hidden, bias=bias, tp_group=tp_group)
         scale = head_dim ** -0.5 if getattr(hf_config, "scale_attn_weights", True) else 1.0
         if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
             scale /= layer_idx + 1

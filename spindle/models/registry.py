@@ -46,6 +46,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "GPT2LMHeadModel": "spindle.models.gpt2:GPT2LMHeadModel",
     "GPTBigCodeForCausalLM": "spindle.models.gpt2:GPTBigCodeForCausalLM",
     "StableLmForCausalLM": "spindle.models.stablelm:StableLmForCausalLM",
+    "OPTForCausalLM": "spindle.models.opt:OPTForCausalLM",
     "Jais2ForCausalLM": "spindle.models.starcoder2:Jais2ForCausalLM",
     "Cohere2ForCausalLM": "spindle.models.cohere:Cohere2ForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",
