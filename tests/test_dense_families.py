@@ -25,7 +25,8 @@ learned positions, Conv1D weights, fused c_attn, the tied head, scores scaled by
 inverse layer index (an option); GPTBigCode (StarCoder 1): GPT-2 with Linear weights and
 one key/value head (or c_attn interleaved per head without multi_query); OPT: learned
 positions offset by two, pre-norm layers or OPT-350M's post-norm ones with the embedding
-projected in and out; StableLM: LayerNorms, Llama's MLP and grouped-query
+projected in and out; GPT-J: parallel layers, interleaved rotary pairs on part of each
+head, the LM head's bias; StableLM: LayerNorms, Llama's MLP and grouped-query
 attention with a quarter-head rotary and q/k/v biases, sequential or parallel layers."""
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "opt": dict(num_layers=3, tie_word_embeddings=True),
          "opt-350m": dict(num_layers=2, do_layer_norm_before=False, word_embed_proj_dim=32,
                           tie_word_embeddings=True),
+         "gptj": dict(num_layers=3),
          "stablelm": dict(num_layers=3),
          "stablelm-parallel": dict(num_layers=2, use_parallel_residual=True,
                                    use_qkv_bias=False),

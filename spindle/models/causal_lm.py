@@ -60,25 +60,29 @@ class DecoderForCausalLM(nn.Module):
 
     model: nn.Module
     lm_head: ParallelLMHead | None
+    # The head's bias over the whole vocabulary (checkpoint ``lm_head.bias``: Phi, GPT-J),
+    # the same on every rank: it is added to the gathered logits. Absent: no bias. (No
+    # class default: a class attribute would hide the registered parameter.)
+    lm_head_bias: nn.Parameter
     stage: PipelineStage
 
     def build_single_stage(self, hf_config: Any, tp_group: TensorParallelGroup,
                            stage: PipelineStage | None,
                            make_model: Callable[[Any, TensorParallelGroup], nn.Module],
-                           tie: bool | None = None) -> None:
+                           tie: bool | None = None, head_bias: bool = False) -> None:
         """The whole model in one pipeline stage (a pipeline of several refused by
         name): stage, config, tp_group, make_model(hf_config, tp_group) as self.model,
-        and the head (tie: as build_lm_head's)."""
+        and the head (tie, head_bias: as build_lm_head's tie and bias)."""
         self.stage = single_stage(type(self).__name__, stage)
         self.config = hf_config
         self.tp_group = tp_group
         self.model = make_model(hf_config, tp_group)
-        self.build_lm_head(hf_config, tp_group, tie=tie)
+        self.build_lm_head(hf_config, tp_group, tie=tie, bias=head_bias)
 
     def build_lm_head(self, hf_config: Any, tp_group: TensorParallelGroup,
-                      tie: bool | None = None) -> None:
+                      tie: bool | None = None, bias: bool = False) -> None:
         """tie: whether the head shares the embedding (default: the config's
-        tie_word_embeddings)."""
+        tie_word_embeddings); bias: a head with a bias (lm_head_bias)."""
         if tie is None:
             tie = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.tie_word_embeddings = tie
@@ -88,6 +92,9 @@ class DecoderForCausalLM(nn.Module):
                                           tp_group=tp_group)
             if self.tie_word_embeddings:
                 self.lm_head.tie_to(self.model.embed_tokens)
+            if bias:
+                self.lm_head_bias = nn.Parameter(torch.zeros(hf_config.vocab_size),
+                                                 requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,
@@ -102,7 +109,9 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size], the full vocabulary on every rank."""
-        return self.lm_head.compute_logits(hidden_states)
+        logits = self.lm_head.compute_logits(hidden_states)
+        bias = getattr(self, "lm_head_bias", None)
+        return logits if bias is None else logits + bias.to(logits.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this rank's parameters.

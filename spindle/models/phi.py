@@ -3,7 +3,7 @@ output feeds attention and the MLP side by side (x + attn(n) + mlp(n)); attentio
 biases rotating the first ``partial_rotary_factor`` of each head the rotate-half way
 (optionally after a LayerNorm on each head of q and k, ``qk_layernorm``); a plain GELU
 MLP (``fc1``, ``fc2``); a final LayerNorm; and an LM head with a bias, added to the
-logits of every rank's gathered vocabulary."""
+logits of every rank's gathered vocabulary (DecoderForCausalLM.lm_head_bias)."""
 
 from __future__ import annotations
 
@@ -68,11 +68,7 @@ class PhiForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.check_config(hf_config)
-        self.build_single_stage(hf_config, tp_group, stage, PhiModel)
-        # The head's bias over the whole vocabulary, on every rank (the logits are
-        # gathered whole before it is added).
-        self.lm_head_bias = nn.Parameter(torch.zeros(hf_config.vocab_size),
-                                         requires_grad=False)
+        self.build_single_stage(hf_config, tp_group, stage, PhiModel, head_bias=True)
 
     @staticmethod
     def check_config(hf_config: Any) -> None:
@@ -80,9 +76,6 @@ class PhiForCausalLM(DecoderForCausalLM):
             raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (known: "
                              f"{sorted(ACTIVATIONS)})")
         check_rotary_dim(hf_config)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return super().compute_logits(hidden_states) + self.lm_head_bias.to(hidden_states.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._our_names(weights))

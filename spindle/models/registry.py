@@ -47,6 +47,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "GPTBigCodeForCausalLM": "spindle.models.gpt2:GPTBigCodeForCausalLM",
     "StableLmForCausalLM": "spindle.models.stablelm:StableLmForCausalLM",
     "OPTForCausalLM": "spindle.models.opt:OPTForCausalLM",
+    "GPTJForCausalLM": "spindle.models.gptj:GPTJForCausalLM",
     "Jais2ForCausalLM": "spindle.models.starcoder2:Jais2ForCausalLM",
     "Cohere2ForCausalLM": "spindle.models.cohere:Cohere2ForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",

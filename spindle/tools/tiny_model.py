@@ -101,6 +101,7 @@ ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "opt": "OPTForCausalLM",
+    "gptj": "GPTJForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "jais2": "Jais2ForCausalLM",
     "internlm3": "InternLM3ForCausalLM",
@@ -140,6 +141,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
                   "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig", "gpt2": "GPT2Config",
                   "gpt_bigcode": "GPTBigCodeConfig", "opt": "OPTConfig",
+                  "gptj": "GPTJConfig",
                   "stablelm": "StableLmConfig",
                   "internlm3": "InternLM3Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
@@ -166,7 +168,7 @@ FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps")
                  "phi": ("head_dim", "rms_norm_eps"),
                  "stablelm": ("head_dim", "rms_norm_eps"),
                  **{arch: ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
-                           "intermediate_size") for arch in ("gpt2", "gpt_bigcode", "opt")}}
+                           "intermediate_size") for arch in ("gpt2", "gpt_bigcode", "opt", "gptj")}}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -387,6 +389,9 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
             "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
     if arch == "gpt2":  # GPT-2's own: the tanh GELU, an MLP of 4 x hidden
         return {"activation_function": "gelu_new", "n_inner": None}
+    if arch == "gptj":  # GPT-J's: half of each head rotated in interleaved pairs
+        return {"activation_function": "gelu_new", "n_inner": None,
+                "rotary_dim": hidden_size // num_heads // 2}
     if arch == "opt":  # OPT's: ReLU, LayerNorms first, an MLP of 2 x hidden
         return {"activation_function": "relu", "ffn_dim": 2 * hidden_size,
                 "do_layer_norm_before": True}

@@ -1,0 +1,116 @@
+"""GPTJForCausalLM (EleutherAI's GPT-J 6B and its fine-tunes): one LayerNorm per layer
+feeding attention and the MLP side by side (x + attn(n) + mlp(n)); attention without
+biases whose rotary turns the first ``rotary_dim`` features of each head in interleaved
+pairs (x0, x1), (x2, x3), ...; a GELU MLP with biases (``fc_in``, ``fc_out``); a final
+LayerNorm; and an LM head with a bias.
+
+The interleaved pairs are served as Cohere's and GLM-4's are: each q/k head's rotated
+rows are permuted at load into the rotate-half layout, which leaves every q . k the
+same."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.distributed.pipeline import PipelineStage
+from spindle.layers.embedding import VocabParallelEmbedding
+from spindle.layers.rotary import RotaryEmbedding, interleaved_rows_as_halves
+from spindle.models.causal_lm import DecoderForCausalLM, embedded
+from spindle.models.gpt_neox import ACTIVATIONS, PartialRotaryAttention
+from spindle.models.starcoder2 import Starcoder2MLP
+
+# Buffers of older checkpoints (the causal mask), and the q/k weights to permute.
+_BUFFERS = (".attn.bias", ".attn.masked_bias")
+_QK = (".attn.q_proj.weight", ".attn.k_proj.weight")
+
+
+def rotary_dim_of(hf_config: Any) -> int:
+    """GPT-J's ``rotary_dim`` (None: the whole head)."""
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    return getattr(hf_config, "rotary_dim", None) or head_dim
+
+
+class GPTJBlock(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.ln_1 = nn.LayerNorm(hidden, eps=hf_config.layer_norm_epsilon)
+        self.attn = PartialRotaryAttention(hf_config, tp_group, hf_config.num_attention_heads,
+                                           bias=False)
+        inner = getattr(hf_config, "n_inner", None) or 4 * hidden
+        self.mlp = Starcoder2MLP(SimpleNamespace(hidden_size=hidden, intermediate_size=inner),
+                                 tp_group, bias=True,
+                                 act=ACTIVATIONS[hf_config.activation_function])
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        normed = self.ln_1(hidden_states)
+        return self.attn(normed, cos, sin) + self.mlp(normed) + hidden_states
+
+
+class GPTJModel(nn.Module):
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                   tp_group=tp_group)
+        self.layers = nn.ModuleList(GPTJBlock(hf_config, tp_group)
+                                    for _ in range(hf_config.num_hidden_layers))
+        self.norm = nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
+        self.rotary_emb = RotaryEmbedding(rotary_dim_of(hf_config),
+                                          hf_config.max_position_embeddings,
+                                          {"rope_type": "default", "rope_theta": 10000.0})
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: Any = None) -> torch.Tensor:
+        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin)
+        return self.norm(hidden_states)
+
+
+class GPTJForCausalLM(DecoderForCausalLM):
+    supports_pipeline_parallel = False
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage | None = None) -> None:
+        super().__init__()
+        self.check_config(hf_config)
+        self.build_single_stage(hf_config, tp_group, stage, GPTJModel, head_bias=True)
+
+    @staticmethod
+    def check_config(hf_config: Any) -> None:
+        if hf_config.activation_function not in ACTIVATIONS:
+            raise ValueError(f"activation_function {hf_config.activation_function!r} is not "
+                             f"supported (known: {sorted(ACTIVATIONS)})")
+        if rotary_dim_of(hf_config) % 2:
+            raise ValueError(f"rotary_dim {rotary_dim_of(hf_config)} must be even")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._our_names(weights))
+
+    def _our_names(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """GPT-J's names as this model's; each q/k head's rotated rows from interleaved
+        pairs to halves; the mask buffers skipped."""
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        rotated = rotary_dim_of(self.config)
+        for name, tensor in weights:
+            if name.endswith(_BUFFERS):
+                continue
+            if name.endswith(_QK):
+                tensor = interleaved_rows_as_halves(tensor, head_dim, rotated)
+            name = (name.replace("transformer.wte.", "model.embed_tokens.")
+                    .replace("transformer.ln_f.", "model.norm.")
+                    .replace("transformer.h.", "model.layers.")
+                    .replace(".attn.out_proj.", ".attn.o_proj.")
+                    .replace(".mlp.fc_in.", ".mlp.c_fc.")
+                    .replace(".mlp.fc_out.", ".mlp.c_proj.")
+                    .replace("lm_head.bias", "lm_head_bias"))
+            yield name, tensor
