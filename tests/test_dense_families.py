@@ -26,7 +26,8 @@ inverse layer index (an option); GPTBigCode (StarCoder 1): GPT-2 with Linear wei
 one key/value head (or c_attn interleaved per head without multi_query); OPT: learned
 positions offset by two, pre-norm layers or OPT-350M's post-norm ones with the embedding
 projected in and out; GPT-J: parallel layers, interleaved rotary pairs on part of each
-head, the LM head's bias; StableLM: LayerNorms, Llama's MLP and grouped-query
+head, the LM head's bias; Falcon: multi-query parallel layers (7B), grouped-query ones
+with two norms or one (40B, 180B), sequential ones with biases; StableLM: LayerNorms, Llama's MLP and grouped-query
 attention with a quarter-head rotary and q/k/v biases, sequential or parallel layers."""
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "opt-350m": dict(num_layers=2, do_layer_norm_before=False, word_embed_proj_dim=32,
                           tie_word_embeddings=True),
          "gptj": dict(num_layers=3),
+         "falcon": dict(num_layers=3, tie_word_embeddings=True),
+         "falcon-new": dict(num_layers=2, new_decoder_architecture=True, num_kv_heads=2),
+         "falcon-one_norm": dict(num_layers=2, new_decoder_architecture=True, num_kv_heads=2,
+                                 num_ln_in_parallel_attn=1, bias=True),
+         "falcon-sequential": dict(num_layers=2, parallel_attn=False, multi_query=False,
+                                   bias=True),
          "stablelm": dict(num_layers=3),
          "stablelm-parallel": dict(num_layers=2, use_parallel_residual=True,
                                    use_qkv_bias=False),

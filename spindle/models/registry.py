@@ -48,6 +48,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "StableLmForCausalLM": "spindle.models.stablelm:StableLmForCausalLM",
     "OPTForCausalLM": "spindle.models.opt:OPTForCausalLM",
     "GPTJForCausalLM": "spindle.models.gptj:GPTJForCausalLM",
+    "FalconForCausalLM": "spindle.models.falcon:FalconForCausalLM",
     "Jais2ForCausalLM": "spindle.models.starcoder2:Jais2ForCausalLM",
     "Cohere2ForCausalLM": "spindle.models.cohere:Cohere2ForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",

@@ -102,6 +102,7 @@ ARCHITECTURES = {
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "opt": "OPTForCausalLM",
     "gptj": "GPTJForCausalLM",
+    "falcon": "FalconForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "jais2": "Jais2ForCausalLM",
     "internlm3": "InternLM3ForCausalLM",
@@ -141,7 +142,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
                   "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig", "gpt2": "GPT2Config",
                   "gpt_bigcode": "GPTBigCodeConfig", "opt": "OPTConfig",
-                  "gptj": "GPTJConfig",
+                  "gptj": "GPTJConfig", "falcon": "FalconConfig",
                   "stablelm": "StableLmConfig",
                   "internlm3": "InternLM3Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
@@ -168,7 +169,8 @@ FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps")
                  "phi": ("head_dim", "rms_norm_eps"),
                  "stablelm": ("head_dim", "rms_norm_eps"),
                  **{arch: ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
-                           "intermediate_size") for arch in ("gpt2", "gpt_bigcode", "opt", "gptj")}}
+                           "intermediate_size") for arch in ("gpt2", "gpt_bigcode", "opt", "gptj",
+                                                              "falcon")}}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -389,6 +391,9 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
             "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
     if arch == "gpt2":  # GPT-2's own: the tanh GELU, an MLP of 4 x hidden
         return {"activation_function": "gelu_new", "n_inner": None}
+    if arch == "falcon":  # Falcon 7B's: multi-query attention beside the MLP, one norm
+        return {"new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,
+                "bias": False, "activation": "gelu", "ffn_hidden_size": 2 * hidden_size}
     if arch == "gptj":  # GPT-J's: half of each head rotated in interleaved pairs
         return {"activation_function": "gelu_new", "n_inner": None,
                 "rotary_dim": hidden_size // num_heads // 2}
@@ -617,8 +622,9 @@ def _tie_zamba2_blocks(model: torch.nn.Module) -> None:
 
 
 # Norm weights (initialised as ones): "norm_f" is the final norm of Mamba2 / NemotronH,
-# "ln_*" GPT-2's.
-NORM_WEIGHTS = ("norm.weight", "norm_f.weight", ".ln_1.weight", ".ln_2.weight", "ln_f.weight")
+# "ln_*" GPT-2's and Falcon's.
+NORM_WEIGHTS = ("norm.weight", "norm_f.weight", ".ln_1.weight", ".ln_2.weight", "ln_f.weight",
+                ".ln_attn.weight", ".ln_mlp.weight")
 # Per-head parameters of Mamba2 layers, initialised as ones / log(1..H) by transformers:
 # rescaling them by their std (0 for ones) would give NaN.
 SSM_PARAMETERS = (".A_log", ".D", ".dt_bias")
