@@ -27,8 +27,9 @@ one key/value head (or c_attn interleaved per head without multi_query); OPT: le
 positions offset by two, pre-norm layers or OPT-350M's post-norm ones with the embedding
 projected in and out; GPT-J: parallel layers, interleaved rotary pairs on part of each
 head, the LM head's bias; Falcon: multi-query parallel layers (7B), grouped-query ones
-with two norms or one (40B, 180B), sequential ones with biases; StableLM: LayerNorms, Llama's MLP and grouped-query
-attention with a quarter-head rotary and q/k/v biases, sequential or parallel layers."""
+with two norms or one (40B, 180B), sequential ones with biases; StableLM: LayerNorms,
+Llama's MLP and grouped-query attention with a quarter-head rotary and q/k/v biases,
+sequential or parallel layers."""
 
 from __future__ import annotations
 
