@@ -27,7 +27,8 @@ one key/value head (or c_attn interleaved per head without multi_query); OPT: le
 positions offset by two, pre-norm layers or OPT-350M's post-norm ones with the embedding
 projected in and out; GPT-J: parallel layers, interleaved rotary pairs on part of each
 head, the LM head's bias; Falcon: multi-query parallel layers (7B), grouped-query ones
-with two norms or one (40B, 180B), sequential ones with biases; StableLM: LayerNorms,
+with two norms or one (40B, 180B), sequential ones with biases; GPT-Neo: GPT-2's layers
+with unscaled scores, global and windowed layers in turn; StableLM: LayerNorms,
 Llama's MLP and grouped-query attention with a quarter-head rotary and q/k/v biases,
 sequential or parallel layers."""
 
@@ -80,6 +81,7 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
                                  num_ln_in_parallel_attn=1, bias=True),
          "falcon-sequential": dict(num_layers=2, parallel_attn=False, multi_query=False,
                                    bias=True),
+         "gpt_neo": dict(num_layers=3, tie_word_embeddings=True),
          "stablelm": dict(num_layers=3),
          "stablelm-parallel": dict(num_layers=2, use_parallel_residual=True,
                                    use_qkv_bias=False),
@@ -251,3 +253,14 @@ def test_opt_reads_both_checkpoint_prefixes():
                     "model.layers.0.mlp.c_proj.bias", "model.project_out.weight",
                     "lm_head.weight", "model.final_layer_norm.weight",
                     "model.layers.2.final_layer_norm.bias"]
+
+
+def test_gpt_neo_refuses_an_unknown_layer_kind():
+    from types import SimpleNamespace
+
+    from spindle.models.gpt_neo import GPTNeoForCausalLM
+
+    config = SimpleNamespace(activation_function="gelu_new", num_hidden_layers=2,
+                             window_size=4, attention_layers=["global", "sparse"])
+    with pytest.raises(ValueError, match="each one of \\('global', 'local'\\)"):
+        GPTNeoForCausalLM.check_config(config)

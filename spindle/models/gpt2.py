@@ -39,19 +39,24 @@ def kv_heads_of(hf_config: Any) -> int:
 
 class GPT2Attention(nn.Module):
     def __init__(self, hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup,
-                 bias: bool = True) -> None:
-        """bias: on every projection (OPT's ``enable_bias``)."""
+                 bias: bool = True, o_bias: bool | None = None, scale: float | None = None,
+                 sliding_window: int | None = None) -> None:
+        """bias: on every projection (OPT's ``enable_bias``), o_bias: on the output
+        projection where it differs (GPT-Neo's); scale: the scores' (default: GPT-2's);
+        sliding_window: this layer's window (GPT-Neo's local layers)."""
         super().__init__()
         heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
         head_dim = hidden // heads
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads_of(hf_config),
                                           bias=bias, tp_group=tp_group)
-        self.o_proj = RowParallelLinear(hidden, hidden, bias=bias, tp_group=tp_group)
-        scale = head_dim ** -0.5 if getattr(hf_config, "scale_attn_weights", True) else 1.0
-        if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
-            scale /= layer_idx + 1
+        self.o_proj = RowParallelLinear(hidden, hidden, bias=bias if o_bias is None else o_bias,
+                                        tp_group=tp_group)
+        if scale is None:
+            scale = head_dim ** -0.5 if getattr(hf_config, "scale_attn_weights", True) else 1.0
+            if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
+                scale /= layer_idx + 1
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, scale,
-                              self.qkv_proj.num_kv_heads)
+                              self.qkv_proj.num_kv_heads, sliding_window=sliding_window)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
@@ -77,13 +82,15 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 block: type[nn.Module] | None = None) -> None:
+        """block: the layer class (default GPT2Block; GPT-Neo's)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
                                                    tp_group=tp_group)
         # (Replicated on every rank: one row per position is read.)
         self.wpe = nn.Embedding(hf_config.max_position_embeddings, hf_config.hidden_size)
-        self.layers = nn.ModuleList(GPT2Block(hf_config, i, tp_group)
+        self.layers = nn.ModuleList((block or GPT2Block)(hf_config, i, tp_group)
                                     for i in range(hf_config.num_hidden_layers))
         self.norm = nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
 

@@ -49,6 +49,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "OPTForCausalLM": "spindle.models.opt:OPTForCausalLM",
     "GPTJForCausalLM": "spindle.models.gptj:GPTJForCausalLM",
     "FalconForCausalLM": "spindle.models.falcon:FalconForCausalLM",
+    "GPTNeoForCausalLM": "spindle.models.gpt_neo:GPTNeoForCausalLM",
     "Jais2ForCausalLM": "spindle.models.starcoder2:Jais2ForCausalLM",
     "Cohere2ForCausalLM": "spindle.models.cohere:Cohere2ForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",

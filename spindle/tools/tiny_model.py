@@ -103,6 +103,7 @@ ARCHITECTURES = {
     "opt": "OPTForCausalLM",
     "gptj": "GPTJForCausalLM",
     "falcon": "FalconForCausalLM",
+    "gpt_neo": "GPTNeoForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "jais2": "Jais2ForCausalLM",
     "internlm3": "InternLM3ForCausalLM",
@@ -143,6 +144,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig", "gpt2": "GPT2Config",
                   "gpt_bigcode": "GPTBigCodeConfig", "opt": "OPTConfig",
                   "gptj": "GPTJConfig", "falcon": "FalconConfig",
+                  "gpt_neo": "GPTNeoConfig",
                   "stablelm": "StableLmConfig",
                   "internlm3": "InternLM3Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
@@ -170,7 +172,7 @@ FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps")
                  "stablelm": ("head_dim", "rms_norm_eps"),
                  **{arch: ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
                            "intermediate_size") for arch in ("gpt2", "gpt_bigcode", "opt", "gptj",
-                                                              "falcon")}}
+                                                              "falcon", "gpt_neo")}}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -391,6 +393,10 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
             "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
     if arch == "gpt2":  # GPT-2's own: the tanh GELU, an MLP of 4 x hidden
         return {"activation_function": "gelu_new", "n_inner": None}
+    if arch == "gpt_neo":  # GPT-Neo's: global and local (a window of 8) layers in turn
+        return {"activation_function": "gelu_new", "intermediate_size": None,
+                "window_size": 8, "attention_types": [[["global", "local"], num_layers // 2]]
+                + ([[["global"], 1]] if num_layers % 2 else [])}
     if arch == "falcon":  # Falcon 7B's: multi-query attention beside the MLP, one norm
         return {"new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,
                 "bias": False, "activation": "gelu", "ffn_hidden_size": 2 * hidden_size}
