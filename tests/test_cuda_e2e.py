@@ -66,7 +66,7 @@ def test_float32_greedy_matches_transformers(tiny_model, arch, enforce_eager):
                                   "granite", "granite_moe_shared", "gemma", "smollm3",
                                   "cohere2", "granite_swa", "glm4", "exaone4", "ministral3",
                                   "gpt_neox", "phi", "gpt2", "stablelm", "gpt_bigcode",
-                                  "opt", "gptj", "falcon", "gpt_neo"])
+                                  "opt", "gptj", "falcon", "gpt_neo", "olmo", "nemotron"])
 def test_more_families_float32_greedy(tiny_model, arch):
     """The families after the first three, decoding in CUDA graphs: Gemma 2's attention
     soft cap and alternating window in the Triton kernels, Gemma 3's per-layer-type
@@ -79,7 +79,7 @@ def test_more_families_float32_greedy(tiny_model, arch):
     rotary, Phi's LM head bias, GPT-2's learned positions, StableLM's grouped-query
     partial rotary, GPTBigCode's one key/value head, OPT's offset positions, GPT-J's
     interleaved partial rotary, Falcon's multi-query parallel layers, GPT-Neo's unscaled
-    scores in windowed layers.
+    scores in windowed layers, OLMo's clamped q/k/v, Nemotron's LayerNorm1P.
     (transformers' eager attention: its SDPA path leaves Gemma 2's cap out.)"""
     path = tiny_model(arch=arch, max_position_embeddings=2048)
     prompts = _prompts(512)

@@ -28,7 +28,9 @@ positions offset by two, pre-norm layers or OPT-350M's post-norm ones with the e
 projected in and out; GPT-J: parallel layers, interleaved rotary pairs on part of each
 head, the LM head's bias; Falcon: multi-query parallel layers (7B), grouped-query ones
 with two norms or one (40B, 180B), sequential ones with biases; GPT-Neo: GPT-2's layers
-with unscaled scores, global and windowed layers in turn; StableLM: LayerNorms,
+with unscaled scores, global and windowed layers in turn; OLMo (the first): weightless
+LayerNorms, q/k/v clamped; Nemotron: LayerNorm1P, a half-head rotary, a squared-ReLU MLP;
+StableLM: LayerNorms,
 Llama's MLP and grouped-query attention with a quarter-head rotary and q/k/v biases,
 sequential or parallel layers."""
 
@@ -82,6 +84,9 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "falcon-sequential": dict(num_layers=2, parallel_attn=False, multi_query=False,
                                    bias=True),
          "gpt_neo": dict(num_layers=3, tie_word_embeddings=True),
+         "olmo": dict(num_layers=3),
+         "olmo-unclipped": dict(num_layers=2, clip_qkv=None, tie_word_embeddings=True),
+         "nemotron": dict(num_layers=3),
          "stablelm": dict(num_layers=3),
          "stablelm-parallel": dict(num_layers=2, use_parallel_residual=True,
                                    use_qkv_bias=False),

@@ -140,22 +140,29 @@ class DecoderForCausalLM(nn.Module):
 
 
 class RotaryDecoderModel(nn.Module):
-    """A decoder's inner model whose layers take (hidden_states, positions, cos, sin) and
-    return the next hidden states, the rotary tables read once per step and rotated in
-    torch on every device (Cohere's, StarCoder2's): the embedding, the layers
-    make_layer(i), the final norm."""
+    """A decoder's inner model whose layers take the step's rotary tables and return the
+    next hidden states, the tables read once per step and rotated in torch on every
+    device (Cohere's, StarCoder2's, GPT-NeoX's and the other LayerNorm families'): the
+    embedding, the layers make_layer(i), the final norm. The table: the config's over
+    head_dim features, or the given rotary (a partial one). Layers are called
+    layer(hidden_states, positions, cos, sin), or without positions where
+    with_positions is false."""
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
                  make_layer: Callable[[int], nn.Module], norm: nn.Module,
-                 head_dim: int) -> None:
+                 head_dim: int | None = None, rotary: nn.Module | None = None,
+                 with_positions: bool = True) -> None:
         from spindle.layers.rotary import RotaryEmbedding
 
         super().__init__()
+        if (head_dim is None) == (rotary is None):
+            raise ValueError("pass exactly one of head_dim and rotary")
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
                                                    tp_group=tp_group)
         self.layers = nn.ModuleList(make_layer(i) for i in range(hf_config.num_hidden_layers))
         self.norm = norm
-        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim)
+        self.rotary_emb = rotary or RotaryEmbedding.from_config(hf_config, head_dim)
+        self.with_positions = with_positions
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,
@@ -163,5 +170,8 @@ class RotaryDecoderModel(nn.Module):
         hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
         cos, sin = self.rotary_emb(positions, hidden_states.dtype)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, positions, cos, sin)
+            if self.with_positions:
+                hidden_states = layer(hidden_states, positions, cos, sin)
+            else:
+                hidden_states = layer(hidden_states, cos, sin)
         return self.norm(hidden_states)

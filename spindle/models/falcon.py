@@ -25,9 +25,7 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
-from spindle.layers.embedding import VocabParallelEmbedding
-from spindle.layers.rotary import RotaryEmbedding, rope_parameters_from_config
-from spindle.models.causal_lm import DecoderForCausalLM, embedded
+from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
 from spindle.models.gpt_neox import ACTIVATIONS, PartialRotaryAttention
 from spindle.models.starcoder2 import Starcoder2MLP
 
@@ -77,26 +75,13 @@ class FalconLayer(nn.Module):
         return (self.mlp(mlp_input) + attended) + hidden_states
 
 
-class FalconModel(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   tp_group=tp_group)
-        self.layers = nn.ModuleList(FalconLayer(hf_config, tp_group)
-                                    for _ in range(hf_config.num_hidden_layers))
-        self.norm = nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
-        head_dim = hf_config.hidden_size // hf_config.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings,
-                                          rope_parameters_from_config(hf_config))
+def falcon_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
+    return RotaryDecoderModel(
+        hf_config, tp_group, lambda i: FalconLayer(hf_config, tp_group),
+        nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon),
+        head_dim=hf_config.hidden_size // hf_config.num_attention_heads,
+        with_positions=False)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate_tensors: Any = None) -> torch.Tensor:
-        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
-        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin)
-        return self.norm(hidden_states)
 
 
 class FalconForCausalLM(DecoderForCausalLM):
@@ -106,7 +91,7 @@ class FalconForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.check_config(hf_config)
-        self.build_single_stage(hf_config, tp_group, stage, FalconModel,
+        self.build_single_stage(hf_config, tp_group, stage, falcon_model,
                                 tie=bool(getattr(hf_config, "tie_word_embeddings", True)))
 
     @staticmethod

@@ -20,11 +20,10 @@ from torch import nn
 from spindle.attention.layer import Attention
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
-from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
 from spindle.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from spindle.models.bamba import apply_partial_rotary
-from spindle.models.causal_lm import DecoderForCausalLM, embedded
+from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
 from spindle.models.llama import head_dim_of
 from spindle.models.starcoder2 import Starcoder2MLP
 
@@ -60,11 +59,12 @@ def check_rotary_dim(hf_config: Any) -> None:
 class PartialRotaryAttention(nn.Module):
     """Attention whose rotary turns the first features of each head (the step's table
     says how many); bias: on q, k, v (and o, unless o_bias says otherwise); qk_norm_eps:
-    a LayerNorm on each head of q and k first (Phi's ``qk_layernorm``)."""
+    a LayerNorm on each head of q and k first (Phi's ``qk_layernorm``); clip_qkv: q, k
+    and v clamped to [-clip_qkv, clip_qkv] (OLMo's)."""
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup, num_kv_heads: int,
                  bias: bool, qk_norm_eps: float | None = None,
-                 o_bias: bool | None = None) -> None:
+                 o_bias: bool | None = None, clip_qkv: float | None = None) -> None:
         super().__init__()
         heads = hf_config.num_attention_heads
         self.head_dim = head_dim_of(hf_config)
@@ -77,6 +77,7 @@ class PartialRotaryAttention(nn.Module):
                                         tp_group=tp_group)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads)
+        self.clip_qkv = clip_qkv
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
             self.q_norm = nn.LayerNorm(self.head_dim, eps=qk_norm_eps)
@@ -84,7 +85,10 @@ class PartialRotaryAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        qkv = self.qkv_proj(hidden_states)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = self.qkv_proj.split_qkv(qkv)
         q = q.reshape(q.shape[0], self.num_heads, self.head_dim)
         k = k.reshape(k.shape[0], self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -117,24 +121,12 @@ class GPTNeoXLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(hidden_states)) + hidden_states
 
 
-class GPTNeoXModel(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   tp_group=tp_group)
-        self.layers = nn.ModuleList(GPTNeoXLayer(hf_config, tp_group)
-                                    for _ in range(hf_config.num_hidden_layers))
-        self.norm = nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps)
-        self.rotary_emb = partial_rotary_table(hf_config)
+def gpt_neox_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
+    return RotaryDecoderModel(
+        hf_config, tp_group, lambda i: GPTNeoXLayer(hf_config, tp_group),
+        nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps),
+        rotary=partial_rotary_table(hf_config), with_positions=False)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate_tensors: Any = None) -> torch.Tensor:
-        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
-        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin)
-        return self.norm(hidden_states)
 
 
 class GPTNeoXForCausalLM(DecoderForCausalLM):
@@ -144,7 +136,7 @@ class GPTNeoXForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.check_config(hf_config)
-        self.build_single_stage(hf_config, tp_group, stage, GPTNeoXModel)
+        self.build_single_stage(hf_config, tp_group, stage, gpt_neox_model)
 
     @staticmethod
     def check_config(hf_config: Any) -> None:

@@ -18,9 +18,8 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
-from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.rotary import RotaryEmbedding, interleaved_rows_as_halves
-from spindle.models.causal_lm import DecoderForCausalLM, embedded
+from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
 from spindle.models.gpt_neox import ACTIVATIONS, PartialRotaryAttention
 from spindle.models.starcoder2 import Starcoder2MLP
 
@@ -53,26 +52,14 @@ class GPTJBlock(nn.Module):
         return self.attn(normed, cos, sin) + self.mlp(normed) + hidden_states
 
 
-class GPTJModel(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   tp_group=tp_group)
-        self.layers = nn.ModuleList(GPTJBlock(hf_config, tp_group)
-                                    for _ in range(hf_config.num_hidden_layers))
-        self.norm = nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon)
-        self.rotary_emb = RotaryEmbedding(rotary_dim_of(hf_config),
-                                          hf_config.max_position_embeddings,
-                                          {"rope_type": "default", "rope_theta": 10000.0})
+def gptj_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
+    rotary = RotaryEmbedding(rotary_dim_of(hf_config), hf_config.max_position_embeddings,
+                             {"rope_type": "default", "rope_theta": 10000.0})
+    return RotaryDecoderModel(
+        hf_config, tp_group, lambda i: GPTJBlock(hf_config, tp_group),
+        nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_epsilon),
+        rotary=rotary, with_positions=False)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate_tensors: Any = None) -> torch.Tensor:
-        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
-        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin)
-        return self.norm(hidden_states)
 
 
 class GPTJForCausalLM(DecoderForCausalLM):
@@ -82,7 +69,7 @@ class GPTJForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.check_config(hf_config)
-        self.build_single_stage(hf_config, tp_group, stage, GPTJModel, head_bias=True)
+        self.build_single_stage(hf_config, tp_group, stage, gptj_model, head_bias=True)
 
     @staticmethod
     def check_config(hf_config: Any) -> None:

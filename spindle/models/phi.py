@@ -14,8 +14,7 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
-from spindle.layers.embedding import VocabParallelEmbedding
-from spindle.models.causal_lm import DecoderForCausalLM, embedded
+from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
 from spindle.models.gpt_neox import (ACTIVATIONS, PartialRotaryAttention, check_rotary_dim,
                                      partial_rotary_table)
 from spindle.models.starcoder2 import Starcoder2MLP
@@ -40,25 +39,12 @@ class PhiLayer(nn.Module):
         return self.self_attn(normed, cos, sin) + self.mlp(normed) + hidden_states
 
 
-class PhiModel(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   tp_group=tp_group)
-        self.layers = nn.ModuleList(PhiLayer(hf_config, tp_group)
-                                    for _ in range(hf_config.num_hidden_layers))
-        self.final_layernorm = nn.LayerNorm(hf_config.hidden_size,
-                                            eps=hf_config.layer_norm_eps)
-        self.rotary_emb = partial_rotary_table(hf_config)
+def phi_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
+    return RotaryDecoderModel(
+        hf_config, tp_group, lambda i: PhiLayer(hf_config, tp_group),
+        nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps),
+        rotary=partial_rotary_table(hf_config), with_positions=False)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate_tensors: Any = None) -> torch.Tensor:
-        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
-        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin)
-        return self.final_layernorm(hidden_states)
 
 
 class PhiForCausalLM(DecoderForCausalLM):
@@ -68,7 +54,7 @@ class PhiForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.check_config(hf_config)
-        self.build_single_stage(hf_config, tp_group, stage, PhiModel, head_bias=True)
+        self.build_single_stage(hf_config, tp_group, stage, phi_model, head_bias=True)
 
     @staticmethod
     def check_config(hf_config: Any) -> None:
@@ -85,6 +71,7 @@ class PhiForCausalLM(DecoderForCausalLM):
                    ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             yield (name.replace("lm_head.bias", "lm_head_bias")
+                   .replace("model.final_layernorm.", "model.norm.")
                    .replace(".self_attn.dense.", ".self_attn.o_proj.")
                    .replace(".self_attn.q_layernorm.", ".self_attn.q_norm.")
                    .replace(".self_attn.k_layernorm.", ".self_attn.k_norm.")

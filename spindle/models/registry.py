@@ -50,6 +50,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "GPTJForCausalLM": "spindle.models.gptj:GPTJForCausalLM",
     "FalconForCausalLM": "spindle.models.falcon:FalconForCausalLM",
     "GPTNeoForCausalLM": "spindle.models.gpt_neo:GPTNeoForCausalLM",
+    "OlmoForCausalLM": "spindle.models.olmo:OlmoForCausalLM",
+    "NemotronForCausalLM": "spindle.models.nemotron:NemotronForCausalLM",
     "Jais2ForCausalLM": "spindle.models.starcoder2:Jais2ForCausalLM",
     "Cohere2ForCausalLM": "spindle.models.cohere:Cohere2ForCausalLM",
     "Gemma2ForCausalLM": "spindle.models.gemma:Gemma2ForCausalLM",

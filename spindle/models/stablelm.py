@@ -16,8 +16,7 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
-from spindle.layers.embedding import VocabParallelEmbedding
-from spindle.models.causal_lm import DecoderForCausalLM, embedded
+from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
 from spindle.models.gpt_neox import (PartialRotaryAttention, check_rotary_dim,
                                      partial_rotary_table)
 from spindle.models.llama import LlamaMLP, require_activation
@@ -47,24 +46,12 @@ class StableLmLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class StableLmModel(nn.Module):
-    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   tp_group=tp_group)
-        self.layers = nn.ModuleList(StableLmLayer(hf_config, tp_group)
-                                    for _ in range(hf_config.num_hidden_layers))
-        self.norm = nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps)
-        self.rotary_emb = partial_rotary_table(hf_config)
+def stablelm_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
+    return RotaryDecoderModel(
+        hf_config, tp_group, lambda i: StableLmLayer(hf_config, tp_group),
+        nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps),
+        rotary=partial_rotary_table(hf_config), with_positions=False)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate_tensors: Any = None) -> torch.Tensor:
-        hidden_states = embedded(self.embed_tokens, input_ids, inputs_embeds)
-        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin)
-        return self.norm(hidden_states)
 
 
 class StableLmForCausalLM(DecoderForCausalLM):
@@ -74,7 +61,7 @@ class StableLmForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.check_config(hf_config)
-        self.build_single_stage(hf_config, tp_group, stage, StableLmModel)
+        self.build_single_stage(hf_config, tp_group, stage, stablelm_model)
 
     @staticmethod
     def check_config(hf_config: Any) -> None:

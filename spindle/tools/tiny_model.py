@@ -104,6 +104,8 @@ ARCHITECTURES = {
     "gptj": "GPTJForCausalLM",
     "falcon": "FalconForCausalLM",
     "gpt_neo": "GPTNeoForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    "nemotron": "NemotronForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "jais2": "Jais2ForCausalLM",
     "internlm3": "InternLM3ForCausalLM",
@@ -144,7 +146,8 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig", "gpt2": "GPT2Config",
                   "gpt_bigcode": "GPTBigCodeConfig", "opt": "OPTConfig",
                   "gptj": "GPTJConfig", "falcon": "FalconConfig",
-                  "gpt_neo": "GPTNeoConfig",
+                  "gpt_neo": "GPTNeoConfig", "olmo": "OlmoConfig",
+                  "nemotron": "NemotronConfig",
                   "stablelm": "StableLmConfig",
                   "internlm3": "InternLM3Config", "gemma3": "Gemma3TextConfig"}
 # Where the MoE architectures' checkpoints keep each expert (the hub layout, which
@@ -393,6 +396,11 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
             "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
     if arch == "gpt2":  # GPT-2's own: the tanh GELU, an MLP of 4 x hidden
         return {"activation_function": "gelu_new", "n_inner": None}
+    if arch == "olmo":  # q, k and v clamped (tightly, so that the clamp acts)
+        return {"clip_qkv": 1.0}
+    if arch == "nemotron":  # Nemotron's: squared ReLU, half of each head rotated
+        return {"hidden_act": "relu2", "norm_eps": 1e-5, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
     if arch == "gpt_neo":  # GPT-Neo's: global and local (a window of 8) layers in turn
         return {"activation_function": "gelu_new", "intermediate_size": None,
                 "window_size": 8, "attention_types": [[["global", "local"], num_layers // 2]]
