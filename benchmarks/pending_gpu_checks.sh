@@ -20,7 +20,9 @@
 # attention (now the default; measured in the engine, but the GPU tests with it did not
 # finish in their call), SPINDLE_GDN_TRITON_PREFILL (off), the Granite 3.x GPU cases,
 # the second half of the kernel tests (prompt logprobs, fused MoE, structured outputs on
-# CUDA). Zamba2 on CUDA passed (H100, twentieth session); DeepSeek-V3 and gpt-oss passed
+# CUDA); the dense families added in the twentieth session (GPT-NeoX, Phi, GPT-2,
+# GPTBigCode, OPT, GPT-J, Falcon, GPT-Neo, OLMo 1, Nemotron, StableLM) in CUDA graphs.
+# Zamba2 on CUDA passed (H100, twentieth session); DeepSeek-V3 and gpt-oss passed
 # (nineteenth).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,9 +51,10 @@ if [[ $what == models || $what == all ]]; then
     stamp "Gated DeltaNet models with the Triton prefill"
     SPINDLE_GDN_TRITON_PREFILL=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_hybrid_gpu.py -k "qwen3_next or qwen3_5" 2>&1 | tail -4
-    stamp "Zamba2 on CUDA against CPU transformers"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid_gpu.py \
-        -k zamba2 2>&1 | tail -4
+    stamp "the twentieth session's dense families in CUDA graphs against CUDA transformers"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \
+        -k "more_families and (gpt_neox or phi] or gpt2 or bigcode or opt or gptj or falcon \
+        or gpt_neo] or olmo or nemotron or stablelm)" 2>&1 | tail -4
 fi
 
 if [[ $what == ab || $what == all ]]; then
