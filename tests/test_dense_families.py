@@ -5,7 +5,8 @@ attention and MLP after one bias-free LayerNorm, interleaved rotary pairs, the l
 scale, Cohere2's windows on two of every three layers and unrotated global layers (and
 Command R+'s q/k norms, refused by name); StarCoder2: LayerNorms with biases, biased
 attention within a window, a plain GELU MLP; GLM-4: sandwich norms, a half-head rotary
-of interleaved pairs, the fused gate/up checkpoint tensor; SmolLM3: Llama's layers,
+of interleaved pairs, the fused gate/up checkpoint tensor (GLM-4-9B of 2024: the same
+without the sandwich norms); SmolLM3: Llama's layers,
 every other one here without rotary (NoPE), with and without windows, and in bf16 the
 CPU's fused kernels leaving the NoPE layers unrotated; GraniteSWA: Granite's scalings
 with windows, attention sinks and a rotary base per layer (none on one); Seed-OSS (q/k/v
@@ -57,6 +58,7 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "ministral": dict(num_layers=2),
          "ministral3": dict(num_layers=2),
          "glm4": dict(num_layers=3),
+         "glm": dict(num_layers=2),
          "granite_swa": dict(num_layers=4),
          "seed_oss": dict(num_layers=2),
          "arcee": dict(num_layers=2),

@@ -3,6 +3,7 @@ q, k and v (not o), a rotary on the first ``partial_rotary_factor`` of each head
 pairs are interleaved (x0, x1), (x2, x3), ..., and "sandwich" norms: each of attention and
 the MLP is followed by an RMSNorm of its own before joining the residual stream. The MLP's
 gate and up projections come fused in the checkpoint (``gate_up_proj``, gate first).
+GlmForCausalLM (GLM-4-9B of 2024) is the same without the sandwich norms.
 
 The interleaved pairs are served by permuting the rotated rows of each q and k head at
 load into the rotate-half layout (features 0, 2, 4, ... then 1, 3, 5, ...), which leaves
@@ -19,7 +20,8 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.norm import RMSNorm
 from spindle.layers.rotary import interleaved_rows_as_halves
 from spindle.models.bamba import (AttentionOnlyDecoder, BambaAttention, FeedForwardFactory,
-                                  HybridLayout, attention_only_layout, rotary_dim)
+                                  HybridLayout, PreNormAttentionLayer, attention_only_layout,
+                                  rotary_dim)
 from spindle.models.cohere import QK_TENSORS
 from spindle.models.llama import head_dim_of
 
@@ -71,3 +73,19 @@ class Glm4ForCausalLM(AttentionOnlyDecoder):
                 yield name, interleaved_rows_as_halves(tensor, head_dim, rotated)
             else:
                 yield name, tensor
+
+
+class GlmDecoderLayer(PreNormAttentionLayer):
+    """GLM-4-9B's (2024) layer: the plain pre-norm layer around GLM-4's attention."""
+
+    @staticmethod
+    def make_attention(hf_config: Any, layout: HybridLayout,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        return BambaAttention(hf_config, layout, tp_group, o_bias=False)
+
+
+class GlmForCausalLM(Glm4ForCausalLM):
+    """GlmForCausalLM (GLM-4-9B-chat-hf and GLM-4-9B, 2024): GLM-4-0414's attention,
+    fused gate_up tensor and rotary, without its sandwich norms."""
+
+    decoder_layer = GlmDecoderLayer

@@ -31,6 +31,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "MiniMaxM2ForCausalLM": "spindle.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Glm4MoeForCausalLM": "spindle.models.glm4_moe:Glm4MoeForCausalLM",
     "Glm4ForCausalLM": "spindle.models.glm4:Glm4ForCausalLM",
+    "GlmForCausalLM": "spindle.models.glm4:GlmForCausalLM",
     "Exaone4ForCausalLM": "spindle.models.exaone4:Exaone4ForCausalLM",
     "HunYuanDenseV1ForCausalLM": "spindle.models.hunyuan:HunYuanDenseV1ForCausalLM",
     "DeepseekV3ForCausalLM": "spindle.models.deepseek_v3:DeepseekV3ForCausalLM",

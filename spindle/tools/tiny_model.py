@@ -84,6 +84,7 @@ ARCHITECTURES = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "glm": "GlmForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "hunyuan": "HunYuanDenseV1ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -136,7 +137,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "mixtral": "MixtralConfig", "minimax_m2": "MiniMaxM2Config",
                   "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
                   "gpt_oss": "GptOssConfig", "deepseek_v2": "DeepseekV2Config",
-                  "glm4": "Glm4Config", "exaone4": "Exaone4Config",
+                  "glm4": "Glm4Config", "glm": "GlmConfig", "exaone4": "Exaone4Config",
                   "minicpm3": "MiniCPM3Config", "hunyuan": "HunYuanDenseV1Config",
                   "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
                   "phi3": "Phi3Config",
@@ -368,7 +369,7 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"attention_bias": True, "attention_out_bias": False}
     if arch == "ernie4_5":  # biases everywhere, interleaved rotary pairs
         return {"use_bias": True}
-    if arch == "glm4":  # q/k/v biases, half of each head rotated (interleaved pairs)
+    if arch in ("glm4", "glm"):  # q/k/v biases, half of each head rotated (interleaved)
         return {"attention_bias": True, "partial_rotary_factor": 0.5}
     if arch == "ministral":  # a window of 8 on every other layer
         return {"sliding_window": 8, "layer_types": [
