@@ -16,7 +16,8 @@ or no window and every layer rotating); Arcee's AFM (a relu^2 MLP without a gate
 MiniCPM3 (latent attention with the plain rotary, maximal-update scalings); Hunyuan
 (q/k normed after the rotation, an NTK alpha stretching the rotary base); Apertus (an
 xIELU MLP without a gate, q/k norms); Jais 2 (StarCoder2's layer shape with a relu^2
-MLP); InternLM3 (Llama with biases, served as transformers serves it); Ministral
+MLP); InternLM3 (Llama with biases, served as transformers serves it); EXAONE 3 (Llama
+under GPT-2-style tensor names); Ministral
 (Mistral with a window on every other layer); Ministral 3 (queries scaled by position
 past the original length, YaRN); GPT-NeoX (Pythia): LayerNorms and biases, a quarter of
 each head rotated, parallel residual layers (and sequential ones), q/k/v fused per head
@@ -59,6 +60,7 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "ministral3": dict(num_layers=2),
          "glm4": dict(num_layers=3),
          "glm": dict(num_layers=2),
+         "exaone": dict(num_layers=2),
          "granite_swa": dict(num_layers=4),
          "seed_oss": dict(num_layers=2),
          "arcee": dict(num_layers=2),
@@ -271,3 +273,34 @@ def test_gpt_neo_refuses_an_unknown_layer_kind():
                              window_size=4, attention_layers=["global", "sparse"])
     with pytest.raises(ValueError, match="each one of \\('global', 'local'\\)"):
         GPTNeoForCausalLM.check_config(config)
+
+
+def test_exaone_reads_its_hub_names(tiny_model, tmp_path):
+    """EXAONE 3's checkpoints name Llama's tensors GPT-2's way (transformer.h.*.attn.
+    attention.*, mlp.c_fc_0 / c_fc_1 / c_proj): renamed, they load as the Llama-named
+    ones do, and transformers (its conversion mapping) agrees."""
+    from safetensors.torch import load_file, save_file
+
+    from spindle.models.llama import _EXAONE_NAMES
+
+    path = tiny_model("exaone", num_layers=2)
+    hub = tmp_path / "hub"
+    shutil.copytree(path, hub)
+    (weights_file,) = hub.glob("*.safetensors")
+
+    def hub_name(name: str) -> str:
+        for theirs, ours in reversed(_EXAONE_NAMES):
+            name = (theirs + name[len(ours):] if ours.startswith("model.")
+                    and name.startswith(ours) else name.replace(ours, theirs))
+        return name
+
+    tensors = {hub_name(n): t for n, t in load_file(weights_file).items()}
+    assert "transformer.h.0.attn.attention.q_proj.weight" in tensors
+    assert "transformer.h.1.mlp.c_fc_1.weight" in tensors
+    save_file(tensors, weights_file)
+    with LLM(str(hub), device="cpu", dtype="float32", max_model_len=256) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
+                               use_tqdm=False)
+    expected = hf_greedy(hub, prompts(), MAX_NEW)
+    assert [o.outputs[0].token_ids for o in outputs] == [t for t, _ in expected]
+    assert expected == hf_greedy(path, prompts(), MAX_NEW)

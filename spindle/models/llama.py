@@ -619,6 +619,35 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):
             for name, t in weights)
 
 
+# EXAONE 3's tensor names (prefix or infix) and Llama's, in the order transformers
+# applies them.
+_EXAONE_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."),
+                 ("transformer.ln_f.", "model.norm."), (".attn.attention.", ".self_attn."),
+                 (".self_attn.out_proj.", ".self_attn.o_proj."),
+                 (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),
+                 (".mlp.c_fc_0.", ".mlp.gate_proj."), (".mlp.c_fc_1.", ".mlp.up_proj."),
+                 (".mlp.c_proj.", ".mlp.down_proj."))
+
+
+class ExaoneForCausalLM(LlamaForCausalLM):
+    """LG AI's EXAONE 3.0 / 3.5: Llama's layers under GPT-2-style tensor names
+    (``transformer.h.*.attn.attention.*``, ``mlp.c_fc_0`` / ``c_fc_1`` / ``c_proj``),
+    renamed at load; checkpoints already in Llama's names load as they are."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights((_exaone_to_llama(name), t) for name, t in weights)
+
+
+def _exaone_to_llama(name: str) -> str:
+    for theirs, ours in _EXAONE_NAMES:
+        if theirs.startswith("transformer."):
+            if name.startswith(theirs):
+                name = ours + name[len(theirs):]
+        else:
+            name = name.replace(theirs, ours)
+    return name
+
+
 class MistralForCausalLM(LlamaForCausalLM):
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:

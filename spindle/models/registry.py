@@ -11,6 +11,7 @@ from typing import Any
 
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "spindle.models.llama:LlamaForCausalLM",
+    "ExaoneForCausalLM": "spindle.models.llama:ExaoneForCausalLM",
     "MistralForCausalLM": "spindle.models.llama:MistralForCausalLM",
     "MinistralForCausalLM": "spindle.models.llama:MinistralForCausalLM",
     "Ministral3ForCausalLM": "spindle.models.llama:Ministral3ForCausalLM",
