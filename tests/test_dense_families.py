@@ -28,7 +28,8 @@ inverse layer index (an option); GPTBigCode (StarCoder 1): GPT-2 with Linear wei
 one key/value head (or c_attn interleaved per head without multi_query); OPT: learned
 positions offset by two, pre-norm layers or OPT-350M's post-norm ones with the embedding
 projected in and out; GPT-J: parallel layers, interleaved rotary pairs on part of each
-head, the LM head's bias; Falcon: multi-query parallel layers (7B), grouped-query ones
+head, the LM head's bias (CodeGen: the same with q/v/k fused across four shards);
+Falcon: multi-query parallel layers (7B), grouped-query ones
 with two norms or one (40B, 180B), sequential ones with biases; GPT-Neo: GPT-2's layers
 with unscaled scores, global and windowed layers in turn; OLMo (the first): weightless
 LayerNorms, q/k/v clamped; Nemotron: LayerNorm1P, a half-head rotary, a squared-ReLU MLP;
@@ -81,6 +82,7 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "opt-350m": dict(num_layers=2, do_layer_norm_before=False, word_embed_proj_dim=32,
                           tie_word_embeddings=True),
          "gptj": dict(num_layers=3),
+         "codegen": dict(num_layers=2),
          "falcon": dict(num_layers=3, tie_word_embeddings=True),
          "falcon-new": dict(num_layers=2, new_decoder_architecture=True, num_kv_heads=2),
          "falcon-one_norm": dict(num_layers=2, new_decoder_architecture=True, num_kv_heads=2,

@@ -1,8 +1,8 @@
-"""GPTJForCausalLM (EleutherAI's GPT-J 6B and its fine-tunes): one LayerNorm per layer
-feeding attention and the MLP side by side (x + attn(n) + mlp(n)); attention without
-biases whose rotary turns the first ``rotary_dim`` features of each head in interleaved
-pairs (x0, x1), (x2, x3), ...; a GELU MLP with biases (``fc_in``, ``fc_out``); a final
-LayerNorm; and an LM head with a bias.
+"""GPTJForCausalLM (EleutherAI's GPT-J 6B and its fine-tunes; CodeGen's below): one
+LayerNorm per layer feeding attention and the MLP side by side (x + attn(n) + mlp(n));
+attention without biases whose rotary turns the first ``rotary_dim`` features of each
+head in interleaved pairs (x0, x1), (x2, x3), ...; a GELU MLP with biases (``fc_in``,
+``fc_out``); a final LayerNorm; and an LM head with a bias.
 
 The interleaved pairs are served as Cohere's and GLM-4's are: each q/k head's rotated
 rows are permuted at load into the rotate-half layout, which leaves every q . k the
@@ -101,3 +101,26 @@ class GPTJForCausalLM(DecoderForCausalLM):
                     .replace(".mlp.fc_out.", ".mlp.c_proj.")
                     .replace("lm_head.bias", "lm_head_bias"))
             yield name, tensor
+
+
+class CodeGenForCausalLM(GPTJForCausalLM):
+    """CodeGenForCausalLM (Salesforce's CodeGen 350M-16B, mono / multi / nl): GPT-J's
+    layers, with q, k and v fused in ``qkv_proj`` across the four model-parallel shards
+    CodeGen was trained on: the rows are four blocks of [q | v | k] quarters, split at
+    load (then q and k permuted as GPT-J's)."""
+
+    MP_SHARDS = 4
+
+    def _our_names(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        return super()._our_names(self._split_qkv(weights))
+
+    def _split_qkv(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if ".attn.qkv_proj." not in name:
+                yield name, tensor
+                continue
+            shards = tensor.unflatten(0, (self.MP_SHARDS, 3, -1))
+            for i, part in enumerate(("q_proj", "v_proj", "k_proj")):
+                yield name.replace(".attn.qkv_proj.", f".attn.{part}."), shards[:, i].flatten(0, 1)

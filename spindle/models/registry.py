@@ -50,6 +50,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "StableLmForCausalLM": "spindle.models.stablelm:StableLmForCausalLM",
     "OPTForCausalLM": "spindle.models.opt:OPTForCausalLM",
     "GPTJForCausalLM": "spindle.models.gptj:GPTJForCausalLM",
+    "CodeGenForCausalLM": "spindle.models.gptj:CodeGenForCausalLM",
     "FalconForCausalLM": "spindle.models.falcon:FalconForCausalLM",
     "GPTNeoForCausalLM": "spindle.models.gpt_neo:GPTNeoForCausalLM",
     "OlmoForCausalLM": "spindle.models.olmo:OlmoForCausalLM",

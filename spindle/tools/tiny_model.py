@@ -104,6 +104,7 @@ ARCHITECTURES = {
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "opt": "OPTForCausalLM",
     "gptj": "GPTJForCausalLM",
+    "codegen": "CodeGenForCausalLM",
     "falcon": "FalconForCausalLM",
     "gpt_neo": "GPTNeoForCausalLM",
     "olmo": "OlmoForCausalLM",
@@ -148,7 +149,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
                   "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig", "gpt2": "GPT2Config",
                   "gpt_bigcode": "GPTBigCodeConfig", "opt": "OPTConfig",
-                  "gptj": "GPTJConfig", "falcon": "FalconConfig",
+                  "gptj": "GPTJConfig", "codegen": "CodeGenConfig", "falcon": "FalconConfig",
                   "gpt_neo": "GPTNeoConfig", "olmo": "OlmoConfig",
                   "nemotron": "NemotronConfig",
                   "stablelm": "StableLmConfig",
@@ -177,8 +178,9 @@ FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps")
                  "phi": ("head_dim", "rms_norm_eps"),
                  "stablelm": ("head_dim", "rms_norm_eps"),
                  **{arch: ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
-                           "intermediate_size") for arch in ("gpt2", "gpt_bigcode", "opt", "gptj",
-                                                              "falcon", "gpt_neo")}}
+                           "intermediate_size")
+                    for arch in ("gpt2", "gpt_bigcode", "opt", "gptj", "codegen", "falcon",
+                                 "gpt_neo")}}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -411,7 +413,7 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "falcon":  # Falcon 7B's: multi-query attention beside the MLP, one norm
         return {"new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,
                 "bias": False, "activation": "gelu", "ffn_hidden_size": 2 * hidden_size}
-    if arch == "gptj":  # GPT-J's: half of each head rotated in interleaved pairs
+    if arch in ("gptj", "codegen"):  # GPT-J's: half of each head rotated, interleaved
         return {"activation_function": "gelu_new", "n_inner": None,
                 "rotary_dim": hidden_size // num_heads // 2}
     if arch == "opt":  # OPT's: ReLU, LayerNorms first, an MLP of 2 x hidden
