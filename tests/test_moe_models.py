@@ -8,7 +8,8 @@ first layer, DeepSeek-V3 routing (groups, a correction bias, scaling) with a sha
 biases on q/k/v only, per-head q/k norms, half of each head rotated. DeepSeek-V3: that MoE
 behind multi-head latent attention, served from a cached latent (the absorbed form).
 gpt-oss: attention sinks, alternating windows, biased experts with a clamped SwiGLU, and
-its released MXFP4 expert weights."""
+its released MXFP4 expert weights. Hunyuan-A13B: a float32 router, a shared MLP in every
+layer, top-k given per layer."""
 
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ CASES = {
     # ERNIE 4.5 MoE: a dense first layer, a correction bias for the choice, renormalised
     # float32 probabilities, a shared expert; interleaved rotary pairs.
     "ernie4_5_moe": dict(num_layers=3),
+    # Hunyuan-A13B: Hunyuan's attention (q/k normed after the rotation), a float32 router,
+    # renormalised top-k weights, a shared MLP beside the experts; then top-k per layer.
+    "hunyuan_moe": dict(num_layers=2),
+    "hunyuan_moe-top_k-per-layer": dict(arch="hunyuan_moe", num_layers=2, num_experts=6,
+                                        moe_topk=[1, 3]),
     "mixtral": {},
     "minimax_m2": {},
     "glm4_moe": {},
@@ -110,7 +116,7 @@ def test_greedy_equals_transformers(checkpoint, case):
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
                                   "granite_moe_shared", "deepseek_v3-yarn", "gpt_oss",
                                   "deepseek_v2", "qwen2_moe", "olmoe", "granite_moe_swa",
-                                  "dots1", "ernie4_5_moe"])
+                                  "dots1", "ernie4_5_moe", "hunyuan_moe"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,
@@ -279,3 +285,16 @@ def test_mxfp4_dequantization_equals_transformers():
     theirs = convert_moe_packed_tensors(blocks, scales)
     assert ours.dtype == theirs.dtype == torch.bfloat16
     assert torch.equal(ours, theirs)
+
+
+def test_hunyuan_moe_refuses_experts_of_another_size():
+    from types import SimpleNamespace
+
+    from spindle.models.hunyuan import HunYuanMoEV1ForCausalLM
+
+    config = SimpleNamespace(hidden_act="silu", intermediate_size=64,
+                             moe_intermediate_size=[64, 32])
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \[64, 32\] differs"):
+        HunYuanMoEV1ForCausalLM.check_config(config)
+    HunYuanMoEV1ForCausalLM.check_config(SimpleNamespace(hidden_act="silu",
+                                                         intermediate_size=64))

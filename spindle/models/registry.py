@@ -35,6 +35,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "GlmForCausalLM": "spindle.models.glm4:GlmForCausalLM",
     "Exaone4ForCausalLM": "spindle.models.exaone4:Exaone4ForCausalLM",
     "HunYuanDenseV1ForCausalLM": "spindle.models.hunyuan:HunYuanDenseV1ForCausalLM",
+    "HunYuanMoEV1ForCausalLM": "spindle.models.hunyuan:HunYuanMoEV1ForCausalLM",
     "DeepseekV3ForCausalLM": "spindle.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "spindle.models.deepseek_v3:DeepseekV2ForCausalLM",
     "MiniCPM3ForCausalLM": "spindle.models.deepseek_v3:MiniCPM3ForCausalLM",

@@ -88,6 +88,7 @@ ARCHITECTURES = {
     "exaone": "ExaoneForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "hunyuan": "HunYuanDenseV1ForCausalLM",
+    "hunyuan_moe": "HunYuanMoEV1ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "minicpm3": "MiniCPM3ForCausalLM",
@@ -142,6 +143,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "glm4": "Glm4Config", "glm": "GlmConfig",
                   "exaone": "ExaoneConfig", "exaone4": "Exaone4Config",
                   "minicpm3": "MiniCPM3Config", "hunyuan": "HunYuanDenseV1Config",
+                  "hunyuan_moe": "HunYuanMoEV1Config",
                   "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
                   "phi3": "Phi3Config",
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
@@ -167,7 +169,8 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
                         "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "dots1": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                        "ernie4_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                        "ernie4_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                        "hunyuan_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 # GPT-4-style pre-tokenization split (the one Qwen2 uses).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -351,9 +354,11 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
     if arch == "minimax_m2":  # 4 experts of 32 (2 per token), half of each head rotated
         return {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "partial_rotary_factor": 0.5}
-    if arch == "hunyuan":  # q/k normed after the rotation; NTK alpha on the base
-        return {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
-                                    "alpha": 50.0, "factor": 1.0}}
+    if arch in ("hunyuan", "hunyuan_moe"):  # q/k normed after the rotation; NTK alpha on
+        # the base; (MoE) 4 experts, 2 per token, beside the shared MLP
+        moe = {"num_experts": 4, "moe_topk": 2} if arch == "hunyuan_moe" else {}
+        return {**moe, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                           "alpha": 50.0, "factor": 1.0}}
     if arch == "exaone4":  # a window of 8 on two of every three layers, the third global
         return {"sliding_window": 8, "sliding_window_pattern": 3}
     if arch == "ernie4_5_moe":  # a dense first layer, then 4 experts of 32 (2 per token)
