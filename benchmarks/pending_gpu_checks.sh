@@ -21,7 +21,9 @@
 # finish in their call), SPINDLE_GDN_TRITON_PREFILL (off), the Granite 3.x GPU cases,
 # the second half of the kernel tests (prompt logprobs, fused MoE, structured outputs on
 # CUDA); the dense families added in the twentieth session (GPT-NeoX, Phi, GPT-2,
-# GPTBigCode, OPT, GPT-J, Falcon, GPT-Neo, OLMo 1, Nemotron, StableLM) in CUDA graphs.
+# GPTBigCode, OPT, GPT-J, CodeGen, Falcon, GPT-Neo, OLMo 1, Nemotron, StableLM, GLM-4-9B,
+# EXAONE 3) in CUDA
+# graphs, and Hunyuan-A13B's experts in the fused MoE kernels.
 # Zamba2 on CUDA passed (H100, twentieth session); DeepSeek-V3 and gpt-oss passed
 # (nineteenth).
 set -uo pipefail
@@ -47,14 +49,15 @@ fi
 if [[ $what == models || $what == all ]]; then
     stamp "DeepSeek-V3 (latent attention), gpt-oss (sinks, biased experts), Qwen2-MoE on CUDA"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_moe_models.py \
-        -k "deepseek or gpt_oss or qwen2_moe" 2>&1 | tail -4
+        -k "deepseek or gpt_oss or qwen2_moe or hunyuan" 2>&1 | tail -4
     stamp "Gated DeltaNet models with the Triton prefill"
     SPINDLE_GDN_TRITON_PREFILL=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_hybrid_gpu.py -k "qwen3_next or qwen3_5" 2>&1 | tail -4
     stamp "the twentieth session's dense families in CUDA graphs against CUDA transformers"
     timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \
-        -k "more_families and (gpt_neox or phi] or gpt2 or bigcode or opt or gptj or falcon \
-        or gpt_neo] or olmo or nemotron or stablelm)" 2>&1 | tail -4
+        -k "more_families and (gpt_neox or phi] or gpt2 or bigcode or opt or gptj or codegen \
+        or falcon or gpt_neo] or olmo or nemotron or stablelm or glm] or exaone])" 2>&1 \
+        | tail -4
 fi
 
 if [[ $what == ab || $what == all ]]; then

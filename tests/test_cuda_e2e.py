@@ -66,7 +66,8 @@ def test_float32_greedy_matches_transformers(tiny_model, arch, enforce_eager):
                                   "granite", "granite_moe_shared", "gemma", "smollm3",
                                   "cohere2", "granite_swa", "glm4", "exaone4", "ministral3",
                                   "gpt_neox", "phi", "gpt2", "stablelm", "gpt_bigcode",
-                                  "opt", "gptj", "falcon", "gpt_neo", "olmo", "nemotron"])
+                                  "opt", "gptj", "codegen", "falcon", "gpt_neo", "olmo",
+                                  "nemotron", "glm", "exaone"])
 def test_more_families_float32_greedy(tiny_model, arch):
     """The families after the first three, decoding in CUDA graphs: Gemma 2's attention
     soft cap and alternating window in the Triton kernels, Gemma 3's per-layer-type

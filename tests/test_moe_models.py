@@ -136,7 +136,7 @@ def test_experts_that_do_not_split_across_ranks_are_refused(tiny_model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
-                                  "deepseek_v3", "gpt_oss", "qwen2_moe"])
+                                  "deepseek_v3", "gpt_oss", "qwen2_moe", "hunyuan_moe"])
 def test_cuda_fused_experts_in_cuda_graphs_equal_transformers(checkpoint, case):
     """The fused grouped GEMMs end to end on CUDA (float32, decode replayed from CUDA
     graphs), against transformers on the CPU."""
