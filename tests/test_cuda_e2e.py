@@ -80,7 +80,8 @@ def test_more_families_float32_greedy(tiny_model, arch):
     rotary, Phi's LM head bias, GPT-2's learned positions, StableLM's grouped-query
     partial rotary, GPTBigCode's one key/value head, OPT's offset positions, GPT-J's
     interleaved partial rotary, Falcon's multi-query parallel layers, GPT-Neo's unscaled
-    scores in windowed layers, OLMo's clamped q/k/v, Nemotron's LayerNorm1P.
+    scores in windowed layers, OLMo's clamped q/k/v, Nemotron's LayerNorm1P, CodeGen's
+    sharded qkv, GLM-4-9B's partial interleaved rotary, EXAONE 3's renamed tensors.
     (transformers' eager attention: its SDPA path leaves Gemma 2's cap out.)"""
     path = tiny_model(arch=arch, max_position_embeddings=2048)
     prompts = _prompts(512)
