@@ -83,7 +83,6 @@ def falcon_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoder
         with_positions=False)
 
 
-
 class FalconForCausalLM(DecoderForCausalLM):
     supports_pipeline_parallel = False
 

@@ -128,7 +128,6 @@ def gpt_neox_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecod
         rotary=partial_rotary_table(hf_config), with_positions=False)
 
 
-
 class GPTNeoXForCausalLM(DecoderForCausalLM):
     supports_pipeline_parallel = False
 

@@ -61,7 +61,6 @@ def gptj_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderMo
         rotary=rotary, with_positions=False)
 
 
-
 class GPTJForCausalLM(DecoderForCausalLM):
     supports_pipeline_parallel = False
 

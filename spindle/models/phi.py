@@ -46,7 +46,6 @@ def phi_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderMod
         rotary=partial_rotary_table(hf_config), with_positions=False)
 
 
-
 class PhiForCausalLM(DecoderForCausalLM):
     supports_pipeline_parallel = False
 

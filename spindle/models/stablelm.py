@@ -53,7 +53,6 @@ def stablelm_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecod
         rotary=partial_rotary_table(hf_config), with_positions=False)
 
 
-
 class StableLmForCausalLM(DecoderForCausalLM):
     supports_pipeline_parallel = False
 
