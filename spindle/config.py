@@ -374,6 +374,7 @@ class ModelConfig:
         quantization = _resolve_quantization(args.quantization, fp8_checkpoint, gguf_file,
                                              device_type)
         dtype = _resolve_dtype(args.dtype, hf_config, device_type, gguf_file is not None)
+        from spindle.layers.rotary import longrope_original_length
         from spindle.models.registry import model_kind, resolve_model_class
 
         model_class = resolve_model_class(hf_config.architectures)
@@ -381,11 +382,16 @@ class ModelConfig:
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         if hasattr(model_class, "max_model_len"):  # positions offset in the table (RoBERTa)
             limit = model_class.max_model_len(hf_config)
+        limit_what = f"the model's max_position_embeddings ({limit})"
+        longrope = longrope_original_length(hf_config)
+        if longrope is not None and longrope < limit:
+            limit, limit_what = longrope, (
+                f"LongRoPE's original length ({longrope}): past it transformers re-encodes "
+                "the whole sequence with the long factors, which spindle does not do")
         max_model_len = args.max_model_len or limit
         _require(isinstance(max_model_len, int) and max_model_len >= 1, "max_model_len",
                  max_model_len, "a positive integer")
-        _require(max_model_len <= limit, "max_model_len", max_model_len,
-                 f"<= the model's max_position_embeddings ({limit})")
+        _require(max_model_len <= limit, "max_model_len", max_model_len, f"<= {limit_what}")
         _require(args.task in TASKS, "task", args.task, f"one of {TASKS}")
         task = args.task if args.task != "auto" else ("embed" if kind == "encoder" else "generate")
         _require(args.load_format in LOAD_FORMATS, "load_format", args.load_format,

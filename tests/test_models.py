@@ -341,7 +341,9 @@ def test_rope_parameters_old_and_new_config_styles():
                                                 "original_max_position_embeddings": 16})
     assert rope_parameters_from_config(new) == rope_parameters_from_config(old)
     assert rope_parameters_from_config(older)["rope_type"] == "llama3"
-    with pytest.raises(ValueError, match="longrope"):
+    with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
+        RotaryEmbedding(16, 64, {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(ValueError, match="longrope needs short_factor"):
         RotaryEmbedding(16, 64, {"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0})
 
 
@@ -403,6 +405,71 @@ def test_a_yarn_model_equals_transformers_past_its_original_context(tiny_model):
     for (tokens, lps), (our_tokens, our_lps) in zip(expected, got):
         assert our_tokens == tokens
         assert max(abs(a - b) for a, b in zip(lps, our_lps)) < LOGPROB_TOL
+
+
+def _longrope(head_dim: int, original: int, **extra) -> dict:
+    half = head_dim // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [1.0 + 0.9 * i for i in range(half)],
+            "original_max_position_embeddings": original, **extra}
+
+
+@pytest.mark.parametrize("extra", [{}, {"attention_factor": 1.3}, {"factor": 2.0}])
+def test_longrope_tables_match_transformers_on_either_side_of_the_original_length(extra):
+    """Phi-3.5's LongRoPE: below the original length the table is transformers' short
+    one, from it on its long one, both times its attention factor, exactly."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from spindle.layers.rotary import attention_scaling
+
+    config = Phi3Config(hidden_size=64, num_attention_heads=2, max_position_embeddings=512,
+                        original_max_position_embeddings=64,
+                        rope_parameters=_longrope(32, 64, **extra))
+    short, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, None)
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=65)
+    params = rope_parameters_from_config(config)
+    assert attention_scaling(params, 512) == scaling != 1.0
+    table = RotaryEmbedding(32, 512, params)
+    positions = torch.arange(512, dtype=torch.float32)[:, None]
+    for rows, inv_freq in ((slice(0, 64), short), (slice(64, 512), long)):
+        angles = positions[rows] * inv_freq[None, :]
+        torch.testing.assert_close(table.cos_cache[rows, :16], angles.cos() * scaling,
+                                   atol=0, rtol=0)
+        torch.testing.assert_close(table.sin_cache[rows, 16:], angles.sin() * scaling,
+                                   atol=0, rtol=0)
+    with pytest.raises(ValueError, match="long_factor must hold head_dim / 2 = 16 values"):
+        RotaryEmbedding(32, 512, {**params, "long_factor": [1.0] * 8})
+    # A config whose rope parameters leave the original length beside them (Phi-3's).
+    bare = dict(config.rope_parameters)
+    del bare["original_max_position_embeddings"]
+    beside = types.SimpleNamespace(rope_parameters=bare, max_position_embeddings=512,
+                                   original_max_position_embeddings=64)
+    assert rope_parameters_from_config(beside)["original_max_position_embeddings"] == 64
+
+
+def test_a_longrope_model_equals_transformers_within_its_original_length(tiny_model):
+    """Phi-3 with LongRoPE (original length 48): served up to that length, by default
+    and at most, where its greedy tokens and log-probs are transformers'. (Past it
+    transformers re-encodes the whole sequence with the long factors; refused here.)"""
+    from spindle import LLM, SamplingParams
+    from test_generate_vs_hf import LOGPROB_TOL, hf_greedy
+
+    path = tiny_model("phi3", rope_parameters=_longrope(16, 48),
+                      original_max_position_embeddings=48)
+    prompts = [[5, 6, 7], list(range(10, 24)), list(range(100, 120))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    with LLM(str(path), dtype="float32", device="cpu") as llm:
+        assert llm.config.model.max_model_len == 48
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for output, (tokens, lps) in zip(outputs, hf_greedy(path, prompts, 24)):
+        ours = output.outputs[0]
+        assert list(ours.token_ids) == tokens
+        assert max(abs(lp[t].logprob - b) for lp, t, b in zip(ours.logprobs, ours.token_ids,
+                                                              lps)) < LOGPROB_TOL
+    with pytest.raises(ValueError, match=r"LongRoPE's original length \(48\)"):
+        LLM(str(path), dtype="float32", device="cpu", max_model_len=49)
 
 
 # ----------------------------------------------------------------------------- tensor parallel

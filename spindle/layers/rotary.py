@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _DEFAULT_THETA = 10000.0
 
 
@@ -38,14 +38,31 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
         params["rope_type"] = params.pop("type", "default")
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or _DEFAULT_THETA
+    if params["rope_type"] == "longrope" and not params.get("original_max_position_embeddings"):
+        # (Phi-3's configs keep it beside the rope parameters, as transformers reads it.)
+        params["original_max_position_embeddings"] = getattr(
+            hf_config, "original_max_position_embeddings", None)
     return _with_context_defaults(params, hf_config.max_position_embeddings)
+
+
+def longrope_original_length(hf_config: Any) -> int | None:
+    """The original length of a LongRoPE config (None for any other rope, or a config
+    with rope parameters per layer type). Spindle serves such a model up to it: past it,
+    transformers re-encodes a sequence with the long factors (Phi-3's generate drops its
+    cache once), which the engine's KV cache does not do."""
+    stated = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling",
+                                                                    None)
+    if not isinstance(stated, dict) \
+            or (stated.get("rope_type") or stated.get("type")) != "longrope":
+        return None
+    return int(rope_parameters_from_config(hf_config)["original_max_position_embeddings"])
 
 
 def _with_context_defaults(params: dict[str, Any], max_position: int) -> dict[str, Any]:
     """llama3 and yarn read the context the model was trained on: the config's own
     length where the parameters do not say; yarn's factor, where not given, is the
     ratio of the two lengths (DeepSeek-V3's way, as transformers reads it)."""
-    if params["rope_type"] in ("llama3", "yarn") \
+    if params["rope_type"] in ("llama3", "yarn", "longrope") \
             and params.get("original_max_position_embeddings") is None:
         params["original_max_position_embeddings"] = max_position
     if params["rope_type"] == "yarn" and params.get("factor") is None:
@@ -70,12 +87,35 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         inv_freq = inv_freq / float(params["factor"])
     if rope_type == "yarn":
         inv_freq = _yarn_scale(head_dim, base, params)
+    if rope_type == "longrope":  # (the short factors; RotaryEmbedding adds the long ones)
+        inv_freq = longrope_inv_freq(head_dim, params, "short_factor")
     return inv_freq
 
 
-def attention_scaling(params: dict[str, Any]) -> float:
-    """The factor on the cos/sin table (YaRN's attention factor; 1 for the others)."""
-    if params.get("rope_type", "default") != "yarn":
+def longrope_inv_freq(head_dim: int, params: dict[str, Any], key: str) -> torch.Tensor:
+    """LongRoPE's frequencies with the factors params[key] ("short_factor" or
+    "long_factor"), computed as transformers computes them."""
+    if params.get(key) is None:
+        raise ValueError(f"longrope needs {key} (head_dim / 2 values) in its rope parameters")
+    factors = torch.tensor(params[key], dtype=torch.float32)
+    if factors.shape != (head_dim // 2,):
+        raise ValueError(f"longrope {key} must hold head_dim / 2 = {head_dim // 2} values, "
+                         f"got {factors.numel()}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (factors * float(params["rope_theta"]) ** exponents)
+
+
+def attention_scaling(params: dict[str, Any], max_position: int | None = None) -> float:
+    """The factor on the cos/sin table (YaRN's and LongRoPE's attention factor; 1 for the
+    others). LongRoPE's default reads the stretch max_position / original length."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "longrope":
+        if params.get("attention_factor") is not None:
+            return float(params["attention_factor"])
+        original = params["original_max_position_embeddings"]
+        factor = params.get("factor") or (max_position or original) / original
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if rope_type != "yarn":
         return 1.0
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
@@ -178,7 +218,9 @@ class RotaryEmbedding(nn.Module):
         self.rope_parameters = dict(rope_parameters)
         inv_freq = compute_inv_freq(head_dim, rope_parameters)
         cos, sin = self._cos_sin(inv_freq, max_position)
-        scaling = attention_scaling(rope_parameters)
+        if rope_parameters.get("rope_type") == "longrope":
+            cos, sin = self._longrope_rows(cos, sin, head_dim, max_position, rope_parameters)
+        scaling = attention_scaling(rope_parameters, max_position)
         if scaling != 1.0:  # (as transformers scales its cos and sin)
             cos, sin = cos * scaling, sin * scaling
         # Not persistent: derived from the config, never part of a checkpoint.
@@ -201,6 +243,20 @@ class RotaryEmbedding(nn.Module):
             params.setdefault("rope_theta", _DEFAULT_THETA)
             params = _with_context_defaults(params, hf_config.max_position_embeddings)
         return cls(head_dim, hf_config.max_position_embeddings, params)
+
+    @classmethod
+    def _longrope_rows(cls, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                       max_position: int, params: dict[str, Any]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """LongRoPE: positions below the original length rotate by the short factors (the
+        table given), those from it on by the long ones. The engine serves such a model
+        within its original length (longrope_original_length), where only the short rows
+        are read and transformers agrees; the long rows serve direct uses of the table."""
+        original = min(params["original_max_position_embeddings"], max_position)
+        long_cos, long_sin = cls._cos_sin(longrope_inv_freq(head_dim, params, "long_factor"),
+                                          max_position)
+        return (torch.cat([cos[:original], long_cos[original:]]),
+                torch.cat([sin[:original], long_sin[original:]]))
 
     @staticmethod
     def _cos_sin(inv_freq: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
