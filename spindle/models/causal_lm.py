@@ -4,7 +4,7 @@ step's flat tokens, its embedding, and the LM head that the last pipeline stage 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -30,6 +30,20 @@ def embedded(embed_tokens: nn.Module, input_ids: torch.Tensor | None,
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     return embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+
+
+def renamed(weights: Iterable[tuple[str, torch.Tensor]],
+            renames: Iterable[tuple[str, str]], skip: tuple[str, ...] = ()
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors under this model's names: each (theirs, ours) replaced in
+    order; names ending in skip (buffers of older checkpoints) left out."""
+    renames = tuple(renames)
+    for name, tensor in weights:
+        if skip and name.endswith(skip):
+            continue
+        for theirs, ours in renames:
+            name = name.replace(theirs, ours)
+        yield name, tensor
 
 
 class MissingLayer(nn.Identity):

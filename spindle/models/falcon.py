@@ -25,9 +25,18 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
-from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
+from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel, renamed
 from spindle.models.gpt_neox import ACTIVATIONS, PartialRotaryAttention
+from spindle.models.llama import check_activation
 from spindle.models.starcoder2 import Starcoder2MLP
+
+
+_RENAMES = (("transformer.word_embeddings.", "model.embed_tokens."),
+            ("transformer.ln_f.", "model.norm."), ("transformer.h.", "model.layers."),
+            (".self_attention.dense.", ".self_attention.o_proj."),
+            (".mlp.dense_h_to_4h.", ".mlp.c_fc."), (".mlp.dense_4h_to_h.", ".mlp.c_proj."),
+            (".ln_attn.", ".attention_norm."), (".ln_mlp.", ".mlp_norm."),
+            (".input_layernorm.", ".attention_norm."))
 
 
 def kv_heads_of(hf_config: Any) -> int:
@@ -97,9 +106,7 @@ class FalconForCausalLM(DecoderForCausalLM):
     def check_config(hf_config: Any) -> None:
         if getattr(hf_config, "alibi", False):
             raise ValueError("Falcon with ALiBi positions (alibi) is not supported")
-        if getattr(hf_config, "activation", "gelu") not in ACTIVATIONS:
-            raise ValueError(f"activation {hf_config.activation!r} is not supported (known: "
-                             f"{sorted(ACTIVATIONS)})")
+        check_activation(hf_config, "activation", ACTIVATIONS, default="gelu")
         if getattr(hf_config, "new_decoder_architecture", False) \
                 and not getattr(hf_config, "parallel_attn", True):
             raise ValueError("Falcon's new decoder architecture without parallel_attn is "
@@ -124,19 +131,10 @@ class FalconForCausalLM(DecoderForCausalLM):
 
     def _our_names(self, weights: Iterable[tuple[str, torch.Tensor]]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-        two_norms = layer_norms_of(self.config) == 2
-        for name, tensor in weights:
-            name = (name.replace("transformer.word_embeddings.", "model.embed_tokens.")
-                    .replace("transformer.ln_f.", "model.norm.")
-                    .replace("transformer.h.", "model.layers.")
-                    .replace(".self_attention.dense.", ".self_attention.o_proj.")
-                    .replace(".mlp.dense_h_to_4h.", ".mlp.c_fc.")
-                    .replace(".mlp.dense_4h_to_h.", ".mlp.c_proj.")
-                    .replace(".ln_attn.", ".attention_norm.")
-                    .replace(".ln_mlp.", ".mlp_norm.")
-                    .replace(".input_layernorm.", ".attention_norm.")
-                    .replace(".post_attention_layernorm.",
-                             ".mlp_norm." if two_norms else ".post_attention_layernorm."))
+        mlp_norm = ".mlp_norm." if layer_norms_of(self.config) == 2 \
+            else ".post_attention_layernorm."
+        for name, tensor in renamed(weights, _RENAMES + ((".post_attention_layernorm.",
+                                                           mlp_norm),)):
             if ".self_attention.query_key_value." in name:
                 for part, piece in zip(("q_proj", "k_proj", "v_proj"), self._split_qkv(tensor)):
                     yield name.replace(".query_key_value.", f".{part}."), piece

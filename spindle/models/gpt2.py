@@ -24,6 +24,7 @@ from spindle.layers.embedding import VocabParallelEmbedding
 from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
 from spindle.models.causal_lm import DecoderForCausalLM, embedded
 from spindle.models.gpt_neox import ACTIVATIONS
+from spindle.models.llama import check_activation
 from spindle.models.starcoder2 import Starcoder2MLP
 
 _BUFFERS = (".attn.bias", ".attn.masked_bias")
@@ -68,13 +69,21 @@ class GPT2Block(nn.Module):
         super().__init__()
         eps = hf_config.layer_norm_epsilon
         hidden = hf_config.hidden_size
-        inner = getattr(hf_config, "n_inner", None) or 4 * hidden
+        inner = getattr(hf_config, self.inner_size_field, None) or 4 * hidden
         self.ln_1 = nn.LayerNorm(hidden, eps=eps)
-        self.attn = GPT2Attention(hf_config, layer_idx, tp_group)
+        self.attn = self.make_attention(hf_config, layer_idx, tp_group)
         self.ln_2 = nn.LayerNorm(hidden, eps=eps)
         self.mlp = Starcoder2MLP(SimpleNamespace(hidden_size=hidden, intermediate_size=inner),
                                  tp_group, bias=True,
                                  act=ACTIVATIONS[hf_config.activation_function])
+
+    # What GPT-Neo's block overrides: the MLP width's field and the attention.
+    inner_size_field = "n_inner"
+
+    @staticmethod
+    def make_attention(hf_config: Any, layer_idx: int,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        return GPT2Attention(hf_config, layer_idx, tp_group)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.attn(self.ln_1(hidden_states)) + hidden_states
@@ -116,9 +125,7 @@ class GPT2LMHeadModel(DecoderForCausalLM):
 
     @staticmethod
     def check_config(hf_config: Any) -> None:
-        if hf_config.activation_function not in ACTIVATIONS:
-            raise ValueError(f"activation_function {hf_config.activation_function!r} is not "
-                             f"supported (known: {sorted(ACTIVATIONS)})")
+        check_activation(hf_config, "activation_function", ACTIVATIONS)
         if getattr(hf_config, "add_cross_attention", False):
             raise ValueError("GPT-2 with cross-attention (add_cross_attention) is not "
                              "supported")

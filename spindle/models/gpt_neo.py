@@ -6,20 +6,22 @@ layers that attend globally or within a window of ``window_size`` tokens ("local
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
-from spindle.models.causal_lm import DecoderForCausalLM
-from spindle.models.gpt2 import GPT2Attention, GPT2Model
+from spindle.models.causal_lm import DecoderForCausalLM, renamed
+from spindle.models.gpt2 import GPT2Attention, GPT2Block, GPT2Model
 from spindle.models.gpt_neox import ACTIVATIONS
-from spindle.models.starcoder2 import Starcoder2MLP
+from spindle.models.llama import check_activation
 
 _BUFFERS = (".attn.attention.bias", ".attn.attention.masked_bias")
+_RENAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.wpe.", "model.wpe."),
+            ("transformer.ln_f.", "model.norm."), ("transformer.h.", "model.layers."),
+            (".attn.attention.out_proj.", ".attn.o_proj."), (".attn.attention.", ".attn."))
 LAYER_KINDS = ("global", "local")
 
 
@@ -33,22 +35,17 @@ def windows_of(hf_config: Any) -> list[int | None]:
     return [hf_config.window_size if kind == "local" else None for kind in kinds]
 
 
-class GPTNeoBlock(nn.Module):
-    def __init__(self, hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup) -> None:
-        super().__init__()
-        eps, hidden = hf_config.layer_norm_epsilon, hf_config.hidden_size
-        inner = getattr(hf_config, "intermediate_size", None) or 4 * hidden
-        self.ln_1 = nn.LayerNorm(hidden, eps=eps)
-        self.attn = GPT2Attention(hf_config, layer_idx, tp_group, bias=False, o_bias=True,
-                                  scale=1.0, sliding_window=windows_of(hf_config)[layer_idx])
-        self.ln_2 = nn.LayerNorm(hidden, eps=eps)
-        self.mlp = Starcoder2MLP(SimpleNamespace(hidden_size=hidden, intermediate_size=inner),
-                                 tp_group, bias=True,
-                                 act=ACTIVATIONS[hf_config.activation_function])
+class GPTNeoBlock(GPT2Block):
+    """GPT-2's block with GPT-Neo's attention (no q/k/v biases, o with one, unscaled
+    scores, this layer's window) and its MLP width field."""
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.attn(self.ln_1(hidden_states)) + hidden_states
-        return self.mlp(self.ln_2(hidden_states)) + hidden_states
+    inner_size_field = "intermediate_size"
+
+    @staticmethod
+    def make_attention(hf_config: Any, layer_idx: int,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        return GPT2Attention(hf_config, layer_idx, tp_group, bias=False, o_bias=True,
+                             scale=1.0, sliding_window=windows_of(hf_config)[layer_idx])
 
 
 class GPTNeoForCausalLM(DecoderForCausalLM):
@@ -65,23 +62,8 @@ class GPTNeoForCausalLM(DecoderForCausalLM):
 
     @staticmethod
     def check_config(hf_config: Any) -> None:
-        if hf_config.activation_function not in ACTIVATIONS:
-            raise ValueError(f"activation_function {hf_config.activation_function!r} is not "
-                             f"supported (known: {sorted(ACTIVATIONS)})")
+        check_activation(hf_config, "activation_function", ACTIVATIONS)
         windows_of(hf_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._our_names(weights))
-
-    @staticmethod
-    def _our_names(weights: Iterable[tuple[str, torch.Tensor]]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            if name.endswith(_BUFFERS):
-                continue
-            yield (name.replace("transformer.wte.", "model.embed_tokens.")
-                   .replace("transformer.wpe.", "model.wpe.")
-                   .replace("transformer.ln_f.", "model.norm.")
-                   .replace("transformer.h.", "model.layers.")
-                   .replace(".attn.attention.out_proj.", ".attn.o_proj.")
-                   .replace(".attn.attention.", ".attn.")), tensor
+        return super().load_weights(renamed(weights, _RENAMES, skip=_BUFFERS))

@@ -11,7 +11,7 @@ projection's shards. The head (``embed_out``) is not tied to the embedding."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +23,8 @@ from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.linear import QKVParallelLinear, RowParallelLinear
 from spindle.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from spindle.models.bamba import apply_partial_rotary
-from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
-from spindle.models.llama import head_dim_of
+from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel, renamed
+from spindle.models.llama import check_activation, head_dim_of
 from spindle.models.starcoder2 import Starcoder2MLP
 
 # HF's names for the exact GELU and its tanh approximations (gelu_new and gelu_fast are
@@ -35,6 +35,10 @@ ACTIVATIONS = {"gelu": F.gelu,
 # Tensors of older checkpoints that are buffers, not weights (the causal mask, the
 # rotary frequencies).
 _BUFFERS = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
+_RENAMES = (("gpt_neox.embed_in.", "model.embed_tokens."),
+            ("gpt_neox.final_layer_norm.", "model.norm."), ("gpt_neox.layers.", "model.layers."),
+            ("embed_out.", "lm_head."), (".attention.dense.", ".self_attn.o_proj."),
+            (".mlp.dense_h_to_4h.", ".mlp.c_fc."), (".mlp.dense_4h_to_h.", ".mlp.c_proj."))
 
 
 def rotary_dim(hf_config: Any) -> int:
@@ -121,11 +125,34 @@ class GPTNeoXLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(hidden_states)) + hidden_states
 
 
-def gpt_neox_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
-    return RotaryDecoderModel(
-        hf_config, tp_group, lambda i: GPTNeoXLayer(hf_config, tp_group),
-        nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps),
-        rotary=partial_rotary_table(hf_config), with_positions=False)
+class PreNormRotaryLayer(nn.Module):
+    """x + attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)): the
+    sequential layer of the families below, which build the four parts."""
+
+    input_layernorm: nn.Module
+    self_attn: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states),
+                                                       cos, sin)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def layer_norm_rotary_model(layer: Callable[[Any, TensorParallelGroup], nn.Module]
+                            ) -> Callable[[Any, TensorParallelGroup], RotaryDecoderModel]:
+    """The model builder of a family whose layers are layer(hf_config, tp_group), with a
+    final LayerNorm of ``layer_norm_eps`` and the partial rotary table (GPT-NeoX's, Phi's,
+    StableLM's)."""
+    def build(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
+        return RotaryDecoderModel(
+            hf_config, tp_group, lambda i: layer(hf_config, tp_group),
+            nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps),
+            rotary=partial_rotary_table(hf_config), with_positions=False)
+
+    return build
 
 
 class GPTNeoXForCausalLM(DecoderForCausalLM):
@@ -135,13 +162,12 @@ class GPTNeoXForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.check_config(hf_config)
-        self.build_single_stage(hf_config, tp_group, stage, gpt_neox_model)
+        self.build_single_stage(hf_config, tp_group, stage,
+                                layer_norm_rotary_model(GPTNeoXLayer))
 
     @staticmethod
     def check_config(hf_config: Any) -> None:
-        if hf_config.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (known: "
-                             f"{sorted(ACTIVATIONS)})")
+        check_activation(hf_config, "hidden_act", ACTIVATIONS)
         check_rotary_dim(hf_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -152,16 +178,7 @@ class GPTNeoXForCausalLM(DecoderForCausalLM):
         """GPT-NeoX's checkpoint names as the Llama-style ones this model's parameters
         load from; query_key_value split into q, k and v; the buffers skipped."""
         heads = self.config.num_attention_heads
-        for name, tensor in weights:
-            if name.endswith(_BUFFERS):
-                continue
-            name = (name.replace("gpt_neox.embed_in.", "model.embed_tokens.")
-                    .replace("gpt_neox.final_layer_norm.", "model.norm.")
-                    .replace("gpt_neox.layers.", "model.layers.")
-                    .replace("embed_out.", "lm_head.")
-                    .replace(".attention.dense.", ".self_attn.o_proj.")
-                    .replace(".mlp.dense_h_to_4h.", ".mlp.c_fc.")
-                    .replace(".mlp.dense_4h_to_h.", ".mlp.c_proj."))
+        for name, tensor in renamed(weights, _RENAMES, skip=_BUFFERS):
             if ".attention.query_key_value." in name:
                 per_head = tensor.unflatten(0, (heads, 3, -1))
                 for i, part in enumerate(("q_proj", "k_proj", "v_proj")):

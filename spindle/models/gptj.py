@@ -19,13 +19,18 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.rotary import RotaryEmbedding, interleaved_rows_as_halves
-from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
+from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel, renamed
 from spindle.models.gpt_neox import ACTIVATIONS, PartialRotaryAttention
+from spindle.models.llama import check_activation
 from spindle.models.starcoder2 import Starcoder2MLP
 
 # Buffers of older checkpoints (the causal mask), and the q/k weights to permute.
 _BUFFERS = (".attn.bias", ".attn.masked_bias")
 _QK = (".attn.q_proj.weight", ".attn.k_proj.weight")
+_RENAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+            ("transformer.h.", "model.layers."), (".attn.out_proj.", ".attn.o_proj."),
+            (".mlp.fc_in.", ".mlp.c_fc."), (".mlp.fc_out.", ".mlp.c_proj."),
+            ("lm_head.bias", "lm_head_bias"))
 
 
 def rotary_dim_of(hf_config: Any) -> int:
@@ -72,9 +77,7 @@ class GPTJForCausalLM(DecoderForCausalLM):
 
     @staticmethod
     def check_config(hf_config: Any) -> None:
-        if hf_config.activation_function not in ACTIVATIONS:
-            raise ValueError(f"activation_function {hf_config.activation_function!r} is not "
-                             f"supported (known: {sorted(ACTIVATIONS)})")
+        check_activation(hf_config, "activation_function", ACTIVATIONS)
         if rotary_dim_of(hf_config) % 2:
             raise ValueError(f"rotary_dim {rotary_dim_of(hf_config)} must be even")
 
@@ -87,18 +90,9 @@ class GPTJForCausalLM(DecoderForCausalLM):
         pairs to halves; the mask buffers skipped."""
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         rotated = rotary_dim_of(self.config)
-        for name, tensor in weights:
-            if name.endswith(_BUFFERS):
-                continue
+        for name, tensor in renamed(weights, _RENAMES, skip=_BUFFERS):
             if name.endswith(_QK):
                 tensor = interleaved_rows_as_halves(tensor, head_dim, rotated)
-            name = (name.replace("transformer.wte.", "model.embed_tokens.")
-                    .replace("transformer.ln_f.", "model.norm.")
-                    .replace("transformer.h.", "model.layers.")
-                    .replace(".attn.out_proj.", ".attn.o_proj.")
-                    .replace(".mlp.fc_in.", ".mlp.c_fc.")
-                    .replace(".mlp.fc_out.", ".mlp.c_proj.")
-                    .replace("lm_head.bias", "lm_head_bias"))
             yield name, tensor
 
 

@@ -67,6 +67,15 @@ def require_activation(hf_config: Any, expected: str, default: str | None = None
         raise ValueError(f"hidden_act {act!r} is not supported (only {expected!r})")
 
 
+def check_activation(hf_config: Any, field: str, known: Any,
+                     default: str | None = None) -> None:
+    """Refuse a config whose activation (the field named, default where absent) is not
+    one of known."""
+    value = getattr(hf_config, field, default)
+    if value not in known:
+        raise ValueError(f"{field} {value!r} is not supported (known: {sorted(known)})")
+
+
 def head_dim_of(hf_config: Any) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 

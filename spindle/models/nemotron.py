@@ -15,8 +15,8 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
-from spindle.models.gpt_neox import (PartialRotaryAttention, check_rotary_dim,
-                                     partial_rotary_table)
+from spindle.models.gpt_neox import (PartialRotaryAttention, PreNormRotaryLayer,
+                                     check_rotary_dim, partial_rotary_table)
 from spindle.models.llama import require_activation, ungated_param_name
 from spindle.models.nemotron_h import NemotronHMLP
 
@@ -28,7 +28,7 @@ class LayerNorm1P(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
 
 
-class NemotronLayer(nn.Module):
+class NemotronLayer(PreNormRotaryLayer):
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.norm_eps
@@ -38,12 +38,6 @@ class NemotronLayer(nn.Module):
             bias=bool(getattr(hf_config, "attention_bias", False)))
         self.post_attention_layernorm = LayerNorm1P(hidden, eps=eps)
         self.mlp = NemotronHMLP(hf_config, tp_group)
-
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states),
-                                                       cos, sin)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 class NemotronForCausalLM(DecoderForCausalLM):

@@ -15,7 +15,7 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
-from spindle.models.gpt_neox import PartialRotaryAttention
+from spindle.models.gpt_neox import PartialRotaryAttention, PreNormRotaryLayer
 from spindle.models.llama import LlamaMLP, head_dim_of, require_activation
 
 EPS = 1e-5  # transformers' OlmoLayerNorm, whatever the config says
@@ -32,7 +32,7 @@ class WeightlessLayerNorm(nn.Module):
         return F.layer_norm(x.float(), self.shape, None, None, EPS).to(x.dtype)
 
 
-class OlmoLayer(nn.Module):
+class OlmoLayer(PreNormRotaryLayer):
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup) -> None:
         super().__init__()
         bias = bool(getattr(hf_config, "attention_bias", False))
@@ -42,12 +42,6 @@ class OlmoLayer(nn.Module):
                                                 clip_qkv=getattr(hf_config, "clip_qkv", None))
         self.post_attention_layernorm = WeightlessLayerNorm(hf_config.hidden_size)
         self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, False, tp_group)
-
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states),
-                                                       cos, sin)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 class OlmoForCausalLM(DecoderForCausalLM):

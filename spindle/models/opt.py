@@ -18,13 +18,16 @@ from torch import nn
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.embedding import VocabParallelEmbedding
-from spindle.models.causal_lm import DecoderForCausalLM, embedded, single_stage
+from spindle.models.causal_lm import DecoderForCausalLM, embedded, renamed, single_stage
 from spindle.models.gpt2 import GPT2Attention
 from spindle.models.gpt_neox import ACTIVATIONS as GELUS
+from spindle.models.llama import check_activation
 from spindle.models.starcoder2 import Starcoder2MLP
 
 ACTIVATIONS = {**GELUS, "relu": F.relu}
 POSITION_OFFSET = 2  # OPT's table holds two rows before position 0
+_RENAMES = ((".self_attn.out_proj.", ".self_attn.o_proj."), (".fc1.", ".mlp.c_fc."),
+            (".fc2.", ".mlp.c_proj."))
 
 
 def embed_width(hf_config: Any) -> int:
@@ -108,9 +111,7 @@ class OPTForCausalLM(DecoderForCausalLM):
 
     @staticmethod
     def check_config(hf_config: Any) -> None:
-        if hf_config.activation_function not in ACTIVATIONS:
-            raise ValueError(f"activation_function {hf_config.activation_function!r} is not "
-                             f"supported (known: {sorted(ACTIVATIONS)})")
+        check_activation(hf_config, "activation_function", ACTIVATIONS)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._our_names(weights))
@@ -120,9 +121,8 @@ class OPTForCausalLM(DecoderForCausalLM):
                    ) -> Iterator[tuple[str, torch.Tensor]]:
         """OPT's names (``model.decoder.*``, or ``decoder.*`` in older checkpoints) as
         this model's."""
-        for name, tensor in weights:
+        for name, tensor in renamed(weights, _RENAMES):
             name = name.removeprefix("model.")
             if name.startswith("decoder."):
                 name = "model." + name[len("decoder."):]
-            yield (name.replace(".self_attn.out_proj.", ".self_attn.o_proj.")
-                   .replace(".fc1.", ".mlp.c_fc.").replace(".fc2.", ".mlp.c_proj.")), tensor
+            yield name, tensor

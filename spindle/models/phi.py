@@ -7,17 +7,24 @@ logits of every rank's gathered vocabulary (DecoderForCausalLM.lm_head_bias)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
-from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
+from spindle.models.causal_lm import DecoderForCausalLM, renamed
 from spindle.models.gpt_neox import (ACTIVATIONS, PartialRotaryAttention, check_rotary_dim,
-                                     partial_rotary_table)
+                                     layer_norm_rotary_model)
+from spindle.models.llama import check_activation
 from spindle.models.starcoder2 import Starcoder2MLP
+
+_RENAMES = (("lm_head.bias", "lm_head_bias"), ("model.final_layernorm.", "model.norm."),
+            (".self_attn.dense.", ".self_attn.o_proj."),
+            (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+            (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+            (".mlp.fc1.", ".mlp.c_fc."), (".mlp.fc2.", ".mlp.c_proj."))
 
 
 class PhiLayer(nn.Module):
@@ -39,13 +46,6 @@ class PhiLayer(nn.Module):
         return self.self_attn(normed, cos, sin) + self.mlp(normed) + hidden_states
 
 
-def phi_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
-    return RotaryDecoderModel(
-        hf_config, tp_group, lambda i: PhiLayer(hf_config, tp_group),
-        nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps),
-        rotary=partial_rotary_table(hf_config), with_positions=False)
-
-
 class PhiForCausalLM(DecoderForCausalLM):
     supports_pipeline_parallel = False
 
@@ -53,26 +53,13 @@ class PhiForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.check_config(hf_config)
-        self.build_single_stage(hf_config, tp_group, stage, phi_model, head_bias=True)
+        self.build_single_stage(hf_config, tp_group, stage,
+                                layer_norm_rotary_model(PhiLayer), head_bias=True)
 
     @staticmethod
     def check_config(hf_config: Any) -> None:
-        if hf_config.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (known: "
-                             f"{sorted(ACTIVATIONS)})")
+        check_activation(hf_config, "hidden_act", ACTIVATIONS)
         check_rotary_dim(hf_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._our_names(weights))
-
-    @staticmethod
-    def _our_names(weights: Iterable[tuple[str, torch.Tensor]]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            yield (name.replace("lm_head.bias", "lm_head_bias")
-                   .replace("model.final_layernorm.", "model.norm.")
-                   .replace(".self_attn.dense.", ".self_attn.o_proj.")
-                   .replace(".self_attn.q_layernorm.", ".self_attn.q_norm.")
-                   .replace(".self_attn.k_layernorm.", ".self_attn.k_norm.")
-                   .replace(".mlp.fc1.", ".mlp.c_fc.")
-                   .replace(".mlp.fc2.", ".mlp.c_proj.")), tensor
+        return super().load_weights(renamed(weights, _RENAMES))

@@ -16,9 +16,9 @@ from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
-from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
+from spindle.models.causal_lm import DecoderForCausalLM
 from spindle.models.gpt_neox import (PartialRotaryAttention, check_rotary_dim,
-                                     partial_rotary_table)
+                                     layer_norm_rotary_model)
 from spindle.models.llama import LlamaMLP, require_activation
 
 
@@ -46,13 +46,6 @@ class StableLmLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-def stablelm_model(hf_config: Any, tp_group: TensorParallelGroup) -> RotaryDecoderModel:
-    return RotaryDecoderModel(
-        hf_config, tp_group, lambda i: StableLmLayer(hf_config, tp_group),
-        nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps),
-        rotary=partial_rotary_table(hf_config), with_positions=False)
-
-
 class StableLmForCausalLM(DecoderForCausalLM):
     supports_pipeline_parallel = False
 
@@ -60,7 +53,8 @@ class StableLmForCausalLM(DecoderForCausalLM):
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.check_config(hf_config)
-        self.build_single_stage(hf_config, tp_group, stage, stablelm_model)
+        self.build_single_stage(hf_config, tp_group, stage,
+                                layer_norm_rotary_model(StableLmLayer))
 
     @staticmethod
     def check_config(hf_config: Any) -> None:

@@ -18,8 +18,9 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import PipelineStage
 from spindle.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spindle.models.causal_lm import DecoderForCausalLM, RotaryDecoderModel
-from spindle.models.llama import (AttentionOptions, LlamaAttention, checked_window,
-                                  head_dim_of, require_activation, ungated_param_name)
+from spindle.models.llama import (AttentionOptions, LlamaAttention, check_activation,
+                                  checked_window, head_dim_of, require_activation,
+                                  ungated_param_name)
 
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                "gelu": F.gelu}
@@ -73,9 +74,7 @@ class Starcoder2ForCausalLM(DecoderForCausalLM):
     # biases and the LayerNorms' epsilon, and the MLP.
     @staticmethod
     def check_config(hf_config: Any) -> None:
-        if hf_config.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (known: "
-                             f"{sorted(ACTIVATIONS)})")
+        check_activation(hf_config, "hidden_act", ACTIVATIONS)
 
     @staticmethod
     def layer_options(hf_config: Any) -> tuple[bool, float]:
