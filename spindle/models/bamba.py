@@ -86,6 +86,8 @@ def rotary_dim(hf_config: Any) -> int:
 def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] features of each head of x [T, H, D], keep the rest."""
     dim = cos.shape[-1]
+    if dim == x.shape[-1]:  # (the whole head: no split and concatenation)
+        return apply_rotary(x, cos, sin)
     return torch.cat([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
 
 
