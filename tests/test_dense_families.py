@@ -35,7 +35,9 @@ with unscaled scores, global and windowed layers in turn; OLMo (the first): weig
 LayerNorms, q/k/v clamped; Nemotron: LayerNorm1P, a half-head rotary, a squared-ReLU MLP;
 StableLM: LayerNorms,
 Llama's MLP and grouped-query attention with a quarter-head rotary and q/k/v biases,
-sequential or parallel layers."""
+sequential or parallel layers; BLOOM: ALiBi (slopes past a power of two of heads, split
+across ranks), the embedding's LayerNorm, q/k/v fused per head, residuals from the
+normed input (an option)."""
 
 from __future__ import annotations
 
@@ -97,6 +99,10 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "stablelm-parallel": dict(num_layers=2, use_parallel_residual=True,
                                    use_qkv_bias=False),
          "gpt2-layer_scaled": dict(num_layers=2, scale_attn_by_inverse_layer_idx=True),
+         "bloom": dict(num_layers=3, tie_word_embeddings=True),
+         # (six heads: ALiBi's slopes past the largest power of two; TP=2 splits them)
+         "bloom-six_heads": dict(num_layers=2, num_heads=6, hidden_size=96,
+                                 apply_residual_connection_post_layernorm=True),
          "phi-qk_norms": dict(num_layers=2, qk_layernorm=True, tie_word_embeddings=True),
          "smollm3": dict(num_layers=4, no_rope_layer_interval=2),
          "smollm3-windows": dict(num_layers=4, no_rope_layer_interval=2,
@@ -201,6 +207,28 @@ def test_gpt_neox_refuses_what_it_would_get_wrong():
     with pytest.raises(ValueError, match="turns 3 features of each head"):
         GPTNeoXForCausalLM.check_config(config(rope_parameters={
             "rope_theta": 10000.0, "partial_rotary_factor": 0.1875}))
+
+
+def test_bloom_reads_the_hub_names(tiny_model, tmp_path):
+    """BLOOM's hub checkpoints name their tensors without ``transformer.`` and hold no
+    ``lm_head`` (tied): the same model loads from either form."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_model("bloom", **CASES["bloom"])
+    hub = tmp_path / "hub"
+    shutil.copytree(path, hub)
+    (weights_file,) = hub.glob("*.safetensors")
+    tensors = {name.removeprefix("transformer."): t for name, t in load_file(weights_file).items()
+               if not name.startswith("lm_head.")}
+    assert "h.0.self_attention.query_key_value.weight" in tensors
+    save_file(tensors, weights_file)
+    runs = []
+    for checkpoint in (path, hub):
+        with LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=256) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
+                                   use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outputs])
+    assert runs[0] == runs[1] == [tokens for tokens, _ in hf_greedy(path, prompts(), MAX_NEW)]
 
 
 def test_gpt2_reads_the_old_names_and_skips_the_mask_buffers(tiny_model, tmp_path):

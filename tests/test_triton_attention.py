@@ -72,11 +72,13 @@ def make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block
         query_lens=query_lens, context_lens=context_lens, block_size=block_size)
 
 
-def reference(case, scale, window=None, soft_cap=None, sinks=None):
+def reference(case, scale, window=None, soft_cap=None, sinks=None, alibi=None):
     """float64 attention of each request's queries over its (cache + new) context; with
     a window W, query at position p sees keys p - W < k <= p only; with soft_cap C,
     scores become C * tanh(score / C); with sinks [H], each head's softmax has one more
-    logit that weighs nothing (transformers' gpt-oss)."""
+    logit that weighs nothing (transformers' gpt-oss); with alibi slopes [H], head h's
+    score of key k for the query at p gets slope_h * k added (transformers' BLOOM: the
+    query's own term cancels in the softmax)."""
     q, kv = case["q"].double(), case["kv_cache"].double().clone()
     bs = case["block_size"]
     flat_k = kv[0].reshape(-1, *kv.shape[3:])
@@ -95,6 +97,8 @@ def reference(case, scale, window=None, soft_cap=None, sinks=None):
         scores = torch.einsum("qhd,shd->hqs", qi, keys) * scale
         if soft_cap is not None:
             scores = soft_cap * torch.tanh(scores / soft_cap)
+        if alibi is not None:
+            scores = scores + alibi.double().view(-1, 1, 1) * pos.double()
         query_pos = (cl + torch.arange(ql, device=DEVICE))[:, None]
         visible = pos[None, :] <= query_pos
         if window is not None:
@@ -519,6 +523,57 @@ def test_backend_soft_cap_step(backend_name, query_lens, context_lens, window, d
     assert not out.isnan().any()
     assert rel_err(out, ref) < REL_TOL[dtype]
     assert rel_err(out, uncapped) > 10 * REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("backend_name", ["triton", "torch_sdpa"])
+@pytest.mark.parametrize("query_lens,context_lens", BACKEND_STEPS)
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_alibi_step(backend_name, query_lens, context_lens, window, dtype):
+    """Backend.forward with ALiBi (BLOOM's slopes for 8 heads over 2 KV heads, so each
+    KV head's query heads have different slopes; prefill after a context, split
+    decode, with and without a window) against the reference; without the bias the
+    reference is further off than the tolerance, so the slopes are seen to act."""
+    from spindle.attention.alibi import bloom_slopes
+    from spindle.attention.backends.registry import get_backend
+
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 8
+    slopes = bloom_slopes(num_heads).to(DEVICE)
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     dtype, seed=len(query_lens) + (window or 0))
+    ref, _, _ = reference(case, head_dim ** -0.5, window, alibi=slopes)
+    plain, _, _ = reference(case, head_dim ** -0.5, window)
+    backend = get_backend(backend_name)(num_heads, head_dim, head_dim ** -0.5, num_kv_heads,
+                                        sliding_window=window, alibi_slopes=slopes)
+    out = backend.forward(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case))
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    assert rel_err(out, plain) > 10 * REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("backend_name", ["triton", "torch_sdpa"])
+def test_backend_alibi_without_cache(backend_name):
+    """The cache-less forward (memory profiling) adds ALiBi's bias too."""
+    from spindle.attention.alibi import mpt_slopes
+    from spindle.attention.backends.registry import get_backend
+
+    num_heads, num_kv_heads, head_dim = 6, 6, 64
+    slopes = mpt_slopes(num_heads).to(DEVICE)
+    case = make_case([30, 1, 50], [0, 0, 0], num_heads, num_kv_heads, head_dim, 16,
+                     torch.float32, seed=3)
+    ref, _, _ = reference(case, head_dim ** -0.5, alibi=slopes)
+    backend = get_backend(backend_name)(num_heads, head_dim, head_dim ** -0.5, num_kv_heads,
+                                        alibi_slopes=slopes)
+    out = backend.forward(case["q"], case["k"], case["v"], None, meta_for(case))
+    assert rel_err(out, ref) < REL_TOL[torch.float32]
+
+
+def test_batch_invariant_backend_refuses_alibi():
+    from spindle.attention.alibi import bloom_slopes
+    from spindle.attention.backends.batch_invariant import BatchInvariantBackend
+
+    with pytest.raises(ValueError, match="ALiBi"):
+        BatchInvariantBackend(4, 64, 0.125, 4, alibi_slopes=bloom_slopes(4))
 
 
 @pytest.mark.parametrize("backend_name", ["triton", "torch_sdpa"])

@@ -31,12 +31,15 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  backend: str | None = None, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None, values_are_keys: bool = False,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None) -> None:
         """values_are_keys: forward's v is always its k (multi-head latent attention's
         latent), so the cache keeps one plane (AttentionCacheSpec.values_are_keys).
         sinks: a learned logit per query head [num_heads] (gpt-oss's attention sinks),
         in every softmax's denominator and attending to nothing: the owner's parameter,
-        which the backend reads at each call (so loads and sleep's swaps show)."""
+        which the backend reads at each call (so loads and sleep's swaps show).
+        alibi_slopes: ALiBi's slope per query head [num_heads] (attention/alibi.py),
+        kept as this module's buffer (outside the checkpoint)."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -51,6 +54,9 @@ class Attention(nn.Module):
             raise ValueError(f"sinks must be one logit per head ({num_heads}), got "
                              f"{tuple(sinks.shape)}")
         self._sinks = (sinks,)  # (in a tuple: the owner registers the parameter, not this)
+        if alibi_slopes is not None:
+            alibi_slopes = alibi_slopes.to(torch.float32)
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         self.backend_name = backend
         self.impl = self._make_impl(backend)
         self.kv_cache: torch.Tensor | None = None
@@ -58,9 +64,11 @@ class Attention(nn.Module):
         self.cache_group = 0
 
     def _make_impl(self, backend: str | None):
+        extra = {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
         return get_backend(backend)(self.num_heads, self.head_dim, self.scale,
                                     self.num_kv_heads, sliding_window=self.sliding_window,
-                                    logits_soft_cap=self.logits_soft_cap, sinks=self._sinks[0])
+                                    logits_soft_cap=self.logits_soft_cap, sinks=self._sinks[0],
+                                    **extra)
 
     def cache_spec(self, dtype: torch.dtype) -> AttentionCacheSpec:
         """What this layer caches: paged keys and values (spindle/cache/spec.py)."""

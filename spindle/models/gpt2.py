@@ -12,7 +12,7 @@ both are read."""
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -41,10 +41,13 @@ def kv_heads_of(hf_config: Any) -> int:
 class GPT2Attention(nn.Module):
     def __init__(self, hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup,
                  bias: bool = True, o_bias: bool | None = None, scale: float | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 alibi: Callable[[int], torch.Tensor] | None = None) -> None:
         """bias: on every projection (OPT's ``enable_bias``), o_bias: on the output
         projection where it differs (GPT-Neo's); scale: the scores' (default: GPT-2's);
-        sliding_window: this layer's window (GPT-Neo's local layers)."""
+        sliding_window: this layer's window (GPT-Neo's local layers); alibi: the ALiBi
+        slopes of all the model's heads, from their number (BLOOM's, MPT's), of which
+        this rank takes its heads'."""
         super().__init__()
         heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
         head_dim = hidden // heads
@@ -56,8 +59,13 @@ class GPT2Attention(nn.Module):
             scale = head_dim ** -0.5 if getattr(hf_config, "scale_attn_weights", True) else 1.0
             if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
                 scale /= layer_idx + 1
+        slopes = None
+        if alibi is not None:
+            local = self.qkv_proj.num_heads
+            slopes = alibi(heads)[tp_group.rank * local:(tp_group.rank + 1) * local]
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, scale,
-                              self.qkv_proj.num_kv_heads, sliding_window=sliding_window)
+                              self.qkv_proj.num_kv_heads, sliding_window=sliding_window,
+                              alibi_slopes=slopes)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))

@@ -47,6 +47,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "GPTNeoXForCausalLM": "spindle.models.gpt_neox:GPTNeoXForCausalLM",
     "PhiForCausalLM": "spindle.models.phi:PhiForCausalLM",
     "GPT2LMHeadModel": "spindle.models.gpt2:GPT2LMHeadModel",
+    "BloomForCausalLM": "spindle.models.bloom:BloomForCausalLM",
     "GPTBigCodeForCausalLM": "spindle.models.gpt2:GPTBigCodeForCausalLM",
     "StableLmForCausalLM": "spindle.models.stablelm:StableLmForCausalLM",
     "OPTForCausalLM": "spindle.models.opt:OPTForCausalLM",

@@ -102,6 +102,7 @@ ARCHITECTURES = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "phi": "PhiForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "bloom": "BloomForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "opt": "OPTForCausalLM",
     "gptj": "GPTJForCausalLM",
@@ -150,6 +151,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "cohere": "CohereConfig", "cohere2": "Cohere2Config",
                   "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
                   "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig", "gpt2": "GPT2Config",
+                  "bloom": "BloomConfig",
                   "gpt_bigcode": "GPTBigCodeConfig", "opt": "OPTConfig",
                   "gptj": "GPTJConfig", "codegen": "CodeGenConfig", "falcon": "FalconConfig",
                   "gpt_neo": "GPTNeoConfig", "olmo": "OlmoConfig",
@@ -183,7 +185,10 @@ FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps")
                  **{arch: ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
                            "intermediate_size")
                     for arch in ("gpt2", "gpt_bigcode", "opt", "gptj", "codegen", "falcon",
-                                 "gpt_neo")}}
+                                 "gpt_neo")},
+                 # (ALiBi: no position table; the head size is hidden / heads)
+                 "bloom": ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
+                           "intermediate_size", "max_position_embeddings")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

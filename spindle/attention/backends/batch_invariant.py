@@ -44,8 +44,11 @@ class BatchInvariantBackend:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None,
                  logits_soft_cap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
+        if alibi_slopes is not None:
+            raise ValueError("batch_invariant does not support ALiBi")
         if sinks is not None:
             raise ValueError("batch_invariant does not support attention sinks")
         if sliding_window is not None:

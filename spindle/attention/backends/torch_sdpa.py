@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spindle.attention.alibi import check_alibi_slopes
 from spindle.attention.heads import set_head_geometry
 from spindle.attention.metadata import AttentionMetadata
 from spindle.layers import cpu_kernels
@@ -57,7 +58,8 @@ class TorchSDPABackend:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None,
                  logits_soft_cap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -70,6 +72,9 @@ class TorchSDPABackend:
         # A logit per query head in each softmax's denominator (gpt-oss): explicit steps
         # too, as transformers' eager attention takes them.
         self.sinks = sinks
+        # ALiBi (attention/alibi.py): slope_h * (key position - query position) added to
+        # every score of head h; explicit steps too.
+        self.alibi_slopes = check_alibi_slopes(alibi_slopes, num_heads)
         self.gqa = num_heads != num_kv_heads
 
     # ---------------------------------------------------------------- entry point
@@ -112,8 +117,9 @@ class TorchSDPABackend:
 
     def _fused_decode(self, q: torch.Tensor, key_cache: torch.Tensor) -> bool:
         """bf16 decode on the CPU attends in one C++ call (cpu_kernels.decode_attention;
-        float32 keeps SDPA, whose sums match transformers'), without sinks."""
-        return self.sinks is None and key_cache.dtype == q.dtype and cpu_kernels.applies(q)
+        float32 keeps SDPA, whose sums match transformers'), without sinks or ALiBi."""
+        return (self.sinks is None and self.alibi_slopes is None
+                and key_cache.dtype == q.dtype and cpu_kernels.applies(q))
 
     def step_plan(self, md: AttentionMetadata, block_size: int) -> _StepPlan:
         """The step's split into decode groups and prefill requests, with each decode
@@ -163,7 +169,7 @@ class TorchSDPABackend:
                                                      first_query_pos=0, first_key_pos=0)
             else:
                 out[start:end] = self._sdpa(q[start:end], k[start:end], v[start:end],
-                                            is_causal=causal)
+                                            is_causal=causal, first_query_pos=0)
         return out
 
     def _prefill(self, q, key_cache, value_cache, block_size, md, i, query_start, seq_lens, out):
@@ -185,7 +191,8 @@ class TorchSDPABackend:
         if causal and first_query_pos > 0:
             mask = _visibility_mask(first_query_pos, seq_len, 0, None, q.device)
             causal = False
-        out[start:end] = self._sdpa(q[start:end], keys, values, is_causal=causal, mask=mask)
+        out[start:end] = self._sdpa(q[start:end], keys, values, is_causal=causal, mask=mask,
+                                    first_query_pos=first_query_pos)
 
     def _attend_window(self, q, keys, values, first_query_pos: int, first_key_pos: int
                        ) -> torch.Tensor:
@@ -201,7 +208,8 @@ class TorchSDPABackend:
             key_lo = max(first_key_pos, lo - window + 1)
             rows = slice(key_lo - first_key_pos, hi - first_key_pos)
             mask = _visibility_mask(lo, hi, key_lo, window, q.device)
-            out[a:b] = self._sdpa(q[a:b], keys[rows], values[rows], is_causal=False, mask=mask)
+            out[a:b] = self._sdpa(q[a:b], keys[rows], values[rows], is_causal=False, mask=mask,
+                                  first_query_pos=lo, first_key_pos=key_lo)
         return out
 
     def _decode_group(self, q: torch.Tensor, key_cache: torch.Tensor,
@@ -214,19 +222,25 @@ class TorchSDPABackend:
         flat = group.slots.view(-1)  # (index_select on one dim: a fraction of [] indexing)
         keys = key_cache.index_select(0, flat).view(batch, span, *key_cache.shape[1:])
         values = value_cache.index_select(0, flat).view(batch, span, *value_cache.shape[1:])
+        alibi = None
+        if self.alibi_slopes is not None:  # [B, H, 1, S]
+            distances = group.key_positions - (group.seq_lens[:, None] - 1)
+            alibi = self._alibi(distances[:, None, None, :])
         if q.dtype != torch.float32:
-            return self._decode_attention(q, keys, values, group.key_bias)
+            return self._decode_attention(q, keys, values, group.key_bias, alibi)
         mask = None if group.key_bias is None else group.key_bias == 0
         out = self._attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                              mask=mask)
+                              mask=mask, bias=alibi)
         return out.squeeze(2)
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          key_bias: torch.Tensor | None) -> torch.Tensor:
+                          key_bias: torch.Tensor | None, alibi: torch.Tensor | None = None
+                          ) -> torch.Tensor:
         """Single-query attention in explicit float32 steps: q [B, H, D], keys/values
-        [B, S, H_kv, D], key_bias [B, 1, 1, S] (0 or -inf) or None -> [B, H, D] in q's
-        dtype. CPU SDPA runs one query per sequence 5-13x slower than these matmuls
-        (two of them per KV head group, the query heads of a group as the rows)."""
+        [B, S, H_kv, D], key_bias [B, 1, 1, S] (0 or -inf) or None, alibi [B, H, 1, S]
+        or None -> [B, H, D] in q's dtype. CPU SDPA runs one query per sequence 5-13x
+        slower than these matmuls (two of them per KV head group, the query heads of a
+        group as the rows)."""
         batch, group = q.shape[0], self.num_heads // self.num_kv_heads
         queries = q.reshape(batch, self.num_kv_heads, group, self.head_dim).float()
         # Keys and values as contiguous float32 [B, H_kv, S, D], one copy each.
@@ -238,6 +252,8 @@ class TorchSDPABackend:
         if self.logits_soft_cap is not None:
             cap = self.logits_soft_cap
             scores = torch.tanh(scores.div_(cap)).mul_(cap)
+        if alibi is not None:
+            scores.add_(alibi.view(batch, self.num_kv_heads, group, -1))
         if key_bias is not None:
             scores.add_(key_bias)
         weights = _softmax_with_sinks(scores, self._sink_logits(scores, group))
@@ -248,18 +264,35 @@ class TorchSDPABackend:
         if self.sliding_window is not None and not causal:
             raise ValueError("sliding-window attention is causal; got non-causal metadata")
 
-    def _sdpa(self, q, k, v, is_causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One sequence: q [L, H, D], k/v [S, H_kv, D], mask [L, S] bool or None -> [L, H, D]."""
+    def _sdpa(self, q, k, v, is_causal: bool, mask: torch.Tensor | None = None,
+              first_query_pos: int = 0, first_key_pos: int = 0) -> torch.Tensor:
+        """One sequence: q [L, H, D], k/v [S, H_kv, D], mask [L, S] bool or None -> [L, H, D].
+        The queries' context positions start at first_query_pos, the keys' at
+        first_key_pos (what ALiBi's distances are made of)."""
+        alibi = None
+        if self.alibi_slopes is not None:
+            query_pos = torch.arange(q.shape[0], device=q.device) + first_query_pos
+            key_pos = torch.arange(k.shape[0], device=q.device) + first_key_pos
+            alibi = self._alibi((key_pos[None, :] - query_pos[:, None])[None, None])
         attn = self._attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                               v.transpose(0, 1).unsqueeze(0), mask=mask, is_causal=is_causal)
+                               v.transpose(0, 1).unsqueeze(0), mask=mask, is_causal=is_causal,
+                               bias=alibi)
         return attn.squeeze(0).transpose(0, 1)
 
+    def _alibi(self, distances: torch.Tensor) -> torch.Tensor:
+        """ALiBi's bias of key - query distances [B, 1, L, S] (integers): [B, H, L, S]
+        float32."""
+        slopes = self.alibi_slopes.to(device=distances.device, dtype=torch.float32)
+        return slopes.view(1, -1, 1, 1) * distances.to(torch.float32)
+
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-        """q [B, H, L, D], k/v [B, H_kv, S, D], mask (bool, broadcast to [B, H, L, S])
-        -> [B, H, L, D]: SDPA, or with a soft cap the same in explicit steps (as
-        transformers' eager attention: scores, cap, mask, float32 softmax)."""
-        if self.logits_soft_cap is None and self.sinks is None:
+                   mask: torch.Tensor | None = None, is_causal: bool = False,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, L, D], k/v [B, H_kv, S, D], mask (bool, broadcast to [B, H, L, S]),
+        bias (float32, added to the scores, broadcast likewise: ALiBi's) -> [B, H, L, D]:
+        SDPA, or with a soft cap, sinks or a bias the same in explicit steps (as
+        transformers' eager attention: scores, cap, bias, mask, float32 softmax)."""
+        if self.logits_soft_cap is None and self.sinks is None and bias is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                   scale=self.scale, enable_gqa=self.gqa)
         repeat = self.num_heads // self.num_kv_heads
@@ -268,6 +301,8 @@ class TorchSDPABackend:
         if self.logits_soft_cap is not None:
             cap = self.logits_soft_cap
             scores = torch.tanh(scores / cap) * cap
+        if bias is not None:
+            scores = scores + bias
         if is_causal:
             mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
                               device=q.device).tril(k.shape[-2] - q.shape[-2])
@@ -308,6 +343,8 @@ class _DecodeGroup:
     token_index: torch.Tensor  # [B] int64
     slots: torch.Tensor  # [B, S] int64
     key_bias: torch.Tensor | None
+    key_positions: torch.Tensor  # [B, S] int64: the context position each slot holds
+    seq_lens: torch.Tensor  # [B] int64 (the query's position is one less)
 
 
 @dataclass
@@ -365,7 +402,7 @@ def _decode_group(md: AttentionMetadata, group: list[int], query_start: list[int
         key_bias = torch.zeros(valid.shape, dtype=torch.float32, device=device)
         key_bias.masked_fill_(~valid, float("-inf"))
         key_bias = key_bias[:, None, None, :]
-    return _DecodeGroup(token_index, slots, key_bias)
+    return _DecodeGroup(token_index, slots, key_bias, positions, lens)
 
 
 def _host_lists(md: AttentionMetadata) -> tuple[list[int], list[int]]:

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spindle.attention.alibi import check_alibi_slopes
 from spindle.attention.heads import set_head_geometry
 from spindle.attention.metadata import AttentionMetadata
 from spindle.layers import pdl
@@ -80,9 +81,11 @@ class TritonAttentionBackend:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None,
                  logits_soft_cap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
         self.sinks = sinks  # (a logit per query head in every denominator: gpt-oss)
+        self.alibi_slopes = check_alibi_slopes(alibi_slopes, num_heads)  # (attention/alibi.py)
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         self.logits_soft_cap = logits_soft_cap
@@ -107,8 +110,8 @@ class TritonAttentionBackend:
                 qk_transform.apply_(q, k)
             return TorchSDPABackend(self.num_heads, self.head_dim, self.scale,
                                     self.num_kv_heads, self.sliding_window,
-                                    self.logits_soft_cap, self.sinks).forward(q, k, v, None,
-                                                                              attn_metadata)
+                                    self.logits_soft_cap, self.sinks,
+                                    self.alibi_slopes).forward(q, k, v, None, attn_metadata)
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
         out = torch.empty_like(q)
@@ -116,7 +119,8 @@ class TritonAttentionBackend:
             decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
                              self._split_counters(q.device), qk_transform,
                              sliding_window=self.sliding_window,
-                             soft_cap=self.logits_soft_cap, sinks=self.sinks)
+                             soft_cap=self.logits_soft_cap, sinks=self.sinks,
+                             alibi_slopes=self.alibi_slopes)
             return out
         if qk_transform is None:
             store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
@@ -124,7 +128,7 @@ class TritonAttentionBackend:
             qk_transform.apply_(q, k, v, kv_cache, attn_metadata.slot_mapping)
         prefill_attention(q, kv_cache, attn_metadata, self.scale, out,
                           sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap,
-                          sinks=self.sinks)
+                          sinks=self.sinks, alibi_slopes=self.alibi_slopes)
         return out
 
     def _split_counters(self, device: torch.device) -> torch.Tensor:
@@ -175,11 +179,13 @@ def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor, sliding_window: int | None = None,
                       block_m: int | None = None, pack_gqa: bool = False,
-                      soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> None:
+                      soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                      alibi_slopes: torch.Tensor | None = None) -> None:
     """Causal attention of every request's new tokens over its context (the new tokens'
     k/v already stored), within sliding_window positions when given, scores soft-capped
     (cap * tanh(score / cap), Gemma 2) with soft_cap; sinks [H]: a logit per query head
-    in every softmax's denominator, attending to nothing (gpt-oss). block_m: rows
+    in every softmax's denominator, attending to nothing (gpt-oss); alibi_slopes [H]
+    (float32): slope_h * (key position - query position) added to head h's scores. block_m: rows
     per tile (default: by the step's longest query); a request with no context (a
     CUDA-graph padding row) gets zeros.
 
@@ -199,28 +205,28 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[grid](
         q, key_cache, value_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-        q if sinks is None else sinks,
+        q if sinks is None else sinks, q if alibi_slopes is None else alibi_slopes,
         scale, sliding_window or 0, soft_cap or 0.0, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), meta.block_tables.stride(0), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2),
         GQA=gqa, PAGE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
-        SINKS=sinks is not None, IEEE=q.dtype == torch.float32, PACK_GQA=pack_gqa,
-        num_warps=4, num_stages=2)
+        SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
+        IEEE=q.dtype == torch.float32, PACK_GQA=pack_gqa, num_warps=4, num_stages=2)
 
 
 # bt_stride (the widest block table of the step) varies step by step: not specialized,
 # so one compiled variant serves every step (no compiling after warm-up).
 @triton.jit(do_not_specialize=["bt_stride"])
 def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr,
-                    query_start_ptr, seq_lens_ptr, sinks_ptr, scale, window, soft_cap,
+                    query_start_ptr, seq_lens_ptr, sinks_ptr, alibi_ptr, scale, window, soft_cap,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
                     c_stride_b, c_stride_t, c_stride_h,
                     GQA: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
-                    IEEE: tl.constexpr, PACK_GQA: tl.constexpr):
+                    ALIBI: tl.constexpr, IEEE: tl.constexpr, PACK_GQA: tl.constexpr):
     tile = tl.program_id(0)
     req = tl.program_id(1)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -255,7 +261,9 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # The last query of this tile sees context positions up to context_len + its index.
     kv_end = tl.minimum(seq_len, context_len + last_token + 1)
-    row_limit = context_len + offs_m
+    row_limit = context_len + offs_m  # (each row's query position)
+    if ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=m_valid, other=0.0)
     kv_start = 0
     if SLIDING:  # the first query of this tile sees positions from here on
         kv_start = tl.maximum(context_len + first_token - window + 1, 0)
@@ -266,6 +274,8 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
                              offs_n, n_valid, offs_d, d_valid, kv_head,
                              c_stride_b, c_stride_t, c_stride_h, PAGE)
         scores = _capped(_dot(q, tl.trans(k), IEEE) * scale, soft_cap, SOFT_CAP)
+        if ALIBI:
+            scores += slopes[:, None] * (offs_n[None, :] - row_limit[:, None]).to(tl.float32)
         visible = (offs_n[None, :] <= row_limit[:, None]) & n_valid[None, :]
         if SLIDING:
             visible = visible & (offs_n[None, :] > row_limit[:, None] - window)
@@ -307,13 +317,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor, counters: torch.Tensor,
                      qk_transform: QKNormRope | None = None,
                      sliding_window: int | None = None, soft_cap: float | None = None,
-                     sinks: torch.Tensor | None = None) -> None:
+                     sinks: torch.Tensor | None = None,
+                     alibi_slopes: torch.Tensor | None = None) -> None:
     """One query token per request: q [B, H, D], this step's k/v [B, H_kv, D] -> out
     [B, H, D], in one launch. Stores k/v into the cache slots meta.slot_mapping
     (negative: padding, skipped); applies qk_transform to q and k first when given
     (q and k themselves are left as they are). counters: see split_counters. With
     sliding_window W, each request attends to (and reads) only its last W positions;
-    soft_cap, sinks: as in prefill_attention.
+    soft_cap, sinks, alibi_slopes: as in prefill_attention.
 
     The grid depends only on B, H and H_kv (never on sequence lengths): CUDA-graph
     safe. A padding row (sequence length 0) gets zeros."""
@@ -340,7 +351,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
         rope.sin_cache if rope else q, rope.q_weight if has_norm else q,
         rope.k_weight if has_norm else q, rope.eps if rope else 0.0,
-        part_out, part_lse, out, counters, q if sinks is None else sinks, scale,
+        part_out, part_lse, out, counters, q if sinks is None else sinks,
+        q if alibi_slopes is None else alibi_slopes, scale,
         sliding_window or 0, soft_cap or 0.0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
@@ -351,7 +363,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_N=16 if _wide_heads(head_dim) else 64,
         SPLITS=splits, ORDERED=meta.decode_order is not None, ROPE=rope is not None,
         HAS_NORM=has_norm, SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
-        SINKS=sinks is not None, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
         **pdl.kernel_args(q.device, num_reqs))
 
 
@@ -359,7 +372,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                    block_tables_ptr, seq_lens_ptr, order_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr,
                    kw_ptr, eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, sinks_ptr,
-                   scale, window, soft_cap,
+                   alibi_ptr, scale, window, soft_cap,
                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                    o_stride_t, o_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h,
                    cs_stride,
@@ -367,7 +380,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLITS: tl.constexpr, ORDERED: tl.constexpr, ROPE: tl.constexpr,
                    HAS_NORM: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
-                   SINKS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                   SINKS: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr):
     # Until pdl.wait (in _attend_split, or below for a split with no context), only
     # what no kernel of the step writes is read: the step's inputs and the cache.
     pdl.release(PDL)
@@ -402,11 +416,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
     if SPLITS == 1:
         m_i, l_i, acc = _attend_split(
             q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, block_tables_ptr,
-            pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale, soft_cap, req, kv_head,
-            heads, g_valid, start, end, seq_len, q_stride_t, q_stride_h, k_stride_t,
+            pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, alibi_ptr, eps, scale, soft_cap, req,
+            kv_head, heads, g_valid, start, end, seq_len, q_stride_t, q_stride_h, k_stride_t,
             k_stride_h, v_stride_t, v_stride_h, bt_stride, c_stride_b, c_stride_t,
             c_stride_h, cs_stride,
-            PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, IEEE, PDL)
+            PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, ALIBI, IEEE,
+            PDL)
         _store_rows(out_rows, g_valid, d_valid, offs_d,
                     acc / _denominator(l_i, m_i, sinks_ptr, heads, g_valid, SINKS)[:, None])
     else:
@@ -414,11 +429,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
         if start < end:  # (splits past the end of a short context only check in)
             m_i, l_i, acc = _attend_split(
                 q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale,
-                soft_cap, req, kv_head, heads, g_valid, start, end, seq_len, q_stride_t,
+                block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, alibi_ptr, eps,
+                scale, soft_cap, req, kv_head, heads, g_valid, start, end, seq_len, q_stride_t,
                 q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, bt_stride,
                 c_stride_b, c_stride_t, c_stride_h, cs_stride,
-                PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, IEEE, PDL)
+                PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, ALIBI,
+                IEEE, PDL)
             # A partial is stored as (log-sum-exp, normalised output).
             _store_rows(part_out_ptr + part_rows * HEAD_DIM, g_valid, d_valid, offs_d,
                         acc / l_i[:, None])
@@ -439,18 +455,19 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
 
 @triton.jit
 def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                  block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, scale,
-                  soft_cap, req, kv_head, heads, g_valid, start, end, seq_len,
+                  block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, alibi_ptr, eps,
+                  scale, soft_cap, req, kv_head, heads, g_valid, start, end, seq_len,
                   q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                   bt_stride, c_stride_b, c_stride_t, c_stride_h, cs_stride,
                   PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-                  HAS_NORM: tl.constexpr, SOFT_CAP: tl.constexpr, IEEE: tl.constexpr,
-                  PDL: tl.constexpr):
+                  HAS_NORM: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
+                  IEEE: tl.constexpr, PDL: tl.constexpr):
     """Softmax state (m, l, acc) of one request's query heads `heads` over context
     positions [start, end). Positions before seq_len - 1 come from the cache; the new
     token (position seq_len - 1, in the last non-empty split) comes from k/v: it is
-    rotated, written to its cache slot and attended from registers.
+    rotated, written to its cache slot and attended from registers (at distance 0:
+    no ALiBi bias).
 
     The first cached tile is loaded before pdl.wait: the cache below seq_len - 1 was
     written by earlier steps, so under PDL that wait on memory overlaps the tail of the
@@ -490,17 +507,22 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    slopes = tl.zeros([BLOCK_G], tl.float32)
+    if ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=g_valid, other=0.0)
+    query_pos = seq_len - 1
     if start < cached_end:
-        m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_first, v_first, first_valid, scale,
-                                     soft_cap, SOFT_CAP, IEEE)
+        m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_first, v_first, offs_first,
+                                     first_valid, scale, soft_cap, slopes, query_pos,
+                                     SOFT_CAP, ALIBI, IEEE)
     for n in range(start + BLOCK_N, cached_end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < cached_end
         k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_table, offs_n, n_valid,
                              offs_d, d_valid, kv_head, c_stride_b, c_stride_t, c_stride_h,
                              PAGE)
-        m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k, v, n_valid, scale, soft_cap,
-                                     SOFT_CAP, IEEE)
+        m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k, v, offs_n, n_valid, scale, soft_cap,
+                                     slopes, query_pos, SOFT_CAP, ALIBI, IEEE)
 
     if (start < end) & (end == seq_len):  # this split holds the new token
         if slot >= 0:
@@ -515,11 +537,14 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
 
 
 @triton.jit
-def _attend_tile(m_i, l_i, acc, q, k, v, n_valid, scale, soft_cap, SOFT_CAP: tl.constexpr,
-                 IEEE: tl.constexpr):
-    """Fold a tile of cached keys and values (positions n_valid, at least one) into the
-    softmax state."""
+def _attend_tile(m_i, l_i, acc, q, k, v, offs_n, n_valid, scale, soft_cap, slopes, query_pos,
+                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr):
+    """Fold a tile of cached keys and values (positions offs_n, valid where n_valid, at
+    least one) into the softmax state of the query at query_pos (ALiBi: its heads'
+    slopes)."""
     scores = _capped(_dot(q, tl.trans(k), IEEE) * scale, soft_cap, SOFT_CAP)
+    if ALIBI:
+        scores += slopes[:, None] * (offs_n - query_pos)[None, :].to(tl.float32)
     scores = tl.where(n_valid[None, :], scores, float("-inf"))
     return _softmax_step(m_i, l_i, acc, scores, v, IEEE, EMPTY_ROWS=False)
 
