@@ -380,9 +380,10 @@ class ModelConfig:
         model_class = resolve_model_class(hf_config.architectures)
         kind = model_kind(model_class)
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-        if hasattr(model_class, "max_model_len"):  # positions offset in the table (RoBERTa)
-            limit = model_class.max_model_len(hf_config)
         limit_what = f"the model's max_position_embeddings ({limit})"
+        if hasattr(model_class, "max_model_len"):  # (RoBERTa's offset table, MPT's field)
+            limit = model_class.max_model_len(hf_config)
+            limit_what = f"the longest context the model takes ({limit})"
         longrope = longrope_original_length(hf_config)
         if longrope is not None and longrope < limit:
             limit, limit_what = longrope, (

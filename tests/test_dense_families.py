@@ -37,7 +37,8 @@ StableLM: LayerNorms,
 Llama's MLP and grouped-query attention with a quarter-head rotary and q/k/v biases,
 sequential or parallel layers; BLOOM: ALiBi (slopes past a power of two of heads, split
 across ranks), the embedding's LayerNorm, q/k/v fused per head, residuals from the
-normed input (an option)."""
+normed input (an option); MPT: ALiBi, LayerNorms and projections without biases, q/k/v
+clamped and a scale of its own (options), what transformers does not build refused."""
 
 from __future__ import annotations
 
@@ -103,6 +104,10 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          # (six heads: ALiBi's slopes past the largest power of two; TP=2 splits them)
          "bloom-six_heads": dict(num_layers=2, num_heads=6, hidden_size=96,
                                  apply_residual_connection_post_layernorm=True),
+         "mpt": dict(num_layers=3, tie_word_embeddings=True),
+         # (q/k/v clamped tightly, so that the clamp acts; a scale of its own)
+         "mpt-clipped": dict(num_layers=2, num_heads=6, hidden_size=96,
+                             attn_config={"clip_qkv": 0.5, "softmax_scale": 0.2}),
          "phi-qk_norms": dict(num_layers=2, qk_layernorm=True, tie_word_embeddings=True),
          "smollm3": dict(num_layers=4, no_rope_layer_interval=2),
          "smollm3-windows": dict(num_layers=4, no_rope_layer_interval=2,
@@ -229,6 +234,39 @@ def test_bloom_reads_the_hub_names(tiny_model, tmp_path):
                                    use_tqdm=False)
         runs.append([o.outputs[0].token_ids for o in outputs])
     assert runs[0] == runs[1] == [tokens for tokens, _ in hf_greedy(path, prompts(), MAX_NEW)]
+
+
+@pytest.mark.parametrize("field,value", [("expansion_ratio", 2), ("no_bias", False),
+                                         ("logit_scale", 0.5), ("attn_config.alibi", False),
+                                         ("attn_config.qk_ln", True),
+                                         ("attn_config.prefix_lm", True)])
+def test_mpt_refuses_what_transformers_does_not_build(tiny_model, tmp_path, field, value):
+    """transformers builds every MPT model as the defaults say, whatever these fields
+    hold: a checkpoint that sets one otherwise is refused by name, not served unlike
+    its reference. MPT-7B's own config (dict-valued attn_config, read without
+    transformers too) loads."""
+    path = tmp_path / "mpt"
+    shutil.copytree(tiny_model("mpt", **CASES["mpt"]), path)
+    config = json.loads((path / "config.json").read_text())
+    if field.startswith("attn_config."):
+        config["attn_config"][field.split(".")[1]] = value
+    else:
+        config[field] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=field.split(".")[-1]):
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=256)
+
+
+def test_mpt_context_is_its_max_seq_len(tiny_model, tmp_path):
+    path = tmp_path / "mpt"
+    shutil.copytree(tiny_model("mpt", **CASES["mpt"]), path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_seq_len"] = 300
+    (path / "config.json").write_text(json.dumps(config))
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        assert llm.config.model.max_model_len == 300
+    with pytest.raises(ValueError, match="longest context the model takes \\(300\\)"):
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=301)
 
 
 def test_gpt2_reads_the_old_names_and_skips_the_mask_buffers(tiny_model, tmp_path):

@@ -42,12 +42,14 @@ class GPT2Attention(nn.Module):
     def __init__(self, hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup,
                  bias: bool = True, o_bias: bool | None = None, scale: float | None = None,
                  sliding_window: int | None = None,
-                 alibi: Callable[[int], torch.Tensor] | None = None) -> None:
+                 alibi: Callable[[int], torch.Tensor] | None = None,
+                 clip_qkv: float | None = None) -> None:
         """bias: on every projection (OPT's ``enable_bias``), o_bias: on the output
         projection where it differs (GPT-Neo's); scale: the scores' (default: GPT-2's);
         sliding_window: this layer's window (GPT-Neo's local layers); alibi: the ALiBi
         slopes of all the model's heads, from their number (BLOOM's, MPT's), of which
-        this rank takes its heads'."""
+        this rank takes its heads'; clip_qkv: q, k and v clamped to [-clip_qkv,
+        clip_qkv] (MPT's option)."""
         super().__init__()
         heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
         head_dim = hidden // heads
@@ -59,6 +61,7 @@ class GPT2Attention(nn.Module):
             scale = head_dim ** -0.5 if getattr(hf_config, "scale_attn_weights", True) else 1.0
             if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
                 scale /= layer_idx + 1
+        self.clip_qkv = clip_qkv
         slopes = None
         if alibi is not None:
             local = self.qkv_proj.num_heads
@@ -68,7 +71,10 @@ class GPT2Attention(nn.Module):
                               alibi_slopes=slopes)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        qkv = self.qkv_proj(hidden_states)
+        if self.clip_qkv:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = self.qkv_proj.split_qkv(qkv)
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -48,6 +48,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "PhiForCausalLM": "spindle.models.phi:PhiForCausalLM",
     "GPT2LMHeadModel": "spindle.models.gpt2:GPT2LMHeadModel",
     "BloomForCausalLM": "spindle.models.bloom:BloomForCausalLM",
+    "MptForCausalLM": "spindle.models.mpt:MptForCausalLM",
     "GPTBigCodeForCausalLM": "spindle.models.gpt2:GPTBigCodeForCausalLM",
     "StableLmForCausalLM": "spindle.models.stablelm:StableLmForCausalLM",
     "OPTForCausalLM": "spindle.models.opt:OPTForCausalLM",

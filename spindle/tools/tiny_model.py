@@ -103,6 +103,7 @@ ARCHITECTURES = {
     "phi": "PhiForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "bloom": "BloomForCausalLM",
+    "mpt": "MptForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "opt": "OPTForCausalLM",
     "gptj": "GPTJForCausalLM",
@@ -151,7 +152,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "cohere": "CohereConfig", "cohere2": "Cohere2Config",
                   "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
                   "gpt_neox": "GPTNeoXConfig", "phi": "PhiConfig", "gpt2": "GPT2Config",
-                  "bloom": "BloomConfig",
+                  "bloom": "BloomConfig", "mpt": "MptConfig",
                   "gpt_bigcode": "GPTBigCodeConfig", "opt": "OPTConfig",
                   "gptj": "GPTJConfig", "codegen": "CodeGenConfig", "falcon": "FalconConfig",
                   "gpt_neo": "GPTNeoConfig", "olmo": "OlmoConfig",
@@ -187,8 +188,9 @@ FIELDS_NOT_IN = {"gpt_neox": ("num_key_value_heads", "head_dim", "rms_norm_eps")
                     for arch in ("gpt2", "gpt_bigcode", "opt", "gptj", "codegen", "falcon",
                                  "gpt_neo")},
                  # (ALiBi: no position table; the head size is hidden / heads)
-                 "bloom": ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
-                           "intermediate_size", "max_position_embeddings")}
+                 **{arch: ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
+                           "intermediate_size", "max_position_embeddings")
+                    for arch in ("bloom", "mpt")}}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -409,6 +411,8 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         # rotated
         return {"use_qkv_bias": True, "rope_parameters": {
             "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
+    if arch == "mpt":  # (no max_position_embeddings: its own field)
+        return {"max_seq_len": 2048}
     if arch == "gpt2":  # GPT-2's own: the tanh GELU, an MLP of 4 x hidden
         return {"activation_function": "gelu_new", "n_inner": None}
     if arch == "olmo":  # q, k and v clamped (tightly, so that the clamp acts)
@@ -653,7 +657,7 @@ def _tie_zamba2_blocks(model: torch.nn.Module) -> None:
 # Norm weights (initialised as ones): "norm_f" is the final norm of Mamba2 / NemotronH,
 # "ln_*" GPT-2's and Falcon's.
 NORM_WEIGHTS = ("norm.weight", "norm_f.weight", ".ln_1.weight", ".ln_2.weight", "ln_f.weight",
-                ".ln_attn.weight", ".ln_mlp.weight")
+                ".ln_attn.weight", ".ln_mlp.weight", ".norm_1.weight", ".norm_2.weight")
 # Per-head parameters of Mamba2 layers, initialised as ones / log(1..H) by transformers:
 # rescaling them by their std (0 for ones) would give NaN.
 SSM_PARAMETERS = (".A_log", ".D", ".dt_bias")
