@@ -269,6 +269,17 @@ def test_mpt_context_is_its_max_seq_len(tiny_model, tmp_path):
         LLM(str(path), device="cpu", dtype="float32", max_model_len=301)
 
 
+def test_falcon_rw_alibi_is_refused():
+    """Falcon-RW's ALiBi bias is each slope * position rounded to bf16 (its code's and
+    transformers'): refused by name rather than served with BLOOM's exact bias."""
+    from types import SimpleNamespace
+
+    from spindle.models.falcon import FalconForCausalLM
+
+    with pytest.raises(ValueError, match="alibi: Falcon-RW"):
+        FalconForCausalLM.check_config(SimpleNamespace(alibi=True, activation="gelu"))
+
+
 def test_gpt2_reads_the_old_names_and_skips_the_mask_buffers(tiny_model, tmp_path):
     """The original GPT-2 checkpoints name their tensors without ``transformer.`` and
     carry each layer's causal mask: the same model loads from either form."""

@@ -105,7 +105,11 @@ class FalconForCausalLM(DecoderForCausalLM):
     @staticmethod
     def check_config(hf_config: Any) -> None:
         if getattr(hf_config, "alibi", False):
-            raise ValueError("Falcon with ALiBi positions (alibi) is not supported")
+            # (Falcon-RW's bias is each slope * position rounded to bf16, as its code and
+            # transformers' compute it: unlike BLOOM's exact one, off by up to a tenth
+            # of a score past 256 positions.)
+            raise ValueError("Falcon with ALiBi positions (alibi: Falcon-RW, whose bias is "
+                             "rounded to bf16 per position) is not supported")
         check_activation(hf_config, "activation", ACTIVATIONS, default="gelu")
         if getattr(hf_config, "new_decoder_architecture", False) \
                 and not getattr(hf_config, "parallel_attn", True):
