@@ -67,7 +67,8 @@ def test_float32_greedy_matches_transformers(tiny_model, arch, enforce_eager):
                                   "cohere2", "granite_swa", "glm4", "exaone4", "ministral3",
                                   "gpt_neox", "phi", "gpt2", "stablelm", "gpt_bigcode",
                                   "opt", "gptj", "codegen", "falcon", "gpt_neo", "olmo",
-                                  "nemotron", "glm", "exaone", "bloom", "mpt"])
+                                  "nemotron", "glm", "exaone", "bloom", "mpt",
+                                  "helium"])
 def test_more_families_float32_greedy(tiny_model, arch):
     """The families after the first three, decoding in CUDA graphs: Gemma 2's attention
     soft cap and alternating window in the Triton kernels, Gemma 3's per-layer-type
@@ -82,7 +83,8 @@ def test_more_families_float32_greedy(tiny_model, arch):
     interleaved partial rotary, Falcon's multi-query parallel layers, GPT-Neo's unscaled
     scores in windowed layers, OLMo's clamped q/k/v, Nemotron's LayerNorm1P, CodeGen's
     sharded qkv, GLM-4-9B's partial interleaved rotary, EXAONE 3's renamed tensors,
-    BLOOM's and MPT's ALiBi in both Triton kernels.
+    BLOOM's and MPT's ALiBi in both Triton kernels, Helium's unfused norms (no split-K
+    partials deferred to them).
     (transformers' eager attention: its SDPA path leaves Gemma 2's cap out.)"""
     path = tiny_model(arch=arch, max_position_embeddings=2048)
     prompts = _prompts(512)

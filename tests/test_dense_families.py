@@ -14,7 +14,8 @@ biases, none on o); ERNIE 4.5 (biases everywhere, interleaved rotary pairs); EXA
 (OLMo 2's post-norm layers, per-head q/k norms, windows with unrotated global layers,
 or no window and every layer rotating); Arcee's AFM (a relu^2 MLP without a gate);
 MiniCPM3 (latent attention with the plain rotary, maximal-update scalings); Hunyuan
-(q/k normed after the rotation, an NTK alpha stretching the rotary base); Apertus (an
+(q/k normed after the rotation, an NTK alpha stretching the rotary base); Helium
+(interleaved rotary pairs, float32-weight RMSNorms, q/k/v biases without o's); Apertus (an
 xIELU MLP without a gate, q/k norms); Jais 2 (StarCoder2's layer shape with a relu^2
 MLP); InternLM3 (Llama with biases, served as transformers serves it); EXAONE 3 (Llama
 under GPT-2-style tensor names); Ministral
@@ -72,6 +73,9 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "minicpm3": dict(num_layers=3),
          "hunyuan": dict(num_layers=3),
          "ernie4_5": dict(num_layers=2),
+         "helium": dict(num_layers=3),
+         "helium-biases": dict(num_layers=2, attention_bias=True, mlp_bias=True,
+                               tie_word_embeddings=True),
          "exaone4": dict(num_layers=3),
          "exaone4-global": dict(num_layers=2, sliding_window=None,
                                 layer_types=["full_attention"] * 2),
@@ -159,6 +163,23 @@ def test_smollm3_bf16_on_the_cpu_keeps_close_to_float32(tiny_model):
     path = tiny_model("smollm3", **CASES["smollm3"])
     expected = hf_greedy(path, prompts(), MAX_NEW)
     with LLM(str(path), device="cpu", dtype="bfloat16", max_model_len=256) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
+                               use_tqdm=False)
+    agree = [o.outputs[0].token_ids[:3] == tokens[:3] for o, (tokens, _) in zip(outputs, expected)]
+    assert sum(agree) >= 2, agree
+
+
+def test_helium_bf16_on_the_cpu_keeps_its_norms_and_close_to_float32(tiny_model):
+    """bf16 on the CPU: Helium's float32-weight norms keep the torch path (the fused C++
+    decode layer has Llama's rounding), and the answers start as transformers' float32."""
+    from spindle.layers.norm import Float32WeightRMSNorm
+
+    path = tiny_model("helium", **CASES["helium"])
+    expected = hf_greedy(path, prompts(), MAX_NEW)
+    with LLM(str(path), device="cpu", dtype="bfloat16", max_model_len=256) as llm:
+        model = llm.engine.core.executor.worker.runner.model
+        norms = [m for m in model.modules() if isinstance(m, Float32WeightRMSNorm)]
+        assert len(norms) == 2 * 3 + 1
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
                                use_tqdm=False)
     agree = [o.outputs[0].token_ids[:3] == tokens[:3] for o, (tokens, _) in zip(outputs, expected)]

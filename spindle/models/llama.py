@@ -39,7 +39,7 @@ from spindle.layers import cpu_kernels
 from spindle.layers.activation import SiluAndMul
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear, default_weight_loader, set_weight_loader)
-from spindle.layers.norm import RMSNorm, fp32_residual_stream
+from spindle.layers.norm import Float32WeightRMSNorm, RMSNorm, fp32_residual_stream
 from spindle.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
 from spindle.models.causal_lm import (DecoderForCausalLM, MissingLayer, embedded, stage_embedding,
                                       stage_layers)
@@ -250,15 +250,19 @@ def dense_mlp(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup) -> 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
                  tp_group: TensorParallelGroup, sliding_window: int | None = None,
-                 mlp: nn.Module | None = None, rotate: bool = True) -> None:
+                 mlp: nn.Module | None = None, rotate: bool = True,
+                 norm_class: type[RMSNorm] = RMSNorm) -> None:
         """mlp: the feed-forward block (default: the dense SwiGLU MLP; a mixture of
-        experts in the MoE models). rotate: as LlamaAttention's."""
+        experts in the MoE models). rotate: as LlamaAttention's. norm_class: the two
+        norms' (Llama's numerics, or an UnfusedRMSNorm's: Helium's)."""
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.self_attn = LlamaAttention(hf_config, options, tp_group, sliding_window, rotate)
         self.mlp = mlp if mlp is not None else dense_mlp(hf_config, 0, tp_group)
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+        self.input_layernorm = norm_class(hf_config.hidden_size, eps=eps)
+        self.post_attention_layernorm = norm_class(hf_config.hidden_size, eps=eps)
+        # Only the fused norm kernels read a skinny GEMM's unsummed partials.
+        self.defer_merge = norm_class.fused
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 positions: torch.Tensor, cos: torch.Tensor | None,
@@ -274,10 +278,11 @@ class LlamaDecoderLayer(nn.Module):
             if fused is not None:
                 return fused
         hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, positions, cos, sin, defer_merge=True)
+        hidden_states = self.self_attn(hidden_states, positions, cos, sin,
+                                       defer_merge=self.defer_merge)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         if isinstance(self.mlp, LlamaMLP):
-            return self.mlp(hidden_states, defer_merge=True), residual
+            return self.mlp(hidden_states, defer_merge=self.defer_merge), residual
         return self.mlp(hidden_states), residual
 
     def cpu_decode(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
@@ -319,7 +324,8 @@ class LlamaDecoderLayer(nn.Module):
                                                          self.mlp.down_proj)] \
             if isinstance(self.mlp, LlamaMLP) else [None]
         if (cache.dtype == dtype and attn.o_proj.tp_group.size == 1 and attn.rotate
-                and attn.query_scaling is None and all(args is not None for args in linears)):
+                and attn.query_scaling is None and self.input_layernorm.fused
+                and all(args is not None for args in linears)):
             layer, q_norm = attn.attn, attn.q_norm
             weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
                        self.input_layernorm.variance_epsilon, *linears,
@@ -337,10 +343,12 @@ class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
                  tp_group: TensorParallelGroup, stage: PipelineStage | None = None,
                  sliding_windows: list[int | None] | None = None,
-                 mlp_for_layer=dense_mlp, rotary_layers: list[bool] | None = None) -> None:
+                 mlp_for_layer=dense_mlp, rotary_layers: list[bool] | None = None,
+                 norm_class: type[RMSNorm] = RMSNorm) -> None:
         """sliding_windows: each layer's window (None: full attention; default all).
         mlp_for_layer(hf_config, layer_idx, tp_group): each layer's feed-forward block.
-        rotary_layers: whether each layer rotates q and k (default: all)."""
+        rotary_layers: whether each layer rotates q and k (default: all). norm_class:
+        every RMSNorm's (LlamaDecoderLayer's)."""
         super().__init__()
         windows = sliding_windows or [None] * hf_config.num_hidden_layers
         rotates = rotary_layers or [True] * hf_config.num_hidden_layers
@@ -349,8 +357,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = stage_embedding(hf_config, stage, tp_group)
         self.layers = stage_layers(stage, hf_config.num_hidden_layers, lambda i: LlamaDecoderLayer(
             hf_config, options, tp_group, windows[i], mlp_for_layer(hf_config, i, tp_group),
-            rotates[i]))
-        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps) if stage.is_last else None
+            rotates[i], norm_class))
+        self.norm = norm_class(hf_config.hidden_size, eps=hf_config.rms_norm_eps) \
+            if stage.is_last else None
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
         for layer in self.own_layers():  # plain tensor references, not submodules
             layer.self_attn.rope_tables = (self.rotary_emb.cos_cache, self.rotary_emb.sin_cache)
@@ -419,6 +428,8 @@ def ungated_param_name(hf_name: str) -> tuple[str, Any]:
 
 class LlamaForCausalLM(DecoderForCausalLM):
     supports_pipeline_parallel = True
+    # Every RMSNorm's class (Helium's multiplies its weight in float32).
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
                  stage: PipelineStage | None = None) -> None:
@@ -429,7 +440,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self.stage = stage or PipelineStage.single()
         self.model = LlamaModel(hf_config, self.attention_options(hf_config), tp_group,
                                 self.stage, self.sliding_windows(hf_config), self.mlp_for_layer,
-                                self.rotary_layers(hf_config))
+                                self.rotary_layers(hf_config), self.norm_class)
         self.build_lm_head(hf_config, tp_group)
 
     @classmethod
@@ -602,10 +613,24 @@ class ApertusForCausalLM(LlamaForCausalLM):
         return ungated_param_name(hf_name)
 
 
-class Ernie4_5ForCausalLM(LlamaForCausalLM):
+class InterleavedRotaryRows:
+    """A Llama-family model whose rotary turns interleaved pairs (features 2i, 2i + 1):
+    each q/k head's rows are permuted at load (rotary.interleaved_rows_as_halves), so
+    that Llama's rotation of the two halves computes the same."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from spindle.layers.rotary import interleaved_rows_as_halves
+        from spindle.models.cohere import QK_TENSORS
+
+        head_dim = head_dim_of(self.config)
+        return super().load_weights(
+            (name, interleaved_rows_as_halves(t, head_dim) if name.endswith(QK_TENSORS) else t)
+            for name, t in weights)
+
+
+class Ernie4_5ForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
     """Baidu's ERNIE 4.5 (dense): Llama's layers with biases everywhere or nowhere
-    (use_bias), rotating interleaved pairs: served by permuting each q/k head's rows at
-    load (rotary.interleaved_rows_as_halves)."""
+    (use_bias), rotating interleaved pairs (InterleavedRotaryRows)."""
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
@@ -618,14 +643,19 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):
         return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
                         bool(getattr(hf_config, "use_bias", False)), tp_group)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        from spindle.layers.rotary import interleaved_rows_as_halves
-        from spindle.models.cohere import QK_TENSORS
 
-        head_dim = head_dim_of(self.config)
-        return super().load_weights(
-            (name, interleaved_rows_as_halves(t, head_dim) if name.endswith(QK_TENSORS) else t)
-            for name, t in weights)
+class HeliumForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
+    """Kyutai's Helium 1 (2B): Llama's layers rotating interleaved pairs
+    (InterleavedRotaryRows), RMSNorms that multiply their weight in float32
+    (Float32WeightRMSNorm: the same as Llama's in float32, one rounding fewer in bf16),
+    q/k/v biases where attention_bias says and none on o_proj."""
+
+    norm_class = Float32WeightRMSNorm
+
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+                                o_bias=False, qk_norm=False)
 
 
 # EXAONE 3's tensor names (prefix or infix) and Llama's, in the order transformers

@@ -21,6 +21,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "ArceeForCausalLM": "spindle.models.llama:ArceeForCausalLM",
     "ApertusForCausalLM": "spindle.models.llama:ApertusForCausalLM",
     "Ernie4_5ForCausalLM": "spindle.models.llama:Ernie4_5ForCausalLM",
+    "HeliumForCausalLM": "spindle.models.llama:HeliumForCausalLM",
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "spindle.models.moe:Qwen3MoeForCausalLM",
