@@ -62,13 +62,18 @@ def test_float32_greedy_matches_transformers(tiny_model, arch, enforce_eager):
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
 
 
+# Cases of an architecture with config fields of their own: (arch, fields).
+VARIANTS = {"phi3-partial": ("phi3", dict(rope_parameters={  # (Phi-4-mini's rotary)
+    "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}))}
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral",
                                   "granite", "granite_moe_shared", "gemma", "smollm3",
                                   "cohere2", "granite_swa", "glm4", "exaone4", "ministral3",
                                   "gpt_neox", "phi", "gpt2", "stablelm", "gpt_bigcode",
                                   "opt", "gptj", "codegen", "falcon", "gpt_neo", "olmo",
                                   "nemotron", "glm", "exaone", "bloom", "mpt",
-                                  "helium"])
+                                  "helium", "phi3-partial"])
 def test_more_families_float32_greedy(tiny_model, arch):
     """The families after the first three, decoding in CUDA graphs: Gemma 2's attention
     soft cap and alternating window in the Triton kernels, Gemma 3's per-layer-type
@@ -84,9 +89,10 @@ def test_more_families_float32_greedy(tiny_model, arch):
     scores in windowed layers, OLMo's clamped q/k/v, Nemotron's LayerNorm1P, CodeGen's
     sharded qkv, GLM-4-9B's partial interleaved rotary, EXAONE 3's renamed tensors,
     BLOOM's and MPT's ALiBi in both Triton kernels, Helium's unfused norms (no split-K
-    partials deferred to them).
+    partials deferred to them), Phi-4-mini's rotary over part of each head.
     (transformers' eager attention: its SDPA path leaves Gemma 2's cap out.)"""
-    path = tiny_model(arch=arch, max_position_embeddings=2048)
+    arch, variant = VARIANTS.get(arch, (arch, {}))
+    path = tiny_model(arch=arch, max_position_embeddings=2048, **variant)
     prompts = _prompts(512)
     expected = _hf_greedy(path, prompts, 24, torch.float32, "cuda",
                           attn_implementation="eager")

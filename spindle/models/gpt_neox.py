@@ -64,11 +64,13 @@ class PartialRotaryAttention(nn.Module):
     """Attention whose rotary turns the first features of each head (the step's table
     says how many); bias: on q, k, v (and o, unless o_bias says otherwise); qk_norm_eps:
     a LayerNorm on each head of q and k first (Phi's ``qk_layernorm``); clip_qkv: q, k
-    and v clamped to [-clip_qkv, clip_qkv] (OLMo's)."""
+    and v clamped to [-clip_qkv, clip_qkv] (OLMo's); sliding_window: the layer's window
+    (Phi-3's)."""
 
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup, num_kv_heads: int,
                  bias: bool, qk_norm_eps: float | None = None,
-                 o_bias: bool | None = None, clip_qkv: float | None = None) -> None:
+                 o_bias: bool | None = None, clip_qkv: float | None = None,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         heads = hf_config.num_attention_heads
         self.head_dim = head_dim_of(hf_config)
@@ -80,7 +82,7 @@ class PartialRotaryAttention(nn.Module):
                                         bias=bias if o_bias is None else o_bias,
                                         tp_group=tp_group)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads)
+                              self.num_kv_heads, sliding_window=sliding_window)
         self.clip_qkv = clip_qkv
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:

@@ -754,7 +754,23 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 class Phi3ForCausalLM(MistralForCausalLM):
     """Mistral's layers; the checkpoint's fused qkv_proj and gate_up_proj tensors are
     split into the q/k/v and gate/up shards the merged layers load (so tensor
-    parallelism shards each part on its own)."""
+    parallelism shards each part on its own). A rotary over part of each head
+    (``partial_rotary_factor``: Phi-4-mini's 0.75, with LongRoPE) takes the same layers
+    with the rotation in torch (phi3_partial.py): Llama's fused kernels turn whole
+    heads. That form runs in one pipeline stage."""
+
+    def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
+                 stage: PipelineStage | None = None) -> None:
+        from spindle.models.phi3_partial import phi3_partial_model, rotates_part_of_each_head
+
+        if not rotates_part_of_each_head(hf_config):
+            super().__init__(hf_config, tp_group, stage)
+            return
+        DecoderForCausalLM.__init__(self)
+        self.check_config(hf_config)
+        windows = self.sliding_windows(hf_config)
+        self.build_single_stage(hf_config, tp_group, stage,
+                                lambda config, group: phi3_partial_model(config, group, windows))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._split_fused(weights))
