@@ -140,15 +140,50 @@ def test_a_streamed_named_call_streams_its_arguments(client):
     assert chunks[-1].usage.completion_tokens > 0
 
 
-def test_streamed_required_calls_arrive_whole(client):
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=200, stream=True,
-        tool_choice="required", parallel_tool_calls=False,
-        extra_body={"chat_template": TEMPLATE}))
+@pytest.mark.parametrize("parallel", [True, False])
+def test_streamed_required_calls_stream_their_arguments(client, parallel):
+    """Each call opens with its index, id and name, then its arguments come in deltas:
+    per call, their concatenation is the whole answer's arguments."""
+    body = dict(model="tiny", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=200,
+                tool_choice="required", parallel_tool_calls=parallel,
+                extra_body={"chat_template": TEMPLATE})
+    whole = client.chat.completions.create(**body).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(stream=True, **body))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    (call,) = [t for d in deltas for t in d.tool_calls or []]
-    assert call.index == 0 and call.id and call.function.name in ("get_weather", "get_time")
+    parts = [t for d in deltas for t in d.tool_calls or []]
+    assert len(parts) > len(whole) + 1  # (the arguments came in pieces)
+    for index, call in enumerate(whole):
+        mine = [p for p in parts if p.index == index]
+        assert mine[0].id and mine[0].function.name == call.function.name
+        assert all(p.id is None and p.function.name is None for p in mine[1:])
+        assert "".join(p.function.arguments or "" for p in mine) == call.function.arguments
+    assert {p.index for p in parts} == set(range(len(whole)))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_required_call_stream_reads_a_list_however_it_is_cut(step):
+    """The scanner behind it: strings holding braces, quotes and commas, nested values,
+    whitespace anywhere, and a call whose parameters come before its name (its
+    arguments wait for the name), fed in pieces of any size."""
+    from spindle.entrypoints.tool_calls import RequiredCallStream
+
+    text = (' [ {"name": "get_weather", "parameters": {"city": "P\\"a}r,is", "n": [1, '
+            '{"a": {}}]} } ,\n{"parameters":{"zone":"x"},"name":"get_time"}]')
+    stream, entries = RequiredCallStream(), []
+    for i in range(0, len(text), step):
+        entries += stream.feed(text[i:i + step])
+    names = {e["index"]: e["function"]["name"] for e in entries if "name" in e["function"]}
+    arguments = {}
+    for e in entries:
+        arguments[e["index"]] = arguments.get(e["index"], "") + e["function"]["arguments"]
+    assert names == {0: "get_weather", 1: "get_time"}
+    assert [json.loads(arguments[i]) for i in (0, 1)] == [
+        {"city": 'P"a}r,is', "n": [1, {"a": {}}]}, {"zone": "x"}]
+    assert [(c.name, c.arguments) for c in forced_calls(text, "required")] == [
+        ("get_weather", arguments[0]), ("get_time", arguments[1])]
+    with pytest.raises(ValueError):
+        forced_calls(text[:-3], "required")
 
 
 def test_a_conversation_with_past_calls_and_results_is_served(client):

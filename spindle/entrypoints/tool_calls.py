@@ -6,7 +6,8 @@ Two ways, by tool_choice:
   document that is the call. A named function's answer is its arguments (the
   function's parameters schema); "required" answers a list of {"name", "parameters"}
   objects, one schema branch per tool. Any model can do this; nothing is parsed but
-  JSON the automaton guaranteed.
+  JSON the automaton guaranteed. Streamed, each call opens once its name is read and
+  its arguments follow as they are written (RequiredCallStream).
 - "auto": the model decides, in its own format, which a tool call parser reads out of
   the text (TOOL_CALL_PARSERS). A server without a parser refuses "auto" with tools
   rather than return calls as plain text:
@@ -113,11 +114,146 @@ def forced_schema(tools: list[dict], choice: str, parallel: bool = True) -> dict
 
 
 def forced_calls(text: str, choice: str) -> list[ToolCall]:
-    """The calls of an answer a forced choice's schema shaped (a finished one)."""
+    """The calls of an answer a forced choice's schema shaped (a finished one; ValueError
+    for one cut short). A call's arguments are its parameters' text as the model wrote
+    it, as a named function's are, and as a stream sends them (RequiredCallStream)."""
     if choice != "required":
         return [ToolCall(choice, text)]
-    return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
-            for call in json.loads(text)]
+    json.loads(text)  # (complete, or ValueError)
+    return [ToolCall(call.name, text[call.arguments_start:call.arguments_end])
+            for call in scan_required_calls(text)]
+
+
+@dataclass
+class PartialCall:
+    """One call of a "required" answer as far as its text goes: its name once the name's
+    string is closed, where its parameters' text starts once that key's value has begun,
+    and where it ends once the value is closed."""
+
+    name: str | None = None
+    arguments_start: int | None = None
+    arguments_end: int | None = None
+
+
+def scan_required_calls(text: str) -> list[PartialCall]:
+    """The calls of a "required" answer (a JSON list of {"name", "parameters"} objects,
+    keys in either order) read from as much of it as there is: a text cut anywhere
+    gives the calls begun so far, the last one partly. Whatever is not such a list
+    gives no calls."""
+    calls: list[PartialCall] = []
+    i = _skip_space(text, 0)
+    if i == len(text) or text[i] != "[":
+        return calls
+    i = _skip_space(text, i + 1)
+    while i < len(text) and text[i] == "{":
+        call = PartialCall()
+        calls.append(call)
+        i = _skip_space(text, i + 1)
+        while i < len(text) and text[i] == '"':
+            key_end = _string_end(text, i)
+            if key_end is None:
+                return calls
+            key = json.loads(text[i:key_end])
+            i = _skip_space(text, key_end)
+            if i == len(text) or text[i] != ":":
+                return calls
+            i = _skip_space(text, i + 1)
+            if i == len(text):
+                return calls
+            end = _value_end(text, i)
+            if key == "parameters":
+                call.arguments_start, call.arguments_end = i, end
+            elif key == "name" and end is not None:
+                call.name = json.loads(text[i:end])
+            if end is None:
+                return calls
+            i = _skip_space(text, end)
+            if i < len(text) and text[i] == ",":
+                i = _skip_space(text, i + 1)
+        if i == len(text) or text[i] != "}":
+            return calls
+        i = _skip_space(text, i + 1)
+        if i < len(text) and text[i] == ",":
+            i = _skip_space(text, i + 1)
+    return calls
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """The index past the JSON string that opens at text[i] (None: not closed yet)."""
+    i += 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == '"':
+            return i + 1
+        else:
+            i += 1
+    return None
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """The index past the JSON value that starts at text[i] (None: not closed yet; a
+    number or literal closes at the first character that cannot continue it)."""
+    if text[i] == '"':
+        return _string_end(text, i)
+    if text[i] not in "{[":
+        while i < len(text) and text[i] not in ",}] \t\r\n":
+            i += 1
+        return i if i < len(text) else None
+    depth = 0
+    while i < len(text):
+        if text[i] == '"':
+            end = _string_end(text, i)
+            if end is None:
+                return None
+            i = end
+            continue
+        if text[i] in "{[":
+            depth += 1
+        elif text[i] in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+class RequiredCallStream:
+    """A streamed "required" answer as tool-call deltas while it is written: each call's
+    id, type and name once its name is read (an index of its own), then its
+    arguments' text as it grows, so that a client sees the calls form as with a named
+    function. fed the answer's new text; deltas() -> the tool_calls entries to send."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent: list[int] = []  # per call opened: how much of its arguments went out
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        out = []
+        for index, call in enumerate(scan_required_calls(self.text)):
+            if call.name is None:
+                break  # (calls open in order: a later one waits for this name)
+            entry: dict[str, Any] = {"index": index, "function": {}}
+            if index == len(self.sent):
+                opened = ToolCall(call.name, "").to_openai()
+                entry.update(id=opened["id"], type="function")
+                entry["function"]["name"] = call.name
+                self.sent.append(0)
+            arguments = "" if call.arguments_start is None else self.text[
+                call.arguments_start:call.arguments_end or len(self.text)]
+            new = arguments[self.sent[index]:]
+            self.sent[index] = len(arguments)
+            if new or "id" in entry:
+                entry["function"]["arguments"] = new
+                out.append(entry)
+        return out
 
 
 def _call_of(obj: object) -> ToolCall | None:

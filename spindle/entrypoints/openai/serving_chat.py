@@ -16,8 +16,9 @@ from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, St
                                                      raise_if_aborted, sse, usage, usage_of)
 from spindle.entrypoints.reasoning import (ReasoningSplitter, split_reasoning,
                                           splits_constrained_answers)
-from spindle.entrypoints.tool_calls import (KEEPS_SPECIAL_TOKENS, TOOL_CALL_PARSERS, ToolCall,
-                                            ToolCallStream, forced_calls)
+from spindle.entrypoints.tool_calls import (KEEPS_SPECIAL_TOKENS, TOOL_CALL_PARSERS,
+                                            RequiredCallStream, ToolCall, ToolCallStream,
+                                            forced_calls)
 from spindle.outputs import CompletionOutput, finite_logprob
 
 
@@ -49,8 +50,6 @@ class ChatServing(OpenAIServing):
         if req.stream:
             header = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                       "model": model}
-            if calls == "required":
-                return self._stream_tool_answer(req, header, streams, calls, special, reasoning)
             return self._stream(req, header, streams, params.stop_holdback, special,
                                 self._deltas_maker(calls, reasoning))
         (output,) = await final_outputs(streams)
@@ -82,7 +81,7 @@ class ChatServing(OpenAIServing):
 
     def _deltas_maker(self, calls: str | None, reasoning: str | None) -> Callable:
         """What makes a streamed choice's deltas: calls is None (no tools), "auto" (read
-        by the server's parser) or a forced function's name."""
+        by the server's parser), "required" or a forced function's name."""
         auto = calls == "auto"
         return partial(_ChoiceDeltas, reasoning, None if auto else calls,
                        self.tool_call_parser if auto else None)
@@ -94,37 +93,6 @@ class ChatServing(OpenAIServing):
                 and not splits_constrained_answers(parser):
             return None
         return parser
-
-    async def _stream_tool_answer(self, req: ChatCompletionRequest, header: dict, streams,
-                                  calls: str, special: frozenset[int],
-                                  reasoning: str | None) -> AsyncIterator[str]:
-        """A stream of an answer with tool_choice required: whole once it is finished
-        (its calls, a JSON list, can only be read then), as the role chunk, then one
-        chunk with the calls and the finish reason."""
-        k = req.top_logprobs or 0
-        try:
-            (output,) = await final_outputs(streams)
-            for c in output.outputs:
-                raise_if_aborted(c)
-                yield sse({**header, "choices": [_delta_choice(
-                    c.index, {"role": "assistant", "content": ""},
-                    weight_version=output.weight_version)]})
-                message, finish_reason = _message(c, calls, reasoning, self.tool_call_parser)
-                delta = {key: message[key] for key in ("reasoning_content", "content")
-                         if message.get(key)}
-                if "tool_calls" in message:
-                    delta["tool_calls"] = [{"index": i, **call}
-                                           for i, call in enumerate(message["tool_calls"])]
-                shown = c.token_ids[:logprob_token_count(c, special, req.skip_special_tokens)]
-                choice = _delta_choice(c.index, delta, _logprobs(c, 0, shown, k),
-                                       output.weight_version)
-                choice["finish_reason"], choice["stop_reason"] = finish_reason, c.stop_reason
-                yield sse({**header, "choices": [choice]})
-            if req.include_usage_in_stream():
-                yield sse({**header, "choices": [], "usage": usage_of([output])})
-        except Exception as e:  # the headers are sent: report in-band, as OpenAI does
-            yield sse(api_error(e).body())
-        yield SSE_DONE
 
     async def _stream(self, req: ChatCompletionRequest, header: dict, streams, holdback: int,
                       special: frozenset[int],
@@ -175,19 +143,26 @@ class ChatServing(OpenAIServing):
 class _ChoiceDeltas:
     """How one streamed choice's new text becomes its delta: as content; split into
     reasoning and reply (reasoning: the server's parser); a forced function's argument
-    deltas (named_call); or, with tool_choice auto (auto_parser), content for as long as
-    it surely is content, the calls read when the answer ends."""
+    deltas (named_call); with tool_choice required (named_call "required") each call's
+    name, then its argument deltas, as the list is written; or, with tool_choice auto
+    (auto_parser), content for as long as it surely is content, the calls read when the
+    answer ends."""
 
     def __init__(self, reasoning: str | None, named_call: str | None,
                  auto_parser: str | None) -> None:
         self.splitter = ReasoningSplitter(reasoning) if reasoning else None
         self.named_call = named_call
+        self.required = RequiredCallStream() if named_call == "required" else None
         self.tools = ToolCallStream(auto_parser) if auto_parser else None
         self.opened = False  # the forced call's id and name were sent
 
     def make(self, text: str, finished: bool,
              finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """(the delta, the choice's finish reason once finished)."""
+        if self.required is not None:
+            entries = self.required.feed(text)
+            return ({"tool_calls": entries} if entries else {},
+                    "tool_calls" if finish_reason == "stop" else finish_reason)
         if self.named_call is not None:
             delta = _argument_delta(self.named_call, text, not self.opened)
             self.opened = True
