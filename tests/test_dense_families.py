@@ -135,6 +135,36 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(512) for _ in range(n)] for n in (2, 13, 40)]
 
 
+def greedy_tokens(checkpoint) -> list[list[int]]:
+    """spindle's greedy answers to prompts() (CPU, float32)."""
+    with LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=256) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
+                               use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def copy_with_config(path, dest, edit):
+    """A copy of the checkpoint at path, at dest, whose config.json is edit(its dict)."""
+    shutil.copytree(path, dest)
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(edit(config)))
+    return dest
+
+
+def copy_with_tensors(path, dest, edit):
+    """A copy of the one-file checkpoint at path, at dest, holding edit(its tensors)
+    (another checkpoint's names, extra buffers): the index dropped, if any."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, dest)
+    (weights_file,) = dest.glob("*.safetensors")
+    save_file(edit(load_file(weights_file)), weights_file)
+    index = dest / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()
+    return dest
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def reference(tiny_model, request):
     kwargs = dict(CASES[request.param])
@@ -159,11 +189,8 @@ def test_greedy_equals_transformers(reference, engine_kwargs):
 
 
 def test_command_r_plus_q_k_norms_are_refused(tiny_model, tmp_path):
-    path = tmp_path / "qk-norm"
-    shutil.copytree(tiny_model("cohere", **CASES["cohere"]), path)
-    config = json.loads((path / "config.json").read_text())
-    config["use_qk_norm"] = True
-    (path / "config.json").write_text(json.dumps(config))
+    path = copy_with_config(tiny_model("cohere", **CASES["cohere"]), tmp_path / "qk-norm",
+                            lambda config: {**config, "use_qk_norm": True})
     with pytest.raises(ValueError, match="use_qk_norm"):
         LLM(str(path), device="cpu", dtype="float32", max_model_len=256)
 
@@ -202,30 +229,18 @@ def test_gpt_neox_reads_the_hub_names_and_skips_old_buffers(tiny_model, tmp_path
     """Pythia's hub checkpoints name the head ``embed_out`` (transformers 5 writes
     ``lm_head``) and older ones carry the causal mask and rotary frequencies as tensors:
     the same model loads from either."""
-    from safetensors.torch import load_file, save_file
+    def hub_form(tensors):
+        tensors["embed_out.weight"] = tensors.pop("lm_head.weight")
+        for i in range(2):
+            tensors[f"gpt_neox.layers.{i}.attention.bias"] = torch.ones(1, 1, 8, 8).bool()
+            tensors[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+            tensors[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = torch.ones(2)
+        return tensors
 
     path = tiny_model("gpt_neox", num_layers=2)
-    hub = tmp_path / "hub"
-    shutil.copytree(path, hub)
-    (weights_file,) = hub.glob("*.safetensors")
-    tensors = load_file(weights_file)
-    tensors["embed_out.weight"] = tensors.pop("lm_head.weight")
-    for i in range(2):
-        tensors[f"gpt_neox.layers.{i}.attention.bias"] = torch.ones(1, 1, 8, 8).bool()
-        tensors[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
-        tensors[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = torch.ones(2)
-    save_file(tensors, weights_file)
-    index = hub / "model.safetensors.index.json"
-    if index.exists():
-        index.unlink()
-    runs = []
-    for checkpoint in (path, hub):
-        with LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=256) as llm:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
-                                   use_tqdm=False)
-        runs.append([o.outputs[0].token_ids for o in outputs])
-    assert runs[0] == runs[1]
-    assert runs[0] == [tokens for tokens, _ in hf_greedy(path, prompts(), MAX_NEW)]
+    hub = copy_with_tensors(path, tmp_path / "hub", hub_form)
+    assert greedy_tokens(path) == greedy_tokens(hub) == [
+        tokens for tokens, _ in hf_greedy(path, prompts(), MAX_NEW)]
 
 
 def test_gpt_neox_refuses_what_it_would_get_wrong():
@@ -250,23 +265,16 @@ def test_gpt_neox_refuses_what_it_would_get_wrong():
 def test_bloom_reads_the_hub_names(tiny_model, tmp_path):
     """BLOOM's hub checkpoints name their tensors without ``transformer.`` and hold no
     ``lm_head`` (tied): the same model loads from either form."""
-    from safetensors.torch import load_file, save_file
+    def hub_form(tensors):
+        tensors = {name.removeprefix("transformer."): t for name, t in tensors.items()
+                   if not name.startswith("lm_head.")}
+        assert "h.0.self_attention.query_key_value.weight" in tensors
+        return tensors
 
     path = tiny_model("bloom", **CASES["bloom"])
-    hub = tmp_path / "hub"
-    shutil.copytree(path, hub)
-    (weights_file,) = hub.glob("*.safetensors")
-    tensors = {name.removeprefix("transformer."): t for name, t in load_file(weights_file).items()
-               if not name.startswith("lm_head.")}
-    assert "h.0.self_attention.query_key_value.weight" in tensors
-    save_file(tensors, weights_file)
-    runs = []
-    for checkpoint in (path, hub):
-        with LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=256) as llm:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
-                                   use_tqdm=False)
-        runs.append([o.outputs[0].token_ids for o in outputs])
-    assert runs[0] == runs[1] == [tokens for tokens, _ in hf_greedy(path, prompts(), MAX_NEW)]
+    hub = copy_with_tensors(path, tmp_path / "hub", hub_form)
+    assert greedy_tokens(path) == greedy_tokens(hub) == [
+        tokens for tokens, _ in hf_greedy(path, prompts(), MAX_NEW)]
 
 
 @pytest.mark.parametrize("field,value", [("expansion_ratio", 2), ("no_bias", False),
@@ -278,24 +286,21 @@ def test_mpt_refuses_what_transformers_does_not_build(tiny_model, tmp_path, fiel
     hold: a checkpoint that sets one otherwise is refused by name, not served unlike
     its reference. MPT-7B's own config (dict-valued attn_config, read without
     transformers too) loads."""
-    path = tmp_path / "mpt"
-    shutil.copytree(tiny_model("mpt", **CASES["mpt"]), path)
-    config = json.loads((path / "config.json").read_text())
-    if field.startswith("attn_config."):
-        config["attn_config"][field.split(".")[1]] = value
-    else:
-        config[field] = value
-    (path / "config.json").write_text(json.dumps(config))
+    def edit(config):
+        if field.startswith("attn_config."):
+            config["attn_config"][field.split(".")[1]] = value
+        else:
+            config[field] = value
+        return config
+
+    path = copy_with_config(tiny_model("mpt", **CASES["mpt"]), tmp_path / "mpt", edit)
     with pytest.raises(ValueError, match=field.split(".")[-1]):
         LLM(str(path), device="cpu", dtype="float32", max_model_len=256)
 
 
 def test_mpt_context_is_its_max_seq_len(tiny_model, tmp_path):
-    path = tmp_path / "mpt"
-    shutil.copytree(tiny_model("mpt", **CASES["mpt"]), path)
-    config = json.loads((path / "config.json").read_text())
-    config["max_seq_len"] = 300
-    (path / "config.json").write_text(json.dumps(config))
+    path = copy_with_config(tiny_model("mpt", **CASES["mpt"]), tmp_path / "mpt",
+                            lambda config: {**config, "max_seq_len": 300})
     with LLM(str(path), device="cpu", dtype="float32") as llm:
         assert llm.config.model.max_model_len == 300
     with pytest.raises(ValueError, match="longest context the model takes \\(300\\)"):
@@ -316,24 +321,17 @@ def test_falcon_rw_alibi_is_refused():
 def test_gpt2_reads_the_old_names_and_skips_the_mask_buffers(tiny_model, tmp_path):
     """The original GPT-2 checkpoints name their tensors without ``transformer.`` and
     carry each layer's causal mask: the same model loads from either form."""
-    from safetensors.torch import load_file, save_file
+    def old_form(tensors):
+        tensors = {name.removeprefix("transformer."): t for name, t in tensors.items()}
+        for i in range(3):
+            tensors[f"h.{i}.attn.bias"] = torch.ones(1, 1, 8, 8)
+            tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+        return tensors
 
     path = tiny_model("gpt2", num_layers=3, tie_word_embeddings=True)
-    old = tmp_path / "old"
-    shutil.copytree(path, old)
-    (weights_file,) = old.glob("*.safetensors")
-    tensors = {name.removeprefix("transformer."): t for name, t in load_file(weights_file).items()}
-    for i in range(3):
-        tensors[f"h.{i}.attn.bias"] = torch.ones(1, 1, 8, 8)
-        tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
-    save_file(tensors, weights_file)
-    runs = []
-    for checkpoint in (path, old):
-        with LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=256) as llm:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
-                                   use_tqdm=False)
-        runs.append([o.outputs[0].token_ids for o in outputs])
-    assert runs[0] == runs[1] == [tokens for tokens, _ in hf_greedy(path, prompts(), MAX_NEW)]
+    old = copy_with_tensors(path, tmp_path / "old", old_form)
+    assert greedy_tokens(path) == greedy_tokens(old) == [
+        tokens for tokens, _ in hf_greedy(path, prompts(), MAX_NEW)]
 
 
 def test_gpt2_refuses_what_it_would_get_wrong():
@@ -350,11 +348,8 @@ def test_gpt2_refuses_what_it_would_get_wrong():
 
 
 def test_stablelm_refuses_per_head_q_k_norms(tiny_model, tmp_path):
-    path = tiny_model("stablelm", num_layers=2)
-    copy = tmp_path / "qk"
-    shutil.copytree(path, copy)
-    config = json.loads((copy / "config.json").read_text())
-    (copy / "config.json").write_text(json.dumps({**config, "qk_layernorm": True}))
+    copy = copy_with_config(tiny_model("stablelm", num_layers=2), tmp_path / "qk",
+                            lambda config: {**config, "qk_layernorm": True})
     with pytest.raises(ValueError, match="per-head q/k LayerNorms"):
         LLM(str(copy), device="cpu", dtype="float32", max_model_len=64)
 
@@ -391,14 +386,7 @@ def test_exaone_reads_its_hub_names(tiny_model, tmp_path):
     """EXAONE 3's checkpoints name Llama's tensors GPT-2's way (transformer.h.*.attn.
     attention.*, mlp.c_fc_0 / c_fc_1 / c_proj): renamed, they load as the Llama-named
     ones do, and transformers (its conversion mapping) agrees."""
-    from safetensors.torch import load_file, save_file
-
     from spindle.models.llama import _EXAONE_NAMES
-
-    path = tiny_model("exaone", num_layers=2)
-    hub = tmp_path / "hub"
-    shutil.copytree(path, hub)
-    (weights_file,) = hub.glob("*.safetensors")
 
     def hub_name(name: str) -> str:
         for theirs, ours in reversed(_EXAONE_NAMES):
@@ -406,13 +394,14 @@ def test_exaone_reads_its_hub_names(tiny_model, tmp_path):
                     and name.startswith(ours) else name.replace(ours, theirs))
         return name
 
-    tensors = {hub_name(n): t for n, t in load_file(weights_file).items()}
-    assert "transformer.h.0.attn.attention.q_proj.weight" in tensors
-    assert "transformer.h.1.mlp.c_fc_1.weight" in tensors
-    save_file(tensors, weights_file)
-    with LLM(str(hub), device="cpu", dtype="float32", max_model_len=256) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
-                               use_tqdm=False)
+    def hub_form(tensors):
+        tensors = {hub_name(n): t for n, t in tensors.items()}
+        assert "transformer.h.0.attn.attention.q_proj.weight" in tensors
+        assert "transformer.h.1.mlp.c_fc_1.weight" in tensors
+        return tensors
+
+    path = tiny_model("exaone", num_layers=2)
+    hub = copy_with_tensors(path, tmp_path / "hub", hub_form)
     expected = hf_greedy(hub, prompts(), MAX_NEW)
-    assert [o.outputs[0].token_ids for o in outputs] == [t for t, _ in expected]
+    assert greedy_tokens(hub) == [t for t, _ in expected]
     assert expected == hf_greedy(path, prompts(), MAX_NEW)
