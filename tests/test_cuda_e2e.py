@@ -73,7 +73,7 @@ VARIANTS = {"phi3-partial": ("phi3", dict(rope_parameters={  # (Phi-4-mini's rot
                                   "gpt_neox", "phi", "gpt2", "stablelm", "gpt_bigcode",
                                   "opt", "gptj", "codegen", "falcon", "gpt_neo", "olmo",
                                   "nemotron", "glm", "exaone", "bloom", "mpt",
-                                  "helium", "phi3-partial"])
+                                  "helium", "phi3-partial", "llama4"])
 def test_more_families_float32_greedy(tiny_model, arch):
     """The families after the first three, decoding in CUDA graphs: Gemma 2's attention
     soft cap and alternating window in the Triton kernels, Gemma 3's per-layer-type
@@ -89,7 +89,9 @@ def test_more_families_float32_greedy(tiny_model, arch):
     scores in windowed layers, OLMo's clamped q/k/v, Nemotron's LayerNorm1P, CodeGen's
     sharded qkv, GLM-4-9B's partial interleaved rotary, EXAONE 3's renamed tensors,
     BLOOM's and MPT's ALiBi in both Triton kernels, Helium's unfused norms (no split-K
-    partials deferred to them), Phi-4-mini's rotary over part of each head.
+    partials deferred to them), Phi-4-mini's rotary over part of each head, Llama 4's
+    chunked attention in both Triton kernels, its weightless q/k norms in the fused
+    rotary and its top-1 experts fed the scaled input.
     (transformers' eager attention: its SDPA path leaves Gemma 2's cap out.)"""
     arch, variant = VARIANTS.get(arch, (arch, {}))
     path = tiny_model(arch=arch, max_position_embeddings=2048, **variant)

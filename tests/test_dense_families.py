@@ -75,6 +75,7 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "hunyuan": dict(num_layers=3),
          "ernie4_5": dict(num_layers=2),
          "helium": dict(num_layers=3),
+         "llama4": dict(num_layers=4),
          # (Phi-4-mini's three quarters of each head rotated; and with LongRoPE over
          # those features, served within its original length, a window on each layer)
          "phi3-partial": dict(num_layers=2, tie_word_embeddings=True, rope_parameters={

@@ -1,6 +1,6 @@
-"""Image-text checkpoints served as their text model (registry.TEXT_MODEL_OF): Gemma 3
-and Mistral 3 (Mistral Small 3.1+), whose hub checkpoints keep the language model under
-``language_model.model.`` beside a vision tower and a projector; Qwen2.5-VL (``model.``
+"""Image-text checkpoints served as their text model (registry.TEXT_MODEL_OF): Gemma 3,
+Mistral 3 (Mistral Small 3.1+) and Llama 4, whose hub checkpoints keep the language
+model under ``language_model.model.`` beside a vision tower and a projector; Qwen2.5-VL (``model.``
 beside ``visual.``), Qwen3-VL and Qwen3.5 (dense and MoE: ``model.language_model.``). On tiny checkpoints with a one-block vision tower,
 written by transformers in each family's hub layout, spindle's greedy tokens equal
 transformers' (its text model, or the whole image-text model run on text), the tokenizer
@@ -29,6 +29,7 @@ from spindle.models.loader import text_model_tensors
     ("qwen3_5_vl", dict(num_layers=3), "model.language_model.", "AutoModelForCausalLM"),
     ("qwen3_5_moe_vl", dict(num_layers=3, tie_word_embeddings=True), "model.language_model.",
      "AutoModelForCausalLM"),
+    ("llama4_vl", dict(num_layers=4), "language_model.model.", "AutoModelForImageTextToText"),
 ])
 def test_the_text_model_equals_transformers(tiny_model, arch, fields, language_model,
                                             auto_class):
@@ -40,7 +41,8 @@ def test_the_text_model_equals_transformers(tiny_model, arch, fields, language_m
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         names = list(f.keys())
     assert any(n.startswith(language_model) for n in names)
-    assert any(n.startswith(("vision_tower.", "model.vision_tower.", "model.visual.", "visual."))
+    assert any(n.startswith(("vision_tower.", "model.vision_tower.", "model.visual.", "visual.",
+                             "vision_model."))
                for n in names)
     prompts = [[5, 6, 7], list(range(10, 40))]
     assert same_tokens(hf_greedy(path, prompts, 8, auto_class=auto_class),

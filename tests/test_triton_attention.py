@@ -72,13 +72,14 @@ def make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block
         query_lens=query_lens, context_lens=context_lens, block_size=block_size)
 
 
-def reference(case, scale, window=None, soft_cap=None, sinks=None, alibi=None):
+def reference(case, scale, window=None, soft_cap=None, sinks=None, alibi=None, chunk=None):
     """float64 attention of each request's queries over its (cache + new) context; with
     a window W, query at position p sees keys p - W < k <= p only; with soft_cap C,
     scores become C * tanh(score / C); with sinks [H], each head's softmax has one more
     logit that weighs nothing (transformers' gpt-oss); with alibi slopes [H], head h's
     score of key k for the query at p gets slope_h * k added (transformers' BLOOM: the
-    query's own term cancels in the softmax)."""
+    query's own term cancels in the softmax); with chunk C, the query at p sees keys
+    floor(p / C) * C <= k <= p only (Llama 4's chunked attention)."""
     q, kv = case["q"].double(), case["kv_cache"].double().clone()
     bs = case["block_size"]
     flat_k = kv[0].reshape(-1, *kv.shape[3:])
@@ -103,6 +104,8 @@ def reference(case, scale, window=None, soft_cap=None, sinks=None, alibi=None):
         visible = pos[None, :] <= query_pos
         if window is not None:
             visible &= pos[None, :] > query_pos - window
+        if chunk is not None:
+            visible &= pos[None, :] >= query_pos // chunk * chunk
         scores = scores.masked_fill(~visible[None], float("-inf"))
         if sinks is None:
             weights = scores.softmax(-1)
@@ -125,24 +128,26 @@ def meta_for(case):
         max_seq_len=max(q + c for q, c in zip(case["query_lens"], case["context_lens"])))
 
 
-def poison_blocks_before_window(case, window) -> int:
+def poison_blocks_before_window(case, window, chunk=None) -> int:
     """Point every block-table entry of a block wholly before its request's window (the
-    window of the request's first new token) at an added NaN-filled block, as stale
-    entries of freed blocks may point anywhere. Returns how many entries were poisoned.
-    Call after reference()."""
+    window of the request's first new token; with chunk, the start of its chunk) at an
+    added NaN-filled block, as stale entries of freed blocks may point anywhere.
+    Returns how many entries were poisoned. Call after reference()."""
     kv = case["kv_cache"]
     nan_block = kv.shape[1]
     case["kv_cache"] = torch.cat([kv, torch.full_like(kv[:, :1], float("nan"))], dim=1)
     poisoned = 0
     for i, context_len in enumerate(case["context_lens"]):
-        stale = max(0, context_len - window + 1) // case["block_size"]
+        first = (context_len // chunk * chunk if chunk is not None
+                 else max(0, context_len - window + 1))
+        stale = first // case["block_size"]
         case["block_tables"][i, :stale] = nan_block
         poisoned += stale
     return poisoned
 
 
 def run_backend(case, num_heads, num_kv_heads, head_dim, window=None, ordered=False,
-                sinks=None):
+                sinks=None, chunked=False):
     """What the backend does for one step without a q/k transform: decode (one launch
     that stores k/v and attends) or store + prefill. ordered: decode starts the
     requests longest first (meta.decode_order), as the runner has it on a GPU."""
@@ -159,12 +164,12 @@ def run_backend(case, num_heads, num_kv_heads, head_dim, window=None, ordered=Fa
     if meta.max_query_len == 1:
         counters = split_counters(DEVICE)
         decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta, scale, out,
-                         counters, sliding_window=window, sinks=sinks)
+                         counters, sliding_window=window, sinks=sinks, chunked=chunked)
         assert not counters.any(), "the last split must leave its counter at zero"
     else:
         store_kv(case["k"], case["v"], case["kv_cache"], case["slot_mapping"])
         prefill_attention(case["q"], case["kv_cache"], meta, scale, out, sliding_window=window,
-                          sinks=sinks)
+                          sinks=sinks, chunked=chunked)
     return out, scale
 
 
@@ -474,6 +479,65 @@ def test_decode_sliding_window_reads_only_the_window(num_heads, num_kv_heads, he
 # A mixed step (decodes, a prefill after a long context, a first chunk longer than the
 # window) and a pure decode step, through each backend's forward.
 BACKEND_STEPS = [([1, 7, 70, 1, 20], [50, 40, 17, 0, 100]), ([1, 1, 1], [60, 5, 33])]
+
+
+@pytest.mark.parametrize("query_lens,context_lens", pick(
+    [([1, 7, 64, 130, 33, 1, 250], [0, 40, 0, 17, 300, 5, 64]), ([1] * 5, [0, 7, 64, 300, 999])],
+    [([1, 7, 70, 20], [0, 40, 17, 100]), ([1] * 4, [0, 7, 64, 250])]))
+@pytest.mark.parametrize("chunk", [1, 16, 37])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_attention_reads_only_the_chunk(query_lens, context_lens, chunk, dtype):
+    """Llama 4's chunked attention in both kernels (prefill tiles across chunk starts,
+    decode with and without context splits): each query sees its own chunk up to
+    itself, and no block wholly before its request's first chunk start is read."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 8
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     dtype, seed=chunk + len(query_lens))
+    ref, _, _ = reference(case, head_dim ** -0.5, chunk=chunk)
+    plain, _, _ = reference(case, head_dim ** -0.5)
+    assert poison_blocks_before_window(case, chunk, chunk=chunk) > 0
+    out, _ = run_backend(case, num_heads, num_kv_heads, head_dim, chunk, chunked=True)
+    assert not out.isnan().any(), "a block before the chunk was read, or a row not written"
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    assert rel_err(out, plain) > 10 * REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("backend_name", ["triton", "torch_sdpa"])
+@pytest.mark.parametrize("query_lens,context_lens", BACKEND_STEPS)
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_backend_chunked_attention_step(monkeypatch, backend_name, query_lens, context_lens,
+                                        chunk):
+    """Backend.forward with attention_chunk_size (store + attend), blocks before each
+    request's chunk poisoned; torch_sdpa's windowed prefill in small query chunks."""
+    from spindle.attention.backends import torch_sdpa
+    from spindle.attention.backends.registry import get_backend
+
+    monkeypatch.setattr(torch_sdpa, "WINDOW_QUERY_CHUNK", 16)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 4
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     torch.float32, seed=chunk + len(query_lens))
+    ref, _, _ = reference(case, head_dim ** -0.5, chunk=chunk)
+    assert poison_blocks_before_window(case, chunk, chunk=chunk) > 0
+    backend = get_backend(backend_name)(num_heads, head_dim, head_dim ** -0.5, num_kv_heads,
+                                        attention_chunk_size=chunk)
+    out = backend.forward(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case))
+    assert not out.isnan().any(), "a block before the chunk was read"
+    assert rel_err(out, ref) < REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend_name", ["triton", "torch_sdpa"])
+def test_backend_chunked_attention_without_cache(backend_name):
+    """The cache-less forward (memory profiling) keeps to each query's chunk too."""
+    from spindle.attention.backends.registry import get_backend
+
+    num_heads, num_kv_heads, head_dim = 4, 2, 64
+    case = make_case([30, 1, 50], [0, 0, 0], num_heads, num_kv_heads, head_dim, 16,
+                     torch.float32, seed=5)
+    ref, _, _ = reference(case, head_dim ** -0.5, chunk=8)
+    backend = get_backend(backend_name)(num_heads, head_dim, head_dim ** -0.5, num_kv_heads,
+                                        attention_chunk_size=8)
+    out = backend.forward(case["q"], case["k"], case["v"], None, meta_for(case))
+    assert rel_err(out, ref) < REL_TOL[torch.float32]
 
 
 @pytest.mark.parametrize("backend_name", ["triton", "torch_sdpa"])

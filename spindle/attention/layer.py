@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from spindle.attention.backends.registry import get_backend
+from spindle.attention.chunked import chunk_as_window
 from spindle.cache.spec import AttentionCacheSpec
 from spindle.forward_context import get_forward_context
 
@@ -32,14 +33,17 @@ class Attention(nn.Module):
                  backend: str | None = None, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None, values_are_keys: bool = False,
                  sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None) -> None:
+                 alibi_slopes: torch.Tensor | None = None,
+                 attention_chunk_size: int | None = None) -> None:
         """values_are_keys: forward's v is always its k (multi-head latent attention's
         latent), so the cache keeps one plane (AttentionCacheSpec.values_are_keys).
         sinks: a learned logit per query head [num_heads] (gpt-oss's attention sinks),
         in every softmax's denominator and attending to nothing: the owner's parameter,
         which the backend reads at each call (so loads and sleep's swaps show).
         alibi_slopes: ALiBi's slope per query head [num_heads] (attention/alibi.py),
-        kept as this module's buffer (outside the checkpoint)."""
+        kept as this module's buffer (outside the checkpoint). attention_chunk_size:
+        chunked local attention (attention/chunked.py; Llama 4), cached as a sliding
+        window of that size."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -47,6 +51,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         # A query at position p sees keys at positions > p - sliding_window (None: all).
         self.sliding_window = sliding_window
+        # ... or those of its chunk, from floor(p / chunk) * chunk (None: no chunks).
+        chunk_as_window(sliding_window, attention_chunk_size)  # (checked)
+        self.attention_chunk_size = attention_chunk_size
         # Scores become cap * tanh(scores / cap) before masking (None: no cap).
         self.logits_soft_cap = logits_soft_cap
         self.values_are_keys = values_are_keys
@@ -65,6 +72,8 @@ class Attention(nn.Module):
 
     def _make_impl(self, backend: str | None):
         extra = {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
+        if self.attention_chunk_size is not None:
+            extra["attention_chunk_size"] = self.attention_chunk_size
         return get_backend(backend)(self.num_heads, self.head_dim, self.scale,
                                     self.num_kv_heads, sliding_window=self.sliding_window,
                                     logits_soft_cap=self.logits_soft_cap, sinks=self._sinks[0],
@@ -72,7 +81,8 @@ class Attention(nn.Module):
 
     def cache_spec(self, dtype: torch.dtype) -> AttentionCacheSpec:
         """What this layer caches: paged keys and values (spindle/cache/spec.py)."""
-        return AttentionCacheSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window,
+        window = self.sliding_window or self.attention_chunk_size  # (chunked.py)
+        return AttentionCacheSpec(self.num_kv_heads, self.head_dim, dtype, window,
                                   self.values_are_keys)
 
     def use_backend(self, name: str) -> None:

@@ -126,6 +126,17 @@ class GemmaRMSNorm(UnfusedRMSNorm):
         return (h * (1.0 + self.weight.float())).to(dtype or x.dtype)
 
 
+class WeightlessRMSNorm(RMSNorm):
+    """An RMSNorm without a learned weight (Llama 4's q/k norm): the weight is a buffer of
+    ones outside the checkpoint, so Llama's numerics (and the fused kernels) apply as
+    they are."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        del self.weight
+        self.register_buffer("weight", torch.ones(hidden_size), persistent=False)
+
+
 class Float32WeightRMSNorm(UnfusedRMSNorm):
     """The weight multiplies the normalized rows in float32, then one cast back
     (Llama's RMSNorm casts first): transformers' NemotronHRMSNorm and OLMo's."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -54,9 +54,10 @@ class AttentionOptions:
     logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     qk_norm_class: type = RMSNorm  # the per-head q/k norm (Gemma 3: GemmaRMSNorm)
     sinks: bool = False  # a learned logit per head in each softmax (gpt-oss's "sinks")
-    # (beta, original length): queries times 1 + beta * log(1 + floor(position / length))
-    # (Llama 4's attention temperature, Ministral 3's); None: no scaling.
-    query_scaling: tuple[float, int] | None = None
+    # (beta, length, offset): queries times 1 + beta * log(1 + floor((position + offset)
+    # / length)) (Llama 4's attention temperature: offset 1; Ministral 3's: 0); None:
+    # no scaling.
+    query_scaling: tuple[float, int, int] | None = None
 
 
 def require_activation(hf_config: Any, expected: str, default: str | None = None) -> None:
@@ -161,8 +162,9 @@ def head_sinks(num_heads: int, tp_group: TensorParallelGroup) -> nn.Parameter:
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
                  tp_group: TensorParallelGroup, sliding_window: int | None = None,
-                 rotate: bool = True) -> None:
-        """rotate: False for a layer without positions (SmolLM3's NoPE layers)."""
+                 rotate: bool = True, attention_chunk_size: int | None = None) -> None:
+        """rotate: False for a layer without positions (SmolLM3's NoPE layers).
+        attention_chunk_size: chunked local attention (Llama 4's; attention/chunked.py)."""
         super().__init__()
         hidden_size = hf_config.hidden_size
         self.head_dim = head_dim_of(hf_config)
@@ -186,7 +188,8 @@ class LlamaAttention(nn.Module):
         self.sinks = self._sinks(tp_group) if options.sinks else None
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
                               sliding_window=sliding_window,
-                              logits_soft_cap=options.logits_soft_cap, sinks=self.sinks)
+                              logits_soft_cap=options.logits_soft_cap, sinks=self.sinks,
+                              attention_chunk_size=attention_chunk_size)
 
     def _sinks(self, tp_group: TensorParallelGroup) -> nn.Parameter:
         return head_sinks(self.num_heads, tp_group)
@@ -225,9 +228,10 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out, defer_merge)
 
     def _query_scales(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[T, 1]: 1 + beta * log(1 + floor(position / original length))."""
-        beta, length = self.query_scaling
-        scales = 1 + beta * torch.log1p(torch.floor(positions.to(torch.float32) / length))
+        """[T, 1]: 1 + beta * log(1 + floor((position + offset) / length))."""
+        beta, length, offset = self.query_scaling
+        scales = 1 + beta * torch.log1p(torch.floor((positions.to(torch.float32) + offset)
+                                                    / length))
         return scales.to(dtype)[:, None]
 
     def _qk_norm_rope(self, positions: torch.Tensor):
@@ -251,13 +255,15 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, options: AttentionOptions,
                  tp_group: TensorParallelGroup, sliding_window: int | None = None,
                  mlp: nn.Module | None = None, rotate: bool = True,
-                 norm_class: type[RMSNorm] = RMSNorm) -> None:
+                 norm_class: type[RMSNorm] = RMSNorm,
+                 attention_chunk_size: int | None = None) -> None:
         """mlp: the feed-forward block (default: the dense SwiGLU MLP; a mixture of
-        experts in the MoE models). rotate: as LlamaAttention's. norm_class: the two
-        norms' (Llama's numerics, or an UnfusedRMSNorm's: Helium's)."""
+        experts in the MoE models). rotate, attention_chunk_size: as LlamaAttention's.
+        norm_class: the two norms' (Llama's numerics, or an UnfusedRMSNorm's: Helium's)."""
         super().__init__()
         eps = hf_config.rms_norm_eps
-        self.self_attn = LlamaAttention(hf_config, options, tp_group, sliding_window, rotate)
+        self.self_attn = LlamaAttention(hf_config, options, tp_group, sliding_window, rotate,
+                                        attention_chunk_size)
         self.mlp = mlp if mlp is not None else dense_mlp(hf_config, 0, tp_group)
         self.input_layernorm = norm_class(hf_config.hidden_size, eps=eps)
         self.post_attention_layernorm = norm_class(hf_config.hidden_size, eps=eps)
@@ -325,6 +331,7 @@ class LlamaDecoderLayer(nn.Module):
             if isinstance(self.mlp, LlamaMLP) else [None]
         if (cache.dtype == dtype and attn.o_proj.tp_group.size == 1 and attn.rotate
                 and attn.query_scaling is None and self.input_layernorm.fused
+                and attn.attn.attention_chunk_size is None
                 and all(args is not None for args in linears)):
             layer, q_norm = attn.attn, attn.q_norm
             weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
@@ -340,24 +347,30 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, options: AttentionOptions,
+    def __init__(self, hf_config: Any,
+                 options: AttentionOptions | Callable[[int], AttentionOptions],
                  tp_group: TensorParallelGroup, stage: PipelineStage | None = None,
                  sliding_windows: list[int | None] | None = None,
                  mlp_for_layer=dense_mlp, rotary_layers: list[bool] | None = None,
-                 norm_class: type[RMSNorm] = RMSNorm) -> None:
-        """sliding_windows: each layer's window (None: full attention; default all).
-        mlp_for_layer(hf_config, layer_idx, tp_group): each layer's feed-forward block.
-        rotary_layers: whether each layer rotates q and k (default: all). norm_class:
-        every RMSNorm's (LlamaDecoderLayer's)."""
+                 norm_class: type[RMSNorm] = RMSNorm,
+                 attention_chunks: list[int | None] | None = None) -> None:
+        """options: the attention's, or each layer's (options(i)). sliding_windows: each
+        layer's window (None: full attention; default all). mlp_for_layer(hf_config,
+        layer_idx, tp_group): each layer's feed-forward block. rotary_layers: whether
+        each layer rotates q and k (default: all). norm_class: every RMSNorm's
+        (LlamaDecoderLayer's). attention_chunks: each layer's attention chunk size (None:
+        not chunked; default none)."""
         super().__init__()
         windows = sliding_windows or [None] * hf_config.num_hidden_layers
         rotates = rotary_layers or [True] * hf_config.num_hidden_layers
+        chunks = attention_chunks or [None] * hf_config.num_hidden_layers
+        options_of = options if callable(options) else (lambda i: options)
         self.stage = stage = stage or PipelineStage.single()
         # A pipeline stage builds only what it runs.
         self.embed_tokens = stage_embedding(hf_config, stage, tp_group)
         self.layers = stage_layers(stage, hf_config.num_hidden_layers, lambda i: LlamaDecoderLayer(
-            hf_config, options, tp_group, windows[i], mlp_for_layer(hf_config, i, tp_group),
-            rotates[i], norm_class))
+            hf_config, options_of(i), tp_group, windows[i], mlp_for_layer(hf_config, i, tp_group),
+            rotates[i], norm_class, chunks[i]))
         self.norm = norm_class(hf_config.hidden_size, eps=hf_config.rms_norm_eps) \
             if stage.is_last else None
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
@@ -440,7 +453,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self.stage = stage or PipelineStage.single()
         self.model = LlamaModel(hf_config, self.attention_options(hf_config), tp_group,
                                 self.stage, self.sliding_windows(hf_config), self.mlp_for_layer,
-                                self.rotary_layers(hf_config), self.norm_class)
+                                self.rotary_layers(hf_config), self.norm_class,
+                                self.attention_chunks(hf_config))
         self.build_lm_head(hf_config, tp_group)
 
     @classmethod
@@ -451,6 +465,11 @@ class LlamaForCausalLM(DecoderForCausalLM):
     @classmethod
     def rotary_layers(cls, hf_config: Any) -> list[bool] | None:
         """Whether each layer rotates q and k (None: every layer does)."""
+        return None
+
+    @classmethod
+    def attention_chunks(cls, hf_config: Any) -> list[int | None] | None:
+        """Each layer's attention chunk size (None: no layer attends in chunks)."""
         return None
 
     @classmethod
@@ -713,7 +732,7 @@ class Ministral3ForCausalLM(MistralForCausalLM):
         beta = params.get("llama_4_scaling_beta")
         scaling = None
         if beta:
-            scaling = (float(beta), int(params["original_max_position_embeddings"]))
+            scaling = (float(beta), int(params["original_max_position_embeddings"]), 0)
         return replace(super().attention_options(hf_config), query_scaling=scaling)
 
 

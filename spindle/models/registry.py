@@ -22,6 +22,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "ApertusForCausalLM": "spindle.models.llama:ApertusForCausalLM",
     "Ernie4_5ForCausalLM": "spindle.models.llama:Ernie4_5ForCausalLM",
     "HeliumForCausalLM": "spindle.models.llama:HeliumForCausalLM",
+    "Llama4ForCausalLM": "spindle.models.llama4:Llama4ForCausalLM",
     "Qwen2ForCausalLM": "spindle.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "spindle.models.llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "spindle.models.moe:Qwen3MoeForCausalLM",
@@ -103,6 +104,7 @@ TEXT_MODEL_OF = {
     "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
 # The text model by the text config's own model_type, where it differs from the outer
 # architecture's usual one (Mistral 3 checkpoints of Ministral 3 text models).

@@ -58,6 +58,7 @@ ARCHITECTURES = {
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "helium": "HeliumForCausalLM",
+    "llama4": "Llama4ForCausalLM",
     "bamba": "BambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "mamba": "MambaForCausalLM",
@@ -127,6 +128,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "arcee": "ArceeConfig", "dots1": "Dots1Config", "apertus": "ApertusConfig",
                   "ernie4_5_moe": "Ernie4_5_MoeConfig",
                   "ernie4_5": "Ernie4_5Config", "helium": "HeliumConfig",
+                  "llama4": "Llama4TextConfig",
                   "mamba2": "Mamba2Config", "mamba": "MambaConfig",
                   "falcon_mamba": "FalconMambaConfig", "nemotron_h": "NemotronHConfig",
                   "zamba2": "Zamba2Config",
@@ -412,6 +414,12 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         # rotated
         return {"use_qkv_bias": True, "rope_parameters": {
             "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
+    if arch == "llama4":  # 4 experts (top 1) on every other layer, chunks of 8, NoPE on
+        # every third layer with the temperature acting from position 7 on
+        return {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size": 32,
+                "intermediate_size_mlp": 96, "interleave_moe_layer_step": 2,
+                "no_rope_layer_interval": 3, "attention_chunk_size": 8, "floor_scale": 8,
+                "attn_scale": 0.5, "use_qk_norm": True}
     if arch == "mpt":  # (no max_position_embeddings: its own field)
         return {"max_seq_len": 2048}
     if arch == "gpt2":  # GPT-2's own: the tanh GELU, an MLP of 4 x hidden
@@ -477,6 +485,7 @@ IMAGE_TEXT_MODELS = {
     "ministral3_vl": ("ministral3", "Mistral3Config", "Mistral3ForConditionalGeneration"),
     "qwen2_5_vl": ("qwen2", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("qwen3", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "llama4_vl": ("llama4", "Llama4Config", "Llama4ForConditionalGeneration"),
 }
 # Each family's vision tower, one tiny block (Qwen3.5's own; Gemma 3's SigLIP, 4 image
 # tokens; Mistral 3's Pixtral).
@@ -495,6 +504,10 @@ TINY_VISION = {
                                           fullatt_block_indexes=[0], window_size=8),
     "Qwen3VLConfig": lambda text: dict(_QWEN_VISION, out_hidden_size=text["hidden_size"],
                                        deepstack_visual_indexes=[0]),
+    "Llama4Config": lambda text: dict(hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=28, patch_size=14, vision_output_dim=32,
+                                      projector_input_dim=32, projector_output_dim=32),
 }
 IMAGE_TEXT_OPTIONS = {"Gemma3Config": dict(mm_tokens_per_image=4)}
 # Text config fields an image-text family needs: Qwen-VL's multimodal rotary sections

@@ -45,10 +45,13 @@ class BatchInvariantBackend:
                  sliding_window: int | None = None,
                  logits_soft_cap: float | None = None,
                  sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None) -> None:
+                 alibi_slopes: torch.Tensor | None = None,
+                 attention_chunk_size: int | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
         if alibi_slopes is not None:
             raise ValueError("batch_invariant does not support ALiBi")
+        if attention_chunk_size is not None:
+            raise ValueError("batch_invariant does not support chunked attention")
         if sinks is not None:
             raise ValueError("batch_invariant does not support attention sinks")
         if sliding_window is not None:

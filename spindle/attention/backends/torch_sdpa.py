@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from spindle.attention.alibi import check_alibi_slopes
+from spindle.attention.chunked import chunk_as_window
 from spindle.attention.heads import set_head_geometry
 from spindle.attention.metadata import AttentionMetadata
 from spindle.layers import cpu_kernels
@@ -59,8 +60,10 @@ class TorchSDPABackend:
                  sliding_window: int | None = None,
                  logits_soft_cap: float | None = None,
                  sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None) -> None:
+                 alibi_slopes: torch.Tensor | None = None,
+                 attention_chunk_size: int | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
+        sliding_window, self.chunk = chunk_as_window(sliding_window, attention_chunk_size)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
@@ -118,17 +121,17 @@ class TorchSDPABackend:
     def _fused_decode(self, q: torch.Tensor, key_cache: torch.Tensor) -> bool:
         """bf16 decode on the CPU attends in one C++ call (cpu_kernels.decode_attention;
         float32 keeps SDPA, whose sums match transformers'), without sinks or ALiBi."""
-        return (self.sinks is None and self.alibi_slopes is None
+        return (self.sinks is None and self.alibi_slopes is None and self.chunk is None
                 and key_cache.dtype == q.dtype and cpu_kernels.applies(q))
 
     def step_plan(self, md: AttentionMetadata, block_size: int) -> _StepPlan:
         """The step's split into decode groups and prefill requests, with each decode
         group's gather slots and padding mask: the same for every layer of a window,
         so built once per step (md.derived) and reused by the others."""
-        key = ("torch_sdpa", self.sliding_window, block_size)
+        key = ("torch_sdpa", self.sliding_window, self.chunk, block_size)
         plan = md.derived.get(key)
         if plan is None:
-            plan = md.derived[key] = _plan_step(md, block_size, self.sliding_window)
+            plan = md.derived[key] = _plan_step(md, block_size, self.sliding_window, self.chunk)
         return plan
 
     # ---------------------------------------------------------------- KV storage
@@ -179,7 +182,7 @@ class TorchSDPABackend:
         table = md.block_tables[i].to(torch.int64)
         self._check_window_is_causal(md.causal)
         if self.sliding_window is not None and seq_len > self.sliding_window:
-            first_key_pos = max(0, first_query_pos - self.sliding_window + 1)
+            first_key_pos = self._first_key(first_query_pos)
             keys, values = _gather(key_cache, value_cache, table, block_size, first_key_pos,
                                    seq_len, q.dtype)
             out[start:end] = self._attend_window(q[start:end], keys, values, first_query_pos,
@@ -205,12 +208,19 @@ class TorchSDPABackend:
         for a in range(0, q.shape[0], WINDOW_QUERY_CHUNK):
             b = min(q.shape[0], a + WINDOW_QUERY_CHUNK)
             lo, hi = first_query_pos + a, first_query_pos + b  # query positions [lo, hi)
-            key_lo = max(first_key_pos, lo - window + 1)
+            key_lo = max(first_key_pos, self._first_key(lo))
             rows = slice(key_lo - first_key_pos, hi - first_key_pos)
-            mask = _visibility_mask(lo, hi, key_lo, window, q.device)
+            mask = _visibility_mask(lo, hi, key_lo, window, q.device, self.chunk)
             out[a:b] = self._sdpa(q[a:b], keys[rows], values[rows], is_causal=False, mask=mask,
                                   first_query_pos=lo, first_key_pos=key_lo)
         return out
+
+    def _first_key(self, query_pos: int) -> int:
+        """The first key position a windowed query at query_pos sees (with chunks, its
+        chunk's start)."""
+        if self.chunk is not None:
+            return query_pos // self.chunk * self.chunk
+        return max(0, query_pos - self.sliding_window + 1)
 
     def _decode_group(self, q: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, group: _DecodeGroup) -> torch.Tensor:
@@ -357,7 +367,8 @@ class _StepPlan:
     decode_only: bool  # one group holding every token of the step, in order
 
 
-def _plan_step(md: AttentionMetadata, block_size: int, window: int | None) -> _StepPlan:
+def _plan_step(md: AttentionMetadata, block_size: int, window: int | None,
+               chunk: int | None = None) -> _StepPlan:
     query_start, seq_lens = _host_lists(md)
     decode_reqs, prefill_reqs = [], []
     for i in range(md.num_reqs):
@@ -368,10 +379,12 @@ def _plan_step(md: AttentionMetadata, block_size: int, window: int | None) -> _S
             prefill_reqs.append(i)
     # Keys each decode query reads: its whole context, or the last W positions of it.
     spans = seq_lens if window is None else [min(n, window) for n in seq_lens]
+    if chunk is not None:  # (the query's own chunk: from its start to the query)
+        spans = [(n - 1) % chunk + 1 if n else 0 for n in seq_lens]
     by_length = _group_by_length(decode_reqs, spans, DECODE_GATHER_TOKEN_BUDGET)
     # (A group's order is free: its rows are attended independently.)
     by_length = [sorted(group) for group in by_length]
-    groups = [_decode_group(md, group, query_start, spans, block_size, window)
+    groups = [_decode_group(md, group, query_start, spans, block_size, window, chunk)
               for group in by_length]
     decode_only = (by_length == [list(range(md.num_reqs))] and md.num_tokens == md.num_reqs
                    and query_start[-1] == md.num_tokens)
@@ -380,7 +393,8 @@ def _plan_step(md: AttentionMetadata, block_size: int, window: int | None) -> _S
 
 
 def _decode_group(md: AttentionMetadata, group: list[int], query_start: list[int],
-                  spans: list[int], block_size: int, window: int | None) -> _DecodeGroup:
+                  spans: list[int], block_size: int, window: int | None,
+                  chunk: int | None = None) -> _DecodeGroup:
     device = md.block_tables.device
     max_span = max(spans[i] for i in group)
     req_idx = torch.tensor(group, dtype=torch.int64, device=device)
@@ -393,6 +407,8 @@ def _decode_group(md: AttentionMetadata, group: list[int], query_start: list[int
         positions = torch.where(valid, positions, 0)  # padding reads position 0
     else:
         first = (lens - window).clamp_(min=0)[:, None]  # the window's first position
+        if chunk is not None:  # the query's chunk's first position
+            first = ((lens - 1).clamp_(min=0) // chunk * chunk)[:, None]
         valid = positions < (lens[:, None] - first)
         positions = first + torch.where(valid, positions, 0)  # padding reads `first`
     blocks = md.block_tables[req_idx].to(torch.int64).gather(1, positions // block_size)
@@ -423,14 +439,17 @@ def _gather(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: tor
 
 
 def _visibility_mask(first_query_pos: int, end: int, first_key_pos: int, window: int | None,
-                     device: torch.device) -> torch.Tensor:
+                     device: torch.device, chunk: int | None = None) -> torch.Tensor:
     """[L, S] bool: query at position p (first_query_pos <= p < end) sees key k
-    (first_key_pos <= k < end) iff k <= p, and p - window < k when window is given."""
+    (first_key_pos <= k < end) iff k <= p, and p - window < k when window is given,
+    and k is in p's chunk when chunk is given (attention/chunked.py)."""
     query_pos = torch.arange(first_query_pos, end, device=device)[:, None]
     key_pos = torch.arange(first_key_pos, end, device=device)[None, :]
     mask = key_pos <= query_pos
     if window is not None:
         mask &= key_pos > query_pos - window
+    if chunk is not None:  # (and k in p's chunk)
+        mask &= key_pos >= query_pos // chunk * chunk
     return mask
 
 

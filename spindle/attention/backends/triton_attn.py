@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from spindle.attention.alibi import check_alibi_slopes
+from spindle.attention.chunked import chunk_as_window
 from spindle.attention.heads import set_head_geometry
 from spindle.attention.metadata import AttentionMetadata
 from spindle.layers import pdl
@@ -82,8 +83,10 @@ class TritonAttentionBackend:
                  sliding_window: int | None = None,
                  logits_soft_cap: float | None = None,
                  sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None) -> None:
+                 alibi_slopes: torch.Tensor | None = None,
+                 attention_chunk_size: int | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
+        sliding_window, self.chunk = chunk_as_window(sliding_window, attention_chunk_size)
         self.sinks = sinks  # (a logit per query head in every denominator: gpt-oss)
         self.alibi_slopes = check_alibi_slopes(alibi_slopes, num_heads)  # (attention/alibi.py)
         if logits_soft_cap is not None and not logits_soft_cap > 0:
@@ -109,9 +112,10 @@ class TritonAttentionBackend:
             if qk_transform is not None:
                 qk_transform.apply_(q, k)
             return TorchSDPABackend(self.num_heads, self.head_dim, self.scale,
-                                    self.num_kv_heads, self.sliding_window,
-                                    self.logits_soft_cap, self.sinks,
-                                    self.alibi_slopes).forward(q, k, v, None, attn_metadata)
+                                    self.num_kv_heads,
+                                    self.sliding_window if self.chunk is None else None,
+                                    self.logits_soft_cap, self.sinks, self.alibi_slopes,
+                                    self.chunk).forward(q, k, v, None, attn_metadata)
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
         out = torch.empty_like(q)
@@ -120,7 +124,7 @@ class TritonAttentionBackend:
                              self._split_counters(q.device), qk_transform,
                              sliding_window=self.sliding_window,
                              soft_cap=self.logits_soft_cap, sinks=self.sinks,
-                             alibi_slopes=self.alibi_slopes)
+                             alibi_slopes=self.alibi_slopes, chunked=self.chunk is not None)
             return out
         if qk_transform is None:
             store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
@@ -128,7 +132,8 @@ class TritonAttentionBackend:
             qk_transform.apply_(q, k, v, kv_cache, attn_metadata.slot_mapping)
         prefill_attention(q, kv_cache, attn_metadata, self.scale, out,
                           sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap,
-                          sinks=self.sinks, alibi_slopes=self.alibi_slopes)
+                          sinks=self.sinks, alibi_slopes=self.alibi_slopes,
+                          chunked=self.chunk is not None)
         return out
 
     def _split_counters(self, device: torch.device) -> torch.Tensor:
@@ -180,12 +185,14 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
                       scale: float, out: torch.Tensor, sliding_window: int | None = None,
                       block_m: int | None = None, pack_gqa: bool = False,
                       soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                      alibi_slopes: torch.Tensor | None = None) -> None:
+                      alibi_slopes: torch.Tensor | None = None, chunked: bool = False) -> None:
     """Causal attention of every request's new tokens over its context (the new tokens'
     k/v already stored), within sliding_window positions when given, scores soft-capped
     (cap * tanh(score / cap), Gemma 2) with soft_cap; sinks [H]: a logit per query head
     in every softmax's denominator, attending to nothing (gpt-oss); alibi_slopes [H]
-    (float32): slope_h * (key position - query position) added to head h's scores. block_m: rows
+    (float32): slope_h * (key position - query position) added to head h's scores;
+    chunked: sliding_window is an attention chunk size (attention/chunked.py), each
+    query seeing its own chunk up to itself. block_m: rows
     per tile (default: by the step's longest query); a request with no context (a
     CUDA-graph padding row) gets zeros.
 
@@ -211,9 +218,10 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
         key_cache.stride(2),
         GQA=gqa, PAGE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
-        SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
-        IEEE=q.dtype == torch.float32, PACK_GQA=pack_gqa, num_warps=4, num_stages=2)
+        SLIDING=sliding_window is not None, CHUNKED=_chunked(sliding_window, chunked),
+        SOFT_CAP=soft_cap is not None, SINKS=sinks is not None,
+        ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32, PACK_GQA=pack_gqa,
+        num_warps=4, num_stages=2)
 
 
 # bt_stride (the widest block table of the step) varies step by step: not specialized,
@@ -225,8 +233,9 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
                     c_stride_b, c_stride_t, c_stride_h,
                     GQA: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
-                    ALIBI: tl.constexpr, IEEE: tl.constexpr, PACK_GQA: tl.constexpr):
+                    SLIDING: tl.constexpr, CHUNKED: tl.constexpr, SOFT_CAP: tl.constexpr,
+                    SINKS: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr,
+                    PACK_GQA: tl.constexpr):
     tile = tl.program_id(0)
     req = tl.program_id(1)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -266,7 +275,10 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
         slopes = tl.load(alibi_ptr + heads, mask=m_valid, other=0.0)
     kv_start = 0
     if SLIDING:  # the first query of this tile sees positions from here on
-        kv_start = tl.maximum(context_len + first_token - window + 1, 0)
+        if CHUNKED:  # (its chunk's start)
+            kv_start = (context_len + first_token) // window * window
+        else:
+            kv_start = tl.maximum(context_len + first_token - window + 1, 0)
     for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
@@ -277,7 +289,9 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
         if ALIBI:
             scores += slopes[:, None] * (offs_n[None, :] - row_limit[:, None]).to(tl.float32)
         visible = (offs_n[None, :] <= row_limit[:, None]) & n_valid[None, :]
-        if SLIDING:
+        if CHUNKED:
+            visible = visible & (offs_n[None, :] >= row_limit[:, None] // window * window)
+        elif SLIDING:
             visible = visible & (offs_n[None, :] > row_limit[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         # With a window, a row past the request's queries may see no key of a tile.
@@ -288,6 +302,12 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
     tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * o_stride_t
              + heads[:, None] * o_stride_h + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+
+
+def _chunked(sliding_window: int | None, chunked: bool) -> bool:
+    if chunked and sliding_window is None:
+        raise ValueError("chunked attention needs its chunk size as sliding_window")
+    return chunked
 
 
 def _wide_heads(head_dim: int) -> bool:
@@ -318,13 +338,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      qk_transform: QKNormRope | None = None,
                      sliding_window: int | None = None, soft_cap: float | None = None,
                      sinks: torch.Tensor | None = None,
-                     alibi_slopes: torch.Tensor | None = None) -> None:
+                     alibi_slopes: torch.Tensor | None = None, chunked: bool = False) -> None:
     """One query token per request: q [B, H, D], this step's k/v [B, H_kv, D] -> out
     [B, H, D], in one launch. Stores k/v into the cache slots meta.slot_mapping
     (negative: padding, skipped); applies qk_transform to q and k first when given
     (q and k themselves are left as they are). counters: see split_counters. With
     sliding_window W, each request attends to (and reads) only its last W positions;
-    soft_cap, sinks, alibi_slopes: as in prefill_attention.
+    soft_cap, sinks, alibi_slopes, chunked: as in prefill_attention (chunked: the last
+    positions of its chunk).
 
     The grid depends only on B, H and H_kv (never on sequence lengths): CUDA-graph
     safe. A padding row (sequence length 0) gets zeros."""
@@ -362,7 +383,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=16 if _wide_heads(head_dim) else 64,
         SPLITS=splits, ORDERED=meta.decode_order is not None, ROPE=rope is not None,
-        HAS_NORM=has_norm, SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None,
+        HAS_NORM=has_norm, SLIDING=sliding_window is not None,
+        CHUNKED=_chunked(sliding_window, chunked), SOFT_CAP=soft_cap is not None,
         SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
         **pdl.kernel_args(q.device, num_reqs))
@@ -379,7 +401,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                    GQA: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLITS: tl.constexpr, ORDERED: tl.constexpr, ROPE: tl.constexpr,
-                   HAS_NORM: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+                   HAS_NORM: tl.constexpr, SLIDING: tl.constexpr, CHUNKED: tl.constexpr,
+                   SOFT_CAP: tl.constexpr,
                    SINKS: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr,
                    PDL: tl.constexpr):
     # Until pdl.wait (in _attend_split, or below for a split with no context), only
@@ -399,7 +422,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
     num_heads = tl.num_programs(0) * GQA
     seq_len = tl.load(seq_lens_ptr + req)
     first = 0  # the first context position the query sees
-    if SLIDING:
+    if CHUNKED:  # (its chunk's start; a padding row's 0)
+        first = tl.maximum(seq_len - 1, 0) // window * window
+    elif SLIDING:
         first = tl.maximum(seq_len - window, 0)
     # Split the range in BLOCK_N-sized pieces derived from this request's length.
     span = seq_len - first
