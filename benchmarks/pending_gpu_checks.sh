@@ -37,6 +37,9 @@ t0=$(date +%s)
 stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 
 if [[ $what == tests || $what == all ]]; then
+    stamp "the new kernel paths first: ALiBi and chunked attention (interpreter-tested only)"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_attention.py \
+        -k "alibi or chunk" 2>&1 | tail -3
     stamp "kernel tests, switches off"
     timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu \
         tests/test_triton_attention.py tests/test_skinny_gemm.py tests/test_gated_delta.py \
