@@ -1,7 +1,8 @@
 """Image-text checkpoints served as their text model (registry.TEXT_MODEL_OF): Gemma 3,
 Mistral 3 (Mistral Small 3.1+) and Llama 4, whose hub checkpoints keep the language
-model under ``language_model.model.`` beside a vision tower and a projector; Qwen2.5-VL (``model.``
-beside ``visual.``), Qwen3-VL and Qwen3.5 (dense and MoE: ``model.language_model.``). On tiny checkpoints with a one-block vision tower,
+model under ``language_model.model.`` beside a vision tower and a projector; Qwen2.5-VL
+(``model.`` beside ``visual.``), Qwen3-VL, Qwen3.5 (dense and MoE), GLM-4.1V and GLM-4.5V
+(``model.language_model.``). On tiny checkpoints with a one-block vision tower,
 written by transformers in each family's hub layout, spindle's greedy tokens equal
 transformers' (its text model, or the whole image-text model run on text), the tokenizer
 loads, and the vision weights are left out."""
@@ -30,6 +31,8 @@ from spindle.models.loader import text_model_tensors
     ("qwen3_5_moe_vl", dict(num_layers=3, tie_word_embeddings=True), "model.language_model.",
      "AutoModelForCausalLM"),
     ("llama4_vl", dict(num_layers=4), "language_model.model.", "AutoModelForImageTextToText"),
+    ("glm4v", dict(num_layers=2), "model.language_model.", "AutoModelForImageTextToText"),
+    ("glm4v_moe", dict(num_layers=2), "model.language_model.", "AutoModelForImageTextToText"),
 ])
 def test_the_text_model_equals_transformers(tiny_model, arch, fields, language_model,
                                             auto_class):
@@ -45,8 +48,11 @@ def test_the_text_model_equals_transformers(tiny_model, arch, fields, language_m
                              "vision_model."))
                for n in names)
     prompts = [[5, 6, 7], list(range(10, 40))]
-    assert same_tokens(hf_greedy(path, prompts, 8, auto_class=auto_class),
-                       spindle_greedy(path, prompts))
+    expected, got = hf_greedy(path, prompts, 8, auto_class=auto_class), spindle_greedy(path,
+                                                                                       prompts)
+    assert same_tokens(expected, got)
+    for (_, theirs), (_, ours) in zip(expected, got):
+        assert ours == pytest.approx(theirs, abs=1e-4)
     with LLM(str(path), dtype="float32", device="cpu", max_model_len=128) as llm:
         assert llm.engine.config.model.hf_config.text_model_of.endswith(
             "ForConditionalGeneration")

@@ -105,6 +105,8 @@ TEXT_MODEL_OF = {
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+    "Glm4vForConditionalGeneration": "Glm4ForCausalLM",
+    "Glm4vMoeForConditionalGeneration": "Glm4MoeForCausalLM",
 }
 # The text model by the text config's own model_type, where it differs from the outer
 # architecture's usual one (Mistral 3 checkpoints of Ministral 3 text models).

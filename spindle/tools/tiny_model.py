@@ -486,11 +486,15 @@ IMAGE_TEXT_MODELS = {
     "qwen2_5_vl": ("qwen2", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("qwen3", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
     "llama4_vl": ("llama4", "Llama4Config", "Llama4ForConditionalGeneration"),
+    "glm4v": ("glm4", "Glm4vConfig", "Glm4vForConditionalGeneration"),
+    "glm4v_moe": ("glm4_moe", "Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
 }
 # Each family's vision tower, one tiny block (Qwen3.5's own; Gemma 3's SigLIP, 4 image
 # tokens; Mistral 3's Pixtral).
 _QWEN_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4,
                     spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+_GLM_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4,
+                   spatial_merge_size=2, temporal_patch_size=2, image_size=16)
 TINY_VISION = {
     "Qwen3_5Config": lambda text: dict(_QWEN_VISION, out_hidden_size=text["hidden_size"]),
     "Qwen3_5MoeConfig": lambda text: dict(_QWEN_VISION, out_hidden_size=text["hidden_size"]),
@@ -504,6 +508,8 @@ TINY_VISION = {
                                           fullatt_block_indexes=[0], window_size=8),
     "Qwen3VLConfig": lambda text: dict(_QWEN_VISION, out_hidden_size=text["hidden_size"],
                                        deepstack_visual_indexes=[0]),
+    "Glm4vConfig": lambda text: dict(_GLM_VISION, out_hidden_size=text["hidden_size"]),
+    "Glm4vMoeConfig": lambda text: dict(_GLM_VISION, out_hidden_size=text["hidden_size"]),
     "Llama4Config": lambda text: dict(hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=2,
                                       image_size=28, patch_size=14, vision_output_dim=32,
@@ -517,6 +523,11 @@ IMAGE_TEXT_FIELDS = {
                                        "mrope_section": [2, 3, 3]}},
     "qwen3_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                      "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+    # (GLM-4.1V / 4.5V: half of each 16-feature head rotated, 4 frequencies in 3 sections)
+    **{arch: {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]},
+              **extra}
+       for arch, extra in (("glm4v", {}), ("glm4v_moe", {"use_qk_norm": False}))},
 }
 
 
