@@ -1,6 +1,7 @@
 """Image-text checkpoints served as their text model (registry.TEXT_MODEL_OF): Gemma 3,
-Mistral 3 (Mistral Small 3.1+) and Llama 4, whose hub checkpoints keep the language
-model under ``language_model.model.`` beside a vision tower and a projector; Qwen2.5-VL
+Mistral 3 (Mistral Small 3.1+), Llama 4, LLaVA 1.5 and 1.6 (a Llama or a windowed
+Mistral inside), whose hub checkpoints keep the language model under
+``language_model.model.`` beside a vision tower and a projector; Qwen2.5-VL
 (``model.`` beside ``visual.``), Qwen3-VL, Qwen3.5 (dense and MoE), GLM-4.1V and GLM-4.5V
 (``model.language_model.``). On tiny checkpoints with a one-block vision tower,
 written by transformers in each family's hub layout, spindle's greedy tokens equal
@@ -33,6 +34,10 @@ from spindle.models.loader import text_model_tensors
     ("llama4_vl", dict(num_layers=4), "language_model.model.", "AutoModelForImageTextToText"),
     ("glm4v", dict(num_layers=2), "model.language_model.", "AutoModelForImageTextToText"),
     ("glm4v_moe", dict(num_layers=2), "model.language_model.", "AutoModelForImageTextToText"),
+    ("llava", dict(num_layers=2), "language_model.model.", "AutoModelForImageTextToText"),
+    # (a Mistral text model inside: served as MistralForCausalLM, by its model_type)
+    ("llava_next", dict(num_layers=2, sliding_window=8), "language_model.model.",
+     "AutoModelForImageTextToText"),
 ])
 def test_the_text_model_equals_transformers(tiny_model, arch, fields, language_model,
                                             auto_class):
@@ -67,7 +72,8 @@ def test_the_language_model_is_renamed_and_the_rest_left_out():
                ("lm_head.weight", 4), ("mtp.fc.weight", 5), ("vision_tower.blocks.0.w", 6),
                ("model.visual.merger.w", 7), ("multi_modal_projector.linear_1.weight", 8),
                ("visual.patch_embed.proj.weight", 10),
-               ("model.multi_modal_projector.norm.weight", 9)]
+               ("model.multi_modal_projector.norm.weight", 9), ("image_newline", 11),
+               ("model.image_newline", 12), ("vision_model.model.layers.0.w", 13)]
     assert list(text_model_tensors(tensors)) == [
         ("model.layers.0.mlp.up_proj.weight", 1), ("model.norm.weight", 2),
         ("lm_head.weight", 3), ("lm_head.weight", 4), ("mtp.fc.weight", 5)]

@@ -104,7 +104,8 @@ _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."),
                             ("language_model.lm_head.", "lm_head."))
 _NOT_TEXT_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.",
                       "model.vision_model.", "vision_model.",
-                      "model.multi_modal_projector.", "multi_modal_projector.")
+                      "model.multi_modal_projector.", "multi_modal_projector.",
+                      "model.image_newline", "image_newline")
 
 
 def text_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]

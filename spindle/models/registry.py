@@ -107,10 +107,16 @@ TEXT_MODEL_OF = {
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
     "Glm4vForConditionalGeneration": "Glm4ForCausalLM",
     "Glm4vMoeForConditionalGeneration": "Glm4MoeForCausalLM",
+    # (LLaVA's text model is whichever its text config's model_type names, below)
+    "LlavaForConditionalGeneration": "LlamaForCausalLM",
+    "LlavaNextForConditionalGeneration": "LlamaForCausalLM",
 }
 # The text model by the text config's own model_type, where it differs from the outer
-# architecture's usual one (Mistral 3 checkpoints of Ministral 3 text models).
-TEXT_MODEL_BY_TYPE = {"ministral3": "Ministral3ForCausalLM", "ministral": "MinistralForCausalLM"}
+# architecture's usual one (Mistral 3 checkpoints of Ministral 3 text models; LLaVA's
+# Llama, Mistral, Qwen2 or Granite inside).
+TEXT_MODEL_BY_TYPE = {"ministral3": "Ministral3ForCausalLM", "ministral": "MinistralForCausalLM",
+                      "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                      "qwen2": "Qwen2ForCausalLM", "granite": "GraniteForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

@@ -488,6 +488,8 @@ IMAGE_TEXT_MODELS = {
     "llama4_vl": ("llama4", "Llama4Config", "Llama4ForConditionalGeneration"),
     "glm4v": ("glm4", "Glm4vConfig", "Glm4vForConditionalGeneration"),
     "glm4v_moe": ("glm4_moe", "Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
+    "llava": ("llama", "LlavaConfig", "LlavaForConditionalGeneration"),
+    "llava_next": ("mistral", "LlavaNextConfig", "LlavaNextForConditionalGeneration"),
 }
 # Each family's vision tower, one tiny block (Qwen3.5's own; Gemma 3's SigLIP, 4 image
 # tokens; Mistral 3's Pixtral).
@@ -495,6 +497,8 @@ _QWEN_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, 
                     spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
 _GLM_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4,
                    spatial_merge_size=2, temporal_patch_size=2, image_size=16)
+_CLIP_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, image_size=28, patch_size=14)
 TINY_VISION = {
     "Qwen3_5Config": lambda text: dict(_QWEN_VISION, out_hidden_size=text["hidden_size"]),
     "Qwen3_5MoeConfig": lambda text: dict(_QWEN_VISION, out_hidden_size=text["hidden_size"]),
@@ -510,6 +514,8 @@ TINY_VISION = {
                                        deepstack_visual_indexes=[0]),
     "Glm4vConfig": lambda text: dict(_GLM_VISION, out_hidden_size=text["hidden_size"]),
     "Glm4vMoeConfig": lambda text: dict(_GLM_VISION, out_hidden_size=text["hidden_size"]),
+    "LlavaConfig": lambda text: dict(_CLIP_VISION),
+    "LlavaNextConfig": lambda text: dict(_CLIP_VISION),
     "Llama4Config": lambda text: dict(hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=2,
                                       image_size=28, patch_size=14, vision_output_dim=32,
