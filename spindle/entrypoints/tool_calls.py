@@ -141,41 +141,58 @@ def scan_required_calls(text: str) -> list[PartialCall]:
     gives the calls begun so far, the last one partly. Whatever is not such a list
     gives no calls."""
     calls: list[PartialCall] = []
-    i = _skip_space(text, 0)
-    if i == len(text) or text[i] != "[":
-        return calls
-    i = _skip_space(text, i + 1)
-    while i < len(text) and text[i] == "{":
-        call = PartialCall()
+    i = _list_start(text)
+    i = None if i is None else _skip_space(text, i)
+    while i is not None and i < len(text) and text[i] == "{":
+        call, end = _scan_call(text, i)
         calls.append(call)
+        i = None if end is None else _after_call(text, end)
+    return calls
+
+
+def _list_start(text: str) -> int | None:
+    """The index past the list's "[", or None before it."""
+    i = _skip_space(text, 0)
+    return i + 1 if i < len(text) and text[i] == "[" else None
+
+
+def _after_call(text: str, end: int) -> int:
+    """Where the next call starts, from the end of one: past spaces and a comma."""
+    i = _skip_space(text, end)
+    return _skip_space(text, i + 1) if i < len(text) and text[i] == "," else i
+
+
+def _scan_call(text: str, i: int, scans: dict[int, "_ValueScan"] | None = None
+               ) -> tuple[PartialCall, int | None]:
+    """The call object opening at text[i] ("{") as far as it goes, and the index past
+    its "}" (None: not closed yet). scans: where earlier reads of the same growing text
+    stopped inside its values (a stream's), so they are not read again."""
+    call = PartialCall()
+    i = _skip_space(text, i + 1)
+    while i < len(text) and text[i] == '"':
+        key_end = _string_end(text, i)
+        if key_end is None:
+            return call, None
+        key = json.loads(text[i:key_end])
+        i = _skip_space(text, key_end)
+        if i == len(text) or text[i] != ":":
+            return call, None
         i = _skip_space(text, i + 1)
-        while i < len(text) and text[i] == '"':
-            key_end = _string_end(text, i)
-            if key_end is None:
-                return calls
-            key = json.loads(text[i:key_end])
-            i = _skip_space(text, key_end)
-            if i == len(text) or text[i] != ":":
-                return calls
-            i = _skip_space(text, i + 1)
-            if i == len(text):
-                return calls
-            end = _value_end(text, i)
-            if key == "parameters":
-                call.arguments_start, call.arguments_end = i, end
-            elif key == "name" and end is not None:
-                call.name = json.loads(text[i:end])
-            if end is None:
-                return calls
-            i = _skip_space(text, end)
-            if i < len(text) and text[i] == ",":
-                i = _skip_space(text, i + 1)
-        if i == len(text) or text[i] != "}":
-            return calls
-        i = _skip_space(text, i + 1)
+        if i == len(text):
+            return call, None
+        end = _value_end(text, i, scans)
+        if key == "parameters":
+            call.arguments_start, call.arguments_end = i, end
+        elif key == "name" and end is not None:
+            call.name = json.loads(text[i:end])
+        if end is None:
+            return call, None
+        i = _skip_space(text, end)
         if i < len(text) and text[i] == ",":
             i = _skip_space(text, i + 1)
-    return calls
+    if i == len(text) or text[i] != "}":
+        return call, None
+    return call, i + 1
 
 
 def _skip_space(text: str, i: int) -> int:
@@ -197,47 +214,78 @@ def _string_end(text: str, i: int) -> int | None:
     return None
 
 
-def _value_end(text: str, i: int) -> int | None:
+def _value_end(text: str, i: int, scans: dict[int, "_ValueScan"] | None = None) -> int | None:
     """The index past the JSON value that starts at text[i] (None: not closed yet; a
-    number or literal closes at the first character that cannot continue it)."""
+    number or literal closes at the first character that cannot continue it). scans:
+    as _scan_call's."""
     if text[i] == '"':
         return _string_end(text, i)
     if text[i] not in "{[":
         while i < len(text) and text[i] not in ",}] \t\r\n":
             i += 1
         return i if i < len(text) else None
-    depth = 0
-    while i < len(text):
-        if text[i] == '"':
-            end = _string_end(text, i)
-            if end is None:
-                return None
-            i = end
-            continue
-        if text[i] in "{[":
-            depth += 1
-        elif text[i] in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
+    scan = _ValueScan(i) if scans is None else scans.setdefault(i, _ValueScan(i))
+    return scan.end(text)
+
+
+class _ValueScan:
+    """A read of an object or array value that starts at a given index: how deep it is
+    and whether inside a string where the text read so far ends, so that a longer text
+    is read on from there."""
+
+    def __init__(self, start: int) -> None:
+        self.pos, self.depth, self.in_string, self.escaped = start, 0, False, False
+        self.closed_at: int | None = None
+
+    def end(self, text: str) -> int | None:
+        """The index past the value's closing bracket (None: not in text yet)."""
+        i = self.pos
+        while self.closed_at is None and i < len(text):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.closed_at = i + 1
+            i += 1
+        self.pos = i
+        return self.closed_at
 
 
 class RequiredCallStream:
     """A streamed "required" answer as tool-call deltas while it is written: each call's
     id, type and name once its name is read (an index of its own), then its
     arguments' text as it grows, so that a client sees the calls form as with a named
-    function. fed the answer's new text; deltas() -> the tool_calls entries to send."""
+    function. feed(the answer's new text) -> the tool_calls entries to send.
+
+    Each feed reads only the new text: the closed calls are kept, with where the next
+    one starts; the open call's values are read on from where the last feed stopped
+    (_ValueScan); calls whose arguments all went out are not looked at again."""
 
     def __init__(self) -> None:
         self.text = ""
+        self.closed: list[PartialCall] = []  # the calls whose object is closed
+        self.resume: int | None = None  # where the text after the last closed call starts
         self.sent: list[int] = []  # per call opened: how much of its arguments went out
+        self.done = 0  # the first calls, closed and all sent
+        self.scans: dict[int, _ValueScan] = {}  # (the open call's values, read so far)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
+        calls = self._calls()
         out = []
-        for index, call in enumerate(scan_required_calls(self.text)):
+        for index in range(self.done, len(calls)):
+            call = calls[index]
             if call.name is None:
                 break  # (calls open in order: a later one waits for this name)
             entry: dict[str, Any] = {"index": index, "function": {}}
@@ -246,14 +294,34 @@ class RequiredCallStream:
                 entry.update(id=opened["id"], type="function")
                 entry["function"]["name"] = call.name
                 self.sent.append(0)
-            arguments = "" if call.arguments_start is None else self.text[
-                call.arguments_start:call.arguments_end or len(self.text)]
-            new = arguments[self.sent[index]:]
-            self.sent[index] = len(arguments)
+            new = "" if call.arguments_start is None else self.text[
+                call.arguments_start + self.sent[index]:call.arguments_end or len(self.text)]
+            self.sent[index] += len(new)
             if new or "id" in entry:
                 entry["function"]["arguments"] = new
                 out.append(entry)
+            if index < len(self.closed) and index == self.done:
+                self.done += 1
         return out
+
+    def _calls(self) -> list[PartialCall]:
+        """The closed calls and the open one, the text read from the last closed call on
+        (as scan_required_calls reads it whole)."""
+        if self.resume is None:
+            self.resume = _list_start(self.text)
+            if self.resume is None:
+                return []
+        i = (_after_call(self.text, self.resume) if self.closed
+             else _skip_space(self.text, self.resume))
+        while i < len(self.text) and self.text[i] == "{":
+            call, end = _scan_call(self.text, i, self.scans)
+            if end is None:
+                return [*self.closed, call]
+            self.closed.append(call)
+            self.resume = end
+            self.scans.clear()
+            i = _after_call(self.text, end)
+        return list(self.closed)
 
 
 def _call_of(obj: object) -> ToolCall | None:

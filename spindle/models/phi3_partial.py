@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import nn
-
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.norm import RMSNorm
 from spindle.models.causal_lm import RotaryDecoderModel
-from spindle.models.gpt_neox import (PartialRotaryAttention, check_rotary_dim,
-                                     partial_rotary_table, rotary_dim)
+from spindle.models.gpt_neox import (PartialRotaryAttention, PreNormRotaryLayer,
+                                     check_rotary_dim, partial_rotary_table, rotary_dim)
 from spindle.models.llama import LlamaMLP, head_dim_of
 
 
@@ -23,7 +20,7 @@ def rotates_part_of_each_head(hf_config: Any) -> bool:
     return rotary_dim(hf_config) != head_dim_of(hf_config)
 
 
-class Phi3PartialRotaryLayer(nn.Module):
+class Phi3PartialRotaryLayer(PreNormRotaryLayer):
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
                  sliding_window: int | None) -> None:
         super().__init__()
@@ -34,12 +31,6 @@ class Phi3PartialRotaryLayer(nn.Module):
                                                 sliding_window=sliding_window)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
         self.mlp = LlamaMLP(hidden, hf_config.intermediate_size, False, tp_group)
-
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states),
-                                                       cos, sin)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 def phi3_partial_model(hf_config: Any, tp_group: TensorParallelGroup,

@@ -1,10 +1,11 @@
 """Attention backend registry.
 
 A backend is a class constructed as ``cls(num_heads, head_dim, scale, num_kv_heads,
-sliding_window=None, logits_soft_cap=None, sinks=None, alibi_slopes=None)`` (a backend
-without a feature refuses it there, by name; sinks: a tensor of one logit per query
-head, read at each call; alibi_slopes: one float32 ALiBi slope per query head,
-attention/alibi.py) whose instances provide
+sliding_window=None, logits_soft_cap=None, sinks=None, alibi_slopes=None,
+attention_chunk_size=None)`` (a backend without a feature refuses it there, by name;
+sinks: a tensor of one logit per query head, read at each call; alibi_slopes: one
+float32 ALiBi slope per query head, attention/alibi.py; attention_chunk_size: chunked
+local attention, attention/chunked.py) whose instances provide
 
 * ``forward(q, k, v, kv_cache, attn_metadata) -> out`` with q [T, num_heads, head_dim],
   k and v [T, num_kv_heads, head_dim], kv_cache a tensor

@@ -377,10 +377,12 @@ def _plan_step(md: AttentionMetadata, block_size: int, window: int | None,
             decode_reqs.append(i)
         elif query_len > 1:
             prefill_reqs.append(i)
-    # Keys each decode query reads: its whole context, or the last W positions of it.
-    spans = seq_lens if window is None else [min(n, window) for n in seq_lens]
-    if chunk is not None:  # (the query's own chunk: from its start to the query)
+    # Keys each decode query reads: its whole context, the last W positions of it, or
+    # its own chunk up to the query.
+    if chunk is not None:
         spans = [(n - 1) % chunk + 1 if n else 0 for n in seq_lens]
+    else:
+        spans = seq_lens if window is None else [min(n, window) for n in seq_lens]
     by_length = _group_by_length(decode_reqs, spans, DECODE_GATHER_TOKEN_BUDGET)
     # (A group's order is free: its rows are attended independently.)
     by_length = [sorted(group) for group in by_length]
@@ -406,9 +408,10 @@ def _decode_group(md: AttentionMetadata, group: list[int], query_start: list[int
         valid = positions < lens[:, None]  # [B, S]
         positions = torch.where(valid, positions, 0)  # padding reads position 0
     else:
-        first = (lens - window).clamp_(min=0)[:, None]  # the window's first position
         if chunk is not None:  # the query's chunk's first position
             first = ((lens - 1).clamp_(min=0) // chunk * chunk)[:, None]
+        else:  # the window's first position
+            first = (lens - window).clamp_(min=0)[:, None]
         valid = positions < (lens[:, None] - first)
         positions = first + torch.where(valid, positions, 0)  # padding reads `first`
     blocks = md.block_tables[req_idx].to(torch.int64).gather(1, positions // block_size)
