@@ -355,6 +355,9 @@ class ModelConfig:
     # and the bytes of one input as the runner stages it (Whisper: float32 features).
     encoder_positions: int = 0
     encoder_input_bytes: int = 0
+    # LongRoPE's original length where max_model_len goes past it: a sequence longer
+    # than that rotates by the long factors, re-encoded once as it grows past it.
+    long_rope_from: int | None = None
 
     @property
     def architecture(self) -> str:
@@ -384,11 +387,6 @@ class ModelConfig:
         if hasattr(model_class, "max_model_len"):  # (RoBERTa's offset table, MPT's field)
             limit = model_class.max_model_len(hf_config)
             limit_what = f"the longest context the model takes ({limit})"
-        longrope = longrope_original_length(hf_config)
-        if longrope is not None and longrope < limit:
-            limit, limit_what = longrope, (
-                f"LongRoPE's original length ({longrope}): past it transformers re-encodes "
-                "the whole sequence with the long factors, which spindle does not do")
         max_model_len = args.max_model_len or limit
         _require(isinstance(max_model_len, int) and max_model_len >= 1, "max_model_len",
                  max_model_len, "a positive integer")
@@ -401,6 +399,7 @@ class ModelConfig:
                  f"one of {LOGPROBS_MODES}")
         _require(not (quantization == "gguf" and args.load_format == "dummy"), "load_format",
                  args.load_format, "auto with quantization='gguf' (the weights are the file's)")
+        longrope = longrope_original_length(hf_config)
         encoder_positions = encoder_bytes = 0
         if hasattr(model_class, "encoder_input_positions"):
             encoder_positions = model_class.encoder_input_positions(hf_config)
@@ -414,7 +413,9 @@ class ModelConfig:
                            quantization=quantization,
                            fp8_checkpoint=fp8_checkpoint,
                            load_format=args.load_format,
-                           gguf_file=str(gguf_file) if gguf_file is not None else None)
+                           gguf_file=str(gguf_file) if gguf_file is not None else None,
+                           long_rope_from=(longrope if longrope is not None
+                                           and max_model_len > longrope else None))
 
 
 @dataclass(frozen=True)
@@ -518,6 +519,7 @@ class SchedulerConfig:
     async_scheduling: bool = False
     max_n: int = 128  # most samples one request may ask for
     max_num_encoder_tokens: int = 0  # encoder positions per step (encoder-decoder models)
+    long_rope_from: int | None = None  # ModelConfig.long_rope_from
 
     @staticmethod
     def create(args: EngineArgs, model: ModelConfig) -> "SchedulerConfig":
@@ -536,7 +538,8 @@ class SchedulerConfig:
                                max_num_encoder_tokens=encoder_budget,
                                max_model_len=model.max_model_len,
                                enable_chunked_prefill=bool(args.enable_chunked_prefill),
-                               async_scheduling=bool(args.async_scheduling), max_n=args.max_n)
+                               async_scheduling=bool(args.async_scheduling), max_n=args.max_n,
+                               long_rope_from=model.long_rope_from)
 
 
 def _encoder_budget(args: EngineArgs, model: ModelConfig, token_budget: int) -> int:

@@ -36,6 +36,8 @@ class NewRequestData:
     # features [mels, frames], a CPU tensor, sent once); the encoder runs in the step
     # that computes its first token.
     encoder_inputs: Any = None
+    # Its tokens rotate by LongRoPE's long factors (Request.rope_long).
+    rope_long: bool = False
 
 
 @dataclass

@@ -64,7 +64,13 @@ def test_float32_greedy_matches_transformers(tiny_model, arch, enforce_eager):
 
 # Cases of an architecture with config fields of their own: (arch, fields).
 VARIANTS = {"phi3-partial": ("phi3", dict(rope_parameters={  # (Phi-4-mini's rotary)
-    "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}))}
+    "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})),
+    # LongRoPE with an original length of 80: prompts of 64 cross it, longer ones start
+    # past it (the long rows read by the fused rotary in CUDA graphs)
+    "phi3-longrope": ("phi3", dict(original_max_position_embeddings=80, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 80,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [1.0 + 0.9 * i for i in range(8)]}))}
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral",
@@ -73,7 +79,7 @@ VARIANTS = {"phi3-partial": ("phi3", dict(rope_parameters={  # (Phi-4-mini's rot
                                   "gpt_neox", "phi", "gpt2", "stablelm", "gpt_bigcode",
                                   "opt", "gptj", "codegen", "falcon", "gpt_neo", "olmo",
                                   "nemotron", "glm", "exaone", "bloom", "mpt",
-                                  "helium", "phi3-partial", "llama4"])
+                                  "helium", "phi3-partial", "llama4", "phi3-longrope"])
 def test_more_families_float32_greedy(tiny_model, arch):
     """The families after the first three, decoding in CUDA graphs: Gemma 2's attention
     soft cap and alternating window in the Triton kernels, Gemma 3's per-layer-type
@@ -91,7 +97,8 @@ def test_more_families_float32_greedy(tiny_model, arch):
     BLOOM's and MPT's ALiBi in both Triton kernels, Helium's unfused norms (no split-K
     partials deferred to them), Phi-4-mini's rotary over part of each head, Llama 4's
     chunked attention in both Triton kernels, its weightless q/k norms in the fused
-    rotary and its top-1 experts fed the scaled input.
+    rotary and its top-1 experts fed the scaled input, Phi-3's LongRoPE past its
+    original length (the long rows of the table, a request encoded again).
     (transformers' eager attention: its SDPA path leaves Gemma 2's cap out.)"""
     arch, variant = VARIANTS.get(arch, (arch, {}))
     path = tiny_model(arch=arch, max_position_embeddings=2048, **variant)

@@ -16,7 +16,8 @@ or no window and every layer rotating); Arcee's AFM (a relu^2 MLP without a gate
 MiniCPM3 (latent attention with the plain rotary, maximal-update scalings); Hunyuan
 (q/k normed after the rotation, an NTK alpha stretching the rotary base); Helium
 (interleaved rotary pairs, float32-weight RMSNorms, q/k/v biases without o's); Phi-3
-with a rotary over three quarters of each head (Phi-4-mini), with LongRoPE and windows; Apertus (an
+with a rotary over three quarters of each head (Phi-4-mini), with LongRoPE past its original
+length and windows; Apertus (an
 xIELU MLP without a gate, q/k norms); Jais 2 (StarCoder2's layer shape with a relu^2
 MLP); InternLM3 (Llama with biases, served as transformers serves it); EXAONE 3 (Llama
 under GPT-2-style tensor names); Ministral
@@ -77,16 +78,17 @@ CASES = {"cohere": dict(num_layers=3, tie_word_embeddings=True),
          "helium": dict(num_layers=3),
          "llama4": dict(num_layers=4),
          # (Phi-4-mini's three quarters of each head rotated; and with LongRoPE over
-         # those features, served within its original length, a window on each layer)
+         # those features, a window on each layer, and an original length of 20 that the
+         # prompts of 13 tokens cross and those of 40 start past)
          "phi3-partial": dict(num_layers=2, tie_word_embeddings=True, rope_parameters={
              "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}),
          "phi3-partial_longrope": dict(
-             num_layers=2, sliding_window=24, original_max_position_embeddings=256,
+             num_layers=2, sliding_window=24, original_max_position_embeddings=20,
              rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                               "partial_rotary_factor": 0.75,
                               "short_factor": [1.0 + 0.1 * i for i in range(6)],
                               "long_factor": [1.0 + 0.9 * i for i in range(6)],
-                              "original_max_position_embeddings": 256}),
+                              "original_max_position_embeddings": 20}),
          "helium-biases": dict(num_layers=2, attention_bias=True, mlp_bias=True,
                                tie_word_embeddings=True),
          "exaone4": dict(num_layers=3),

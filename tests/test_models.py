@@ -416,13 +416,14 @@ def _longrope(head_dim: int, original: int, **extra) -> dict:
 
 
 @pytest.mark.parametrize("extra", [{}, {"attention_factor": 1.3}, {"factor": 2.0}])
-def test_longrope_tables_match_transformers_on_either_side_of_the_original_length(extra):
-    """Phi-3.5's LongRoPE: below the original length the table is transformers' short
-    one, from it on its long one, both times its attention factor, exactly."""
+def test_longrope_tables_are_transformers_short_and_long_ones(extra):
+    """Phi-3.5's LongRoPE: rows [0, 512) are transformers' short table, rows [512, 1024)
+    its long one (what a sequence past the original length reads), both times its
+    attention factor, exactly."""
     from transformers import Phi3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from spindle.layers.rotary import attention_scaling
+    from spindle.layers.rotary import attention_scaling, long_rope_rows
 
     config = Phi3Config(hidden_size=64, num_attention_heads=2, max_position_embeddings=512,
                         original_max_position_embeddings=64,
@@ -432,13 +433,16 @@ def test_longrope_tables_match_transformers_on_either_side_of_the_original_lengt
     params = rope_parameters_from_config(config)
     assert attention_scaling(params, 512) == scaling != 1.0
     table = RotaryEmbedding(32, 512, params)
-    positions = torch.arange(512, dtype=torch.float32)[:, None]
-    for rows, inv_freq in ((slice(0, 64), short), (slice(64, 512), long)):
-        angles = positions[rows] * inv_freq[None, :]
-        torch.testing.assert_close(table.cos_cache[rows, :16], angles.cos() * scaling,
+    assert table.long_rows == 512 and table.cos_cache.shape == (1024, 32)
+    angles = torch.arange(512, dtype=torch.float32)[:, None]
+    for rows, inv_freq in ((slice(0, 512), short), (slice(512, 1024), long)):
+        torch.testing.assert_close(table.cos_cache[rows, :16], (angles * inv_freq).cos() * scaling,
                                    atol=0, rtol=0)
-        torch.testing.assert_close(table.sin_cache[rows, 16:], angles.sin() * scaling,
+        torch.testing.assert_close(table.sin_cache[rows, 16:], (angles * inv_freq).sin() * scaling,
                                    atol=0, rtol=0)
+    assert long_rope_rows(torch.nn.ModuleList([table]), 64) == 512
+    with pytest.raises(ValueError, match="serve it with max_model_len <= 64"):
+        long_rope_rows(torch.nn.ModuleList([RotaryEmbedding(32, 512, {"rope_theta": 1e4})]), 64)
     with pytest.raises(ValueError, match="long_factor must hold head_dim / 2 = 16 values"):
         RotaryEmbedding(32, 512, {**params, "long_factor": [1.0] * 8})
     # A config whose rope parameters leave the original length beside them (Phi-3's).
@@ -449,27 +453,91 @@ def test_longrope_tables_match_transformers_on_either_side_of_the_original_lengt
     assert rope_parameters_from_config(beside)["original_max_position_embeddings"] == 64
 
 
-def test_a_longrope_model_equals_transformers_within_its_original_length(tiny_model):
-    """Phi-3 with LongRoPE (original length 48): served up to that length, by default
-    and at most, where its greedy tokens and log-probs are transformers'. (Past it
-    transformers re-encodes the whole sequence with the long factors; refused here.)"""
-    from spindle import LLM, SamplingParams
-    from test_generate_vs_hf import LOGPROB_TOL, hf_greedy
+# Prompts of a Phi-3 with LongRoPE, original length 48: within it all along, crossing it
+# while decoding (at the first token for 47 and 48), and past it from the start.
+_LONGROPE_PROMPTS = [[5, 6, 7], list(range(10, 50)), list(range(100, 147)),
+                     list(range(100, 148)), list(range(200, 260))]
+_LONGROPE_NEW = 30
+
+
+@pytest.fixture(scope="module")
+def longrope_phi3(tiny_model):
+    """A tiny Phi-3 with LongRoPE (original length 48) and transformers' greedy answers
+    to _LONGROPE_PROMPTS, computed once."""
+    from test_generate_vs_hf import hf_greedy
 
     path = tiny_model("phi3", rope_parameters=_longrope(16, 48),
                       original_max_position_embeddings=48)
-    prompts = [[5, 6, 7], list(range(10, 24)), list(range(100, 120))]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
-    with LLM(str(path), dtype="float32", device="cpu") as llm:
-        assert llm.config.model.max_model_len == 48
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    for output, (tokens, lps) in zip(outputs, hf_greedy(path, prompts, 24)):
+    return path, hf_greedy(path, _LONGROPE_PROMPTS, _LONGROPE_NEW)
+
+
+def _assert_greedy_matches(outputs, expected) -> None:
+    from test_generate_vs_hf import LOGPROB_TOL
+
+    for output, (tokens, lps) in zip(outputs, expected):
         ours = output.outputs[0]
-        assert list(ours.token_ids) == tokens
+        assert list(ours.token_ids) == tokens, len(output.prompt_token_ids)
         assert max(abs(lp[t].logprob - b) for lp, t, b in zip(ours.logprobs, ours.token_ids,
                                                               lps)) < LOGPROB_TOL
-    with pytest.raises(ValueError, match=r"LongRoPE's original length \(48\)"):
-        LLM(str(path), dtype="float32", device="cpu", max_model_len=49)
+
+
+# (Block bytes of the tiny Phi-3: 2 layers x K and V x 16 tokens x 4 x 8 features x 4.)
+_PHI3_BLOCK_BYTES = 2 * 2 * 16 * 4 * 8 * 4
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {}, {"max_num_batched_tokens": 16}, {"async_scheduling": False},
+    {"max_model_len": 128, "kv_cache_memory_bytes": 9 * _PHI3_BLOCK_BYTES},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_min": 1, "prompt_lookup_max": 2}},
+    {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+    ids=["default", "chunked", "sync", "preempted", "ngram", "tp2", "pp2"])
+def test_a_longrope_model_equals_transformers_past_its_original_length(longrope_phi3,
+                                                                        engine_kwargs):
+    """Phi-3 with LongRoPE past its original length (48): transformers encodes a sequence
+    up to 48 tokens with the short factors, a longer one with the long factors, every
+    position of it, and re-encodes a sequence once as it grows past 48. The engine does
+    the same (the request goes back to the queue and computes all its tokens again):
+    greedy tokens and log-probs are transformers', under chunked prefill, without async
+    scheduling, with preemptions (9 blocks for 5 requests), with n-gram drafts (cut at
+    the original length), on two tensor-parallel ranks and in two pipeline stages."""
+    from spindle import LLM, SamplingParams
+
+    path, expected = longrope_phi3
+    params = SamplingParams(temperature=0.0, max_tokens=_LONGROPE_NEW, ignore_eos=True,
+                            logprobs=0)
+    with LLM(str(path), dtype="float32", device="cpu", **engine_kwargs) as llm:
+        assert llm.config.model.long_rope_from == 48
+        outputs = llm.generate(_LONGROPE_PROMPTS, params, use_tqdm=False)
+        if "kv_cache_memory_bytes" in engine_kwargs:
+            assert llm.engine.core.scheduler.num_preemptions > 0
+    _assert_greedy_matches(outputs, expected)
+
+
+def test_longrope_prefix_cache_keeps_short_and_long_blocks_apart(longrope_phi3):
+    """The same tokens are other keys and values under the long factors: a request past
+    the original length never hits blocks a short one computed, nor the other way; hits
+    within either kind still come (and equal transformers)."""
+    from spindle import LLM, SamplingParams
+    from test_generate_vs_hf import hf_greedy
+
+    path, _ = longrope_phi3
+    shared = list(range(300, 332))  # two blocks
+    prompts = [shared, shared + list(range(400, 420)),  # 32 crossing 48; 52: long
+               shared + list(range(450, 454)), shared + list(range(460, 480))]  # 36; 52
+    expected = hf_greedy(path, prompts, 24)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    hits = []
+    with LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=True) as llm:
+        stats = llm.engine.core.scheduler.kv_cache_manager.prefix_cache_stats
+        for prompt, reference in zip(prompts, expected):
+            before = stats.hits
+            _assert_greedy_matches(llm.generate([prompt], params, use_tqdm=False), [reference])
+            hits.append(stats.hits - before)
+    # The first request's re-encoding hits nothing long yet; the second (long) the first
+    # one's long blocks of the shared prefix; the third the short ones when admitted
+    # and the long ones when it re-encodes; the fourth the long ones.
+    assert hits == [0, 32, 64, 32]
 
 
 # ----------------------------------------------------------------------------- tensor parallel

@@ -644,3 +644,84 @@ def test_randomized_stress(seed, chunked, caching):
     assert sched.requests == {}
     sched.schedule()  # report the last finished ids
     assert sched.reset_prefix_cache() is True
+
+
+# ------------------------------------------------------------------- LongRoPE
+
+def make_long_rope_scheduler(original: int, **kwargs) -> Scheduler:
+    import dataclasses
+
+    sched = make_scheduler(**kwargs)
+    sched.scheduler_config = dataclasses.replace(sched.scheduler_config,
+                                                 long_rope_from=original)
+    sched.long_rope_from = original
+    return sched
+
+
+def test_a_request_is_encoded_again_once_as_it_grows_past_longrope_original_length():
+    """Original length 12, a prompt of 10: its tokens at positions 0..11 are computed
+    short; the step that would compute position 12 instead sends the request again with
+    all 13 tokens, encoded long (from the prefix cache's long blocks only: none yet).
+    That is no preemption, and the request is never encoded again."""
+    sched = make_long_rope_scheduler(12)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", range(10, 20), max_tokens=8, eos=False))
+    sends = []  # (rope_long, computed, scheduled) of each NewRequestData
+    for _ in range(20):
+        if not sched.has_unfinished_requests():
+            break
+        so, _ = step(sched, runner)
+        sends += [(n.rope_long, n.num_computed_tokens, so.num_scheduled_tokens[n.req_id])
+                  for n in so.new_requests]
+        if so.new_requests and len(sends) == 2:
+            assert so.preempted_req_ids == {"a"}  # (the runner forgets its short state)
+        if len(sends) < 2:  # (short: never a position past 11)
+            assert runner.reqs["a"].num_computed <= 12
+    assert sends == [(False, 0, 10), (True, 0, 13)]
+    assert sched.num_preemptions == 0 and not sched.has_unfinished_requests()
+    assert runner.reqs["a"].tokens[10:] == [100 + n for n in range(10, 18)]
+
+
+def test_a_prompt_past_longrope_original_length_is_long_from_the_start():
+    sched = make_long_rope_scheduler(12)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", range(10, 23), max_tokens=4, eos=False))
+    so, _ = step(sched, runner)
+    assert [(n.rope_long, so.num_scheduled_tokens["a"]) for n in so.new_requests] == [(True, 13)]
+    run_to_completion(sched, runner)
+    assert sched.num_preemptions == 0
+
+
+def test_longrope_encoding_again_waits_for_the_token_in_flight():
+    """With async scheduling the token at the original length is still being sampled
+    when the next step is scheduled: the request sits that step out (its re-encoding
+    needs that token), then goes with every token."""
+    sched = make_long_rope_scheduler(12)
+    sched.async_scheduling = True
+    runner = FakeRunner()
+    sched.add_request(make_request("a", range(10, 22), max_tokens=4, eos=False))
+    first = sched.schedule()  # the prompt: positions 0..11, short; samples position 12
+    assert sched.requests["a"].num_output_placeholders == 1
+    second = sched.schedule()  # would compute position 12 with the token in flight
+    assert second.num_scheduled_tokens == {} and not second.preempted_req_ids
+    sched.update_from_output(first, runner.execute(first))
+    sched.update_from_output(second, runner.execute(second))
+    third = sched.schedule()
+    assert [(n.rope_long, third.num_scheduled_tokens["a"]) for n in third.new_requests] \
+        == [(True, 13)]
+
+
+def test_drafts_stop_at_longrope_original_length():
+    """n-gram drafts verified with the short factors must not reach the original
+    length: a request of 9 tokens with original length 12 verifies at most 3."""
+    from spindle.config import SpeculativeConfig
+
+    sched = make_long_rope_scheduler(12)
+    sched.speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", range(10, 18), max_tokens=8, eos=False))
+    step(sched, runner)  # the prompt (8 tokens) and the first output
+    sched.requests["a"].spec_token_ids = [1, 2, 3, 4, 5]
+    so = sched.schedule()
+    assert so.spec_token_ids["a"] == [1, 2, 3]  # positions 9, 10, 11
+    assert so.num_scheduled_tokens["a"] == 4

@@ -27,7 +27,9 @@ not copy a snapshot that step has yet to write).
 
 Full blocks are identified by a chained hash of their tokens (and, through the
 parent hash, of every token before them), separately per group, so two requests
-with the same first k * block_size tokens can share those blocks.
+with the same first k * block_size tokens can share those blocks. A request whose
+tokens rotate by LongRoPE's long factors (Request.rope_long) chains from another root:
+the same tokens are other keys and values there.
 
 Timing contract with the runner: a block is registered in the prefix cache as soon
 as its tokens are *scheduled* (allocate_slots for the step that computes them), not
@@ -50,6 +52,8 @@ from spindle.engine.request import Request
 
 # Parent hash of a request's first block.
 ROOT_BLOCK_HASH: bytes = hashlib.sha256(b"spindle-prefix-cache-root-v1").digest()
+# Parent hash of the first block of a request encoded with LongRoPE's long factors.
+LONG_ROPE_ROOT_HASH: bytes = hashlib.sha256(b"spindle-prefix-cache-long-rope-v1").digest()
 # The id a message carries for a block a sliding-window group freed (never read).
 NULL_BLOCK_ID = 0
 
@@ -543,6 +547,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
+        root = LONG_ROPE_ROOT_HASH if request.rope_long else None
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i > 0 else None
+            parent = hashes[i - 1] if i > 0 else root
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))

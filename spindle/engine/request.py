@@ -83,6 +83,9 @@ class Request:
         # request's next step (spindle/runner/spec_decode/).
         self.spec_token_ids: list[int] = []
         self.num_proposed = 0  # of the drafts its last step verified, those proposed
+        # Whether its tokens rotate by LongRoPE's long factors: set once it is longer
+        # than the original length (ModelConfig.long_rope_from), for good.
+        self.rope_long = False
         # Chained hashes of this request's full blocks, filled by the KV cache manager.
         self.block_hashes: list[bytes] = []
         # Asked for prompt logprobs: an entry per prompt token after the first, filled
@@ -120,6 +123,12 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def encode_long(self) -> None:
+        """From now on its tokens rotate by LongRoPE's long factors: the block hashes of
+        its short encoding no longer name its blocks (they are made again)."""
+        self.rope_long = True
+        self.block_hashes = []
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -60,6 +60,10 @@ class Scheduler:
         together, the encoder's compute budget; the others wait, in order.
       * With 0 KV blocks (a model without a KV cache) a NoKVCacheManager stands in:
         only the token budget and max_num_seqs limit a step.
+      * LongRoPE past its original length (long_rope_from): a request's tokens rotate
+        by the short factors while it is no longer than that, by the long ones once it
+        is; it is encoded again, all its tokens, when it grows past it (see
+        _encode_again_long), and its drafts never cross it while short.
       * Speculative decoding: a step speculates when fewer than disable_by_batch_size
         requests run. A decode request is then scheduled with 1 + d tokens, its d
         drafts (the runner's proposals from its last step, padded to k where there is
@@ -108,6 +112,7 @@ class Scheduler:
         self.speculative_config = speculative_config
         self.spec_decode_stats = SpecDecodeStats()
         self._speculating = False  # whether the step being scheduled speculates
+        self.long_rope_from = scheduler_config.long_rope_from
 
     # ------------------------------------------------------------------ queries
 
@@ -192,8 +197,9 @@ class Scheduler:
         spec = self.speculative_config
         self._speculating = out.speculate = (
             spec is not None and len(self.running) < spec.disable_by_batch_size)
+        preemptions = self.num_preemptions
         budget = self._schedule_running(out, budget)
-        if not out.preempted_req_ids:
+        if self.num_preemptions == preemptions:
             self._schedule_waiting(out, budget)
 
         for rid, n in out.num_scheduled_tokens.items():
@@ -219,6 +225,7 @@ class Scheduler:
         manager = self.kv_cache_manager
         running, scheduled, cached = self.running, out.num_scheduled_tokens, out.cached_requests
         plain_decode = not self._speculating
+        long_rope = self.long_rope_from is not None
         index = 0
         while index < len(running) and budget > 0 and len(scheduled) < self._step_cap:
             request = running[index]
@@ -230,6 +237,13 @@ class Scheduler:
             if num_new <= 0:
                 # Its last step's token is not back yet (only with outputs in flight).
                 index += 1
+                continue
+            if long_rope and self._grows_past_short_rope(request, num_new):
+                if placeholders:
+                    index += 1  # (its re-encoding needs the token being sampled)
+                    continue
+                running.pop(index)
+                self._encode_again_long(request, out)
                 continue
             if self._can_never_fit(request, num_new):
                 running.pop(index)
@@ -288,6 +302,9 @@ class Scheduler:
             return []
         room = max(0, min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                           self.scheduler_config.max_model_len - request.num_tokens))
+        if self.long_rope_from is not None and not request.rope_long:
+            # (drafts past the original length would be verified with the short factors)
+            room = min(room, max(0, self.long_rope_from - request.num_tokens))
         drafts = drafts[:room]
         request.num_proposed = len(drafts)
         k = self.speculative_config.num_speculative_tokens
@@ -327,6 +344,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.num_scheduled_tokens) < self._step_cap):
             request = self.waiting[0]
+            if self._grows_past_short_rope(request, request.num_tokens):
+                request.encode_long()  # (it has nothing computed: nothing to encode again)
             if request.num_encoder_tokens > encoder_budget:
                 break  # its encoder waits for the next step's budget
             hits, num_hit_tokens = NO_HIT, 0
@@ -359,7 +378,8 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
                 pooling_params=request.pooling_params,
                 prompt_embeds=request.prompt_embeds,
-                encoder_inputs=request.encoder_inputs))
+                encoder_inputs=request.encoder_inputs,
+                rope_long=request.rope_long))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             encoder_budget -= request.num_encoder_tokens
@@ -383,6 +403,28 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _grows_past_short_rope(self, request: Request, num_new: int) -> bool:
+        """Whether computing num_new more tokens of request makes it longer than
+        LongRoPE's original length while its tokens rotate by the short factors."""
+        return (self.long_rope_from is not None and not request.rope_long
+                and request.num_computed_tokens + num_new > self.long_rope_from)
+
+    def _encode_again_long(self, request: Request, out: SchedulerOutput) -> None:
+        """request is about to grow past LongRoPE's original length. transformers then
+        encodes the whole sequence again with the long factors (Phi-3's generate drops
+        its cache once), and so does the engine: the request gives its blocks back (the
+        prefix cache keeps them, under its short hashes), returns to the front of the
+        waiting queue with nothing computed, and is admitted again as a resumed request,
+        in this step if there is room. Caller removed it from self.running. Unlike a
+        preemption, this lets other waiting requests in."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.encode_long()
+        self.waiting.appendleft(request)
+        out.preempted_req_ids.add(request.request_id)
 
     def preempt_all(self) -> int:
         """Preempt every running request (before the KV cache is discarded, e.g. by

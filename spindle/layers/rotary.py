@@ -47,15 +47,30 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
 
 def longrope_original_length(hf_config: Any) -> int | None:
     """The original length of a LongRoPE config (None for any other rope, or a config
-    with rope parameters per layer type). Spindle serves such a model up to it: past it,
-    transformers re-encodes a sequence with the long factors (Phi-3's generate drops its
-    cache once), which the engine's KV cache does not do."""
+    with rope parameters per layer type). A sequence up to it rotates by the short
+    factors; a longer one by the long factors, every position of it (transformers
+    re-encodes a sequence once when it grows past this length; the engine does the same,
+    see Scheduler)."""
     stated = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling",
                                                                     None)
     if not isinstance(stated, dict) \
             or (stated.get("rope_type") or stated.get("type")) != "longrope":
         return None
     return int(rope_parameters_from_config(hf_config)["original_max_position_embeddings"])
+
+
+def long_rope_rows(model: nn.Module, original: int) -> int:
+    """Where the long factors' rows start in model's LongRoPE tables, for a model served
+    past the original length (`original`): the row its positions input takes for
+    position p of a sequence encoded long is p + this. A ValueError if the model reads
+    no such table (it rotates some other way), or tables with different offsets."""
+    offsets = {m.long_rows for m in model.modules()
+               if isinstance(m, RotaryEmbedding) and m.long_rows is not None}
+    if len(offsets) != 1:
+        raise ValueError(f"{type(model).__name__} does not rotate through one LongRoPE table "
+                         f"with its long factors' rows: serve it with max_model_len <= "
+                         f"{original}, LongRoPE's original length")
+    return offsets.pop()
 
 
 def _with_context_defaults(params: dict[str, Any], max_position: int) -> dict[str, Any]:
@@ -203,7 +218,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the float32 cos/sin table for positions [0, max_position).
+    """Holds the float32 cos/sin table for positions [0, max_position) (LongRoPE: two
+    tables, the short factors' and then the long factors', see _longrope_rows).
 
     Call it once per forward pass with the step's positions to get (cos, sin) in the
     activation dtype, then rotate each layer's q and k with apply_rotary.
@@ -218,8 +234,11 @@ class RotaryEmbedding(nn.Module):
         self.rope_parameters = dict(rope_parameters)
         inv_freq = compute_inv_freq(head_dim, rope_parameters)
         cos, sin = self._cos_sin(inv_freq, max_position)
+        # LongRoPE: where the long factors' rows start (None: one table).
+        self.long_rows: int | None = None
         if rope_parameters.get("rope_type") == "longrope":
             cos, sin = self._longrope_rows(cos, sin, head_dim, max_position, rope_parameters)
+            self.long_rows = max_position
         scaling = attention_scaling(rope_parameters, max_position)
         if scaling != 1.0:  # (as transformers scales its cos and sin)
             cos, sin = cos * scaling, sin * scaling
@@ -248,15 +267,13 @@ class RotaryEmbedding(nn.Module):
     def _longrope_rows(cls, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                        max_position: int, params: dict[str, Any]
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """LongRoPE: positions below the original length rotate by the short factors (the
-        table given), those from it on by the long ones. The engine serves such a model
-        within its original length (longrope_original_length), where only the short rows
-        are read and transformers agrees; the long rows serve direct uses of the table."""
-        original = min(params["original_max_position_embeddings"], max_position)
+        """LongRoPE's two tables one after the other: rows [0, max_position) rotate by
+        the short factors (the table given), rows [max_position, 2 * max_position) by the
+        long ones. A sequence longer than the original length reads the long rows, at
+        its position + long_rows (StepBatch.rope_positions)."""
         long_cos, long_sin = cls._cos_sin(longrope_inv_freq(head_dim, params, "long_factor"),
                                           max_position)
-        return (torch.cat([cos[:original], long_cos[original:]]),
-                torch.cat([sin[:original], long_sin[original:]]))
+        return torch.cat([cos, long_cos]), torch.cat([sin, long_sin])
 
     @staticmethod
     def _cos_sin(inv_freq: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -161,7 +161,7 @@ class CudaGraphRunner:
         host_t, tables_t = self._host_sets[self._runs % 2]
         host = host_t.numpy()
         host[_INPUT_IDS, :tokens] = batch.input_ids
-        host[_POSITIONS, :tokens] = batch.positions
+        host[_POSITIONS, :tokens] = batch.model_positions
         host[_SEQ_LENS, :num] = batch.seq_lens
         host[_SEQ_LENS, num:size] = 0
         if batch.state_slots is not None:

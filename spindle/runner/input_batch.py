@@ -73,6 +73,15 @@ class StepBatch:
     # and the draft token ids by request id.
     num_drafts: np.ndarray | None = None
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # [T] the rotary table rows the model reads, where they are not the positions: a
+    # request encoded with LongRoPE's long factors reads the long rows (its position
+    # plus RotaryEmbedding.long_rows). None: the positions themselves.
+    rope_positions: np.ndarray | None = None
+
+    @property
+    def model_positions(self) -> np.ndarray:
+        """[T] what the model's `positions` input is: each token's rotary table row."""
+        return self.positions if self.rope_positions is None else self.rope_positions
 
     @property
     def sample_rows(self) -> np.ndarray:
@@ -130,6 +139,12 @@ class InputBatch:
         self._token_vocab = token_vocab
         # Structured outputs' token automata, by what was asked (the last few kept).
         self._automata: OrderedDict[str, TokenAutomaton] = OrderedDict()
+        # LongRoPE served past its original length: where the long rows of the model's
+        # rotary tables start (set by the runner), and per row the offset its tokens'
+        # positions take (0, or long_rope_rows for a request encoded long).
+        self.long_rope_rows: int | None = None
+        self.rope_row_offset = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_rope_long = 0
 
     def set_cache_groups(self, group_is_paged: Sequence[bool]) -> None:
         """One block table per paged cache group; one state slot per row for models
@@ -152,6 +167,9 @@ class InputBatch:
         if len(new.token_ids) > self.max_model_len:
             raise ValueError(f"request {new.req_id!r} has {len(new.token_ids)} tokens, "
                              f"more than max_model_len ({self.max_model_len})")
+        if new.rope_long and self.long_rope_rows is None:
+            raise RuntimeError(f"request {new.req_id!r} is encoded with LongRoPE's long "
+                               "factors, which the model was not served with")
         generator = self._generator_for(new.sampling_params)
         row = self._free_rows.pop()
         state = CachedRequestState(
@@ -166,6 +184,9 @@ class InputBatch:
         if state.grammar is not None:  # (a preempted request resumes where it was)
             for token in state.output_token_ids:
                 state.grammar.advance(token)
+        if new.rope_long:
+            self.rope_row_offset[row] = self.long_rope_rows
+            self.num_rope_long += 1
         self.requests[new.req_id] = state
         self.num_prompt_logprobs += prompt_logprobs_of(state) is not None
         self.num_output_readers += _reads_outputs(state)
@@ -205,6 +226,9 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            if self.rope_row_offset[state.row]:
+                self.rope_row_offset[state.row] = 0
+                self.num_rope_long -= 1
             self.num_prompt_logprobs -= prompt_logprobs_of(state) is not None
             self.num_output_readers -= _reads_outputs(state)
         return state
@@ -311,7 +335,9 @@ class InputBatch:
             token_req_index=token_req_index,
             sampling_mask=sampling_mask, logits_indices=logits_indices,
             inflight_dst=inflight_dst, requests=states, num_drafts=num_drafts,
-            draft_token_ids=draft_token_ids or {})
+            draft_token_ids=draft_token_ids or {},
+            rope_positions=(positions + self.rope_row_offset[token_rows]
+                            if self.num_rope_long else None))
 
     def _place_drafts(self, req_ids: list[str], draft_token_ids: dict[str, list[int]]
                       ) -> np.ndarray:

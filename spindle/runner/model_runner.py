@@ -156,6 +156,11 @@ class ModelRunner:
             if layer.backend_name != backend:
                 layer.use_backend(backend)
         self._group_cache_layers()
+        if self.config.model.long_rope_from is not None:
+            from spindle.layers.rotary import long_rope_rows
+
+            self.input_batch.long_rope_rows = long_rope_rows(self.model,
+                                                             self.config.model.long_rope_from)
         if self.proposer is not None:
             with self._memory_scope(WEIGHTS):
                 self.proposer.load_model()

@@ -24,7 +24,7 @@ class DefaultModelState(ModelState):
     def prepare_inputs(self, batch: StepBatch) -> dict[str, Any]:
         return {
             "input_ids": self.h2d.put(batch.input_ids, torch.int64),
-            "positions": self.h2d.put(batch.positions, torch.int64),
+            "positions": self.h2d.put(batch.model_positions, torch.int64),
         }
 
     def prepare_attn(self, batch: StepBatch) -> AttentionMetadata | list:
