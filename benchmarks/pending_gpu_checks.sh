@@ -23,8 +23,8 @@
 # SPINDLE_GDN_TRITON_PREFILL (off), the Granite 3.x GPU cases, the rest of the kernel
 # tests (structured outputs on CUDA); ALiBi in the Triton kernels (test_triton_attention
 # -k alibi), chunked attention (-k chunk), and BLOOM, MPT, Helium, Phi-4-mini's partial
-# rotary, Llama 4 and Phi-3's LongRoPE past its original length in CUDA graphs (the
-# models part), all new. Passed on an H100 in the twenty-first session: the
+# rotary, Llama 4 and Phi-3's LongRoPE past its original length in CUDA graphs, and
+# Phi-3.5-MoE in the fused MoE kernels (the models part), all new. Passed on an H100 in the twenty-first session: the
 # twentieth session's dense families in CUDA graphs (14) and Hunyuan-A13B, DeepSeek-V3,
 # gpt-oss and Qwen2-MoE on CUDA (4); Zamba2 (twentieth); prompt logprobs, fused MoE
 # (twentieth).
@@ -54,7 +54,7 @@ fi
 if [[ $what == models || $what == all ]]; then
     stamp "DeepSeek-V3 (latent attention), gpt-oss (sinks, biased experts), Qwen2-MoE on CUDA"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_moe_models.py \
-        -k "deepseek or gpt_oss or qwen2_moe or hunyuan" 2>&1 | tail -4
+        -k "deepseek or gpt_oss or qwen2_moe or hunyuan or phimoe" 2>&1 | tail -4
     stamp "Gated DeltaNet models with the Triton prefill"
     SPINDLE_GDN_TRITON_PREFILL=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_hybrid_gpu.py -k "qwen3_next or qwen3_5" 2>&1 | tail -4

@@ -9,7 +9,8 @@ biases on q/k/v only, per-head q/k norms, half of each head rotated. DeepSeek-V3
 behind multi-head latent attention, served from a cached latent (the absorbed form).
 gpt-oss: attention sinks, alternating windows, biased experts with a clamped SwiGLU, and
 its released MXFP4 expert weights. Hunyuan-A13B: a float32 router, a shared MLP in every
-layer, top-k given per layer."""
+layer, top-k given per layer. Phi-3.5-MoE: sparsemixer routing, LayerNorms, biases, and
+LongRoPE past its original length."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ CASES = {
     "hunyuan_moe-top_k-per-layer": dict(arch="hunyuan_moe", num_layers=2, num_experts=6,
                                         moe_topk=[1, 3]),
     "mixtral": {},
+    # Phi-3.5-MoE: sparsemixer's two experts, LayerNorms, biases everywhere, LongRoPE
+    # with a scale per table (within its original length, 64); then a window of 8.
+    "phimoe": {},
+    "phimoe-window": dict(arch="phimoe", sliding_window=8),
     "minimax_m2": {},
     "glm4_moe": {},
     # DeepSeek-V3: GLM-4.5's experts behind multi-head latent attention (queries through
@@ -116,7 +121,7 @@ def test_greedy_equals_transformers(checkpoint, case):
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
                                   "granite_moe_shared", "deepseek_v3-yarn", "gpt_oss",
                                   "deepseek_v2", "qwen2_moe", "olmoe", "granite_moe_swa",
-                                  "dots1", "ernie4_5_moe", "hunyuan_moe"])
+                                  "dots1", "ernie4_5_moe", "hunyuan_moe", "phimoe-window"])
 def test_chunked_prefill_and_two_tensor_parallel_ranks(checkpoint, case):
     path, expected = checkpoint(case)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,
@@ -136,7 +141,8 @@ def test_experts_that_do_not_split_across_ranks_are_refused(tiny_model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "minimax_m2", "glm4_moe",
-                                  "deepseek_v3", "gpt_oss", "qwen2_moe", "hunyuan_moe"])
+                                  "deepseek_v3", "gpt_oss", "qwen2_moe", "hunyuan_moe",
+                                  "phimoe"])
 def test_cuda_fused_experts_in_cuda_graphs_equal_transformers(checkpoint, case):
     """The fused grouped GEMMs end to end on CUDA (float32, decode replayed from CUDA
     graphs), against transformers on the CPU."""
@@ -298,3 +304,70 @@ def test_hunyuan_moe_refuses_experts_of_another_size():
         HunYuanMoEV1ForCausalLM.check_config(config)
     HunYuanMoEV1ForCausalLM.check_config(SimpleNamespace(hidden_act="silu",
                                                          intermediate_size=64))
+
+
+def _phimoe_long_factors_past_original(model) -> None:
+    """transformers' PhiMoE with the long factors past the original length. Its port
+    recomputes the frequencies each forward without the sequence length (always the
+    short factors; only the scale switches); the model's own code, and its long_factor,
+    rotate by the long ones there. This gives its rotary the length, as transformers'
+    Phi-3 does; the rest (the scales, the re-encoding at the length) is its own."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = model.config
+    params = config.rope_parameters
+    original = params["original_max_position_embeddings"]
+
+    def forward(x, position_ids):
+        length = int(position_ids.max()) + 1
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, x.device, seq_len=length)
+        mscale = params["long_mscale" if length > original else "short_mscale"]
+        freqs = position_ids[..., None].float() * inv_freq.float()
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * mscale).to(x.dtype), (angles.sin() * mscale).to(x.dtype)
+
+    model.model.rotary_emb.forward = forward
+
+
+@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 16},
+                                           {"tensor_parallel_size": 2}],
+                         ids=["default", "chunked", "tp2"])
+def test_phimoe_past_its_original_length(tiny_model, engine_kwargs):
+    """Phi-3.5-MoE's LongRoPE (original length 64, long_mscale apart from short_mscale):
+    prompts within it, crossing it while decoding (encoded again, long) and past it from
+    the start, against transformers given the long factors past the length."""
+    path = tiny_model("phimoe")
+    rng = random.Random(5)
+    lengths = (9, 58, 64, 80)
+    long_prompts = [[rng.randrange(512) for _ in range(n)] for n in lengths]
+    expected = hf_greedy(path, long_prompts, MAX_NEW,
+                         prepare=_phimoe_long_factors_past_original)
+    with LLM(str(path), device="cpu", dtype="float32", max_model_len=256,
+             **engine_kwargs) as llm:
+        assert llm.config.model.long_rope_from == 64
+        outputs = llm.generate([{"prompt_token_ids": p} for p in long_prompts], GREEDY,
+                               use_tqdm=False)
+    for output, (tokens, logprobs) in zip(outputs, expected):
+        answer = output.outputs[0]
+        assert answer.token_ids == tokens
+        got = [d[t].logprob for d, t in zip(answer.logprobs, tokens)]
+        assert got == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_sparsemixer_routes_as_transformers():
+    """Both choices and weights, on logits with near ties (several experts inside the
+    jitter margin) and far apart, negative and positive, against transformers'
+    sparsemixer."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    from spindle.models.phimoe import sparsemixer_top2
+
+    torch.manual_seed(0)
+    logits = torch.cat([torch.randn(64, 8), torch.randn(64, 8) * 0.01 + 1.0,
+                        -torch.rand(64, 8) - 0.5])
+    for eps in (0.01, 0.3):
+        weights, ids = sparsemixer(logits, jitter_eps=eps, training=False)
+        our_ids, our_weights = sparsemixer_top2(logits, eps)
+        assert torch.equal(our_ids, ids)
+        torch.testing.assert_close(our_weights, weights, atol=0, rtol=0)
+        assert (weights < 1).any()  # (the margin weighs several experts somewhere)

@@ -43,6 +43,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "MiniCPM3ForCausalLM": "spindle.models.deepseek_v3:MiniCPM3ForCausalLM",
     "GptOssForCausalLM": "spindle.models.gpt_oss:GptOssForCausalLM",
     "Phi3ForCausalLM": "spindle.models.llama:Phi3ForCausalLM",
+    "PhimoeForCausalLM": "spindle.models.phimoe:PhimoeForCausalLM",
     "GemmaForCausalLM": "spindle.models.gemma:GemmaForCausalLM",
     "CohereForCausalLM": "spindle.models.cohere:CohereForCausalLM",
     "Starcoder2ForCausalLM": "spindle.models.starcoder2:Starcoder2ForCausalLM",

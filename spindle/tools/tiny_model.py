@@ -98,6 +98,7 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "phimoe": "PhimoeForCausalLM",
     "gemma": "GemmaForCausalLM",
     "cohere": "CohereForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
@@ -150,7 +151,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "minicpm3": "MiniCPM3Config", "hunyuan": "HunYuanDenseV1Config",
                   "hunyuan_moe": "HunYuanMoEV1Config",
                   "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
-                  "phi3": "Phi3Config",
+                  "phi3": "Phi3Config", "phimoe": "PhimoeConfig",
                   "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                   "cohere": "CohereConfig", "cohere2": "Cohere2Config",
                   "starcoder2": "Starcoder2Config", "jais2": "Jais2Config",
@@ -169,6 +170,7 @@ MOE_CHECKPOINT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj
                         "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                         "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
+                        "phimoe": ("block_sparse_moe", ("w1", "w3", "w2")),
                         "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                         "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -317,6 +319,17 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
     if arch == "mixtral":
         return {"num_local_experts": 4, "num_experts_per_tok": 2}
+    if arch == "phimoe":  # 4 experts, 2 per token (sparsemixer, a jitter wide enough to
+        # weigh several experts), biases on q/k/v/o and the LM head, LongRoPE with an
+        # original length of 64 and a scale of its own on each table
+        half = hidden_size // num_heads // 2
+        return {"num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.3,
+                "attention_bias": True, "lm_head_bias": True, "sliding_window": None,
+                "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                    "original_max_position_embeddings": 64,
+                                    "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                    "long_factor": [1.0 + 0.9 * i for i in range(half)],
+                                    "short_mscale": 1.1, "long_mscale": 1.3}}
     if arch == "glm4_moe":  # a dense first layer, then 4 experts of 32 (2 per token, in
         # 2 groups of which the best one counts) and a shared one; half of each head
         # rotated, biases on q/k/v, per-head q/k norms
@@ -787,7 +800,7 @@ def checkpoint_tensors(model: torch.nn.Module):
         elif name.endswith(".mlp.experts.down_proj"):
             for e, expert in enumerate(tensor):
                 yield f"{prefix}experts.{e}.{down}.weight", expert
-        elif name.endswith(".mlp.gate.weight"):
+        elif name.endswith((".mlp.gate.weight", ".mlp.router.weight")):
             yield f"{prefix}gate.weight", tensor
         else:  # a dense layer's MLP, or the block's other tensors (a correction bias)
             yield prefix + name.split(".mlp.", 1)[1], tensor
