@@ -24,7 +24,8 @@
 # tests (structured outputs on CUDA); ALiBi in the Triton kernels (test_triton_attention
 # -k alibi), chunked attention (-k chunk), and BLOOM, MPT, Helium, Phi-4-mini's partial
 # rotary, Llama 4 and Phi-3's LongRoPE past its original length in CUDA graphs, and
-# Phi-3.5-MoE in the fused MoE kernels (the models part), all new. Passed on an H100 in the twenty-first session: the
+# Phi-3.5-MoE in the fused MoE kernels, LoRA adapters in CUDA graphs (the models
+# part; peft must be carried as a wheel), all new. Passed on an H100 in the twenty-first session: the
 # twentieth session's dense families in CUDA graphs (14) and Hunyuan-A13B, DeepSeek-V3,
 # gpt-oss and Qwen2-MoE on CUDA (4); Zamba2 (twentieth); prompt logprobs, fused MoE
 # (twentieth).
@@ -58,6 +59,8 @@ if [[ $what == models || $what == all ]]; then
     stamp "Gated DeltaNet models with the Triton prefill"
     SPINDLE_GDN_TRITON_PREFILL=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_hybrid_gpu.py -k "qwen3_next or qwen3_5" 2>&1 | tail -4
+    stamp "LoRA adapters in CUDA graphs against PEFT (new)"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora.py 2>&1 | tail -3
     stamp "the twenty-first and -second sessions' families in CUDA graphs vs CUDA transformers"
     timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \
         -k "more_families and (bloom or mpt or helium or phi3-partial or llama4 \

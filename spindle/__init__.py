@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from spindle.lora import LoRARequest  # noqa: E402
 from spindle.outputs import (CompletionOutput, EmbeddingOutput,  # noqa: E402
                              EmbeddingRequestOutput, RequestOutput)
 from spindle.pooling_params import PoolingParams  # noqa: E402
@@ -21,7 +22,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'spindle' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "ModelPool", "SamplingParams", "StructuredOutputsParams", "PoolingParams",
+__all__ = ["LLM", "ModelPool", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "PoolingParams",
            "RequestOutput",
            "CompletionOutput",
            "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]

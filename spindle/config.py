@@ -159,6 +159,13 @@ class EngineArgs:
                                           "addresses and CUDA graphs survive sleep), portable "
                                           "(any device; moves tensors out and back), or one "
                                           "registered by a plugin.")
+    enable_lora: bool = _arg(False, "Serve LoRA adapters (PEFT's format) beside the base "
+                             "model: a request names one with a LoRARequest (the server: "
+                             "with --lora-modules and the request's model).")
+    max_loras: int = _arg(1, "With enable_lora: adapters one step may serve (each has a "
+                          "slot of device memory in every adapted layer).")
+    max_lora_rank: int = _arg(16, "With enable_lora: the largest adapter rank served (the "
+                              "slots' size).")
     mm_ipc_gpu_memory_gb: float = _arg(0.0, "GiB of device memory set aside before the KV "
                                        "cache is sized, for decoded media: encoder-decoder "
                                        "models (Whisper) stage each step's encoder inputs in "
@@ -183,6 +190,7 @@ class EngineArgs:
             pooler=_pooler_config(self, model, sched),
             memory=MemoryConfig.create(self, platform),
             speculative=SpeculativeConfig.create(self.speculative_config, model, parallel),
+            lora=LoRAConfig.create(self, model),
         )
         if config.device.batch_invariant:
             _check_batch_invariance_fits(config)
@@ -250,9 +258,15 @@ class ServerArgs:
         None, "Split a reasoning model's <think>...</think> off its chat answers into "
         "reasoning_content: qwen3 (the answer opens <think> itself) or deepseek_r1 (the "
         "template opens it: DeepSeek-R1, Qwen3 2507 thinking). Default: none, all content.")
+    lora_modules: list[str] | None = _arg(
+        None, "LoRA adapters served as models of their own, NAME=PATH (a PEFT adapter "
+        "directory; repeat the flag for more): a request whose model is NAME runs with that "
+        "adapter. Needs --enable-lora.")
 
     def __post_init__(self) -> None:
         from spindle.entrypoints.reasoning import REASONING_PARSERS
+
+        self.lora_requests()  # (a malformed --lora-modules fails here)
         from spindle.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
         _require(self.tool_call_parser in (None, *TOOL_CALL_PARSERS), "tool_call_parser",
@@ -275,6 +289,19 @@ class ServerArgs:
             for name in ("allowed_methods", "allowed_headers", "allow_credentials"):
                 _require(not getattr(self, name), name, getattr(self, name),
                          "left unset without allowed_origins (CORS is off)")
+
+
+    def lora_requests(self) -> dict:
+        """--lora-modules as {name: LoRARequest}, ids 1, 2, ... in flag order."""
+        from spindle.lora import LoRARequest
+
+        adapters = {}
+        for i, entry in enumerate(self.lora_modules or []):
+            name, sep, path = str(entry).partition("=")
+            _require(bool(sep and name and path), "lora_modules", entry, "NAME=PATH")
+            _require(name not in adapters, "lora_modules", entry, "one entry per name")
+            adapters[name] = LoRARequest(name, i + 1, path)
+        return adapters
 
 
 @dataclass
@@ -419,6 +446,32 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (spindle/lora/)."""
+
+    max_loras: int
+    max_lora_rank: int
+
+    @staticmethod
+    def create(args: EngineArgs, model: ModelConfig) -> "LoRAConfig | None":
+        if not args.enable_lora:
+            for name in ("max_loras", "max_lora_rank"):
+                if getattr(args, name) != getattr(EngineArgs, name):
+                    raise ValueError(f"{name} is set but enable_lora is off: pass "
+                                     "enable_lora=True (--enable-lora) too")
+            return None
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(args, name)
+            _require(_is_int(value) and value >= 1, name, value, "an integer >= 1")
+        _require(model.task == "generate" and model.model_kind == "decoder", "enable_lora",
+                 True, f"a decoder model with task='generate' (not {model.architecture}, "
+                 f"task={model.task!r})")
+        _require(not args.batch_invariant, "enable_lora", True,
+                 "off with batch_invariant (the adapters' matmuls are not fixed-order)")
+        return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int
     enable_prefix_caching: bool
@@ -520,6 +573,7 @@ class SchedulerConfig:
     max_n: int = 128  # most samples one request may ask for
     max_num_encoder_tokens: int = 0  # encoder positions per step (encoder-decoder models)
     long_rope_from: int | None = None  # ModelConfig.long_rope_from
+    max_loras: int = 0  # LoRA adapters the running requests may use at once (0: none served)
 
     @staticmethod
     def create(args: EngineArgs, model: ModelConfig) -> "SchedulerConfig":
@@ -539,7 +593,8 @@ class SchedulerConfig:
                                max_model_len=model.max_model_len,
                                enable_chunked_prefill=bool(args.enable_chunked_prefill),
                                async_scheduling=bool(args.async_scheduling), max_n=args.max_n,
-                               long_rope_from=model.long_rope_from)
+                               long_rope_from=model.long_rope_from,
+                               max_loras=args.max_loras if args.enable_lora else 0)
 
 
 def _encoder_budget(args: EngineArgs, model: ModelConfig, token_budget: int) -> int:
@@ -786,6 +841,7 @@ class EngineConfig:
     pooler: Any = None  # spindle.pooler_config.PoolerConfig when task == "embed"
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     speculative: "SpeculativeConfig | None" = None
+    lora: "LoRAConfig | None" = None  # set where LoRA adapters are served
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -38,6 +38,8 @@ class NewRequestData:
     encoder_inputs: Any = None
     # Its tokens rotate by LongRoPE's long factors (Request.rope_long).
     rope_long: bool = False
+    # The LoRA adapter it is served with (spindle.lora.LoRARequest), None: the base model.
+    lora_request: Any = None
 
 
 @dataclass

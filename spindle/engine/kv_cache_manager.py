@@ -28,8 +28,9 @@ not copy a snapshot that step has yet to write).
 Full blocks are identified by a chained hash of their tokens (and, through the
 parent hash, of every token before them), separately per group, so two requests
 with the same first k * block_size tokens can share those blocks. A request whose
-tokens rotate by LongRoPE's long factors (Request.rope_long) chains from another root:
-the same tokens are other keys and values there.
+keys and values differ for the same tokens chains from a root of its own
+(request_root_hash): one served with a LoRA adapter (per adapter), or one whose tokens
+rotate by LongRoPE's long factors (Request.rope_long).
 
 Timing contract with the runner: a block is registered in the prefix cache as soon
 as its tokens are *scheduled* (allocate_slots for the step that computes them), not
@@ -52,8 +53,6 @@ from spindle.engine.request import Request
 
 # Parent hash of a request's first block.
 ROOT_BLOCK_HASH: bytes = hashlib.sha256(b"spindle-prefix-cache-root-v1").digest()
-# Parent hash of the first block of a request encoded with LongRoPE's long factors.
-LONG_ROPE_ROOT_HASH: bytes = hashlib.sha256(b"spindle-prefix-cache-long-rope-v1").digest()
 # The id a message carries for a block a sliding-window group freed (never read).
 NULL_BLOCK_ID = 0
 
@@ -70,6 +69,19 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     parent = ROOT_BLOCK_HASH if parent_hash is None else parent_hash
     h = hashlib.sha256(parent)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+def request_root_hash(request: Request) -> bytes | None:
+    """The parent hash of request's first block: None (ROOT_BLOCK_HASH) for the base
+    model's keys and values; another root for an adapter's, or the long factors'."""
+    if not request.rope_long and request.lora_request is None:
+        return None
+    h = hashlib.sha256(ROOT_BLOCK_HASH)
+    if request.rope_long:
+        h.update(b"long-rope")
+    if request.lora_request is not None:
+        h.update(request.lora_request.cache_key)
     return h.digest()
 
 
@@ -547,7 +559,6 @@ class KVCacheManager:
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
-        root = LONG_ROPE_ROOT_HASH if request.rope_long else None
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i > 0 else root
+            parent = hashes[i - 1] if i > 0 else request_root_hash(request)
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))

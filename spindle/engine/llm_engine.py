@@ -52,6 +52,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
         self.grammars = GrammarCompiler()
+        self._adapters: dict[int, Any] = {}  # lora_int_id -> the LoRARequest checked for it
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -60,13 +61,18 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------
     def add_request(self, prompt: PromptType | ProcessedPrompt,
                     params: SamplingParams | PoolingParams | None = None,
-                    request_id: str | None = None, final_only: bool = False) -> str:
+                    request_id: str | None = None, final_only: bool = False,
+                    lora_request: Any = None) -> str:
         """Queue a request. prompt: text, token ids, a dict, or what
         input_processor.process() made of one (then it is not tokenized again).
         final_only: step() reports it only once finished (offline batches), instead of
-        its cumulative output after every step (streaming)."""
+        its cumulative output after every step (streaming). lora_request: the LoRA
+        adapter (spindle.lora.LoRARequest) to serve it with."""
         if self.input_processor.is_pooling(params):
+            if lora_request is not None:
+                raise ValueError("LoRA adapters are served to generate requests only")
             return self._add_pooling_request(prompt, params, request_id)
+        self._check_adapter(lora_request)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -100,8 +106,32 @@ class LLMEngine:
             self.core.add_request(Request(core_id, token_ids, child_params, max_tokens,
                                           prompt_embeds=processed.embeds,
                                           encoder_inputs=processed.encoder_inputs,
-                                          num_encoder_tokens=self.config.model.encoder_positions))
+                                          num_encoder_tokens=self.config.model.encoder_positions,
+                                          lora_request=lora_request))
         return request_id
+
+    def _check_adapter(self, lora_request: Any) -> None:
+        """Refuse, before anything runs, a LoRA adapter this engine cannot serve: none
+        served, not a LoRARequest, another adapter under the same id, or one whose files
+        say it cannot be (read once per id)."""
+        if lora_request is None:
+            return
+        from spindle.lora import LoRARequest
+        from spindle.lora.adapter import load_peft_adapter
+
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a spindle.lora.LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if self.config.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked for, and this "
+                             "engine serves none: start it with enable_lora=True")
+        known = self._adapters.get(lora_request.lora_int_id)
+        if known is not None and known != lora_request:
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} names adapter "
+                             f"{known.lora_name!r} at {known.lora_path!r} already")
+        if known is None:
+            load_peft_adapter(lora_request.lora_path, self.config.lora.max_lora_rank)
+            self._adapters[lora_request.lora_int_id] = lora_request
 
     def _grammar_of(self, params: SamplingParams) -> Any:
         """The byte automaton of params.structured_outputs (None without): compiled

@@ -53,8 +53,10 @@ class Request:
                  sampling_params: SamplingParams, max_tokens: int,
                  arrival_time: float | None = None, pooling_params: Any = None,
                  prompt_embeds: Any = None, encoder_inputs: Any = None,
-                 num_encoder_tokens: int = 0) -> None:
+                 num_encoder_tokens: int = 0, lora_request: Any = None) -> None:
         self.request_id = request_id
+        # The LoRA adapter it is served with (spindle.lora.LoRARequest; None: none).
+        self.lora_request = lora_request
         # A pooling request runs its whole prompt in one step (never chunked, no
         # prefix-cache hits) and finishes with an embedding instead of tokens.
         self.pooling_params = pooling_params
@@ -123,6 +125,10 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     def encode_long(self) -> None:
         """From now on its tokens rotate by LongRoPE's long factors: the block hashes of

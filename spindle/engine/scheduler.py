@@ -64,6 +64,9 @@ class Scheduler:
         by the short factors while it is no longer than that, by the long ones once it
         is; it is encoded again, all its tokens, when it grows past it (see
         _encode_again_long), and its drafts never cross it while short.
+      * LoRA adapters: the running requests use at most max_loras adapters (the
+        runner's slots); a waiting request whose adapter would be one more waits, and
+        the queue behind it (first come, first served).
       * Speculative decoding: a step speculates when fewer than disable_by_batch_size
         requests run. A decode request is then scheduled with 1 + d tokens, its d
         drafts (the runner's proposals from its last step, padded to k where there is
@@ -341,6 +344,7 @@ class Scheduler:
         """Admit waiting requests FCFS while seats, budget, the encoder's budget and
         blocks last; never preempts."""
         encoder_budget = self.scheduler_config.max_num_encoder_tokens
+        adapters = self._running_adapters()
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.num_scheduled_tokens) < self._step_cap):
             request = self.waiting[0]
@@ -348,6 +352,10 @@ class Scheduler:
                 request.encode_long()  # (it has nothing computed: nothing to encode again)
             if request.num_encoder_tokens > encoder_budget:
                 break  # its encoder waits for the next step's budget
+            if adapters is not None and request.lora_int_id is not None \
+                    and request.lora_int_id not in adapters \
+                    and len(adapters) >= self.scheduler_config.max_loras:
+                break  # its adapter waits for a slot: one of the running ones to finish
             hits, num_hit_tokens = NO_HIT, 0
             if (request.num_computed_tokens == 0 and not request.is_pooling
                     and request.prompt_logprobs is None):  # (those compute every token)
@@ -369,6 +377,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(request, num_hit_tokens)
+            if adapters is not None and request.lora_int_id is not None:
+                adapters.add(request.lora_int_id)
             out.new_requests.append(NewRequestData(
                 req_id=request.request_id,
                 token_ids=list(request.all_token_ids),
@@ -379,10 +389,17 @@ class Scheduler:
                 pooling_params=request.pooling_params,
                 prompt_embeds=request.prompt_embeds,
                 encoder_inputs=request.encoder_inputs,
-                rope_long=request.rope_long))
+                rope_long=request.rope_long, lora_request=request.lora_request))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             encoder_budget -= request.num_encoder_tokens
+
+    def _running_adapters(self) -> set[int] | None:
+        """The LoRA adapters the running requests use (None where none are served): at
+        most max_loras, the slots the runner has."""
+        if not self.scheduler_config.max_loras:
+            return None
+        return {r.lora_int_id for r in self.running if r.lora_int_id is not None}
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         request.status = RequestStatus.RUNNING

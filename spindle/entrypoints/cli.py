@@ -45,6 +45,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     # Checked before the engine starts: a bad server flag fails at once.
     server_args = server_args_from(ns, api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None)
     if len(paths) > 1:
+        if server_args.lora_modules:
+            raise ValueError("--lora-modules serves adapters of one model; several PATHs "
+                             "were given")
         return _serve_pool(ns, paths, server_args)
     model = paths[0] if paths else ns.model or str(default_model_dir())
     return run_server(engine_args_from(ns, model=model), host=ns.host, port=ns.port,

@@ -18,6 +18,7 @@ from spindle.engine.llm_engine import LLMEngine, PromptType
 from spindle.engine.pooling_inputs import pretokenize
 from spindle.entrypoints.chat_utils import render_chat_prompt
 from spindle.entrypoints.tool_calls import check_tools
+from spindle.lora import LoRARequest
 from spindle.logger import configure_logging
 from spindle.outputs import EmbeddingRequestOutput, RequestFailedError, RequestOutput
 from spindle.pooling_params import PoolingParams
@@ -53,15 +54,20 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order. lora_request:
+        the LoRA adapter for every prompt, or one per prompt (None: the base model);
+        needs LLM(..., enable_lora=True).
 
         Bad input raises ValueError before anything runs. A request that fails while
         it runs (RequestFailedError, naming it and the cause) fails the call: the
         other requests are aborted, and the engine serves the next call."""
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(self._add_all(prompts, params), use_tqdm)
+        adapters = _adapters_per_prompt(lora_request, len(prompts))
+        return self._run(self._add_all(prompts, params, adapters), use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -79,16 +85,20 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then generate.
         tools: OpenAI-style function entries the template shows the model;
-        chat_template_kwargs: more template variables (say enable_thinking=False)."""
+        chat_template_kwargs: more template variables (say enable_thinking=False);
+        lora_request: as generate's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("chat() needs at least one conversation")
         prompts = [self.render_chat(c, add_generation_prompt, chat_template, tools,
                                     chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, tools: list[dict] | None = None,
@@ -166,11 +176,12 @@ class LLM:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    def _add_all(self, prompts: list, params: list) -> list[str]:
+    def _add_all(self, prompts: list, params: list, adapters: list | None = None) -> list[str]:
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p, final_only=True))
+            for prompt, p, adapter in zip(prompts, params, adapters or [None] * len(prompts)):
+                ids.append(self.engine.add_request(prompt, p, final_only=True,
+                                                   lora_request=adapter))
         except Exception:
             for request_id in ids:  # all or nothing: do not leave half a batch queued
                 self.engine.abort_request(request_id)
@@ -209,6 +220,15 @@ def _as_prompt_list(prompts: Any) -> list:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("generate() needs a non-empty prompt or list of prompts")
     return list(prompts)
+
+
+def _adapters_per_prompt(lora_request: Any, n: int) -> list:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    adapters = list(lora_request)
+    if len(adapters) != n:
+        raise ValueError(f"got {len(adapters)} LoRA requests for {n} prompts")
+    return adapters
 
 
 def _params_per_prompt(params: Any, n: int, kind: type = SamplingParams) -> list:

@@ -136,6 +136,8 @@ class _ParallelLinearBase(nn.Module):
         self.batch_invariant = False  # set by enable_batch_invariance (batch_invariant.py)
         self.weight_scale: nn.Parameter | None = None  # float8 weights only (use_fp8_weight)
         self.int4: Int4Weight | None = None  # int4 weights only (use_int4_weight)
+        # LoRA adapters' slots (lora/layers.py), where the engine serves adapters.
+        self.lora: nn.Module | None = None
 
     def use_fp8_weight(self) -> None:
         """Hold the weight as float8 e4m3 with a float32 scale per output row (fp8.py);
@@ -176,12 +178,29 @@ class _ParallelLinearBase(nn.Module):
         copy_checked(self.weight_scale.data.narrow(0, offset or 0, dst.shape[0]), scale)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, defer_merge: bool = False):
+        if self.lora is not None:
+            return self._with_lora(x, self._base_matmul(x, bias))
+        return self._base_matmul(x, bias, defer_merge)
+
+    def _base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+                     defer_merge: bool = False):
         if self.int4 is not None:
             return self.int4.matmul(x, bias)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.split_counters)
         return apply_linear(x, self.weight, bias, self.split_counters, self.batch_invariant,
                             defer_merge)
+
+    def _with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus the step's adapters' share (lora/layers.py); none outside a step that
+        gives adapters a mask (the profile and warm-up passes without one)."""
+        from spindle.forward_context import current_lora_mask
+
+        mask = current_lora_mask()
+        if mask is None:
+            return y
+        flat = x.reshape(-1, x.shape[-1])
+        return y + self.lora.delta(flat, mask).view(y.shape)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size} (per rank), "
@@ -340,7 +359,7 @@ class RowParallelLinear(_ParallelLinearBase):
 
         k = self.weight.shape[1]
         if (not gate_up.is_cuda or gate_up.dim() != 2 or gate_up.shape[1] != 2 * k
-                or self.int4 is not None or self.weight_scale is not None
+                or self.lora is not None or self.int4 is not None or self.weight_scale is not None
                 or self.batch_invariant or not on_off(SKINNY_SILU_ENV, True)
                 or not use_skinny_gemm(gate_up[:, :k], self.weight)):
             return None

@@ -53,8 +53,11 @@ _INPUT_IDS, _POSITIONS, _SEQ_LENS, _STATE_SLOTS, _HAS_STATE, _DECODE_ORDER, _FIR
 class CudaGraphRunner:
     def __init__(self, state: ModelState, max_batch: int, max_blocks_per_req: int,
                  device: torch.device, groups: Sequence[CacheGroup] = (),
-                 verify_len: int = 1, verify_max_batch: int = 0) -> None:
+                 verify_len: int = 1, verify_max_batch: int = 0, lora=None) -> None:
+        """lora: the runner's LoRAManager where adapters are served (each token's slot
+        is staged like its position; the graphs compute the mask from it)."""
         self.state = state
+        self.lora = lora
         self.device = device
         self.groups = list(groups) or [CacheGroup(FULL_ATTENTION, 1)]
         self.num_paged = sum(g.is_paged for g in self.groups)
@@ -78,6 +81,8 @@ class CudaGraphRunner:
                               for _ in range(self.num_paged)]
         self.block_tables = [torch.zeros((n, max_blocks_per_req), dtype=torch.int32,
                                          device=device) for _ in range(self.num_paged)]
+        self.lora_slots = torch.full((t,), -1, dtype=torch.int64, device=device)
+        self._lora_row = _FIRST_SLOTS + self.num_paged  # (its host row, where served)
         self.state_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
         # Pinned host mirrors of the per-step inputs (one H2D copy per buffer per step),
@@ -87,7 +92,8 @@ class CudaGraphRunner:
         # from a strided slice of pinned memory would go through a pageable temporary,
         # and a pageable copy makes the host wait for the device (no step ahead).
         self._host_sets = [
-            (torch.zeros((_FIRST_SLOTS + self.num_paged, t), dtype=torch.int64, pin_memory=True),
+            (torch.zeros((_FIRST_SLOTS + self.num_paged + 1, t), dtype=torch.int64,
+                         pin_memory=True),
              torch.zeros((max(1, self.num_paged), n * max_blocks_per_req), dtype=torch.int32,
                          pin_memory=True)) for _ in range(2)]
         self._runs = 0
@@ -176,6 +182,10 @@ class CudaGraphRunner:
             host[_FIRST_SLOTS + g, :tokens] = batch.slot_mappings[g]
             host[_FIRST_SLOTS + g, tokens:padded] = -1
             tables_t.numpy()[g, :num * cols].reshape(num, cols)[:] = batch.block_tables[g]
+        if self.lora is not None:
+            host[self._lora_row, :tokens] = batch.token_lora_slots
+            host[self._lora_row, tokens:padded] = -1
+            self.lora_slots[:padded].copy_(host_t[self._lora_row, :padded], non_blocking=True)
         self.input_ids[:padded].copy_(host_t[_INPUT_IDS, :padded], non_blocking=True)
         self.positions[:padded].copy_(host_t[_POSITIONS, :padded], non_blocking=True)
         self.seq_lens[:size].copy_(host_t[_SEQ_LENS, :size], non_blocking=True)
@@ -220,6 +230,7 @@ class CudaGraphRunner:
 
     def _forward(self, size: int, query_len: int = 1) -> torch.Tensor:
         tokens = size * query_len
-        with forward_context(self._metadata(size, query_len)):
+        mask = None if self.lora is None else self.lora.mask(self.lora_slots[:tokens])
+        with forward_context(self._metadata(size, query_len), mask):
             return self.state.forward({"input_ids": self.input_ids[:tokens],
                                        "positions": self.positions[:tokens]})

@@ -45,6 +45,7 @@ class CachedRequestState:
     extra: dict[str, Any] = field(default_factory=dict)  # owned by the model state
     pooling_params: Any = None  # set for a pooling (embedding) request
     grammar: GrammarMatcher | None = None  # a structured-outputs request's place
+    lora_int_id: int | None = None  # its LoRA adapter's id (None: the base model)
 
 
 @dataclass
@@ -77,6 +78,8 @@ class StepBatch:
     # request encoded with LongRoPE's long factors reads the long rows (its position
     # plus RotaryEmbedding.long_rows). None: the positions themselves.
     rope_positions: np.ndarray | None = None
+    # [T] each token's LoRA adapter slot (-1: none), where the engine serves adapters.
+    token_lora_slots: np.ndarray | None = None
 
     @property
     def model_positions(self) -> np.ndarray:
@@ -145,6 +148,9 @@ class InputBatch:
         self.long_rope_rows: int | None = None
         self.rope_row_offset = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_rope_long = 0
+        # LoRA adapters served (set by the runner): each row's adapter slot (-1: none).
+        self.serves_lora = False
+        self.lora_slot = np.full(max_num_reqs, -1, dtype=np.int64)
 
     def set_cache_groups(self, group_is_paged: Sequence[bool]) -> None:
         """One block table per paged cache group; one state slot per row for models
@@ -156,10 +162,10 @@ class InputBatch:
         self.state_slot = np.full(self.max_num_reqs, -1, dtype=np.int32)
 
     # ---- request bookkeeping -------------------------------------------------
-    def add_request(self, new: NewRequestData) -> CachedRequestState:
-        """Give a new request a row. Everything that can fail for this request alone
-        (its length, its generator) happens before the row is taken, so a failure
-        leaves the batch as it was."""
+    def add_request(self, new: NewRequestData, lora_slot: int = -1) -> CachedRequestState:
+        """Give a new request a row (its LoRA adapter in lora_slot, -1: none). Everything
+        that can fail for this request alone (its length, its generator) happens before
+        the row is taken, so a failure leaves the batch as it was."""
         if new.req_id in self.requests:
             raise RuntimeError(f"request {new.req_id!r} is already in the runner's batch")
         if not self._free_rows:
@@ -180,7 +186,9 @@ class InputBatch:
             num_tokens=len(new.token_ids),
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
             pooling_params=new.pooling_params,
-            grammar=self._grammar_for(new.req_id, new.sampling_params))
+            grammar=self._grammar_for(new.req_id, new.sampling_params),
+            lora_int_id=None if new.lora_request is None else new.lora_request.lora_int_id)
+        self.lora_slot[row] = lora_slot
         if state.grammar is not None:  # (a preempted request resumes where it was)
             for token in state.output_token_ids:
                 state.grammar.advance(token)
@@ -337,7 +345,8 @@ class InputBatch:
             inflight_dst=inflight_dst, requests=states, num_drafts=num_drafts,
             draft_token_ids=draft_token_ids or {},
             rope_positions=(positions + self.rope_row_offset[token_rows]
-                            if self.num_rope_long else None))
+                            if self.num_rope_long else None),
+            token_lora_slots=self.lora_slot[token_rows] if self.serves_lora else None)
 
     def _place_drafts(self, req_ids: list[str], draft_token_ids: dict[str, list[int]]
                       ) -> np.ndarray:

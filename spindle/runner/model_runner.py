@@ -100,6 +100,7 @@ class ModelRunner:
         # Speculative decoding (runner/spec_decode/): the proposer, and its last
         # proposals that carry draft distributions, by request.
         self.proposer = None
+        self.lora = None  # the adapters' slots (lora/manager.py), where adapters are served
         if config.speculative is not None:
             from spindle.runner.spec_decode import make_proposer
 
@@ -156,6 +157,15 @@ class ModelRunner:
             if layer.backend_name != backend:
                 layer.use_backend(backend)
         self._group_cache_layers()
+        if self.config.lora is not None:
+            from spindle.lora.manager import LoRAManager
+
+            lora = self.config.lora
+            with self._memory_scope(WEIGHTS):
+                self.lora = LoRAManager(self.model, self.model.param_name, lora.max_loras,
+                                        lora.max_lora_rank, self.config.model.dtype,
+                                        self.device)
+            self.input_batch.serves_lora = True
         if self.config.model.long_rope_from is not None:
             from spindle.layers.rotary import long_rope_rows
 
@@ -223,7 +233,9 @@ class ModelRunner:
         inputs = {"input_ids": input_ids, "positions": positions}
         if not self.stage.is_first:
             inputs["intermediate_tensors"] = self._empty_intermediate(num_tokens)
-        with forward_context(state.dummy_attn(num_reqs, tokens_per_req)):
+        no_adapters = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)
+        with forward_context(state.dummy_attn(num_reqs, tokens_per_req),
+                             self._lora_mask(no_adapters)):
             hidden = state.forward(inputs)
         if not self.stage.is_last:
             pass  # the last stage's logits and sampler are not this rank's
@@ -420,7 +432,7 @@ class ModelRunner:
             # Verifying steps: every request's last token and k drafts, in batches that
             # speculate (fewer than disable_by_batch_size requests).
             verify_len=spec.num_speculative_tokens + 1 if spec else 1,
-            verify_max_batch=spec.disable_by_batch_size - 1 if spec else 0)
+            verify_max_batch=spec.disable_by_batch_size - 1 if spec else 0, lora=self.lora)
 
     # ---- sleep mode (the SleepTarget of spindle/memory/sleep_backend.py) ----------
     def tagged_tensors(self, tag: str) -> list[torch.Tensor]:
@@ -558,7 +570,8 @@ class ModelRunner:
             if not self.stage.is_first:
                 inputs["intermediate_tensors"] = self.stage.recv(
                     batch.num_tokens, self._hidden_size(), self.config.model.dtype, self.device)
-            with forward_context(state.prepare_attn(batch)):
+            with forward_context(state.prepare_attn(batch),
+                                 self._lora_mask(batch.token_lora_slots)):
                 hidden = state.forward(inputs)
             if not self.stage.is_last:
                 self.stage.send(hidden)
@@ -644,7 +657,7 @@ class ModelRunner:
         """Forget finished and preempted requests, add new ones, advance cached ones.
         Returns the new requests whose preparation failed (they are dropped)."""
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
-            self.input_batch.remove_request(req_id)
+            self._remove_request(req_id)
             self._dropped.discard(req_id)
         failures = {}
         for new in sched.new_requests:
@@ -671,14 +684,18 @@ class ModelRunner:
         added = False
         try:
             state.validate_request(new)
-            cached = self.input_batch.add_request(new)
+            lora_slot = self._lora_slot(new)
+            cached = self.input_batch.add_request(new, lora_slot)
             added = True
             state.preprocess_state(cached, new)
         except _RANK_LOCAL_ERRORS:
             raise
         except Exception as e:
             if added:
-                self.input_batch.remove_request(new.req_id)
+                self._remove_request(new.req_id)
+            elif new.lora_request is not None and self.lora is not None \
+                    and new.lora_request.lora_int_id in self.lora.users:
+                self.lora.release(new.lora_request.lora_int_id)
             failure = RequestFailure.from_exception(e)
             reporting = self.tp_group.rank == 0 and self.stage.is_last  # one log, not one a rank
             logger.log(logging.WARNING if reporting else logging.DEBUG,
@@ -686,6 +703,30 @@ class ModelRunner:
                        failure.message, exc_info=not failure.bad_request)
             return failure
         return None
+
+    def _lora_slot(self, new: NewRequestData) -> int:
+        """The slot of the request's adapter (loaded now if need be); -1 for none."""
+        if new.lora_request is None:
+            return -1
+        if self.lora is None:
+            raise ValueError(f"request {new.req_id!r} names LoRA adapter "
+                             f"{new.lora_request.lora_name!r}, and this engine serves none "
+                             "(enable_lora)")
+        return self.lora.acquire(new.lora_request)
+
+    def _remove_request(self, req_id: str) -> None:
+        state = self.input_batch.remove_request(req_id)
+        if state is not None and state.lora_int_id is not None:
+            self.lora.release(state.lora_int_id)
+
+    def _lora_mask(self, token_slots) -> torch.Tensor | None:
+        """The step's LoRA mask (lora/layers.py) from its tokens' slots; None without
+        adapters served."""
+        if self.lora is None:
+            return None
+        if not isinstance(token_slots, torch.Tensor):
+            token_slots = self.h2d.put(token_slots, torch.int64)
+        return self.lora.mask(token_slots)
 
     def _append_step_tokens(self, cached_req) -> None:
         """Pipeline parallelism: append the sampled tokens this stage has not seen

@@ -58,8 +58,11 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
     """The app serving engine. dev_mode None reads SPINDLE_SERVER_DEV_MODE=1;
     server_args None: ServerArgs() (no API key, CORS off, the default body limit)."""
     model_config = engine.config.model
-    models = ServedModels(names=tuple(served_model_names or [model_config.model]),
-                          root=model_config.model, max_model_len=model_config.max_model_len)
+    server_args = server_args or ServerArgs()
+    names = tuple(served_model_names or [model_config.model])
+    models = ServedModels(names=names, root=model_config.model,
+                          max_model_len=model_config.max_model_len,
+                          adapters=_served_adapters(engine, names, server_args))
     metrics = PrometheusStatLogger(models.names[0])
     stat_loggers = [metrics, LoggingStatLogger()]
 
@@ -84,6 +87,25 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
                        "clients", DEV_MODE_ENV)
     _add_middleware(app, server_args or ServerArgs())
     return app
+
+
+def _served_adapters(engine: AsyncLLM, names: Sequence[str], server_args: ServerArgs) -> tuple:
+    """--lora-modules as the adapters a server of engine answers to: refused without
+    enable_lora, under a name the base model has, or where the engine cannot serve one
+    (read now, so that a bad adapter stops the server before it listens)."""
+    from spindle.lora.adapter import load_peft_adapter
+
+    adapters = server_args.lora_requests()
+    if not adapters:
+        return ()
+    if engine.config.lora is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for name, adapter in adapters.items():
+        if name in names:
+            raise ValueError(f"--lora-modules names {name!r}, which the base model is served "
+                             "as already")
+        load_peft_adapter(adapter.lora_path, engine.config.lora.max_lora_rank)
+    return tuple(adapters.values())
 
 
 def build_pool_app(pool: ModelPool, dev_mode: bool | None = None,

@@ -42,7 +42,7 @@ class ModelRoutes:
     def __init__(self, served: Sequence[ServedModel],
                  card_extra: Callable[[str], dict[str, Any]] | None = None) -> None:
         self._served = list(served)
-        self._by_name = {name: s for s in self._served for name in s.models.names}
+        self._by_name = {name: s for s in self._served for name in s.models.all_names}
         self._card_extra = card_extra
 
     @property

@@ -22,23 +22,38 @@ SSE_DONE = "data: [DONE]\n\n"
 
 @dataclass(frozen=True)
 class ServedModels:
-    """The names clients may ask for; all of them mean one loaded model."""
+    """The names clients may ask for; all of them mean one loaded model, the adapters'
+    names (--lora-modules) that model with a LoRA adapter."""
 
     names: tuple[str, ...]
     root: str  # the checkpoint directory
     max_model_len: int
+    adapters: tuple[Any, ...] = ()  # spindle.lora.LoRARequest, one per adapter name
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        return self.names + tuple(a.lora_name for a in self.adapters)
 
     def resolve(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
         if requested is None:
             return self.names[0]
-        if requested not in self.names:
-            raise model_not_found(requested, self.names)
+        if requested not in self.all_names:
+            raise model_not_found(requested, self.all_names)
         return requested
 
+    def adapter(self, name: str) -> Any:
+        """The LoRARequest a resolved name means (None: the base model)."""
+        return next((a for a in self.adapters if a.lora_name == name), None)
+
     def card(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": int(time.time()),
-                "owned_by": "spindle", "root": self.root, "max_model_len": self.max_model_len}
+        adapter = self.adapter(name)
+        card = {"id": name, "object": "model", "created": int(time.time()),
+                "owned_by": "spindle", "max_model_len": self.max_model_len,
+                "root": self.root if adapter is None else adapter.lora_path}
+        if adapter is not None:
+            card["parent"] = self.names[0]
+        return card
 
 
 def model_not_found(requested: str, names: Sequence[str]) -> APIError:
@@ -84,12 +99,15 @@ class OpenAIServing:
         return self._special_ids
 
     async def start(self, request_id: str, prompts: Sequence[PromptType],
-                    params: SamplingParams) -> list[RequestStream]:
-        """Add every prompt (engine ids request_id-0, -1, ...); all or nothing."""
+                    params: SamplingParams, model: str | None = None) -> list[RequestStream]:
+        """Add every prompt (engine ids request_id-0, -1, ...), with the LoRA adapter
+        the resolved model name means, if any; all or nothing."""
+        adapter = None if model is None else self.models.adapter(model)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(prompt, params, f"{request_id}-{i}"))
+                streams.append(await self.engine.add_request(prompt, params, f"{request_id}-{i}",
+                                                             lora_request=adapter))
         except BaseException:
             for stream in streams:
                 stream.close()

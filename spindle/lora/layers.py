@@ -1,0 +1,172 @@
+"""LoRA adapters in the model's linear layers: max_loras slots of max_lora_rank each,
+filled and emptied as requests come and go, every slot applied in each step.
+
+Each adapted linear layer holds its slots stacked: A [parts * L * R, in] and
+B [out, parts * L * R] (L slots of rank R; parts: the projections the layer merges,
+q/k/v or gate/up, each with its own A and B; an adapter of a smaller rank fills the
+first r of its R). A step adds
+
+    ((x A^T) * mask) B^T
+
+to the layer's output, where the mask [T, L * R] keeps, for each token, the columns of
+its request's slot (none for a request without an adapter). That is two GEMMs of static
+shapes whatever the mix of adapters: the same code on every device, inside CUDA graphs.
+Under tensor parallelism A and B are split as the layer's weight is: a column-parallel
+layer's B by its output rows, a row-parallel layer's A by its input columns (whose
+partial products then go into the layer's own all-reduce, the sum being linear)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from spindle.lora.adapter import PeftAdapter
+
+
+def lora_columns(max_loras: int, max_rank: int, device: torch.device) -> torch.Tensor:
+    """[L * R] the slot each LoRA column belongs to (what a token's slot id is compared
+    with to make its mask)."""
+    return torch.arange(max_loras * max_rank, device=device) // max_rank
+
+
+def lora_mask(token_slots: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype
+              ) -> torch.Tensor:
+    """token_slots [T] (-1: no adapter) -> [T, L * R] ones in each token's slot's
+    columns."""
+    return (token_slots[:, None] == columns[None, :]).to(dtype)
+
+
+class LoRASlots(nn.Module):
+    """One linear layer's adapter slots (see the module docstring)."""
+
+    def __init__(self, layer: nn.Module, parts: int, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.parts, self.max_loras, self.max_rank = parts, max_loras, max_rank
+        width = parts * max_loras * max_rank
+        # Not persistent: no checkpoint holds them; filled by write().
+        self.register_buffer("a", torch.zeros(width, layer.input_size, dtype=dtype,
+                                              device=device), persistent=False)
+        self.register_buffer("b", torch.zeros(layer.output_size, width, dtype=dtype,
+                                              device=device), persistent=False)
+
+    def delta(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        shrunk = (x @ self.a.t()).view(x.shape[0], self.parts, -1) * mask[:, None, :]
+        return shrunk.view(x.shape[0], -1) @ self.b.t()
+
+    def _columns(self, slot: int, part: int) -> slice:
+        start = (part * self.max_loras + slot) * self.max_rank
+        return slice(start, start + self.max_rank)
+
+    def clear(self, slot: int) -> None:
+        for part in range(self.parts):
+            cols = self._columns(slot, part)
+            self.a[cols] = 0
+            self.b[:, cols] = 0
+
+    def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """a [r, in] and b [out, r], this rank's shares (r <= max_rank)."""
+        cols = self._columns(slot, part)
+        rank = a.shape[0]
+        self.a[cols.start:cols.start + rank].copy_(a)
+        self.b[:, cols.start:cols.start + rank].copy_(b)
+
+    def extra_repr(self) -> str:
+        return f"parts={self.parts}, slots={self.max_loras}, rank={self.max_rank}"
+
+
+def _parts_of(layer: nn.Module) -> tuple[int, Any]:
+    """How many projections a linear layer merges, and how a shard id names one."""
+    from spindle.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    if isinstance(layer, QKVParallelLinear):
+        return 3, {"q": 0, "k": 1, "v": 2}.__getitem__
+    if isinstance(layer, MergedColumnParallelLinear):
+        return len(layer.output_sizes), int
+    return 1, None
+
+
+def attach_lora_slots(model: nn.Module, max_loras: int, max_rank: int,
+                      dtype: torch.dtype, device: torch.device) -> int:
+    """Give every linear layer of the decoder's layers (the projections PEFT adapters
+    target: attention's and the MLP's; not the embedding, the LM head or experts) its
+    slots. Returns how many layers took slots."""
+    from spindle.layers.linear import _ParallelLinearBase
+
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, _ParallelLinearBase) and ".layers." in f".{name}":
+            parts, _ = _parts_of(module)
+            module.lora = LoRASlots(module, parts, max_loras, max_rank, dtype, device)
+            count += 1
+    if count == 0:
+        raise ValueError(f"{type(model).__name__} has no linear layers LoRA adapters "
+                         "could adapt")
+    return count
+
+
+class LoRASlotWriter:
+    """Puts an adapter's weights into a model's slots, each module where the model's
+    checkpoint mapping (param_name) sends that module's weight."""
+
+    def __init__(self, model: nn.Module, param_name) -> None:
+        self.model = model
+        self.param_name = param_name  # the model class's checkpoint-name mapping
+        self.slotted = [m.lora for m in model.modules() if getattr(m, "lora", None) is not None]
+
+    def clear(self, slot: int) -> None:
+        for slots in self.slotted:
+            slots.clear(slot)
+
+    def write(self, slot: int, adapter: PeftAdapter, name: str) -> None:
+        """Fill slot with adapter (ValueError, the slot left empty, if a module it adapts
+        is not one this model can adapt)."""
+        self.clear(slot)
+        try:
+            for module, (a, b) in adapter.weights.items():
+                self._write_module(slot, module, a, b, name)
+        except Exception:
+            self.clear(slot)
+            raise
+
+    def _write_module(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor,
+                      name: str) -> None:
+        from spindle.layers.linear import RowParallelLinear
+
+        param, shard_id = self.param_name(f"{module}.weight")
+        layer = self._layer(param.removesuffix(".weight"))
+        if layer is None:
+            return  # (a layer of another pipeline stage)
+        slots = getattr(layer, "lora", None)
+        if slots is None:
+            raise ValueError(f"LoRA adapter {name!r} adapts {module}, which is not a "
+                             f"linear layer of the decoder's layers (not supported)")
+        parts, part_of = _parts_of(layer)
+        if (parts > 1) != (shard_id is not None):
+            raise ValueError(f"LoRA adapter {name!r} adapts {module} as a whole, which this "
+                             f"model holds as a merged projection (not supported)")
+        part = part_of(shard_id) if parts > 1 else 0
+        dtype = slots.a.dtype
+        if isinstance(layer, RowParallelLinear):
+            a_local = torch.zeros(a.shape[0], layer.input_size, dtype=dtype)
+            layer.weight_loader(a_local, a.to(dtype))
+            b_local = b.to(dtype)
+        else:
+            a_local = a.to(dtype)
+            b_local = torch.zeros(layer.output_size, b.shape[1], dtype=dtype)
+            layer.weight_loader(b_local, b.to(dtype), shard_id)
+        slots.write(slot, part, a_local.to(slots.a.device), b_local.to(slots.b.device))
+
+    def _layer(self, path: str) -> nn.Module | None:
+        from spindle.models.causal_lm import MissingLayer
+
+        module = self.model
+        for piece in path.split("."):
+            if isinstance(module, MissingLayer):
+                return None
+            if not hasattr(module, piece):
+                raise ValueError(f"the model has no module {path!r}")
+            module = getattr(module, piece)
+        return None if isinstance(module, MissingLayer) else module
