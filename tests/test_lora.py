@@ -4,7 +4,8 @@ with rsLoRA), and each request's greedy tokens and logprobs equal PEFT's model w
 its adapter, whatever shares its batch (the base model and both adapters at once),
 under chunked prefill, one slot taken in turns, two tensor-parallel ranks, two
 pipeline stages and prefix caching; adapters' blocks are never another's prefix hits.
-What cannot be served is refused by name; the server answers an adapter's name."""
+Phi-3's adapters of its fused projections too. What cannot be served is refused by
+name; the server answers an adapter's name."""
 
 from __future__ import annotations
 
@@ -163,6 +164,22 @@ def test_what_cannot_be_served_is_refused(adapters, tmp_path):
         with pytest.raises(ValueError, match="lora_int_id 1 names adapter 'all'"):
             run(LoRARequest("other", 1, dora))
         check(run(requests["all"]), expected["all"][:1])  # (the engine serves on)
+
+
+@pytest.mark.parametrize("engine_kwargs", [{}, {"tensor_parallel_size": 2}],
+                         ids=["default", "tp2"])
+def test_phi3_fused_projections_adapted_whole(tiny_model, tmp_path_factory, engine_kwargs):
+    """Phi-3 holds q/k/v and gate/up fused (qkv_proj, gate_up_proj), and so do its PEFT
+    adapters: one A and a B over the whole fused output, split as spindle's parts."""
+    base = tiny_model("phi3")
+    path = tmp_path_factory.mktemp("phi3_adapter") / "fused"
+    adapter = LoRARequest("fused", 1, make_adapter(
+        base, path, 4, 4, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+    expected = peft_greedy(base, adapter.lora_path)
+    assert expected != peft_greedy(base, None)
+    with LLM(str(base), device="cpu", dtype="float32", max_model_len=256, enable_lora=True,
+             max_lora_rank=4, **engine_kwargs) as llm:
+        check(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=adapter), expected)
 
 
 def _with_extra_module(adapter: str, dest, module: str) -> str:

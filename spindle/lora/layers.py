@@ -107,6 +107,23 @@ def attach_lora_slots(model: nn.Module, max_loras: int, max_rank: int,
     return count
 
 
+def _shard_ids(layer: nn.Module) -> list[Any]:
+    from spindle.layers.linear import QKVParallelLinear
+
+    return ["q", "k", "v"] if isinstance(layer, QKVParallelLinear) \
+        else list(range(len(layer.output_sizes)))
+
+
+def _part_sizes(layer: nn.Module) -> list[int]:
+    """The whole (all ranks') output rows of each part of a merged layer."""
+    from spindle.layers.linear import QKVParallelLinear
+
+    if isinstance(layer, QKVParallelLinear):
+        kv = layer.total_num_kv_heads * layer.head_dim
+        return [layer.total_num_heads * layer.head_dim, kv, kv]
+    return list(layer.output_sizes)
+
+
 class LoRASlotWriter:
     """Puts an adapter's weights into a model's slots, each module where the model's
     checkpoint mapping (param_name) sends that module's weight."""
@@ -133,8 +150,6 @@ class LoRASlotWriter:
 
     def _write_module(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor,
                       name: str) -> None:
-        from spindle.layers.linear import RowParallelLinear
-
         param, shard_id = self.param_name(f"{module}.weight")
         layer = self._layer(param.removesuffix(".weight"))
         if layer is None:
@@ -144,10 +159,29 @@ class LoRASlotWriter:
             raise ValueError(f"LoRA adapter {name!r} adapts {module}, which is not a "
                              f"linear layer of the decoder's layers (not supported)")
         parts, part_of = _parts_of(layer)
-        if (parts > 1) != (shard_id is not None):
-            raise ValueError(f"LoRA adapter {name!r} adapts {module} as a whole, which this "
-                             f"model holds as a merged projection (not supported)")
-        part = part_of(shard_id) if parts > 1 else 0
+        if parts > 1 and shard_id is None:
+            # A fused projection adapted whole (Phi-3's qkv_proj, gate_up_proj): B's rows
+            # split as the layer's parts, each part with the same A, give B A x.
+            sizes = _part_sizes(layer)
+            if b.shape[0] != sum(sizes):
+                raise ValueError(f"LoRA adapter {name!r}: {module}'s B has {b.shape[0]} "
+                                 f"rows, the projection {sum(sizes)}")
+            for shard, rows in zip(_shard_ids(layer), b.split(sizes)):
+                self._write_part(slot, layer, slots, part_of(shard), shard, a, rows)
+            return
+        if parts == 1 and shard_id is not None:
+            raise ValueError(f"LoRA adapter {name!r} adapts {module}, a part of a projection "
+                             "this model does not merge (not supported)")
+        self._write_part(slot, layer, slots, part_of(shard_id) if parts > 1 else 0,
+                         shard_id, a, b)
+
+    @staticmethod
+    def _write_part(slot: int, layer: nn.Module, slots: LoRASlots, part: int, shard_id: Any,
+                    a: torch.Tensor, b: torch.Tensor) -> None:
+        """One projection's A and B (whole, as the adapter has them) into its columns,
+        this rank's share cut by the layer's own weight loader."""
+        from spindle.layers.linear import RowParallelLinear
+
         dtype = slots.a.dtype
         if isinstance(layer, RowParallelLinear):
             a_local = torch.zeros(a.shape[0], layer.input_size, dtype=dtype)
