@@ -463,9 +463,9 @@ class LoRAConfig:
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(args, name)
             _require(_is_int(value) and value >= 1, name, value, "an integer >= 1")
-        _require(model.task == "generate" and model.model_kind == "decoder", "enable_lora",
-                 True, f"a decoder model with task='generate' (not {model.architecture}, "
-                 f"task={model.task!r})")
+        _require(model.task == "generate" and model.model_kind in ("decoder", "hybrid"),
+                 "enable_lora", True, f"a decoder model with task='generate' (not "
+                 f"{model.architecture}, task={model.task!r})")
         _require(not args.batch_invariant, "enable_lora", True,
                  "off with batch_invariant (the adapters' matmuls are not fixed-order)")
         return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)

@@ -182,6 +182,22 @@ def test_phi3_fused_projections_adapted_whole(tiny_model, tmp_path_factory, engi
         check(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=adapter), expected)
 
 
+@pytest.mark.parametrize("arch,targets", [
+    ("qwen3", ALL_PROJECTIONS),  # (per-head q/k norms after the adapted qkv)
+    ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"]),  # (attention beside experts)
+    ("gemma2", ["q_proj", "v_proj", "o_proj", "down_proj"]),  # (soft caps, sandwich norms)
+    ("bamba", ["q_proj", "k_proj", "v_proj", "o_proj"])])  # (attention beside Mamba2)
+def test_other_families_equal_peft(tiny_model, tmp_path_factory, arch, targets):
+    base = tiny_model(arch)
+    adapter = LoRARequest("a", 1, make_adapter(base, tmp_path_factory.mktemp(arch) / "a", 5,
+                                               4, targets))
+    expected = peft_greedy(base, adapter.lora_path)
+    assert expected != peft_greedy(base, None)
+    with LLM(str(base), device="cpu", dtype="float32", max_model_len=256, enable_lora=True,
+             max_lora_rank=4) as llm:
+        check(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=adapter), expected)
+
+
 def _with_extra_module(adapter: str, dest, module: str) -> str:
     """A copy of adapter that also adapts module (a layer PEFT would not)."""
     from safetensors.torch import load_file, save_file

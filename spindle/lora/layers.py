@@ -201,6 +201,8 @@ class LoRASlotWriter:
             if isinstance(module, MissingLayer):
                 return None
             if not hasattr(module, piece):
-                raise ValueError(f"the model has no module {path!r}")
+                raise ValueError(f"{type(self.model).__name__} has no module {path!r} for "
+                                 "an adapted module of that checkpoint name (its checkpoint "
+                                 "names are not its modules': adapters not supported)")
             module = getattr(module, piece)
         return None if isinstance(module, MissingLayer) else module
