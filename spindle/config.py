@@ -262,6 +262,10 @@ class ServerArgs:
         None, "LoRA adapters served as models of their own, NAME=PATH (a PEFT adapter "
         "directory; repeat the flag for more): a request whose model is NAME runs with that "
         "adapter. Needs --enable-lora.")
+    allow_runtime_lora_updating: bool = _arg(
+        False, "Mount POST /v1/load_lora_adapter ({\"lora_name\", \"lora_path\"}) and "
+        "/v1/unload_lora_adapter ({\"lora_name\"}): adapters added and removed while the "
+        "server runs. Needs --enable-lora.")
 
     def __post_init__(self) -> None:
         from spindle.entrypoints.reasoning import REASONING_PARSERS

@@ -219,7 +219,8 @@ def test_the_server_serves_adapters_by_name(adapters, tmp_path_factory):
              "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
              "--served-model-name", "tiny",
              "--lora-modules", f"all={requests['all'].lora_path}",
-             "--lora-modules", f"qvd={requests['qvd'].lora_path}"]
+             "--lora-modules", f"qvd={requests['qvd'].lora_path}",
+             "--allow-runtime-lora-updating"]
     with LLM(str(base), device="cpu", dtype="float32", max_model_len=256, enable_lora=True,
              max_loras=2, max_lora_rank=8) as llm:  # (its tokens are PEFT's: see above)
         offline = {name: llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False,
@@ -242,6 +243,41 @@ def test_the_server_serves_adapters_by_name(adapters, tmp_path_factory):
 
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             client.completions.create(model="nope", prompt="hi", max_tokens=2)
+        _check_runtime_updates(server, client, requests, offline)
+
+
+def _check_runtime_updates(server, client, requests, offline) -> None:
+    """Adapters loaded and unloaded while the server runs; bad loads refused."""
+    import httpx
+    import openai
+
+    def complete(model: str):
+        return client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_NEW,
+                                         temperature=0.0, extra_body={"ignore_eos": True})
+
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        def post(route: str, body: dict) -> httpx.Response:
+            return http.post(f"/v1/{route}_lora_adapter", json=body)
+
+        answer = post("load", {"lora_name": "late", "lora_path": requests["qvd"].lora_path})
+        assert answer.status_code == 200, answer.text
+        assert complete("late").choices[0].text == offline["qvd"].text
+        assert "late" in {m.id for m in client.models.list().data}
+        for body, status, words in (
+                ({"lora_name": "late", "lora_path": requests["all"].lora_path}, 400,
+                 "served already"),
+                ({"lora_name": "tiny", "lora_path": requests["all"].lora_path}, 400,
+                 "served already"),
+                ({"lora_name": "gone", "lora_path": "/no/such/adapter"}, 400,
+                 "no adapter_config.json"),
+                ({"lora_name": "x"}, 400, "lora_path")):
+            answer = post("load", body)
+            assert answer.status_code == status and words in answer.text, answer.text
+        assert post("unload", {"lora_name": "all"}).status_code == 200
+        assert post("unload", {"lora_name": "all"}).status_code == 404
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            complete("all")
+        assert complete("qvd").choices[0].text == offline["qvd"].text  # (the others serve on)
 
 
 def test_lora_modules_are_checked_before_the_server_starts(adapters, tmp_path):

@@ -448,6 +448,14 @@ def test_cors_is_off_by_default(server):
     assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
 
 
+def test_lora_adapter_routes_are_off_by_default(http):
+    """Adding adapters at run time needs --allow-runtime-lora-updating."""
+    for route in ("load", "unload"):
+        answer = http.post(f"/v1/{route}_lora_adapter", json={"lora_name": "x",
+                                                               "lora_path": "/x"})
+        assert answer.status_code == 404
+
+
 # ---- the command line ------------------------------------------------------------------------
 def test_serve_flags_come_from_engine_args(capsys):
     from spindle.entrypoints.cli import build_parser, main

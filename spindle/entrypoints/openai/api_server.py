@@ -42,7 +42,7 @@ from spindle.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMi
 from spindle.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
                                                  CompletionRequest, api_error, invalid_request)
 from spindle.entrypoints.openai.routing import ModelRoutes, ServedModel
-from spindle.entrypoints.openai.serving_base import RequestIds, ServedModels
+from spindle.entrypoints.openai.serving_base import AdapterRegistry, RequestIds, ServedModels
 from spindle.entrypoints.openai.serving_embedding import router as embedding_router
 from spindle.entrypoints.openai.serving_transcription import router as transcription_router
 from spindle.switches import on_off
@@ -62,7 +62,7 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
     names = tuple(served_model_names or [model_config.model])
     models = ServedModels(names=names, root=model_config.model,
                           max_model_len=model_config.max_model_len,
-                          adapters=_served_adapters(engine, names, server_args))
+                          adapters=AdapterRegistry(_served_adapters(engine, names, server_args)))
     metrics = PrometheusStatLogger(models.names[0])
     stat_loggers = [metrics, LoggingStatLogger()]
 
@@ -78,6 +78,13 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str] | None = None,
                     metrics.registry, attach, detach, server_args)
     app.state.engine = engine
     app.state.health = lambda: _engine_health(engine)
+    if server_args.allow_runtime_lora_updating:
+        if engine.config.lora is None:
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+        from spindle.entrypoints.openai.lora_routes import router as lora_router
+
+        app.state.models = models
+        app.include_router(lora_router)
     if _dev_mode(dev_mode):
         from spindle.entrypoints.openai.dev_routes import router as dev_router
 

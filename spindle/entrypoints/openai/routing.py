@@ -42,8 +42,12 @@ class ModelRoutes:
     def __init__(self, served: Sequence[ServedModel],
                  card_extra: Callable[[str], dict[str, Any]] | None = None) -> None:
         self._served = list(served)
-        self._by_name = {name: s for s in self._served for name in s.models.all_names}
         self._card_extra = card_extra
+
+    @property
+    def _by_name(self) -> dict[str, ServedModel]:
+        """(Made on each use: adapters come and go at run time.)"""
+        return {name: s for s in self._served for name in s.models.all_names}
 
     @property
     def names(self) -> list[str]:

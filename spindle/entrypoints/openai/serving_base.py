@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from spindle.engine.async_llm import AsyncLLM, RequestStream
@@ -20,15 +20,40 @@ from spindle.sampling_params import SamplingParams
 SSE_DONE = "data: [DONE]\n\n"
 
 
+class AdapterRegistry:
+    """The LoRA adapters a server answers to by name (--lora-modules, and those loaded
+    or unloaded at run time): name -> LoRARequest, ids never reused."""
+
+    def __init__(self, adapters: Sequence[Any] = ()) -> None:
+        self._by_name = {a.lora_name: a for a in adapters}
+        self._next_id = max((a.lora_int_id for a in adapters), default=0) + 1
+
+    def __iter__(self):
+        return iter(list(self._by_name.values()))
+
+    def get(self, name: str) -> Any:
+        return self._by_name.get(name)
+
+    def add(self, name: str, path: str) -> Any:
+        from spindle.lora import LoRARequest
+
+        adapter = self._by_name[name] = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
+        return adapter
+
+    def remove(self, name: str) -> None:
+        del self._by_name[name]
+
+
 @dataclass(frozen=True)
 class ServedModels:
     """The names clients may ask for; all of them mean one loaded model, the adapters'
-    names (--lora-modules) that model with a LoRA adapter."""
+    names that model with a LoRA adapter."""
 
     names: tuple[str, ...]
     root: str  # the checkpoint directory
     max_model_len: int
-    adapters: tuple[Any, ...] = ()  # spindle.lora.LoRARequest, one per adapter name
+    adapters: AdapterRegistry = field(default_factory=AdapterRegistry)
 
     @property
     def all_names(self) -> tuple[str, ...]:
@@ -44,7 +69,7 @@ class ServedModels:
 
     def adapter(self, name: str) -> Any:
         """The LoRARequest a resolved name means (None: the base model)."""
-        return next((a for a in self.adapters if a.lora_name == name), None)
+        return self.adapters.get(name)
 
     def card(self, name: str) -> dict[str, Any]:
         adapter = self.adapter(name)
