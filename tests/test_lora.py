@@ -226,6 +226,9 @@ def test_the_server_serves_adapters_by_name(adapters, tmp_path_factory):
         offline = {name: llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False,
                                       lora_request=requests.get(name))[0].outputs[0]
                    for name in (None, "all", "qvd")}
+        chat_text = llm.chat([{"role": "user", "content": "hi"}],
+                             SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
+                             lora_request=requests["all"])[0].outputs[0].text
     for name in offline:
         assert list(offline[name].token_ids) == expected[name][1][0]
     for server in served(tmp_path_factory, str(base), *flags):
@@ -239,6 +242,10 @@ def test_the_server_serves_adapters_by_name(adapters, tmp_path_factory):
                                                extra_body={"ignore_eos": True})
             assert answer.model == model
             assert answer.choices[0].text == offline[name].text
+        chat = client.chat.completions.create(
+            model="all", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            temperature=0.0)
+        assert chat.model == "all" and chat.choices[0].message.content == chat_text
         import openai
 
         with pytest.raises(openai.NotFoundError, match="does not exist"):
