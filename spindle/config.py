@@ -159,6 +159,10 @@ class EngineArgs:
                                           "addresses and CUDA graphs survive sleep), portable "
                                           "(any device; moves tensors out and back), or one "
                                           "registered by a plugin.")
+    scheduling_policy: str = _arg("fcfs", "Which waiting request is admitted first: fcfs "
+                                  "(first come, first served) or priority (the request's "
+                                  "priority, lower first, then arrival; running requests "
+                                  "of the lowest priority are preempted first).")
     enable_lora: bool = _arg(False, "Serve LoRA adapters (PEFT's format) beside the base "
                              "model: a request names one with a LoRARequest (the server: "
                              "with --lora-modules and the request's model).")
@@ -578,11 +582,14 @@ class SchedulerConfig:
     max_num_encoder_tokens: int = 0  # encoder positions per step (encoder-decoder models)
     long_rope_from: int | None = None  # ModelConfig.long_rope_from
     max_loras: int = 0  # LoRA adapters the running requests may use at once (0: none served)
+    scheduling_policy: str = "fcfs"  # or "priority" (engine/request_queue.py)
 
     @staticmethod
     def create(args: EngineArgs, model: ModelConfig) -> "SchedulerConfig":
         _require(isinstance(args.max_num_seqs, int) and args.max_num_seqs >= 1, "max_num_seqs",
                  args.max_num_seqs, "an integer >= 1")
+        _require(args.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+                 args.scheduling_policy, "fcfs or priority")
         _require(_is_int(args.max_n) and args.max_n >= 1, "max_n", args.max_n,
                  "an integer >= 1")
         budget = args.max_num_batched_tokens or min(max(2048, model.max_model_len), 8192)
@@ -598,7 +605,8 @@ class SchedulerConfig:
                                enable_chunked_prefill=bool(args.enable_chunked_prefill),
                                async_scheduling=bool(args.async_scheduling), max_n=args.max_n,
                                long_rope_from=model.long_rope_from,
-                               max_loras=args.max_loras if args.enable_lora else 0)
+                               max_loras=args.max_loras if args.enable_lora else 0,
+                               scheduling_policy=args.scheduling_policy)
 
 
 def _encoder_budget(args: EngineArgs, model: ModelConfig, token_budget: int) -> int:

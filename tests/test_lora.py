@@ -220,7 +220,7 @@ def test_the_server_serves_adapters_by_name(adapters, tmp_path_factory):
              "--served-model-name", "tiny",
              "--lora-modules", f"all={requests['all'].lora_path}",
              "--lora-modules", f"qvd={requests['qvd'].lora_path}",
-             "--allow-runtime-lora-updating"]
+             "--allow-runtime-lora-updating", "--scheduling-policy", "priority"]
     with LLM(str(base), device="cpu", dtype="float32", max_model_len=256, enable_lora=True,
              max_loras=2, max_lora_rank=8) as llm:  # (its tokens are PEFT's: see above)
         offline = {name: llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False,
@@ -239,7 +239,8 @@ def test_the_server_serves_adapters_by_name(adapters, tmp_path_factory):
         for name, model in ((None, "tiny"), ("all", "all"), ("qvd", "qvd")):
             answer = client.completions.create(model=model, prompt=PROMPTS[1],
                                                max_tokens=MAX_NEW, temperature=0.0,
-                                               extra_body={"ignore_eos": True})
+                                               extra_body={"ignore_eos": True,
+                                                           "priority": 2})  # (accepted)
             assert answer.model == model
             assert answer.choices[0].text == offline[name].text
         chat = client.chat.completions.create(

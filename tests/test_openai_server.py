@@ -448,6 +448,15 @@ def test_cors_is_off_by_default(server):
     assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
 
 
+def test_a_priority_needs_the_priority_policy(http):
+    """(vLLM's extension field) A server scheduling first come, first served refuses a
+    request priority other than 0, naming the flag; priority 0 serves."""
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    answer = http.post("/v1/completions", json={**body, "priority": 3})
+    assert answer.status_code == 400 and "--scheduling-policy priority" in answer.text
+    assert http.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+
+
 def test_lora_adapter_routes_are_off_by_default(http):
     """Adding adapters at run time needs --allow-runtime-lora-updating."""
     for route in ("load", "unload"):

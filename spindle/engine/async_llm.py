@@ -108,15 +108,17 @@ class AsyncLLM:
     async def add_request(self, prompt: PromptType | ProcessedPrompt,
                           params: SamplingParams | PoolingParams | None = None,
                           request_id: str | None = None,
-                          lora_request: Any = None) -> RequestStream:
+                          lora_request: Any = None, priority: int = 0) -> RequestStream:
         """Validate and queue a request; raises ValueError for a bad one (the engine
         keeps serving), EngineUnavailableError while paused (abort) or asleep. The
         prompt is tokenized in a tokenizer thread, not on the engine's. A request
         that fails later, alone, makes its stream raise RequestFailedError.
-        lora_request: the LoRA adapter (spindle.lora.LoRARequest) to serve it with."""
+        lora_request: the LoRA adapter (spindle.lora.LoRARequest) to serve it with;
+        priority: under scheduling_policy="priority", lower is admitted first."""
         arrival = time.monotonic()
         processed = await self.process_prompt(prompt, params)
-        return await self.add_processed(processed, params, request_id, arrival, lora_request)
+        return await self.add_processed(processed, params, request_id, arrival, lora_request,
+                                        priority)
 
     async def process_prompt(self, prompt: PromptType | ProcessedPrompt,
                              params: SamplingParams | PoolingParams | None = None
@@ -137,7 +139,7 @@ class AsyncLLM:
                             params: SamplingParams | PoolingParams | None = None,
                             request_id: str | None = None,
                             arrival_time: float | None = None,
-                            lora_request: Any = None) -> RequestStream:
+                            lora_request: Any = None, priority: int = 0) -> RequestStream:
         """Queue a prompt process_prompt() made. The command reaches the engine thread
         before this coroutine first suspends, so it is ordered before any command
         submitted after the caller's last check of the engine's state (the model pool
@@ -147,7 +149,8 @@ class AsyncLLM:
         stream = RequestStream(request_id, self._loop.abort_nowait)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         await self._loop.call(
-            lambda: self._loop.add(processed, params, request_id, stream, arrival, lora_request))
+            lambda: self._loop.add(processed, params, request_id, stream, arrival, lora_request,
+                                   priority))
         return stream
 
     async def with_tokenizer(self, fn: Callable[[Any], Any]) -> Any:
@@ -159,11 +162,11 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None,
-                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request: Any = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream a request's cumulative outputs; the last one has finished=True."""
         async for output in outputs_of(await self.add_request(prompt, params, request_id,
-                                                              lora_request)):
+                                                              lora_request, priority)):
             yield output
 
     async def abort(self, request_id: str) -> None:
@@ -440,11 +443,12 @@ class _EngineLoop:
     # ---- commands ---------------------------------------------------------------------
     def add(self, prompt: ProcessedPrompt, params: SamplingParams | PoolingParams | None,
             request_id: str, stream: RequestStream, arrival_time: float,
-            lora_request: Any = None) -> None:
+            lora_request: Any = None, priority: int = 0) -> None:
         self.raise_if_dead()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.add_request(prompt, params, request_id, lora_request=lora_request)
+        self.engine.add_request(prompt, params, request_id, lora_request=lora_request,
+                                priority=priority)
         self._streams[request_id] = _Tracked(stream, RequestTimer(arrival_time))
 
     def abort(self, request_id: str) -> None:

@@ -62,17 +62,19 @@ class LLMEngine:
     def add_request(self, prompt: PromptType | ProcessedPrompt,
                     params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, final_only: bool = False,
-                    lora_request: Any = None) -> str:
+                    lora_request: Any = None, priority: int = 0) -> str:
         """Queue a request. prompt: text, token ids, a dict, or what
         input_processor.process() made of one (then it is not tokenized again).
         final_only: step() reports it only once finished (offline batches), instead of
         its cumulative output after every step (streaming). lora_request: the LoRA
-        adapter (spindle.lora.LoRARequest) to serve it with."""
+        adapter (spindle.lora.LoRARequest) to serve it with. priority: under
+        scheduling_policy="priority", lower is admitted first (else it must be 0)."""
         if self.input_processor.is_pooling(params):
             if lora_request is not None:
                 raise ValueError("LoRA adapters are served to generate requests only")
             return self._add_pooling_request(prompt, params, request_id)
         self._check_adapter(lora_request)
+        self._check_priority(priority)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -107,8 +109,16 @@ class LLMEngine:
                                           prompt_embeds=processed.embeds,
                                           encoder_inputs=processed.encoder_inputs,
                                           num_encoder_tokens=self.config.model.encoder_positions,
-                                          lora_request=lora_request))
+                                          lora_request=lora_request, priority=priority))
         return request_id
+
+    def _check_priority(self, priority: Any) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} asked for, and this engine schedules first "
+                             "come, first served: start it with scheduling_policy='priority' "
+                             "(--scheduling-policy priority)")
 
     def _check_adapter(self, lora_request: Any) -> None:
         """Refuse, before anything runs, a LoRA adapter this engine cannot serve: none

@@ -53,8 +53,11 @@ class Request:
                  sampling_params: SamplingParams, max_tokens: int,
                  arrival_time: float | None = None, pooling_params: Any = None,
                  prompt_embeds: Any = None, encoder_inputs: Any = None,
-                 num_encoder_tokens: int = 0, lora_request: Any = None) -> None:
+                 num_encoder_tokens: int = 0, lora_request: Any = None,
+                 priority: int = 0) -> None:
         self.request_id = request_id
+        # Under the priority scheduling policy, lower goes first (request_queue.py).
+        self.priority = priority
         # The LoRA adapter it is served with (spindle.lora.LoRARequest; None: none).
         self.lora_request = lora_request
         # A pooling request runs its whole prompt in one step (never chunked, no

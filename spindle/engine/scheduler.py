@@ -15,7 +15,7 @@ are reported.
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from typing import Iterable, Sequence
 
 from spindle.cache.spec import CacheGroup
@@ -24,6 +24,7 @@ from spindle.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixCacheS
 from spindle.engine.stats import SpecDecodeStats
 from spindle.engine.no_kv_cache_manager import NoKVCacheManager
 from spindle.engine.request import Request, RequestStatus
+from spindle.engine.request_queue import WaitingQueue, priority_key
 from spindle.outputs import RequestFailure
 from spindle.step_messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                    NewRequestData, SchedulerOutput)
@@ -33,9 +34,13 @@ class Scheduler:
     """Owns the waiting queue, the running list and the KV cache manager.
 
     Invariants:
-      * Every unfinished request is in exactly one of waiting (FCFS deque; preempted
-        requests go back to its front) or running (in admission order), and in
-        self.requests; finished requests are in none of them and hold no blocks.
+      * Every unfinished request is in exactly one of waiting (request_queue.py: FCFS,
+        preempted requests back at its front; or by priority) or running (in admission
+        order; by priority under that policy), and in self.requests; finished requests
+        are in none of them and hold no blocks.
+      * Priority policy: a lower Request.priority is admitted, and scheduled, first (then
+        first come, first served); when blocks run out the lowest-priority running
+        request is preempted first. A waiting request never preempts a running one.
       * Waiting requests hold no blocks and have num_computed_tokens == 0.
       * len(running) <= max_num_seqs; one step schedules at most
         max_num_batched_tokens tokens.
@@ -99,7 +104,8 @@ class Scheduler:
             if num_kv_blocks > 0 or num_state_slots > 0
             else NoKVCacheManager(cache_config.block_size))
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(scheduler_config.scheduling_policy)
+        self._by_priority = self.waiting.by_priority
         self.running: list[Request] = []
         # Finished since the last schedule(): the runner must forget them.
         self._finished_req_ids: set[str] = set()
@@ -156,8 +162,12 @@ class Scheduler:
         if request.status != RequestStatus.WAITING or request.num_computed_tokens != 0:
             raise ValueError(f"request {request.request_id!r} must be new (WAITING, "
                              "nothing computed)")
+        if request.priority != 0 and not self._by_priority:
+            raise ValueError(f"request {request.request_id!r} has priority "
+                             f"{request.priority}, and this engine schedules first come, "
+                             "first served: start it with scheduling_policy='priority'")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def abort_requests(self, req_ids: str | Iterable[str]) -> None:
         """Finish requests as FINISHED_ABORTED; unknown or finished ids are ignored."""
@@ -184,8 +194,7 @@ class Scheduler:
             return
         gone = {r.request_id for r in finished}
         self.running = [r for r in self.running if r.request_id not in gone]
-        if any(r.request_id in gone for r in self.waiting):
-            self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
+        self.waiting.remove(gone)
 
     # ---------------------------------------------------------------- schedule
 
@@ -347,7 +356,7 @@ class Scheduler:
         adapters = self._running_adapters()
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.num_scheduled_tokens) < self._step_cap):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if self._grows_past_short_rope(request, request.num_tokens):
                 request.encode_long()  # (it has nothing computed: nothing to encode again)
             if request.num_encoder_tokens > encoder_budget:
@@ -362,7 +371,7 @@ class Scheduler:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
             if self._can_never_fit(request, num_new):
-                self.waiting.popleft()
+                self.waiting.pop()
                 self._finish_unfittable(request)
                 continue
             if self._chunkable(request):
@@ -375,7 +384,7 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, lookahead)
             if new_blocks is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self._admit(request, num_hit_tokens)
             if adapters is not None and request.lora_int_id is not None:
                 adapters.add(request.lora_int_id)
@@ -406,7 +415,10 @@ class Scheduler:
         request.num_computed_tokens += num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
-        self.running.append(request)
+        if self._by_priority:  # (running in priority order: the back is preempted first)
+            bisect.insort(self.running, request, key=priority_key)
+        else:
+            self.running.append(request)
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and put it at the front of the waiting
@@ -419,7 +431,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_front(request)
 
     def _grows_past_short_rope(self, request: Request, num_new: int) -> bool:
         """Whether computing num_new more tokens of request makes it longer than
@@ -440,7 +452,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.encode_long()
-        self.waiting.appendleft(request)
+        self.waiting.add_front(request)
         out.preempted_req_ids.add(request.request_id)
 
     def preempt_all(self) -> int:

@@ -56,10 +56,11 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 ) -> list[RequestOutput]:
+                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. lora_request:
         the LoRA adapter for every prompt, or one per prompt (None: the base model);
-        needs LLM(..., enable_lora=True).
+        needs LLM(..., enable_lora=True). priority: for every prompt or one per prompt,
+        lower admitted first; needs LLM(..., scheduling_policy="priority").
 
         Bad input raises ValueError before anything runs. A request that fails while
         it runs (RequestFailedError, naming it and the cause) fails the call: the
@@ -67,7 +68,8 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
         adapters = _adapters_per_prompt(lora_request, len(prompts))
-        return self._run(self._add_all(prompts, params, adapters), use_tqdm)
+        priorities = _priorities_per_prompt(priority, len(prompts))
+        return self._run(self._add_all(prompts, params, adapters, priorities), use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -176,12 +178,15 @@ class LLM:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    def _add_all(self, prompts: list, params: list, adapters: list | None = None) -> list[str]:
+    def _add_all(self, prompts: list, params: list, adapters: list | None = None,
+                 priorities: list | None = None) -> list[str]:
         ids = []
+        n = len(prompts)
         try:
-            for prompt, p, adapter in zip(prompts, params, adapters or [None] * len(prompts)):
+            for prompt, p, adapter, priority in zip(prompts, params, adapters or [None] * n,
+                                                    priorities or [0] * n):
                 ids.append(self.engine.add_request(prompt, p, final_only=True,
-                                                   lora_request=adapter))
+                                                   lora_request=adapter, priority=priority))
         except Exception:
             for request_id in ids:  # all or nothing: do not leave half a batch queued
                 self.engine.abort_request(request_id)
@@ -220,6 +225,15 @@ def _as_prompt_list(prompts: Any) -> list:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("generate() needs a non-empty prompt or list of prompts")
     return list(prompts)
+
+
+def _priorities_per_prompt(priority: Any, n: int) -> list:
+    if isinstance(priority, int):
+        return [priority] * n
+    priorities = list(priority)
+    if len(priorities) != n:
+        raise ValueError(f"got {len(priorities)} priorities for {n} prompts")
+    return priorities
 
 
 def _adapters_per_prompt(lora_request: Any, n: int) -> list:

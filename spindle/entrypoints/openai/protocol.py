@@ -175,6 +175,8 @@ class _SamplingRequest(_Request):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # (vLLM's extension) exactly one of json (a schema), regex, choice, json_object.
     structured_outputs: dict[str, Any] | None = None
+    # (vLLM's extension) lower is admitted first; needs --scheduling-policy priority.
+    priority: int = 0
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)

@@ -124,15 +124,17 @@ class OpenAIServing:
         return self._special_ids
 
     async def start(self, request_id: str, prompts: Sequence[PromptType],
-                    params: SamplingParams, model: str | None = None) -> list[RequestStream]:
+                    params: SamplingParams, model: str | None = None,
+                    priority: int = 0) -> list[RequestStream]:
         """Add every prompt (engine ids request_id-0, -1, ...), with the LoRA adapter
-        the resolved model name means, if any; all or nothing."""
+        the resolved model name means, if any, and priority; all or nothing."""
         adapter = None if model is None else self.models.adapter(model)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.engine.add_request(prompt, params, f"{request_id}-{i}",
-                                                             lora_request=adapter))
+                                                             lora_request=adapter,
+                                                             priority=priority))
         except BaseException:
             for stream in streams:
                 stream.close()
