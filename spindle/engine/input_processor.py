@@ -10,6 +10,7 @@ warm_up(), before any concurrent use).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -21,6 +22,16 @@ from spindle.multimodal.processor import MM_KEY, AudioFeatures, has_media
 from spindle.pooling_params import PoolingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
+
+
+def cache_salt_of(prompt: Any) -> str | None:
+    """A prompt dict's cache_salt (a non-empty string), or None."""
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 class PromptTooLongError(ValueError):
@@ -37,6 +48,9 @@ class ProcessedPrompt:
     embeds: Any = None  # prompt embeddings; token_ids are then placeholders
     # What the model's encoder reads (an encoder-decoder's audio features [mels, frames]).
     encoder_inputs: Any = None
+    # The prompt dict's cache_salt: its prefix-cache blocks are shared only with
+    # requests of the same salt (KVCacheManager's request_root_hash).
+    cache_salt: str | None = None
 
 
 class InputProcessor:
@@ -65,6 +79,15 @@ class InputProcessor:
         tokenized and checked; ValueError naming the problem."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
+        salt = cache_salt_of(prompt)
+        if salt is not None:
+            if self.is_pooling(params):
+                raise ValueError("cache_salt is for generate requests (an embedding request "
+                                 "shares no cached prefix)")
+            return dataclasses.replace(self._process(prompt, params), cache_salt=salt)
+        return self._process(prompt, params)
+
+    def _process(self, prompt: PromptType, params: Any) -> ProcessedPrompt:
         if self.is_pooling(params):
             return ProcessedPrompt(*tokenize_for_pooling(self.tokenizer, prompt, self.config))
         if self.audio is not None:

@@ -74,14 +74,17 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
 
 def request_root_hash(request: Request) -> bytes | None:
     """The parent hash of request's first block: None (ROOT_BLOCK_HASH) for the base
-    model's keys and values; another root for an adapter's, or the long factors'."""
-    if not request.rope_long and request.lora_request is None:
+    model's keys and values; another root for an adapter's, the long factors', or a
+    cache salt's (a tenant's blocks shared only within it)."""
+    if not request.rope_long and request.lora_request is None and request.cache_salt is None:
         return None
     h = hashlib.sha256(ROOT_BLOCK_HASH)
     if request.rope_long:
         h.update(b"long-rope")
     if request.lora_request is not None:
         h.update(request.lora_request.cache_key)
+    if request.cache_salt is not None:
+        h.update(b"salt\0" + request.cache_salt.encode())
     return h.digest()
 
 

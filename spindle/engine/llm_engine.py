@@ -109,7 +109,8 @@ class LLMEngine:
                                           prompt_embeds=processed.embeds,
                                           encoder_inputs=processed.encoder_inputs,
                                           num_encoder_tokens=self.config.model.encoder_positions,
-                                          lora_request=lora_request, priority=priority))
+                                          lora_request=lora_request, priority=priority,
+                                          cache_salt=processed.cache_salt))
         return request_id
 
     def _check_priority(self, priority: Any) -> None:

@@ -54,8 +54,10 @@ class Request:
                  arrival_time: float | None = None, pooling_params: Any = None,
                  prompt_embeds: Any = None, encoder_inputs: Any = None,
                  num_encoder_tokens: int = 0, lora_request: Any = None,
-                 priority: int = 0) -> None:
+                 priority: int = 0, cache_salt: str | None = None) -> None:
         self.request_id = request_id
+        # Its prefix-cache blocks are shared only with requests of the same salt.
+        self.cache_salt = cache_salt
         # Under the priority scheduling policy, lower goes first (request_queue.py).
         self.priority = priority
         # The LoRA adapter it is served with (spindle.lora.LoRARequest; None: none).

@@ -177,6 +177,8 @@ class _SamplingRequest(_Request):
     structured_outputs: dict[str, Any] | None = None
     # (vLLM's extension) lower is admitted first; needs --scheduling-policy priority.
     priority: int = 0
+    # (vLLM's extension) cached prefixes are shared only among requests of one salt.
+    cache_salt: Text | None = Field(None, min_length=1)
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)

@@ -125,10 +125,12 @@ class OpenAIServing:
 
     async def start(self, request_id: str, prompts: Sequence[PromptType],
                     params: SamplingParams, model: str | None = None,
-                    priority: int = 0) -> list[RequestStream]:
+                    priority: int = 0, cache_salt: str | None = None) -> list[RequestStream]:
         """Add every prompt (engine ids request_id-0, -1, ...), with the LoRA adapter
-        the resolved model name means, if any, and priority; all or nothing."""
+        the resolved model name means, if any, priority and cache_salt; all or nothing."""
         adapter = None if model is None else self.models.adapter(model)
+        if cache_salt is not None:
+            prompts = [salted(prompt, cache_salt) for prompt in prompts]
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -140,6 +142,15 @@ class OpenAIServing:
                 stream.close()
             raise
         return streams
+
+
+def salted(prompt: PromptType, salt: str) -> dict:
+    """prompt as a prompt dict with cache_salt."""
+    if isinstance(prompt, dict):
+        return {**prompt, "cache_salt": salt}
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": salt}
+    return {"prompt_token_ids": list(prompt), "cache_salt": salt}
 
 
 async def merge_streams(streams: Sequence[RequestStream]

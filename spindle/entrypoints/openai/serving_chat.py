@@ -44,7 +44,8 @@ class ChatServing(OpenAIServing):
         prompt = await self.engine.with_tokenizer(lambda tokenizer: render_chat_prompt(
             tokenizer, conversation, req.add_generation_prompt, req.chat_template, tools,
             req.chat_template_kwargs))
-        streams = await self.start(request_id, [prompt], params, model, req.priority)
+        streams = await self.start(request_id, [prompt], params, model, req.priority,
+                                   req.cache_salt)
         created = int(time.time())
         reasoning = self._reasoning_parser_for(params)
         if req.stream:

@@ -23,7 +23,8 @@ class CompletionServing(OpenAIServing):
         params = req.sampling_params(req.max_tokens, req.logprobs, self.max_n)
         prompts = req.prompts()
         special = await self.special_token_ids() if req.logprobs is not None else frozenset()
-        streams = await self.start(request_id, prompts, params, model, req.priority)
+        streams = await self.start(request_id, prompts, params, model, req.priority,
+                                   req.cache_salt)
         header = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                   "model": model}
         if req.stream:
