@@ -80,6 +80,8 @@ class RequestOutput:
     # its logprob and rank (and the top k) given the tokens before it. Set from the
     # output that carries the first generated token on.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Of the prompt's tokens, those the prefix cache served (its first sample's).
+    num_cached_tokens: int | None = None
 
 
 @dataclass

@@ -133,6 +133,8 @@ class EngineCoreOutput:
     # Once, with the request's first token when it asked for them: an entry per prompt
     # token after the first (SampledLogprobs: the prompt token, then the top k).
     prompt_logprobs: list[SampledLogprobs] | None = None
+    # Of its prompt's tokens, those the prefix cache served (None: not admitted yet).
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,6 +1,7 @@
 """cache_salt (vLLM's field): a prompt's cached prefix is shared only with requests of
 the same salt (a tenant's blocks are not another's hits), offline and on the server;
-answers stay the same."""
+answers stay the same. RequestOutput.num_cached_tokens and the server's
+usage.prompt_tokens_details.cached_tokens say how many prompt tokens were hits."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def test_only_the_same_salt_hits(tiny_model):
             if salt is not None:
                 prompt["cache_salt"] = salt
             before = stats.hits
-            answers.append(llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-                           .outputs[0].token_ids)
+            output = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+            answers.append(output.outputs[0].token_ids)
             hits.append(stats.hits - before)
-        assert hits[:3] == [0, 0, 0] and hits[3] > 0 and hits[4] > 0
+            assert output.num_cached_tokens == hits[-1]
+        assert hits == [0, 0, 0, 48, 48]  # (three full blocks of 16)
         assert all(a == answers[0] for a in answers)
         for bad in ("", 7):
             with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
@@ -44,10 +46,11 @@ def test_the_server_takes_a_salt(tiny_model, tmp_path_factory):
                          "--served-model-name", "tiny"):
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
         with httpx.Client(base_url=server.url, timeout=60) as http:
-            texts = [http.post("/v1/completions", json={**body, **extra}).json()
-                     ["choices"][0]["text"]
-                     for extra in ({}, {"cache_salt": "a"}, {"cache_salt": "a"})]
-            assert texts[0] == texts[1] == texts[2]
+            answers = [http.post("/v1/completions", json={**body, **extra}).json()
+                       for extra in ({}, {"cache_salt": "a"}, {"cache_salt": "a"}, {})]
+            assert len({a["choices"][0]["text"] for a in answers}) == 1
+            cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+            assert cached == [0, 0, 48, 48]  # (three blocks of 16; a salt's own hits)
             assert http.post("/v1/completions",
                              json={**body, "cache_salt": ""}).status_code == 400
             chat = http.post("/v1/chat/completions", json={

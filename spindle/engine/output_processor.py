@@ -51,6 +51,7 @@ class _UserRequest:
     final_only: bool = False  # report only the finished output (offline batches)
     error: RequestFailure | None = None  # set when one of its samples failed
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None  # (its first sample's)
 
     @property
     def finished(self) -> bool:
@@ -61,7 +62,8 @@ class _UserRequest:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids,
                              outputs=[s.completion() for s in ordered], finished=self.finished,
-                             error=self.error, prompt_logprobs=self.prompt_logprobs)
+                             error=self.error, prompt_logprobs=self.prompt_logprobs,
+                             num_cached_tokens=self.num_cached_tokens)
 
     def fail(self, core_id: str, failure: RequestFailure) -> None:
         """The sample core_id failed: so does the request; its other samples end too."""
@@ -131,6 +133,8 @@ class OutputProcessor:
             if sample.finish_reason is not None:
                 continue
             failure = out.error if out.finish_reason == "error" else None
+            if out.num_cached_tokens is not None and sample.index == 0:
+                user.num_cached_tokens = out.num_cached_tokens
             if failure is None:
                 try:
                     if out.prompt_logprobs is not None:

@@ -534,6 +534,7 @@ class Scheduler:
             finished = request.status != RequestStatus.RUNNING  # (it was running above)
             outputs.append(EngineCoreOutput(
                 req_id=rid, new_token_ids=new_tokens,
+                num_cached_tokens=request.num_cached_tokens,
                 new_logprobs=logprobs[i][:len(new_tokens)] if i < len(logprobs) else [],
                 finish_reason=request.get_finish_reason() if finished else None,
                 stop_reason=request.stop_reason,

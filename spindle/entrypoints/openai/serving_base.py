@@ -259,16 +259,24 @@ def raise_if_aborted(completion: CompletionOutput) -> None:
 
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    """OpenAI's usage, prompt_tokens_details.cached_tokens: the prompt tokens the prefix
+    cache served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def usage_of(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+def usage_of(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
     """Each prompt counts once, however many samples (n) it has."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return usage(prompt, completion)
+    return usage(prompt, completion, cached_tokens_of(outputs))
+
+
+def cached_tokens_of(outputs: Sequence[RequestOutput]) -> int:
+    return sum(o.num_cached_tokens or 0 for o in outputs)
 
 
 def sse(payload: dict[str, Any]) -> str:

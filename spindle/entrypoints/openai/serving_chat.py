@@ -102,7 +102,7 @@ class ChatServing(OpenAIServing):
         progress: dict[int, StreamProgress] = {}
         deltas: dict[int, _ChoiceDeltas] = {}
         k = req.top_logprobs or 0
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         try:
             async with contextlib.aclosing(merge_streams(streams)) as outputs:
                 async for _, output in outputs:
@@ -133,9 +133,11 @@ class ChatServing(OpenAIServing):
                     if output.finished:
                         prompt_tokens += len(output.prompt_token_ids)
                         completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        cached_tokens += output.num_cached_tokens or 0
             if req.include_usage_in_stream():
                 yield sse({**header, "choices": [], "usage": usage(prompt_tokens,
-                                                                   completion_tokens)})
+                                                                   completion_tokens,
+                                                                   cached_tokens)})
         except Exception as e:  # the headers are sent: report in-band, as OpenAI does
             yield sse(api_error(e).body())
         yield SSE_DONE
