@@ -228,29 +228,25 @@ def _as_prompt_list(prompts: Any) -> list:
 
 
 def _priorities_per_prompt(priority: Any, n: int) -> list:
-    if isinstance(priority, int):
-        return [priority] * n
-    priorities = list(priority)
-    if len(priorities) != n:
-        raise ValueError(f"got {len(priorities)} priorities for {n} prompts")
-    return priorities
+    return _per_prompt(priority, n, lambda v: isinstance(v, int), "priorities")
 
 
 def _adapters_per_prompt(lora_request: Any, n: int) -> list:
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * n
-    adapters = list(lora_request)
-    if len(adapters) != n:
-        raise ValueError(f"got {len(adapters)} LoRA requests for {n} prompts")
-    return adapters
+    return _per_prompt(lora_request, n, lambda v: v is None or isinstance(v, LoRARequest),
+                       "LoRA requests")
 
 
 def _params_per_prompt(params: Any, n: int, kind: type = SamplingParams) -> list:
-    if params is None:
-        return [kind()] * n
-    if isinstance(params, kind):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} {kind.__name__} for {n} prompts")
-    return params
+    return _per_prompt(kind() if params is None else params, n,
+                       lambda v: isinstance(v, kind), kind.__name__)
+
+
+def _per_prompt(value: Any, n: int, single: Any, what: str) -> list:
+    """value for each of n prompts where single(value), else value's items, one per
+    prompt (ValueError for another count)."""
+    if single(value):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {what} for {n} prompts")
+    return values
