@@ -22,7 +22,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'spindle' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "ModelPool", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "PoolingParams",
+__all__ = ["LLM", "ModelPool", "LoRARequest", "SamplingParams", "StructuredOutputsParams",
+           "PoolingParams",
            "RequestOutput",
            "CompletionOutput",
            "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]

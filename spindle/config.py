@@ -166,8 +166,9 @@ class EngineArgs:
     enable_lora: bool = _arg(False, "Serve LoRA adapters (PEFT's format) beside the base "
                              "model: a request names one with a LoRARequest (the server: "
                              "with --lora-modules and the request's model).")
-    max_loras: int = _arg(1, "With enable_lora: adapters one step may serve (each has a "
-                          "slot of device memory in every adapted layer).")
+    max_loras: int = _arg(1, "With enable_lora: adapters the running requests may use at "
+                          "once (each has a slot of device memory in every adapted "
+                          "layer; a request whose adapter would be one more waits).")
     max_lora_rank: int = _arg(16, "With enable_lora: the largest adapter rank served (the "
                               "slots' size).")
     mm_ipc_gpu_memory_gb: float = _arg(0.0, "GiB of device memory set aside before the KV "
