@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from spindle.entrypoints.beam_search import BeamSearchParams  # noqa: E402
 from spindle.lora import LoRARequest  # noqa: E402
 from spindle.outputs import (CompletionOutput, EmbeddingOutput,  # noqa: E402
                              EmbeddingRequestOutput, RequestOutput)
@@ -22,7 +23,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'spindle' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "ModelPool", "LoRARequest", "SamplingParams", "StructuredOutputsParams",
+__all__ = ["LLM", "ModelPool", "LoRARequest", "BeamSearchParams", "SamplingParams",
+           "StructuredOutputsParams",
            "PoolingParams",
            "RequestOutput",
            "CompletionOutput",

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from spindle.config import EngineArgs
 from spindle.engine.llm_engine import LLMEngine, PromptType
 from spindle.engine.pooling_inputs import pretokenize
+from spindle.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 from spindle.entrypoints.chat_utils import render_chat_prompt
 from spindle.entrypoints.tool_calls import check_tools
 from spindle.lora import LoRARequest
@@ -70,6 +71,25 @@ class LLM:
         adapters = _adapters_per_prompt(lora_request, len(prompts))
         priorities = _priorities_per_prompt(priority, len(prompts))
         return self._run(self._add_all(prompts, params, adapters, priorities), use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, as transformers' generate(num_beams=
+        params.beam_width) searches (entrypoints/beam_search.py): each output holds the
+        beam_width best sequences, best first. Steps run through the engine (the
+        prefix cache serves what the beams share: keep it on)."""
+        from spindle.entrypoints.beam_search import beam_search
+        from spindle.sampling_params import SamplingParams
+
+        params.validate()
+        token_ids = [self.engine.input_processor.process(p, SamplingParams()).token_ids
+                     for p in _as_prompt_list(prompts)]
+        longest = max(len(t) for t in token_ids) + params.max_tokens
+        if longest > self.config.model.max_model_len:
+            raise ValueError(f"a prompt and max_tokens ({params.max_tokens}) take {longest} "
+                             f"tokens, more than max_model_len "
+                             f"({self.config.model.max_model_len})")
+        return beam_search(self, token_ids, params, frozenset(self.engine.eos_token_ids))
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
