@@ -210,7 +210,10 @@ class PooledEngine:
 
     async def add_request(self, prompt: PromptType | ProcessedPrompt,
                           params: SamplingParams | PoolingParams | None = None,
-                          request_id: str | None = None) -> LeasedStream:
+                          request_id: str | None = None, lora_request: Any = None,
+                          priority: int = 0) -> LeasedStream:
+        """As AsyncLLM.add_request, the model woken first (lora_request and priority:
+        as there)."""
         arrival = time.monotonic()
         processed = await self._pool._engine_of(self._member).process_prompt(prompt, params)
         if isinstance(params, SamplingParams):
@@ -219,7 +222,8 @@ class PooledEngine:
             lease = await self._pool._acquire(self._member)
             try:
                 engine = self._pool._engine_of(self._member)
-                stream = await engine.add_processed(processed, params, request_id, arrival)
+                stream = await engine.add_processed(processed, params, request_id, arrival,
+                                                    lora_request, priority)
             except EngineUnavailableError:  # put to sleep in between (a zero time slice)
                 lease.release()
                 continue
@@ -232,8 +236,10 @@ class PooledEngine:
                                     "pool's time slice)")
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        async for output in outputs_of(await self.add_request(prompt, params, request_id)):
+                       request_id: str | None = None, lora_request: Any = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        async for output in outputs_of(await self.add_request(prompt, params, request_id,
+                                                              lora_request, priority)):
             yield output
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
