@@ -721,10 +721,13 @@ class ModelRunner:
 
     def _lora_mask(self, token_slots) -> torch.Tensor | None:
         """The step's LoRA mask (lora/layers.py) from its tokens' slots; None without
-        adapters served."""
+        adapters served, or (an eager step's host slots) when none of its requests has
+        one: the layers then skip the adapters' GEMMs."""
         if self.lora is None:
             return None
         if not isinstance(token_slots, torch.Tensor):
+            if (token_slots < 0).all():
+                return None
             token_slots = self.h2d.put(token_slots, torch.int64)
         return self.lora.mask(token_slots)
 
