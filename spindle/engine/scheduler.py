@@ -350,8 +350,9 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests FCFS while seats, budget, the encoder's budget and
-        blocks last; never preempts."""
+        """Admit waiting requests in the queue's order (first come, first served, or by
+        priority) while seats, budget, the encoder's budget, adapter slots and blocks
+        last; never preempts."""
         encoder_budget = self.scheduler_config.max_num_encoder_tokens
         adapters = self._running_adapters()
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
