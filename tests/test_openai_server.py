@@ -448,6 +448,30 @@ def test_cors_is_off_by_default(server):
     assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
 
 
+def test_tokenize_and_detokenize(http, offline):
+    """vLLM's /tokenize and /detokenize: a prompt's ids are those the engine takes (the
+    offline engine's prompt_token_ids for the same text), a conversation's those of
+    the chat template, and /detokenize gives the text back; bad bodies get 400."""
+    tokenizer = offline.get_tokenizer()
+    prompt = PROMPTS[0]
+    answer = http.post("/tokenize", json={"model": "tiny", "prompt": prompt,
+                                          "return_token_strs": True}).json()
+    expected = offline.generate([prompt], greedy(1), use_tqdm=False)[0].prompt_token_ids
+    assert answer["tokens"] == list(expected) and answer["count"] == len(expected)
+    assert answer["max_model_len"] == MAX_MODEL_LEN
+    assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(list(expected))
+    chat = http.post("/tokenize", json={"model": "tiny", "messages": CHAT}).json()
+    assert chat["tokens"] == offline.render_chat(CHAT)["prompt_token_ids"]
+    back = http.post("/detokenize", json={"model": "tiny", "tokens": answer["tokens"]}).json()
+    assert back["prompt"] == tokenizer.decode(answer["tokens"])
+    for route, body in (("/tokenize", {"model": "tiny"}),
+                        ("/tokenize", {"model": "tiny", "prompt": "a", "messages": CHAT}),
+                        ("/detokenize", {"model": "tiny", "tokens": [10 ** 9]}),
+                        ("/detokenize", {"model": "tiny", "tokens": ["a"]})):
+        assert http.post(route, json=body).status_code == 400, (route, body)
+    assert http.post("/tokenize", json={"model": "nope", "prompt": "a"}).status_code == 404
+
+
 def test_a_priority_needs_the_priority_policy(http):
     """(vLLM's extension field) A server scheduling first come, first served refuses a
     request priority other than 0, naming the flag; priority 0 serves."""

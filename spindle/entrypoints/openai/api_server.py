@@ -45,6 +45,7 @@ from spindle.entrypoints.openai.routing import ModelRoutes, ServedModel
 from spindle.entrypoints.openai.serving_base import AdapterRegistry, RequestIds, ServedModels
 from spindle.entrypoints.openai.serving_embedding import router as embedding_router
 from spindle.entrypoints.openai.serving_transcription import router as transcription_router
+from spindle.entrypoints.openai.tokenize_routes import router as tokenize_router
 from spindle.switches import on_off
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ def _make_app(routes: ModelRoutes, registry: CollectorRegistry, attach: Callable
     app.include_router(router)
     app.include_router(embedding_router)  # POST /v1/embeddings (task="embed")
     app.include_router(transcription_router)  # POST /v1/audio/* (Whisper checkpoints)
+    app.include_router(tokenize_router)  # POST /tokenize, /detokenize
     return app
 
 
