@@ -186,7 +186,8 @@ def test_phi3_fused_projections_adapted_whole(tiny_model, tmp_path_factory, engi
     ("qwen3", ALL_PROJECTIONS),  # (per-head q/k norms after the adapted qkv)
     ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"]),  # (attention beside experts)
     ("gemma2", ["q_proj", "v_proj", "o_proj", "down_proj"]),  # (soft caps, sandwich norms)
-    ("bamba", ["q_proj", "k_proj", "v_proj", "o_proj"])])  # (attention beside Mamba2)
+    ("bamba", ["q_proj", "k_proj", "v_proj", "o_proj"]),  # (attention beside Mamba2)
+    ("granite", ALL_PROJECTIONS)])  # (its MLP renamed feed_forward by its loader)
 def test_other_families_equal_peft(tiny_model, tmp_path_factory, arch, targets):
     base = tiny_model(arch)
     adapter = LoRARequest("a", 1, make_adapter(base, tmp_path_factory.mktemp(arch) / "a", 5,

@@ -150,7 +150,7 @@ class LoRASlotWriter:
 
     def _write_module(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor,
                       name: str) -> None:
-        param, shard_id = self.param_name(f"{module}.weight")
+        param, shard_id = self.param_name(self._own_name(f"{module}.weight", name))
         layer = self._layer(param.removesuffix(".weight"))
         if layer is None:
             return  # (a layer of another pipeline stage)
@@ -192,6 +192,18 @@ class LoRASlotWriter:
             b_local = torch.zeros(layer.output_size, b.shape[1], dtype=dtype)
             layer.weight_loader(b_local, b.to(dtype), shard_id)
         slots.write(slot, part, a_local.to(slots.a.device), b_local.to(slots.b.device))
+
+    def _own_name(self, checkpoint_name: str, adapter: str) -> str:
+        """A checkpoint tensor's name as the model's loader renames it before param_name
+        (checkpoint_renames, where the model has one: Granite's feed_forward)."""
+        rename = getattr(self.model, "checkpoint_renames", None)
+        if rename is None:
+            return checkpoint_name
+        names = [n for n, _ in rename([(checkpoint_name, torch.empty(0))])]
+        if len(names) != 1:
+            raise ValueError(f"LoRA adapter {adapter!r} adapts {checkpoint_name}, which this "
+                             "model splits into several parameters (not supported)")
+        return names[0]
 
     def _layer(self, path: str) -> nn.Module | None:
         from spindle.models.causal_lm import MissingLayer

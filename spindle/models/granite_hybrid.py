@@ -126,6 +126,12 @@ class GraniteMoeHybridForCausalLM(BambaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._in_bamba_names(weights))
 
+    def checkpoint_renames(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The renaming load_weights applies before param_name (what LoRA adapters'
+        module names go through, lora/layers.py)."""
+        return self._in_bamba_names(weights)
+
     def param_name(self, hf_name: str) -> tuple[str, Any]:
         return _expert_param(hf_name, _QWEN_EXPERT_PARTS) or _to_param_name(hf_name)
 
