@@ -114,12 +114,13 @@ class LLMEngine:
         return request_id
 
     def _check_priority(self, priority: Any) -> None:
+        """The scheduler's rule (request_queue.check_priority), checked before anything
+        of the request is kept."""
+        from spindle.engine.request_queue import check_priority
+
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
-            raise ValueError(f"priority {priority} asked for, and this engine schedules first "
-                             "come, first served: start it with scheduling_policy='priority' "
-                             "(--scheduling-policy priority)")
+        check_priority(priority, self.config.scheduler.scheduling_policy)
 
     def _check_adapter(self, lora_request: Any) -> None:
         """Refuse, before anything runs, a LoRA adapter this engine cannot serve: none

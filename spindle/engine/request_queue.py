@@ -14,6 +14,14 @@ from spindle.engine.request import Request
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+def check_priority(priority: int, policy: str) -> None:
+    """A request's priority must be 0 unless the engine schedules by priority."""
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"priority {priority} asked for, and this engine schedules first "
+                         "come, first served: start it with scheduling_policy='priority' "
+                         "(--scheduling-policy priority)")
+
+
 def priority_key(request: Request) -> tuple[int, float]:
     """Where a request stands under the priority policy: lower goes first."""
     return request.priority, request.arrival_time

@@ -24,7 +24,7 @@ from spindle.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixCacheS
 from spindle.engine.stats import SpecDecodeStats
 from spindle.engine.no_kv_cache_manager import NoKVCacheManager
 from spindle.engine.request import Request, RequestStatus
-from spindle.engine.request_queue import WaitingQueue, priority_key
+from spindle.engine.request_queue import WaitingQueue, check_priority, priority_key
 from spindle.outputs import RequestFailure
 from spindle.step_messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                    NewRequestData, SchedulerOutput)
@@ -162,10 +162,7 @@ class Scheduler:
         if request.status != RequestStatus.WAITING or request.num_computed_tokens != 0:
             raise ValueError(f"request {request.request_id!r} must be new (WAITING, "
                              "nothing computed)")
-        if request.priority != 0 and not self._by_priority:
-            raise ValueError(f"request {request.request_id!r} has priority "
-                             f"{request.priority}, and this engine schedules first come, "
-                             "first served: start it with scheduling_policy='priority'")
+        check_priority(request.priority, self.scheduler_config.scheduling_policy)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -354,7 +351,7 @@ class Scheduler:
         priority) while seats, budget, the encoder's budget, adapter slots and blocks
         last; never preempts."""
         encoder_budget = self.scheduler_config.max_num_encoder_tokens
-        adapters = self._running_adapters()
+        adapters: set[int] | None = None  # (the running adapters, made when first needed)
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.num_scheduled_tokens) < self._step_cap):
             request = self.waiting.peek()
@@ -362,10 +359,13 @@ class Scheduler:
                 request.encode_long()  # (it has nothing computed: nothing to encode again)
             if request.num_encoder_tokens > encoder_budget:
                 break  # its encoder waits for the next step's budget
-            if adapters is not None and request.lora_int_id is not None \
-                    and request.lora_int_id not in adapters \
-                    and len(adapters) >= self.scheduler_config.max_loras:
-                break  # its adapter waits for a slot: one of the running ones to finish
+            if request.lora_int_id is not None:
+                if adapters is None:
+                    adapters = {r.lora_int_id for r in self.running
+                                if r.lora_int_id is not None}
+                if request.lora_int_id not in adapters \
+                        and len(adapters) >= self.scheduler_config.max_loras:
+                    break  # its adapter waits for a slot: one of the running ones to finish
             hits, num_hit_tokens = NO_HIT, 0
             if (request.num_computed_tokens == 0 and not request.is_pooling
                     and request.prompt_logprobs is None):  # (those compute every token)
@@ -387,7 +387,7 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admit(request, num_hit_tokens)
-            if adapters is not None and request.lora_int_id is not None:
+            if request.lora_int_id is not None:
                 adapters.add(request.lora_int_id)
             out.new_requests.append(NewRequestData(
                 req_id=request.request_id,
@@ -404,13 +404,6 @@ class Scheduler:
             budget -= num_new
             encoder_budget -= request.num_encoder_tokens
 
-    def _running_adapters(self) -> set[int] | None:
-        """The LoRA adapters the running requests use (None where none are served): at
-        most max_loras, the slots the runner has."""
-        if not self.scheduler_config.max_loras:
-            return None
-        return {r.lora_int_id for r in self.running if r.lora_int_id is not None}
-
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens += num_hit_tokens
@@ -425,13 +418,19 @@ class Scheduler:
         """Free a running request's blocks and put it at the front of the waiting
         queue; it recomputes (with prefix hits) when readmitted. Caller removed it
         from self.running."""
+        self._requeue(request)
+        request.num_output_placeholders = 0  # an in-flight token is dropped; recomputed later
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, request: Request) -> None:
+        """Free a running request's blocks and put it back at the front of the waiting
+        queue (in its place, by priority) with nothing computed. Caller removed it from
+        self.running."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_output_placeholders = 0  # an in-flight token is dropped; recomputed later
         request.spec_token_ids = []
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.add_front(request)
 
     def _grows_past_short_rope(self, request: Request, num_new: int) -> bool:
@@ -448,12 +447,8 @@ class Scheduler:
         waiting queue with nothing computed, and is admitted again as a resumed request,
         in this step if there is room. Caller removed it from self.running. Unlike a
         preemption, this lets other waiting requests in."""
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        self._requeue(request)  # (its short blocks cached under their hashes first)
         request.encode_long()
-        self.waiting.add_front(request)
         out.preempted_req_ids.add(request.request_id)
 
     def preempt_all(self) -> int:

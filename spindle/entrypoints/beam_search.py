@@ -134,10 +134,10 @@ class _PromptSearch:
 
 def beam_search(llm: Any, prompts: list[list[int]], params: BeamSearchParams,
                 eos_token_ids: frozenset[int]) -> list[BeamSearchOutput]:
-    """The search for every prompt (token ids), stepping all of them together."""
+    """The search for every prompt (token ids), stepping all of them together (params
+    validated by the caller, LLM.beam_search)."""
     from spindle.sampling_params import SamplingParams
 
-    params.validate()
     eos = frozenset() if params.ignore_eos else eos_token_ids
     searches = [_PromptSearch(p, params, eos) for p in prompts]
     while True:

@@ -77,15 +77,18 @@ class LoRASlots(nn.Module):
         return f"parts={self.parts}, slots={self.max_loras}, rank={self.max_rank}"
 
 
-def _parts_of(layer: nn.Module) -> tuple[int, Any]:
-    """How many projections a linear layer merges, and how a shard id names one."""
+def _parts(layer: nn.Module) -> list[tuple[Any, int]]:
+    """The projections a linear layer merges, in its output's order: (the shard id its
+    weight loader takes, the part's whole output rows); one part, shard id None, for a
+    layer that merges none."""
     from spindle.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
     if isinstance(layer, QKVParallelLinear):
-        return 3, {"q": 0, "k": 1, "v": 2}.__getitem__
+        kv = layer.total_num_kv_heads * layer.head_dim
+        return [("q", layer.total_num_heads * layer.head_dim), ("k", kv), ("v", kv)]
     if isinstance(layer, MergedColumnParallelLinear):
-        return len(layer.output_sizes), int
-    return 1, None
+        return list(enumerate(layer.output_sizes))
+    return [(None, getattr(layer, "full_output_size", layer.output_size))]
 
 
 def attach_lora_slots(model: nn.Module, max_loras: int, max_rank: int,
@@ -98,30 +101,13 @@ def attach_lora_slots(model: nn.Module, max_loras: int, max_rank: int,
     count = 0
     for name, module in model.named_modules():
         if isinstance(module, _ParallelLinearBase) and ".layers." in f".{name}":
-            parts, _ = _parts_of(module)
-            module.lora = LoRASlots(module, parts, max_loras, max_rank, dtype, device)
+            module.lora = LoRASlots(module, len(_parts(module)), max_loras, max_rank, dtype,
+                                    device)
             count += 1
     if count == 0:
         raise ValueError(f"{type(model).__name__} has no linear layers LoRA adapters "
                          "could adapt")
     return count
-
-
-def _shard_ids(layer: nn.Module) -> list[Any]:
-    from spindle.layers.linear import QKVParallelLinear
-
-    return ["q", "k", "v"] if isinstance(layer, QKVParallelLinear) \
-        else list(range(len(layer.output_sizes)))
-
-
-def _part_sizes(layer: nn.Module) -> list[int]:
-    """The whole (all ranks') output rows of each part of a merged layer."""
-    from spindle.layers.linear import QKVParallelLinear
-
-    if isinstance(layer, QKVParallelLinear):
-        kv = layer.total_num_kv_heads * layer.head_dim
-        return [layer.total_num_heads * layer.head_dim, kv, kv]
-    return list(layer.output_sizes)
 
 
 class LoRASlotWriter:
@@ -158,22 +144,22 @@ class LoRASlotWriter:
         if slots is None:
             raise ValueError(f"LoRA adapter {name!r} adapts {module}, which is not a "
                              f"linear layer of the decoder's layers (not supported)")
-        parts, part_of = _parts_of(layer)
-        if parts > 1 and shard_id is None:
+        parts = _parts(layer)
+        shard_ids = [shard for shard, _ in parts]
+        if len(parts) > 1 and shard_id is None:
             # A fused projection adapted whole (Phi-3's qkv_proj, gate_up_proj): B's rows
             # split as the layer's parts, each part with the same A, give B A x.
-            sizes = _part_sizes(layer)
+            sizes = [rows for _, rows in parts]
             if b.shape[0] != sum(sizes):
                 raise ValueError(f"LoRA adapter {name!r}: {module}'s B has {b.shape[0]} "
                                  f"rows, the projection {sum(sizes)}")
-            for shard, rows in zip(_shard_ids(layer), b.split(sizes)):
-                self._write_part(slot, layer, slots, part_of(shard), shard, a, rows)
+            for part, (shard, rows) in enumerate(zip(shard_ids, b.split(sizes))):
+                self._write_part(slot, layer, slots, part, shard, a, rows)
             return
-        if parts == 1 and shard_id is not None:
+        if shard_id not in shard_ids:
             raise ValueError(f"LoRA adapter {name!r} adapts {module}, a part of a projection "
                              "this model does not merge (not supported)")
-        self._write_part(slot, layer, slots, part_of(shard_id) if parts > 1 else 0,
-                         shard_id, a, b)
+        self._write_part(slot, layer, slots, shard_ids.index(shard_id), shard_id, a, b)
 
     @staticmethod
     def _write_part(slot: int, layer: nn.Module, slots: LoRASlots, part: int, shard_id: Any,

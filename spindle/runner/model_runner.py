@@ -681,10 +681,11 @@ class ModelRunner:
         alone: it is dropped and reported, and the step goes on without it. Every
         rank prepares it from the same data, so every rank fails it alike."""
         state = self._require_state()
-        added = False
+        acquired = added = False
         try:
             state.validate_request(new)
             lora_slot = self._lora_slot(new)
+            acquired = new.lora_request is not None
             cached = self.input_batch.add_request(new, lora_slot)
             added = True
             state.preprocess_state(cached, new)
@@ -692,9 +693,8 @@ class ModelRunner:
             raise
         except Exception as e:
             if added:
-                self._remove_request(new.req_id)
-            elif new.lora_request is not None and self.lora is not None \
-                    and new.lora_request.lora_int_id in self.lora.users:
+                self._remove_request(new.req_id)  # (its adapter released with it)
+            elif acquired:  # (only its own hold: others may use the same adapter)
                 self.lora.release(new.lora_request.lora_int_id)
             failure = RequestFailure.from_exception(e)
             reporting = self.tp_group.rank == 0 and self.stage.is_last  # one log, not one a rank
