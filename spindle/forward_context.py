@@ -22,9 +22,9 @@ class ForwardContext:
     cache_group; None for a cache-less run."""
 
     attn_metadata: Any
-    # LoRA: [T, max_loras * max_lora_rank] the columns of each token's adapter slot
-    # (lora/layers.py); None where the engine serves no adapters.
-    lora_mask: Any = None
+    # LoRA: the step's adapters (lora/layers.py LoRAStep); None where the engine serves
+    # none, or the step uses none.
+    lora: Any = None
 
     def for_group(self, group: int) -> Any:
         """The metadata of one cache group (the one object when there is no list)."""
@@ -41,9 +41,9 @@ _holder = _ContextHolder()
 
 
 @contextlib.contextmanager
-def forward_context(attn_metadata: Any, lora_mask: Any = None) -> Iterator[ForwardContext]:
+def forward_context(attn_metadata: Any, lora: Any = None) -> Iterator[ForwardContext]:
     previous = _holder.current
-    _holder.current = ForwardContext(attn_metadata=attn_metadata, lora_mask=lora_mask)
+    _holder.current = ForwardContext(attn_metadata=attn_metadata, lora=lora)
     try:
         yield _holder.current
     finally:
@@ -56,9 +56,10 @@ def get_forward_context() -> ForwardContext:
     return _holder.current
 
 
-def current_lora_mask() -> Any:
-    """The step's LoRA mask, or None (no adapters served, or no forward pass running)."""
-    return None if _holder.current is None else _holder.current.lora_mask
+def current_lora() -> Any:
+    """The step's adapters (a LoRAStep), or None: none served, none used by the step, or
+    no forward pass running."""
+    return None if _holder.current is None else _holder.current.lora
 
 
 def reset_forward_context() -> None:

@@ -302,9 +302,13 @@ def test_lora_modules_are_checked_before_the_server_starts(adapters, tmp_path):
 
 
 @pytest.mark.gpu
-def test_adapters_in_cuda_graphs_equal_peft(adapters):
-    """On CUDA (float32): decode replayed from CUDA graphs, whose mask comes from the
-    staged slots, gives each request its model's answers."""
+@pytest.mark.parametrize("kernel", ["1", "0"], ids=["one-launch-kernel", "masked-gemms"])
+def test_adapters_in_cuda_graphs_equal_peft(adapters, kernel, monkeypatch):
+    """On CUDA (float32): decode replayed from CUDA graphs, whose adapters' slots are
+    staged each step, gives each request its model's answers, through the one-launch
+    kernel (lora/kernels.py) or the masked GEMMs; a batch without adapters replays the
+    graphs captured without them."""
+    monkeypatch.setenv("SPINDLE_LORA_KERNEL", kernel)
     base, requests, expected = adapters
     names = [None, "all", "qvd"]
     with LLM(str(base), device="cuda", dtype="float32", max_model_len=256, enable_lora=True,
@@ -313,6 +317,44 @@ def test_adapters_in_cuda_graphs_equal_peft(adapters):
                                lora_request=[None if n is None else requests[n]
                                              for n in names for _ in PROMPTS])
         graphs = llm.engine.core.executor.worker.runner.graph_runner
-        assert graphs is not None and sum(graphs.num_replays.values()) > 0
+        replays = dict(graphs.num_replays)
+        assert sum(n for (_, _, adapters), n in replays.items() if adapters) > 0
+        base_outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        base_replays = {key: n - replays.get(key, 0) for key, n in graphs.num_replays.items()}
+        assert sum(n for (_, _, adapters), n in base_replays.items() if not adapters) > 0
+        assert sum(n for (_, _, adapters), n in base_replays.items() if adapters) == 0
     for i, name in enumerate(names):
         check(outputs[3 * i:3 * i + 3], expected[name])
+    check(base_outputs, expected[None])
+
+
+def test_bf16_cpu_decode_layer_keeps_adapters(adapters, monkeypatch):
+    """bf16 on the CPU, where a decode step of the base model runs each layer as one C++
+    call (cpu_kernels.decode_layer), which reads no adapter: steps with adapters must not
+    take it (their answers equal those with the C++ layers switched off), steps without
+    still may (the base model's answers equal an engine serving no adapters)."""
+    from spindle.layers import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the C++ CPU kernels are not built here")
+    base, requests, _ = adapters
+    mixed = [None, requests["all"], requests["qvd"]]
+
+    def run(kernels: str, **kwargs):
+        monkeypatch.setenv(cpu_kernels.SWITCH_ENV, kernels)
+        with LLM(str(base), device="cpu", dtype="bfloat16", max_model_len=256,
+                 **kwargs) as llm:
+            if not kwargs:
+                return [llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            return [llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)
+                    for lora in mixed]
+
+    def answers(outputs):
+        return [[(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(
+            o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in one] for one in outputs]
+
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    with_kernels, without = answers(run("1", **lora)), answers(run("0", **lora))
+    assert with_kernels[1:] == without[1:]
+    assert with_kernels[1] != with_kernels[0] != with_kernels[2]
+    assert with_kernels[0] == answers(run("1"))[0]

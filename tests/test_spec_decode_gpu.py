@@ -49,7 +49,7 @@ def test_float32_greedy_with_speculation_matches_transformers(target, tiny_model
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert stats.num_draft_tokens > 0
-    verify_replays = sum(n for (q, _), n in graphs.num_replays.items() if q == 4)
+    verify_replays = sum(n for (q, *_), n in graphs.num_replays.items() if q == 4)
     if method == "draft_model" or batch == "one_by_one":
         # (every request verifies k drafts: a draft model always proposes k, and
         # lookups are padded to k; a batch where only some requests have drafts runs

@@ -271,9 +271,8 @@ def argmax_applies(x: torch.Tensor) -> bool:
 def linear_args(layer) -> tuple | None:
     """A linear layer (layers/linear.py) as decode_layer takes it, (weight, scale_zero,
     planes, bias): its packed int4 weight, or a dense bf16 one; None for anything else
-    (float8, batch-invariant, LoRA slots)."""
-    if layer.lora is not None:
-        return None
+    (float8, batch-invariant). (Its LoRA slots, where it has them, are not read: a step
+    with adapters does not call decode_layer.)"""
     if layer.int4 is not None:
         return layer.weight, layer.weight_scale_zero, layer.int4.planes, layer.bias
     if (layer.weight_scale is None and layer.weight.dtype == torch.bfloat16

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.forward_context import current_lora
 from spindle.layers import cpu_kernels
 from spindle.layers.fp8 import FP8_DTYPE, fp8_linear, quantize_rows
 from spindle.layers.int4 import GroupQuantized, Int4Weight
@@ -178,9 +179,17 @@ class _ParallelLinearBase(nn.Module):
         copy_checked(self.weight_scale.data.narrow(0, offset or 0, dst.shape[0]), scale)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, defer_merge: bool = False):
-        if self.lora is not None:
-            return self._with_lora(x, self._base_matmul(x, bias))
+        step = self._lora_step()
+        if step is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            y = self._base_matmul(x, bias)
+            return self.lora.add(y.view(flat.shape[0], -1), flat, step).view(y.shape)
         return self._base_matmul(x, bias, defer_merge)
+
+    def _lora_step(self):
+        """The step's adapters where this layer has slots and the step uses any
+        (lora/layers.py LoRAStep), else None: the layer is then its base layer."""
+        return None if self.lora is None else current_lora()
 
     def _base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                      defer_merge: bool = False):
@@ -190,17 +199,6 @@ class _ParallelLinearBase(nn.Module):
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.split_counters)
         return apply_linear(x, self.weight, bias, self.split_counters, self.batch_invariant,
                             defer_merge)
-
-    def _with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y plus the step's adapters' share (lora/layers.py); none outside a step that
-        gives adapters a mask (the profile and warm-up passes without one)."""
-        from spindle.forward_context import current_lora_mask
-
-        mask = current_lora_mask()
-        if mask is None:
-            return y
-        flat = x.reshape(-1, x.shape[-1])
-        return y + self.lora.delta(flat, mask).view(y.shape)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size} (per rank), "
@@ -359,7 +357,8 @@ class RowParallelLinear(_ParallelLinearBase):
 
         k = self.weight.shape[1]
         if (not gate_up.is_cuda or gate_up.dim() != 2 or gate_up.shape[1] != 2 * k
-                or self.lora is not None or self.int4 is not None or self.weight_scale is not None
+                or self._lora_step() is not None or self.int4 is not None
+                or self.weight_scale is not None
                 or self.batch_invariant or not on_off(SKINNY_SILU_ENV, True)
                 or not use_skinny_gemm(gate_up[:, :k], self.weight)):
             return None

@@ -11,12 +11,15 @@ first r of its R). A step adds
 to the layer's output, where the mask [T, L * R] keeps, for each token, the columns of
 its request's slot (none for a request without an adapter). That is two GEMMs of static
 shapes whatever the mix of adapters: the same code on every device, inside CUDA graphs.
+On CUDA a decode-sized step does the same sum in one Triton launch a layer that reads
+only each token's own slot (lora/kernels.py).
 Under tensor parallelism A and B are split as the layer's weight is: a column-parallel
 layer's B by its output rows, a row-parallel layer's A by its input columns (whose
 partial products then go into the layer's own all-reduce, the sum being linear)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,19 +41,44 @@ def lora_mask(token_slots: torch.Tensor, columns: torch.Tensor, dtype: torch.dty
     return (token_slots[:, None] == columns[None, :]).to(dtype)
 
 
+@dataclass(frozen=True)
+class LoRAStep:
+    """What a step's layers need of its adapters: each token's slot [T] (-1: none) and
+    the mask made from them (lora_mask)."""
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
 class LoRASlots(nn.Module):
     """One linear layer's adapter slots (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module, parts: int, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, layer: nn.Module, part_rows: list[int], max_loras: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        """part_rows: this rank's output rows of each projection the layer merges."""
         super().__init__()
-        self.parts, self.max_loras, self.max_rank = parts, max_loras, max_rank
-        width = parts * max_loras * max_rank
+        self.part_rows = part_rows
+        self.parts, self.max_loras, self.max_rank = len(part_rows), max_loras, max_rank
+        if sum(part_rows) != layer.output_size:
+            raise ValueError(f"LoRA parts of {part_rows} rows for a layer of "
+                             f"{layer.output_size} output rows")
+        width = self.parts * max_loras * max_rank
         # Not persistent: no checkpoint holds them; filled by write().
         self.register_buffer("a", torch.zeros(width, layer.input_size, dtype=dtype,
                                               device=device), persistent=False)
         self.register_buffer("b", torch.zeros(layer.output_size, width, dtype=dtype,
                                               device=device), persistent=False)
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, step: LoRAStep) -> torch.Tensor:
+        """y [T, out] plus the step's adapters' share for x [T, in] (in place, and y
+        returned, where the one-launch kernel applies)."""
+        if y.is_cuda:
+            from spindle.lora import kernels  # (Triton: only where CUDA is)
+
+            if kernels.takes(x, y, self.parts):
+                kernels.lora_add_(y, x, step.slots, self.a, self.b, self.part_rows,
+                                  self.max_loras, self.max_rank)
+                return y
+        return y + self.delta(x, step.mask)
 
     def delta(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         shrunk = (x @ self.a.t()).view(x.shape[0], self.parts, -1) * mask[:, None, :]
@@ -91,6 +119,17 @@ def _parts(layer: nn.Module) -> list[tuple[Any, int]]:
     return [(None, getattr(layer, "full_output_size", layer.output_size))]
 
 
+def _local_part_rows(layer: nn.Module) -> list[int]:
+    """This rank's output rows of each of the layer's parts (_parts), in its order."""
+    from spindle.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    if isinstance(layer, QKVParallelLinear):
+        return [layer.q_size, layer.kv_size, layer.kv_size]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return [size // layer.tp_group.size for size in layer.output_sizes]
+    return [layer.output_size]
+
+
 def attach_lora_slots(model: nn.Module, max_loras: int, max_rank: int,
                       dtype: torch.dtype, device: torch.device) -> int:
     """Give every linear layer of the decoder's layers (the projections PEFT adapters
@@ -101,8 +140,8 @@ def attach_lora_slots(model: nn.Module, max_loras: int, max_rank: int,
     count = 0
     for name, module in model.named_modules():
         if isinstance(module, _ParallelLinearBase) and ".layers." in f".{name}":
-            module.lora = LoRASlots(module, len(_parts(module)), max_loras, max_rank, dtype,
-                                    device)
+            module.lora = LoRASlots(module, _local_part_rows(module), max_loras, max_rank,
+                                    dtype, device)
             count += 1
     if count == 0:
         raise ValueError(f"{type(model).__name__} has no linear layers LoRA adapters "

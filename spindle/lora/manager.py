@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from spindle.lora.adapter import load_peft_adapter
-from spindle.lora.layers import LoRASlotWriter, attach_lora_slots, lora_columns, lora_mask
+from spindle.lora.layers import (LoRASlotWriter, LoRAStep, attach_lora_slots, lora_columns,
+                                 lora_mask)
 from spindle.lora.request import LoRARequest
 
 
@@ -66,6 +67,6 @@ class LoRAManager:
         del self.paths[evicted]
         return self.slot_of.pop(evicted)
 
-    def mask(self, token_slots: torch.Tensor) -> torch.Tensor:
-        """[T] slot ids (-1: none) -> the step's mask (lora/layers.py)."""
-        return lora_mask(token_slots, self.columns, self.dtype)
+    def step(self, token_slots: torch.Tensor) -> LoRAStep:
+        """[T] slot ids (-1: none) -> what the step's layers read (lora/layers.py)."""
+        return LoRAStep(token_slots, lora_mask(token_slots, self.columns, self.dtype))

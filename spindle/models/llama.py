@@ -34,7 +34,7 @@ from spindle.attention import Attention
 from spindle.attention.backends.torch_sdpa import TorchSDPABackend
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
-from spindle.forward_context import get_forward_context
+from spindle.forward_context import current_lora, get_forward_context
 from spindle.layers import cpu_kernels
 from spindle.layers.activation import SiluAndMul
 from spindle.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -297,10 +297,12 @@ class LlamaDecoderLayer(nn.Module):
         modules' own operations, without some forty Python-level calls, which cost as
         much as the layer's math on a small model), or None where that does not apply:
         a prefill or mixed step, tensor parallelism, another attention backend, a
-        mixture of experts, weights other than int4 or dense bf16."""
+        mixture of experts, weights other than int4 or dense bf16, a step with LoRA
+        adapters."""
         layer = self.self_attn.attn
         cache = layer.kv_cache
-        if cache is None or type(layer.impl) is not TorchSDPABackend:
+        if (cache is None or type(layer.impl) is not TorchSDPABackend
+                or current_lora() is not None):
             return None
         md = get_forward_context().for_group(layer.cache_group)
         plan = layer.impl.step_plan(md, cache.shape[2])

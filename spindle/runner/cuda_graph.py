@@ -11,7 +11,10 @@ into one memory pool, which the smaller graphs then reuse.
 
 With speculative decoding, steps where every request computes verify_len tokens
 (its last token and its drafts) are captured too, for batches up to
-verify_max_batch: graphs are keyed by (tokens per request, batch size).
+verify_max_batch. Where LoRA adapters are served, each shape is captured twice: with the
+adapters' work, and without it for steps none of whose requests has an adapter (which
+then run as fast as the base model's). Graphs are keyed by (tokens per request, batch
+size, adapters).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class CudaGraphRunner:
         is staged like its position; the graphs compute the mask from it)."""
         self.state = state
         self.lora = lora
+        self.adapter_variants = (False, True) if lora is not None else (False,)
         self.device = device
         self.groups = list(groups) or [CacheGroup(FULL_ATTENTION, 1)]
         self.num_paged = sum(g.is_paged for g in self.groups)
@@ -97,9 +101,10 @@ class CudaGraphRunner:
              torch.zeros((max(1, self.num_paged), n * max_blocks_per_req), dtype=torch.int32,
                          pin_memory=True)) for _ in range(2)]
         self._runs = 0
-        self.num_replays: dict[tuple[int, int], int] = {}  # by graph key, since capture
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (tokens/request, size)
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.num_replays: dict[tuple[int, int, bool], int] = {}  # by graph key, since capture
+        # (tokens per request, size, adapters) -> graph, its output
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
         self.pool = None
 
     def can_run(self, batch: StepBatch) -> bool:
@@ -119,13 +124,15 @@ class CudaGraphRunner:
         return query_len == 1 or bool((batch.num_scheduled == query_len).all())
 
     def _each_shape(self):
-        """(query_len, size) of every graph, largest first, each after one eager forward
-        at that shape (outside any graph: kernels compile there); seq_lens zeroed after."""
+        """(query_len, size, adapters) of every graph, largest first, each after one
+        eager forward of that graph's (outside any graph: kernels compile there);
+        seq_lens zeroed after."""
         for query_len, sizes in self.sizes_by_len.items():
             for size in reversed(sizes):
                 self.seq_lens[:size].fill_(query_len)
-                self._forward(size, query_len)
-                yield query_len, size
+                for adapters in self.adapter_variants:
+                    self._forward(size, query_len, adapters)
+                    yield query_len, size, adapters
         self.seq_lens.zero_()
 
     @torch.inference_mode()
@@ -137,13 +144,13 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (the smaller graphs reuse its pool)."""
-        for query_len, size in self._each_shape():
+        for key in self._each_shape():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[query_len, size] = self._forward(size, query_len)
+                self.outputs[key] = self._forward(*key)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[query_len, size] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
 
     def run(self, batch: StepBatch, feed=None) -> torch.Tensor:
@@ -153,15 +160,17 @@ class CudaGraphRunner:
         query_len = batch.num_tokens // num
         sizes = self.sizes_by_len[query_len]
         size = sizes[bisect.bisect_left(sizes, num)]
-        self._stage_inputs(batch, size, query_len)
+        adapters = self.lora is not None and bool((batch.token_lora_slots >= 0).any())
+        self._stage_inputs(batch, size, query_len, adapters)
         if feed is not None:
             feed(self.input_ids[:batch.num_tokens])
-        self.graphs[query_len, size].replay()
-        key = (query_len, size)
+        key = (query_len, size, adapters)
+        self.graphs[key].replay()
         self.num_replays[key] = self.num_replays.get(key, 0) + 1
-        return self.outputs[query_len, size][:batch.num_tokens]
+        return self.outputs[key][:batch.num_tokens]
 
-    def _stage_inputs(self, batch: StepBatch, size: int, query_len: int = 1) -> None:
+    def _stage_inputs(self, batch: StepBatch, size: int, query_len: int = 1,
+                      adapters: bool = False) -> None:
         num, tokens, padded = batch.num_reqs, batch.num_tokens, size * query_len
         self._runs += 1
         host_t, tables_t = self._host_sets[self._runs % 2]
@@ -182,7 +191,7 @@ class CudaGraphRunner:
             host[_FIRST_SLOTS + g, :tokens] = batch.slot_mappings[g]
             host[_FIRST_SLOTS + g, tokens:padded] = -1
             tables_t.numpy()[g, :num * cols].reshape(num, cols)[:] = batch.block_tables[g]
-        if self.lora is not None:
+        if adapters:
             host[self._lora_row, :tokens] = batch.token_lora_slots
             host[self._lora_row, tokens:padded] = -1
             self.lora_slots[:padded].copy_(host_t[self._lora_row, :padded], non_blocking=True)
@@ -228,9 +237,9 @@ class CudaGraphRunner:
                     has_initial_state=self.has_initial_state[:size], max_query_len=1))
         return metadata[0] if len(metadata) == 1 else metadata
 
-    def _forward(self, size: int, query_len: int = 1) -> torch.Tensor:
+    def _forward(self, size: int, query_len: int = 1, adapters: bool = False) -> torch.Tensor:
         tokens = size * query_len
-        mask = None if self.lora is None else self.lora.mask(self.lora_slots[:tokens])
-        with forward_context(self._metadata(size, query_len), mask):
+        lora = self.lora.step(self.lora_slots[:tokens]) if adapters else None
+        with forward_context(self._metadata(size, query_len), lora):
             return self.state.forward({"input_ids": self.input_ids[:tokens],
                                        "positions": self.positions[:tokens]})

@@ -235,7 +235,7 @@ class ModelRunner:
             inputs["intermediate_tensors"] = self._empty_intermediate(num_tokens)
         no_adapters = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)
         with forward_context(state.dummy_attn(num_reqs, tokens_per_req),
-                             self._lora_mask(no_adapters)):
+                             self._lora_step(no_adapters)):
             hidden = state.forward(inputs)
         if not self.stage.is_last:
             pass  # the last stage's logits and sampler are not this rank's
@@ -571,7 +571,7 @@ class ModelRunner:
                 inputs["intermediate_tensors"] = self.stage.recv(
                     batch.num_tokens, self._hidden_size(), self.config.model.dtype, self.device)
             with forward_context(state.prepare_attn(batch),
-                                 self._lora_mask(batch.token_lora_slots)):
+                                 self._lora_step(batch.token_lora_slots)):
                 hidden = state.forward(inputs)
             if not self.stage.is_last:
                 self.stage.send(hidden)
@@ -719,17 +719,17 @@ class ModelRunner:
         if state is not None and state.lora_int_id is not None:
             self.lora.release(state.lora_int_id)
 
-    def _lora_mask(self, token_slots) -> torch.Tensor | None:
-        """The step's LoRA mask (lora/layers.py) from its tokens' slots; None without
-        adapters served, or (an eager step's host slots) when none of its requests has
-        one: the layers then skip the adapters' GEMMs."""
+    def _lora_step(self, token_slots):
+        """The step's adapters (lora/layers.py LoRAStep) from its tokens' slots; None
+        without adapters served, or (an eager step's host slots) when none of its
+        requests has one: the layers then are the base model's."""
         if self.lora is None:
             return None
         if not isinstance(token_slots, torch.Tensor):
             if (token_slots < 0).all():
                 return None
             token_slots = self.h2d.put(token_slots, torch.int64)
-        return self.lora.mask(token_slots)
+        return self.lora.step(token_slots)
 
     def _append_step_tokens(self, cached_req) -> None:
         """Pipeline parallelism: append the sampled tokens this stage has not seen
