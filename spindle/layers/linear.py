@@ -119,6 +119,16 @@ def set_weight_loader(param: nn.Parameter, loader: Any, shard_ids: Sequence[Any]
     param.shard_ids = tuple(shard_ids)
 
 
+def drop_weight_loaders(model: nn.Module) -> None:
+    """Take what set_weight_loader put on model's parameters off them. A loader that is
+    a bound method of the parameter's own module makes a cycle (module -> parameter ->
+    loader -> module), which only a full garbage collection frees; without the loaders
+    the model's memory goes as soon as its last reference does."""
+    for param in model.parameters():
+        param.__dict__.pop("weight_loader", None)
+        param.__dict__.pop("shard_ids", None)
+
+
 class _ParallelLinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool,
                  tp_group: TensorParallelGroup) -> None:

@@ -24,6 +24,7 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.distributed.pipeline import IntermediateTensors, PipelineStage
 from spindle.forward_context import forward_context
 from spindle.layers.batch_invariant import enable_batch_invariance
+from spindle.layers.linear import drop_weight_loaders
 from spindle.memory.sleep_backend import KV_CACHE, WEIGHTS
 from spindle.models.loader import load_model, reload_checkpoint
 from spindle.outputs import RequestFailure
@@ -526,8 +527,10 @@ class ModelRunner:
         return self.model
 
     def release(self) -> None:
-        """Drop every device tensor this runner holds (graphs first: they reference
-        the pool and the cache), so the memory is free for whoever comes next."""
+        """Drop every tensor this runner holds (graphs first: they reference the pool
+        and the cache), so the memory is free for whoever comes next, by reference
+        counts alone: nothing of it is left in a cycle for the garbage collector
+        (tests/test_release_memory.py)."""
         self.graph_runner = None
         self._last_launched = None
         self._drafted = {}
@@ -538,7 +541,12 @@ class ModelRunner:
                 layer.kv_cache = None
         self.kv_caches = []  # (state layers' list entries included)
         self.attn_layers = []
-        self.model = self.state = self.pooler = None
+        self.cache_layout = CacheLayout([], [], [])  # (its groups listed the layers)
+        if self.model is not None:
+            drop_weight_loaders(self.model)
+        self.model = self.state = self.pooler = self.lora = None
+        # (It holds a method of this runner's: the runner would outlive its last reference.)
+        self.input_batch = None
 
     # ---- one step ---------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
