@@ -16,19 +16,19 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
-# Pending (2026-12-05, twenty-first session): the engine tests under longest-first
-# decode attention (the default) finished no call yet, though none failed (H100:
-# test_pdl.py passed, test_cuda_e2e.py + test_compile_gpu.py 10 passed and the first 132
-# decode cases of test_triton_attention.py passed before the calls' limits);
-# SPINDLE_GDN_TRITON_PREFILL (off), the Granite 3.x GPU cases, the rest of the kernel
-# tests (structured outputs on CUDA); ALiBi in the Triton kernels (test_triton_attention
-# -k alibi), chunked attention (-k chunk), and BLOOM, MPT, Helium, Phi-4-mini's partial
-# rotary, Llama 4 and Phi-3's LongRoPE past its original length in CUDA graphs, and
-# Phi-3.5-MoE in the fused MoE kernels, LoRA adapters in CUDA graphs (the models
-# part; peft must be carried as a wheel), all new. Passed on an H100 in the twenty-first session: the
-# twentieth session's dense families in CUDA graphs (14) and Hunyuan-A13B, DeepSeek-V3,
-# gpt-oss and Qwen2-MoE on CUDA (4); Zamba2 (twentieth); prompt logprobs, fused MoE
-# (twentieth).
+# Pending (2026-12-06, twenty-third session): the one-launch LoRA kernel
+# (tests/test_lora_kernel.py and test_lora.py -m gpu; its cost in lora_overhead.py, with
+# SPINDLE_LORA_KERNEL=0 for the masked GEMMs) and the graphs captured without adapters;
+# the engine tests under longest-first decode attention (the default) finished no call
+# yet, though none failed; SPINDLE_GDN_TRITON_PREFILL's engine default (off), the
+# Granite 3.x GPU cases, the rest of the kernel tests (structured outputs on CUDA).
+# Passed on an H100 in the twenty-third session: ALiBi and chunked attention in the
+# Triton kernels (41), LoRA adapters in CUDA graphs against PEFT (before the kernel),
+# BLOOM, MPT, Helium, Phi-4-mini's partial rotary, Llama 4 and Phi-3's LongRoPE in CUDA
+# graphs (6), Phi-3.5-MoE and Hunyuan in the fused MoE kernels (2), Qwen3-Next and
+# Qwen3.5 with the Triton gated-delta prefill (4). Earlier: the twentieth session's
+# dense families (14), DeepSeek-V3, gpt-oss, Qwen2-MoE (21st); Zamba2, prompt logprobs,
+# fused MoE (20th).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -43,7 +43,7 @@ if [[ $what == tests || $what == all ]]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_attention.py \
         -k "alibi or chunk" 2>&1 | tail -3
     stamp "kernel tests, switches off"
-    timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu \
+    timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_lora_kernel.py \
         tests/test_triton_attention.py tests/test_skinny_gemm.py tests/test_gated_delta.py \
         tests/test_selective_scan.py tests/test_prompt_logprobs.py tests/test_fused_moe.py \
         tests/test_structured_outputs.py 2>&1 | tail -3
@@ -73,9 +73,12 @@ if [[ $what == ab || $what == all ]]; then
         --variant main= --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 \
         --variant no_pdl=SPINDLE_PDL=0 2>&1 | tail -12
     stamp "LoRA's cost in CUDA graphs (Qwen3-0.6B shape: 64 requests, then 1)"
-    for batch in 64 1; do
-        timeout 300 python3 benchmarks/lora_overhead.py --device cuda --qwen3-shape \
-            --batch $batch --prompt-len 128 --new 128 --json "$OUT/lora_$batch.json" 2>&1 | tail -7
+    for kernel in 1 0; do
+        for batch in 64 1; do
+            SPINDLE_LORA_KERNEL=$kernel timeout 150 python3 benchmarks/lora_overhead.py \
+                --device cuda --qwen3-shape --batch $batch --prompt-len 128 --new 128 \
+                --json "$OUT/lora_${batch}_kernel$kernel.json" 2>&1 | tail -7
+        done
     done
 fi
 
