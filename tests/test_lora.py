@@ -187,7 +187,9 @@ def test_phi3_fused_projections_adapted_whole(tiny_model, tmp_path_factory, engi
     ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"]),  # (attention beside experts)
     ("gemma2", ["q_proj", "v_proj", "o_proj", "down_proj"]),  # (soft caps, sandwich norms)
     ("bamba", ["q_proj", "k_proj", "v_proj", "o_proj"]),  # (attention beside Mamba2)
-    ("granite", ALL_PROJECTIONS)])  # (its MLP renamed feed_forward by its loader)
+    ("granite", ALL_PROJECTIONS),  # (its MLP renamed feed_forward by its loader)
+    # (q, k and v fused per head in one checkpoint weight, split by its loader)
+    ("gpt_neox", ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"])])
 def test_other_families_equal_peft(tiny_model, tmp_path_factory, arch, targets):
     base = tiny_model(arch)
     adapter = LoRARequest("a", 1, make_adapter(base, tmp_path_factory.mktemp(arch) / "a", 5,

@@ -175,7 +175,12 @@ class LoRASlotWriter:
 
     def _write_module(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor,
                       name: str) -> None:
-        param, shard_id = self.param_name(self._own_name(f"{module}.weight", name))
+        for own_name, b_rows in self._own_names(f"{module}.weight", b, a.shape[0], name):
+            self._write_projection(slot, module, own_name, a, b_rows, name)
+
+    def _write_projection(self, slot: int, module: str, own_name: str, a: torch.Tensor,
+                          b: torch.Tensor, name: str) -> None:
+        param, shard_id = self.param_name(own_name)
         layer = self._layer(param.removesuffix(".weight"))
         if layer is None:
             return  # (a layer of another pipeline stage)
@@ -218,17 +223,21 @@ class LoRASlotWriter:
             layer.weight_loader(b_local, b.to(dtype), shard_id)
         slots.write(slot, part, a_local.to(slots.a.device), b_local.to(slots.b.device))
 
-    def _own_name(self, checkpoint_name: str, adapter: str) -> str:
-        """A checkpoint tensor's name as the model's loader renames it before param_name
-        (checkpoint_renames, where the model has one: Granite's feed_forward)."""
+    def _own_names(self, checkpoint_name: str, b: torch.Tensor, rank: int, adapter: str
+                   ) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint weight's names, each with its rows of b, as the model's loader
+        renames and splits the weight before param_name (checkpoint_renames, where the
+        model has one: Granite's feed_forward, GPT-NeoX's query_key_value, whose heads'
+        q, k and v rows alternate). B's rows are the weight's output rows, so they go as
+        the weight's do; A, which reads the input, is every part's."""
         rename = getattr(self.model, "checkpoint_renames", None)
         if rename is None:
-            return checkpoint_name
-        names = [n for n, _ in rename([(checkpoint_name, torch.empty(0))])]
-        if len(names) != 1:
+            return [(checkpoint_name, b)]
+        renamed = list(rename([(checkpoint_name, b)]))
+        if any(part.dim() != 2 or part.shape[1] != rank for _, part in renamed):
             raise ValueError(f"LoRA adapter {adapter!r} adapts {checkpoint_name}, which this "
-                             "model splits into several parameters (not supported)")
-        return names[0]
+                             "model's loader cuts other than by output rows (not supported)")
+        return renamed
 
     def _layer(self, path: str) -> nn.Module | None:
         from spindle.models.causal_lm import MissingLayer

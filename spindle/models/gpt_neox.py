@@ -175,6 +175,12 @@ class GPTNeoXForCausalLM(DecoderForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._our_names(weights))
 
+    def checkpoint_renames(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The renaming load_weights applies before param_name (what LoRA adapters'
+        module names and B rows go through, lora/layers.py)."""
+        return self._our_names(weights)
+
     def _our_names(self, weights: Iterable[tuple[str, torch.Tensor]]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
         """GPT-NeoX's checkpoint names as the Llama-style ones this model's parameters
