@@ -16,9 +16,10 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
-# Pending (2026-12-06, twenty-third session): the one-launch LoRA kernel
-# (tests/test_lora_kernel.py and test_lora.py -m gpu; its cost in lora_overhead.py, with
-# SPINDLE_LORA_KERNEL=0 for the masked GEMMs) and the graphs captured without adapters;
+# Pending (2026-12-06, twenty-third session): the one-launch LoRA kernel, off by default
+# until this decides (tests/test_lora_kernel.py and test_lora.py -m gpu; its cost in
+# lora_overhead.py with SPINDLE_LORA_KERNEL=1 and 0) and the graphs captured without
+# adapters;
 # the engine tests under longest-first decode attention (the default) finished no call
 # yet, though none failed; SPINDLE_GDN_TRITON_PREFILL's engine default (off), the
 # Granite 3.x GPU cases, the rest of the kernel tests (structured outputs on CUDA).

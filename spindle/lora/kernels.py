@@ -11,8 +11,11 @@ returns at once, and nothing is allocated.
 
 Rounding is the masked form's: x A^T rounded to the activation dtype, the delta
 rounded before it is added, the sum rounded. Steps of more tokens than MAX_TOKENS
-(prefills) take the masked GEMMs, which use tensor cores; SPINDLE_LORA_KERNEL=0 makes
-every step take them.
+(prefills) take the masked GEMMs, which use tensor cores.
+
+Off by default (SPINDLE_LORA_KERNEL=1 turns it on): it is tested against the masked
+form under Triton's interpreter only; its GPU test and its cost in CUDA graphs wait for
+a device session (benchmarks/pending_gpu_checks.sh), which decides the default.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def takes(x: torch.Tensor, y: torch.Tensor, parts: int) -> bool:
     """Whether lora_add_ applies: CUDA 2-D tensors of a decode-sized step, switched on."""
     return (x.is_cuda and x.dim() == 2 and y.dim() == 2 and x.shape[0] <= MAX_TOKENS
             and x.stride(1) == 1
-            and parts <= MAX_PARTS and y.is_contiguous() and on_off(SWITCH_ENV, True))
+            and parts <= MAX_PARTS and y.is_contiguous() and on_off(SWITCH_ENV, False))
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,

@@ -11,8 +11,8 @@ first r of its R). A step adds
 to the layer's output, where the mask [T, L * R] keeps, for each token, the columns of
 its request's slot (none for a request without an adapter). That is two GEMMs of static
 shapes whatever the mix of adapters: the same code on every device, inside CUDA graphs.
-On CUDA a decode-sized step does the same sum in one Triton launch a layer that reads
-only each token's own slot (lora/kernels.py).
+On CUDA a decode-sized step can do the same sum in one Triton launch a layer that reads
+only each token's own slot (lora/kernels.py; SPINDLE_LORA_KERNEL=1, off by default).
 Under tensor parallelism A and B are split as the layer's weight is: a column-parallel
 layer's B by its output rows, a row-parallel layer's A by its input columns (whose
 partial products then go into the layer's own all-reduce, the sum being linear)."""
