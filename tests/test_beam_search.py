@@ -114,3 +114,59 @@ def test_ignore_eos_and_bad_params(with_eos):
                            (BeamSearchParams(2, 64), "more than max_model_len")):
             with pytest.raises(ValueError, match=words):
                 llm.beam_search(PROMPTS[:1], bad)
+
+
+@pytest.fixture(scope="module")
+def beam_server(with_eos, tmp_path_factory):
+    from server_utils import served
+
+    path, _ = with_eos
+    yield from served(tmp_path_factory, str(path), "--device", "cpu", "--dtype", "float32",
+                      "--max-model-len", "64", "--served-model-name", "beams")
+
+
+@pytest.mark.parametrize("params", [
+    BeamSearchParams(beam_width=3, max_tokens=8),
+    BeamSearchParams(beam_width=2, max_tokens=10, length_penalty=2.0, early_stopping=True)],
+    ids=["k3", "k2-penalty2-early"])
+def test_the_server_use_beam_search_equals_transformers(with_eos, beam_server, params):
+    """POST /v1/completions with use_beam_search (vLLM's extension), through the official
+    client: n choices per prompt, each prompt's beams best first, equal to transformers'
+    sequences (decoded), with finish reasons; several prompts in one request."""
+    from server_utils import official_client
+    from transformers import AutoTokenizer
+
+    path, model = with_eos
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = json.loads((path / "config.json").read_text())["eos_token_id"]
+    response = official_client(beam_server).completions.create(
+        model="beams", prompt=PROMPTS, max_tokens=params.max_tokens, n=params.beam_width,
+        extra_body={"use_beam_search": True, "length_penalty": params.length_penalty,
+                    "early_stopping": params.early_stopping})
+    k = params.beam_width
+    assert [c.index for c in response.choices] == list(range(len(PROMPTS) * k))
+    for i, prompt in enumerate(PROMPTS):
+        expected = hf_beams(model, prompt, params, eos)
+        choices = response.choices[i * k:(i + 1) * k]
+        assert [c.text for c in choices] == \
+            [tokenizer.decode(t, skip_special_tokens=True) for t, _ in expected]
+        assert [c.finish_reason for c in choices] == \
+            ["stop" if t[-1] in eos else "length" for t, _ in expected]
+    assert response.usage.prompt_tokens == sum(len(p) for p in PROMPTS)
+
+
+def test_the_server_refuses_what_beam_search_cannot_honour(beam_server):
+    import openai
+    from server_utils import official_client
+
+    client = official_client(beam_server)
+    for extra, field in (({"stream": True}, "stream"), ({"temperature": 0.7}, "temperature"),
+                         ({"logprobs": 2}, "logprobs"), ({"seed": 3}, "seed"),
+                         ({"max_tokens": 100}, "max_model_len")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model="beams", prompt=PROMPTS[0], n=2,
+                                      extra_body={"use_beam_search": True, **extra})
+    with pytest.raises(openai.BadRequestError, match="length_penalty applies only with"):
+        client.completions.create(model="beams", prompt=PROMPTS[0], max_tokens=4,
+                                  extra_body={"length_penalty": 2.0})
+    assert client.completions.create(model="beams", prompt=PROMPTS[0], max_tokens=2).choices

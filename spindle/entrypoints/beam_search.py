@@ -136,25 +136,61 @@ def beam_search(llm: Any, prompts: list[list[int]], params: BeamSearchParams,
                 eos_token_ids: frozenset[int]) -> list[BeamSearchOutput]:
     """The search for every prompt (token ids), stepping all of them together (params
     validated by the caller, LLM.beam_search)."""
+    searches = start_searches(prompts, params, eos_token_ids)
+    while beams := running_beams(searches):
+        outputs = llm.generate([{"prompt_token_ids": b} for b in beams],
+                               step_params(searches), use_tqdm=False)
+        advance(searches, [top_logprobs(o) for o in outputs])
+    tokenizer = llm.engine.tokenizer
+    return outputs_of(searches, prompts,
+                      lambda t: tokenizer.decode(t, skip_special_tokens=True))
+
+
+async def beam_search_async(step, prompts: list[list[int]], params: BeamSearchParams,
+                            eos_token_ids: frozenset[int]) -> list[BeamSearchOutput]:
+    """The same search over an asynchronous engine (the server's use_beam_search): await
+    step(beams, step_params(...)) gives, per beam (token ids), its RequestOutput of one
+    token. The sequences' text is left empty, for the caller to decode."""
+    searches = start_searches(prompts, params, eos_token_ids)
+    while beams := running_beams(searches):
+        outputs = await step(beams, step_params(searches))
+        advance(searches, [top_logprobs(o) for o in outputs])
+    return outputs_of(searches, prompts, lambda tokens: "")
+
+
+def start_searches(prompts: list[list[int]], params: BeamSearchParams,
+                   eos_token_ids: frozenset[int]) -> list[_PromptSearch]:
+    eos = frozenset() if params.ignore_eos else eos_token_ids
+    return [_PromptSearch(p, params, eos) for p in prompts]
+
+
+def running_beams(searches: list[_PromptSearch]) -> list[list[int]]:
+    """The token ids of every running beam of the searches not done, in order."""
+    return [tokens for s in searches if not s.done for tokens, _ in s.running]
+
+
+def step_params(searches: list[_PromptSearch]):
+    """One greedy token with the top-K log-probs (K: the searches' beams_to_keep)."""
     from spindle.sampling_params import SamplingParams
 
-    eos = frozenset() if params.ignore_eos else eos_token_ids
-    searches = [_PromptSearch(p, params, eos) for p in prompts]
-    while True:
-        live = [s for s in searches if not s.done]
-        if not live:
-            break
-        beams = [tokens for s in live for tokens, _ in s.running]
-        step = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
-                              logprobs=live[0].keep)
-        outputs = llm.generate([{"prompt_token_ids": b} for b in beams], step, use_tqdm=False)
-        tops = [{token: entry.logprob for token, entry in o.outputs[0].logprobs[0].items()}
-                for o in outputs]
-        start = 0
-        for search in live:
-            count = len(search.running)
-            search.step(tops[start:start + count])
-            start += count
-    tokenizer = llm.engine.tokenizer
-    return [s.output(p, lambda t: tokenizer.decode(t, skip_special_tokens=True))
-            for s, p in zip(searches, prompts)]
+    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                          logprobs=searches[0].keep)
+
+
+def top_logprobs(output: Any) -> dict[int, float]:
+    """A one-token RequestOutput's top next tokens and their log-probs."""
+    return {token: entry.logprob for token, entry in output.outputs[0].logprobs[0].items()}
+
+
+def advance(searches: list[_PromptSearch], tops: list[dict[int, float]]) -> None:
+    """Step every search not done with its beams' share of tops (running_beams' order)."""
+    start = 0
+    for search in [s for s in searches if not s.done]:
+        count = len(search.running)
+        search.step(tops[start:start + count])
+        start += count
+
+
+def outputs_of(searches: list[_PromptSearch], prompts: list[list[int]], decode
+               ) -> list[BeamSearchOutput]:
+    return [s.output(p, decode) for s, p in zip(searches, prompts)]
