@@ -155,6 +155,29 @@ def test_the_server_use_beam_search_equals_transformers(with_eos, beam_server, p
     assert response.usage.prompt_tokens == sum(len(p) for p in PROMPTS)
 
 
+def test_the_server_chat_use_beam_search_equals_transformers(with_eos, beam_server):
+    """POST /v1/chat/completions with use_beam_search: n assistant messages, best first,
+    transformers' beams over the chat template's rendering of the conversation."""
+    from server_utils import official_client
+    from transformers import AutoTokenizer
+
+    path, model = with_eos
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = json.loads((path / "config.json").read_text())["eos_token_id"]
+    messages = [{"role": "user", "content": "Count with me: one two"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    response = official_client(beam_server).chat.completions.create(
+        model="beams", messages=messages, max_completion_tokens=6, n=3,
+        extra_body={"use_beam_search": True})
+    expected = hf_beams(model, list(prompt), params, eos)
+    assert [c.message.content for c in response.choices] == \
+        [tokenizer.decode(t, skip_special_tokens=True) for t, _ in expected]
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert response.usage.prompt_tokens == len(prompt)
+
+
 def test_the_server_refuses_what_beam_search_cannot_honour(beam_server):
     import openai
     from server_utils import official_client
@@ -166,6 +189,11 @@ def test_the_server_refuses_what_beam_search_cannot_honour(beam_server):
         with pytest.raises(openai.BadRequestError, match=field):
             client.completions.create(model="beams", prompt=PROMPTS[0], n=2,
                                       extra_body={"use_beam_search": True, **extra})
+    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+        client.chat.completions.create(
+            model="beams", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            extra_body={"use_beam_search": True})
     with pytest.raises(openai.BadRequestError, match="length_penalty applies only with"):
         client.completions.create(model="beams", prompt=PROMPTS[0], max_tokens=4,
                                   extra_body={"length_penalty": 2.0})

@@ -180,6 +180,11 @@ class _SamplingRequest(_Request):
     priority: int = 0
     # (vLLM's extension) cached prefixes are shared only among requests of one salt.
     cache_salt: Text | None = Field(None, min_length=1)
+    # (vLLM's extension) beam search of n beams, as transformers' generate(num_beams=n):
+    # the n best sequences; length_penalty and early_stopping as transformers' are.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -188,6 +193,48 @@ class _SamplingRequest(_Request):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               "stream_options")
+        if not self.use_beam_search:
+            for name in ("length_penalty", "early_stopping"):
+                if getattr(self, name) is not None:
+                    raise bad_request(f"{name} applies only with use_beam_search", name)
+
+    def beam_search_params(self, max_tokens: int | None, max_n: int) -> BeamSearchParams:
+        """The search use_beam_search asks for; 400 naming a field beam search cannot
+        honour (it samples nothing, and streams and scores nothing but its sequences)."""
+        if max_tokens is None:
+            raise bad_request("max_tokens must be set with use_beam_search", "max_tokens")
+        if self.n > max_n:
+            raise bad_request(f"n must be at most {max_n} (the server's --max-n), got {self.n}",
+                              "n")
+        if self.temperature not in (None, 0, 0.0):
+            raise bad_request("use_beam_search is deterministic: temperature must be 0 or "
+                              "unset", "temperature")
+        unsupported = {"stream": self.stream, "top_p": self.top_p, "top_k": self.top_k,
+                       "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
+                       "stop_token_ids": self.stop_token_ids,
+                       "presence_penalty": self.presence_penalty,
+                       "frequency_penalty": self.frequency_penalty,
+                       "repetition_penalty": self.repetition_penalty,
+                       "logit_bias": self.logit_bias, "min_tokens": self.min_tokens,
+                       "prompt_logprobs": self.prompt_logprobs,
+                       "structured_outputs": self.structured_outputs,
+                       **self._fields_beam_search_ignores()}
+        for name, value in unsupported.items():
+            if value not in (None, False, 0):
+                raise bad_request(f"{name} is not supported with use_beam_search", name)
+        params = BeamSearchParams(
+            beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+            length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
+            early_stopping=False if self.early_stopping is None else self.early_stopping)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise bad_request(str(e), "length_penalty") from None
+        return params
+
+    def _fields_beam_search_ignores(self) -> dict[str, Any]:
+        """The request kind's own fields a beam search cannot honour, by name."""
+        return {}
 
     def prompt_logprobs_wanted(self) -> int | None:
         return self.prompt_logprobs
@@ -245,55 +292,15 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: Text | None = None
     best_of: int | None = None
-    # (vLLM's extension) beam search of n beams, as transformers' generate(num_beams=n):
-    # the n best sequences; length_penalty and early_stopping as transformers' are.
-    use_beam_search: bool = False
-    length_penalty: float | None = None
-    early_stopping: bool | Literal["never"] | None = None
-
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (only best_of == n)", "best_of")
-        if not self.use_beam_search:
-            for name in ("length_penalty", "early_stopping"):
-                if getattr(self, name) is not None:
-                    raise bad_request(f"{name} applies only with use_beam_search", name)
 
-    def beam_search_params(self, max_n: int) -> BeamSearchParams:
-        """The search use_beam_search asks for; 400 naming a field beam search cannot
-        honour (it samples nothing, and streams and scores nothing but its sequences)."""
-        if self.max_tokens is None:
-            raise bad_request("max_tokens must be set with use_beam_search", "max_tokens")
-        if self.n > max_n:
-            raise bad_request(f"n must be at most {max_n} (the server's --max-n), got {self.n}",
-                              "n")
-        if self.temperature not in (None, 0, 0.0):
-            raise bad_request("use_beam_search is deterministic: temperature must be 0 or "
-                              "unset", "temperature")
-        unsupported = {"stream": self.stream, "logprobs": self.logprobs, "echo": self.echo,
-                       "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                       "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-                       "presence_penalty": self.presence_penalty,
-                       "frequency_penalty": self.frequency_penalty,
-                       "repetition_penalty": self.repetition_penalty,
-                       "logit_bias": self.logit_bias, "min_tokens": self.min_tokens,
-                       "prompt_logprobs": self.prompt_logprobs,
-                       "structured_outputs": self.structured_outputs}
-        for name, value in unsupported.items():
-            if value not in (None, False, 0):
-                raise bad_request(f"{name} is not supported with use_beam_search", name)
-        params = BeamSearchParams(
-            beam_width=self.n, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
-            length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
-            early_stopping=False if self.early_stopping is None else self.early_stopping)
-        try:
-            params.validate()
-        except ValueError as e:
-            raise bad_request(str(e), "length_penalty") from None
-        return params
+    def _fields_beam_search_ignores(self) -> dict[str, Any]:
+        return {"logprobs": self.logprobs, "echo": self.echo}
 
     def prompt_logprobs_wanted(self) -> int | None:
         """prompt_logprobs, or with echo and logprobs the echoed prompt's: as many."""
@@ -356,6 +363,10 @@ class ChatCompletionRequest(_SamplingRequest):
                               "response_format or structured_outputs with it", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+    def _fields_beam_search_ignores(self) -> dict[str, Any]:
+        return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs,
+                "tools": self.tools, "response_format": self.response_format}
 
     def checked_tools(self) -> list[dict] | None:
         if self.tools is None:

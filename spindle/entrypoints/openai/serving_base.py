@@ -6,6 +6,7 @@ requests, server-sent events and usage."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,8 @@ from typing import Any, AsyncIterator, Sequence
 
 from spindle.engine.async_llm import AsyncLLM, RequestStream
 from spindle.engine.llm_engine import PromptType
-from spindle.entrypoints.openai.protocol import APIError, request_aborted
+from spindle.entrypoints.beam_search import beam_search_async
+from spindle.entrypoints.openai.protocol import APIError, bad_request, request_aborted
 from spindle.outputs import CompletionOutput, RequestOutput, finite_logprob
 from spindle.sampling_params import SamplingParams
 
@@ -122,6 +124,35 @@ class OpenAIServing:
             self._special_ids = await self.engine.call(
                 lambda engine: tokenizer_special_ids(engine.tokenizer))
         return self._special_ids
+
+    async def beam_search(self, req: Any, request_id: str, model: str,
+                          token_ids: list[list[int]], params: Any) -> tuple[list, list[str]]:
+        """use_beam_search for each prompt (token ids; entrypoints/beam_search.py): every
+        prompt's beam_width sequences, best first, one after another, and their text.
+        Each step's beams go to the engine as one-token requests (request_id-beamS-B)
+        beside the others in flight; the prefix cache serves what they share."""
+        longest = max(len(t) for t in token_ids) + params.max_tokens
+        if longest > self.models.max_model_len:
+            raise bad_request(f"a prompt and max_tokens ({params.max_tokens}) take {longest} "
+                              f"tokens, more than max_model_len ({self.models.max_model_len})",
+                              "max_tokens")
+        eos = await self.engine.call(lambda engine: frozenset(engine.eos_token_ids))
+        steps = itertools.count()
+
+        async def step(beams: list[list[int]], step_params: SamplingParams) -> list:
+            streams = await self.start(f"{request_id}-beam{next(steps)}",
+                                       [{"prompt_token_ids": b} for b in beams], step_params,
+                                       model, req.priority, req.cache_salt)
+            outputs = await final_outputs(streams)
+            for output in outputs:
+                raise_if_aborted(output.outputs[0])
+            return outputs
+
+        results = await beam_search_async(step, token_ids, params, eos)
+        sequences = [seq for result in results for seq in result.sequences]
+        texts = await self.engine.call(lambda engine: [engine.tokenizer.decode(
+            seq.token_ids, skip_special_tokens=req.skip_special_tokens) for seq in sequences])
+        return sequences, texts
 
     async def start(self, request_id: str, prompts: Sequence[PromptType],
                     params: SamplingParams, model: str | None = None,

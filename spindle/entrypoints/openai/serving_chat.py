@@ -34,6 +34,8 @@ class ChatServing(OpenAIServing):
         """The response body, or an iterator of server-sent events when req.stream."""
         model = self.models.resolve(req.model)
         req.refuse_unsupported()
+        if req.use_beam_search:
+            return await self._beam_search(req, request_id, model)
         tools, calls = self._tool_calls_wanted(req)
         params = req.sampling_params(req.max_new_tokens(), req.logprobs_wanted(), self.max_n)
         if calls == "auto" and self.tool_call_parser in KEEPS_SPECIAL_TOKENS:
@@ -94,6 +96,23 @@ class ChatServing(OpenAIServing):
                 and not splits_constrained_answers(parser):
             return None
         return parser
+
+    async def _beam_search(self, req: ChatCompletionRequest, request_id: str, model: str
+                           ) -> dict[str, Any]:
+        """use_beam_search: n assistant messages, best first (OpenAIServing.beam_search)."""
+        params = req.beam_search_params(req.max_new_tokens(), self.max_n)
+        conversation = chat_messages(req.template_messages())
+        prompt = await self.engine.with_tokenizer(lambda tokenizer: render_chat_prompt(
+            tokenizer, conversation, req.add_generation_prompt, req.chat_template, None,
+            req.chat_template_kwargs))
+        token_ids = list(prompt["prompt_token_ids"])
+        sequences, texts = await self.beam_search(req, request_id, model, [token_ids], params)
+        choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}
+                   for i, (seq, text) in enumerate(zip(sequences, texts))]
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": model, "choices": choices,
+                "usage": usage(len(token_ids), sum(len(seq.token_ids) for seq in sequences))}
 
     async def _stream(self, req: ChatCompletionRequest, header: dict, streams, holdback: int,
                       special: frozenset[int],

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from typing import Any, AsyncIterator
 
-from spindle.entrypoints.beam_search import beam_search_async
-from spindle.entrypoints.openai.protocol import CompletionRequest, api_error, bad_request
+from spindle.entrypoints.openai.protocol import CompletionRequest, api_error
 from spindle.entrypoints.openai.serving_base import (SSE_DONE, OpenAIServing, StreamProgress,
                                                      final_outputs, logprob_token_count,
                                                      merge_streams, prompt_logprobs_json,
@@ -50,45 +48,20 @@ class CompletionServing(OpenAIServing):
 
     async def _beam_search(self, req: CompletionRequest, request_id: str, model: str
                            ) -> dict[str, Any]:
-        """use_beam_search: n beams per prompt (entrypoints/beam_search.py), each step's
-        one-token requests through the engine like any others (the prefix cache serves
-        what the beams share); n choices per prompt, best first."""
-        params = req.beam_search_params(self.max_n)
+        """use_beam_search: n choices per prompt, best first (OpenAIServing.beam_search)."""
+        params = req.beam_search_params(req.max_tokens, self.max_n)
         prompts = req.prompts()
-
-        def prepare(engine) -> tuple[list[list[int]], frozenset[int]]:
-            ids = [list(engine.input_processor.process(p, SamplingParams()).token_ids)
-                   for p in prompts]
-            return ids, frozenset(engine.eos_token_ids)
-
-        token_ids, eos = await self.engine.call(prepare)
-        longest = max(len(t) for t in token_ids) + params.max_tokens
-        if longest > self.models.max_model_len:
-            raise bad_request(f"a prompt and max_tokens ({params.max_tokens}) take {longest} "
-                              f"tokens, more than max_model_len ({self.models.max_model_len})",
-                              "max_tokens")
-        steps = itertools.count()
-
-        async def step(beams: list[list[int]], step_params: SamplingParams) -> list:
-            streams = await self.start(f"{request_id}-beam{next(steps)}",
-                                       [{"prompt_token_ids": b} for b in beams], step_params,
-                                       model, req.priority, req.cache_salt)
-            outputs = await final_outputs(streams)
-            for output in outputs:
-                raise_if_aborted(output.outputs[0])
-            return outputs
-
-        results = await beam_search_async(step, token_ids, params, eos)
-        sequences = [seq for result in results for seq in result.sequences]
-        texts = await self.engine.call(lambda engine: [engine.tokenizer.decode(
-            seq.token_ids, skip_special_tokens=req.skip_special_tokens) for seq in sequences])
+        token_ids = await self.engine.call(lambda engine: [
+            list(engine.input_processor.process(p, SamplingParams()).token_ids)
+            for p in prompts])
+        sequences, texts = await self.beam_search(req, request_id, model, token_ids, params)
         choices = [{"index": i, "text": text, "logprobs": None,
                     "finish_reason": seq.finish_reason, "stop_reason": None}
                    for i, (seq, text) in enumerate(zip(sequences, texts))]
-        completion_tokens = sum(len(seq.token_ids) for r in results for seq in r.sequences)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model, "choices": choices,
-                "usage": usage(sum(len(t) for t in token_ids), completion_tokens, 0)}
+                "usage": usage(sum(len(t) for t in token_ids),
+                               sum(len(seq.token_ids) for seq in sequences))}
 
     async def _echoed_logprobs(self, req: CompletionRequest, output: RequestOutput
                                ) -> dict[str, list] | None:
