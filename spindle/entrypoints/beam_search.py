@@ -132,6 +132,15 @@ class _PromptSearch:
         return BeamSearchOutput(list(prompt), sequences)
 
 
+def check_fits(prompts: list[list[int]], params: BeamSearchParams, max_model_len: int
+               ) -> None:
+    """ValueError unless every prompt (token ids) and max_tokens fit max_model_len."""
+    longest = max(len(t) for t in prompts) + params.max_tokens
+    if longest > max_model_len:
+        raise ValueError(f"a prompt and max_tokens ({params.max_tokens}) take {longest} "
+                         f"tokens, more than max_model_len ({max_model_len})")
+
+
 def beam_search(llm: Any, prompts: list[list[int]], params: BeamSearchParams,
                 eos_token_ids: frozenset[int]) -> list[BeamSearchOutput]:
     """The search for every prompt (token ids), stepping all of them together (params

@@ -78,17 +78,13 @@ class LLM:
         params.beam_width) searches (entrypoints/beam_search.py): each output holds the
         beam_width best sequences, best first. Steps run through the engine (the
         prefix cache serves what the beams share: keep it on)."""
-        from spindle.entrypoints.beam_search import beam_search
+        from spindle.entrypoints.beam_search import beam_search, check_fits
         from spindle.sampling_params import SamplingParams
 
         params.validate()
         token_ids = [self.engine.input_processor.process(p, SamplingParams()).token_ids
                      for p in _as_prompt_list(prompts)]
-        longest = max(len(t) for t in token_ids) + params.max_tokens
-        if longest > self.config.model.max_model_len:
-            raise ValueError(f"a prompt and max_tokens ({params.max_tokens}) take {longest} "
-                             f"tokens, more than max_model_len "
-                             f"({self.config.model.max_model_len})")
+        check_fits(token_ids, params, self.config.model.max_model_len)
         return beam_search(self, token_ids, params, frozenset(self.engine.eos_token_ids))
 
     def embed(self, prompts: PromptType | Sequence[PromptType],

@@ -292,6 +292,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: Text | None = None
     best_of: int | None = None
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.suffix:

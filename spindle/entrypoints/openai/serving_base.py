@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from spindle.engine.async_llm import AsyncLLM, RequestStream
 from spindle.engine.llm_engine import PromptType
-from spindle.entrypoints.beam_search import beam_search_async
+from spindle.entrypoints.beam_search import beam_search_async, check_fits
 from spindle.entrypoints.openai.protocol import APIError, bad_request, request_aborted
 from spindle.outputs import CompletionOutput, RequestOutput, finite_logprob
 from spindle.sampling_params import SamplingParams
@@ -131,11 +131,10 @@ class OpenAIServing:
         prompt's beam_width sequences, best first, one after another, and their text.
         Each step's beams go to the engine as one-token requests (request_id-beamS-B)
         beside the others in flight; the prefix cache serves what they share."""
-        longest = max(len(t) for t in token_ids) + params.max_tokens
-        if longest > self.models.max_model_len:
-            raise bad_request(f"a prompt and max_tokens ({params.max_tokens}) take {longest} "
-                              f"tokens, more than max_model_len ({self.models.max_model_len})",
-                              "max_tokens")
+        try:
+            check_fits(token_ids, params, self.models.max_model_len)
+        except ValueError as e:
+            raise bad_request(str(e), "max_tokens") from None
         eos = await self.engine.call(lambda engine: frozenset(engine.eos_token_ids))
         steps = itertools.count()
 
