@@ -254,7 +254,40 @@ def test_the_server_serves_adapters_by_name(adapters, tmp_path_factory):
 
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             client.completions.create(model="nope", prompt="hi", max_tokens=2)
+        import httpx
+
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        assert 'spindle:lora_requests_info{max_lora="2",model_name="tiny",' in metrics
         _check_runtime_updates(server, client, requests, offline)
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters():
+    """vLLM's lora_requests_info: one series whose labels name the adapters of the
+    running and of the waiting requests, and max_loras; a change replaces the series."""
+    from types import SimpleNamespace
+
+    from spindle.engine.stats import EngineStats, IterationStats, LoRAStats
+    from spindle.entrypoints.openai.metrics import PrometheusStatLogger
+
+    def request(name):
+        return SimpleNamespace(lora_request=None if name is None else LoRARequest(name, 1, "/x"))
+
+    scheduler = SimpleNamespace(running=[request("sql"), request(None), request("chat"),
+                                         request("sql")],
+                                waiting=[request("math")], scheduler_config=SimpleNamespace(
+                                    max_loras=2))
+    lora = LoRAStats.of(scheduler)
+    assert lora == LoRAStats(("chat", "sql"), ("math",), 2)
+    logger = PrometheusStatLogger("tiny")
+    for stats in (lora, LoRAStats(("math",), (), 2)):
+        logger.record(EngineStats(num_running=1, num_waiting=0, num_held=0,
+                                  kv_cache_usage=0.0, lora=stats), IterationStats())
+    text = logger.render().decode()
+    series = [line for line in text.splitlines()
+              if line.startswith("spindle:lora_requests_info{")]
+    assert len(series) == 1, series
+    assert 'running_lora_adapters="math"' in series[0]
+    assert 'waiting_lora_adapters=""' in series[0] and 'max_lora="2"' in series[0]
 
 
 def _check_runtime_updates(server, client, requests, offline) -> None:

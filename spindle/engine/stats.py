@@ -58,6 +58,23 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """The adapters of the scheduler's requests (vLLM's lora_requests_info)."""
+    running: tuple[str, ...]  # the running requests' adapters, by name, sorted
+    waiting: tuple[str, ...]  # the waiting requests' ones
+    max_loras: int
+
+    @classmethod
+    def of(cls, scheduler) -> "LoRAStats":
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_request.lora_name for r in requests
+                                 if r.lora_request is not None}))
+
+        return cls(names(scheduler.running), names(scheduler.waiting),
+                   scheduler.scheduler_config.max_loras)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int  # in the scheduler's waiting queue
@@ -66,6 +83,7 @@ class EngineStats:
     pause_mode: str | None = None
     sleep_level: int | None = None
     spec_decode: SpecDecodeStats | None = None  # None without speculative decoding
+    lora: LoRAStats | None = None  # None where no adapters are served
 
     @property
     def num_in_flight(self) -> int:
@@ -81,7 +99,9 @@ class EngineStats:
                    pause_mode=gate.pause_mode.value if gate.pause_mode else None,
                    sleep_level=gate.sleep_level,
                    spec_decode=(core.scheduler.spec_decode_stats.copy()
-                                if core.scheduler.speculative_config is not None else None))
+                                if core.scheduler.speculative_config is not None else None),
+                   lora=(LoRAStats.of(core.scheduler)
+                         if core.scheduler.scheduler_config.max_loras else None))
 
 
 @dataclass

@@ -6,6 +6,8 @@ two servers (or tests) in one process do not collide on metric names.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
@@ -38,6 +40,11 @@ class EngineMetricFamilies:
                                 "Requests waiting to run (queued, or held while paused).")
         self.kv_cache_usage = make(Gauge, "spindle:kv_cache_usage_perc",
                                    "Fraction of KV cache blocks in use (0 to 1).")
+        self.lora_info = make(Gauge, "spindle:lora_requests_info",
+                              "LoRA adapters of the running and waiting requests (comma-"
+                              "separated names) and max_loras; the value is when it was "
+                              "recorded (Unix time), as vLLM's lora_requests_info.",
+                              ("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
         self.is_paused = make(Gauge, "spindle:engine_paused", "1 while the engine is paused.")
         self.is_sleeping = make(Gauge, "spindle:engine_sleeping", "1 while the engine sleeps.")
         self.prompt_tokens = make(Counter, "spindle:prompt_tokens", "Prompt tokens prefilled.")
@@ -75,9 +82,11 @@ class PrometheusStatLogger:
         self.registry = families.registry
         self._model_name = model_name
         for name, family in vars(families).items():
-            if name not in ("registry", "finished"):
+            if name not in ("registry", "finished", "lora_info"):
                 setattr(self, name, family.labels(model_name=model_name))
         self._finished = families.finished
+        self._lora_info = families.lora_info
+        self._lora_labels: tuple[str, ...] | None = None  # (the series last set)
         self._spec_seen = (0, 0, 0)
 
     def record(self, stats: EngineStats, iteration: IterationStats) -> None:
@@ -88,6 +97,8 @@ class PrometheusStatLogger:
         self.is_sleeping.set(stats.sleep_level is not None)
         if stats.spec_decode is not None:
             self._record_spec_decode(stats.spec_decode)
+        if stats.lora is not None:
+            self._record_lora(stats.lora)
         if iteration.is_empty:
             return
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
@@ -100,6 +111,16 @@ class PrometheusStatLogger:
             self.e2e.observe(finished.e2e_latency)
             self._finished.labels(model_name=self._model_name,
                                   finished_reason=finished.finish_reason).inc()
+
+    def _record_lora(self, lora) -> None:
+        """One series, its labels the adapters now (the previous series removed)."""
+        labels = (self._model_name, ",".join(lora.running), ",".join(lora.waiting),
+                  str(lora.max_loras))
+        if labels != self._lora_labels:
+            if self._lora_labels is not None:
+                self._lora_info.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self._lora_info.labels(*labels).set(time.time())
 
     def _record_spec_decode(self, spec) -> None:
         totals = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
