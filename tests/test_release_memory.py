@@ -7,7 +7,6 @@ gated DeltaNet, encoder-only) and with LoRA slots."""
 from __future__ import annotations
 
 import gc
-import time
 import weakref
 
 import pytest
@@ -61,17 +60,16 @@ def test_an_encoder_only_model_leaves_no_tensor_to_the_collector(no_collector):
     assert not [r for r in refs if r() is not None]
 
 
-def test_an_exit_on_the_cpu_does_not_scan_the_whole_heap(tiny_model):
-    """With a heap of a million objects (as a test process or a notebook has), leaving
-    an LLM takes far less than one full collection of it."""
-    heap = [[i] for i in range(1_000_000)]
-    start = time.perf_counter()
-    gc.collect()
-    full_collection = time.perf_counter() - start
+def test_an_exit_on_the_cpu_runs_no_full_collection(tiny_model, monkeypatch):
+    """Leaving an LLM on the CPU does not collect the caller's whole heap (0.25 s with
+    transformers imported, at every exit): nothing of the model needs it (above)."""
+    full_collections = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: (
+        full_collections.append(generation) if generation == 2 else None,
+        collect(generation))[1])
     with LLM(str(tiny_model("llama")), device="cpu", dtype="float32",
              max_model_len=64) as llm:
         llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
-        start = time.perf_counter()
-    exit_time = time.perf_counter() - start
-    del heap
-    assert exit_time < full_collection / 2, (exit_time, full_collection)
+        started = len(full_collections)
+    assert len(full_collections) == started
