@@ -25,9 +25,6 @@ import triton
 import triton.language as tl
 
 from spindle.layers import pdl
-from spindle.switches import on_off
-
-SWITCH_ENV = "SPINDLE_LORA_KERNEL"
 MAX_TOKENS = 256  # the largest step (in tokens) the kernel takes: decode-sized ones
 MAX_PARTS = 3  # q/k/v, the most projections a layer merges
 _BLOCK_N = 128
@@ -36,10 +33,11 @@ _TARGET_PROGRAMS = 264  # about two waves of an H100/H200 (132 SMs)
 
 
 def takes(x: torch.Tensor, y: torch.Tensor, parts: int) -> bool:
-    """Whether lora_add_ applies: CUDA 2-D tensors of a decode-sized step, switched on."""
+    """Whether lora_add_ applies: CUDA 2-D tensors of a decode-sized step (the switch,
+    SPINDLE_LORA_KERNEL, is read once, by the layer's LoRASlots)."""
     return (x.is_cuda and x.dim() == 2 and y.dim() == 2 and x.shape[0] <= MAX_TOKENS
             and x.stride(1) == 1
-            and parts <= MAX_PARTS and y.is_contiguous() and on_off(SWITCH_ENV, False))
+            and parts <= MAX_PARTS and y.is_contiguous())
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,

@@ -26,6 +26,9 @@ import torch
 from torch import nn
 
 from spindle.lora.adapter import PeftAdapter
+from spindle.switches import on_off
+
+KERNEL_SWITCH_ENV = "SPINDLE_LORA_KERNEL"  # the one-launch kernel (lora/kernels.py), off
 
 
 def lora_columns(max_loras: int, max_rank: int, device: torch.device) -> torch.Tensor:
@@ -57,6 +60,7 @@ class LoRASlots(nn.Module):
         """part_rows: this rank's output rows of each projection the layer merges."""
         super().__init__()
         self.part_rows = part_rows
+        self.use_kernel = on_off(KERNEL_SWITCH_ENV, False)
         self.parts, self.max_loras, self.max_rank = len(part_rows), max_loras, max_rank
         if sum(part_rows) != layer.output_size:
             raise ValueError(f"LoRA parts of {part_rows} rows for a layer of "
@@ -71,7 +75,7 @@ class LoRASlots(nn.Module):
     def add(self, y: torch.Tensor, x: torch.Tensor, step: LoRAStep) -> torch.Tensor:
         """y [T, out] plus the step's adapters' share for x [T, in] (in place, and y
         returned, where the one-launch kernel applies)."""
-        if y.is_cuda:
+        if self.use_kernel and y.is_cuda:
             from spindle.lora import kernels  # (Triton: only where CUDA is)
 
             if kernels.takes(x, y, self.parts):
