@@ -1,6 +1,6 @@
 """The skinny Triton GEMM against F.linear (cuBLAS) at decode batch sizes, on CUDA.
 
-For M in 1, 2, 4, 8 and Qwen3-0.6B's four projections plus its LM head: the time per
+For M in 1, 2, 4, 8 (or --m, up to 256) and Qwen3-0.6B's four projections plus its LM head: the time per
 call and the weight-streaming bandwidth it reaches. Each timed graph replays gpu_timing.CALLS
 calls that cycle through enough copies of the weight (over 256 MB) that no call finds
 its weight in L2, as in a decode step; a call's time is the replay time (CUDA events,
@@ -37,14 +37,19 @@ ROTATE_BYTES = 256 << 20
 SWEEP_TILES = ((32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128))
 
 
-def sweep_configs(n: int, k: int, num_sms: int, tiles=SWEEP_TILES):
-    """Tiles x warps x stages, each with its default split, half and twice that."""
-    from spindle.layers.skinny_gemm import SkinnyConfig, pick_config
+def sweep_configs(n: int, k: int, num_sms: int, tiles=SWEEP_TILES, m: int = 1,
+                  stages=(3, 4)):
+    """Tiles x warps x stages, each with its default split for m rows, half and twice
+    that."""
+    from spindle.layers.skinny_gemm import SkinnyConfig, block_m, pick_config
 
-    for (block_n, block_k), warps, stages in itertools.product(tiles, (4, 8), (3, 4)):
+    rows_block = block_m(m)
+    m_tiles = -(-m // rows_block)
+    for (block_n, block_k), warps, stage in itertools.product(tiles, (4, 8), stages):
         if k % block_k:
             continue
-        auto = pick_config(n, k, num_sms, SkinnyConfig(block_n, block_k, 1, warps, stages))
+        auto = pick_config(n, k, num_sms, SkinnyConfig(block_n, block_k, 1, warps, stage),
+                           rows_block=rows_block, m_tiles=m_tiles)
         for split in sorted({auto.split_k // 2, auto.split_k, auto.split_k * 2} - {0}):
             if k % (split * block_k) == 0:
                 yield replace(auto, split_k=split)
@@ -62,11 +67,13 @@ def main() -> None:
                         help="with --sweep: only these (block_n x block_k) tiles, each "
                         "config's time printed (a tile as wide as a split's K loads the "
                         "program's whole weight before waiting for the kernel before)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[3, 4],
+                        help="with --sweep: the pipeline depths tried")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
-    from spindle.layers.skinny_gemm import (_num_sms, new_split_counters, pick_config,
-                                            skinny_linear)
+    from spindle.layers.skinny_gemm import (_num_sms, block_m, max_rows, new_split_counters,
+                                            pick_config, skinny_linear)
 
     dtype = getattr(torch, args.dtype)
     tiles = SWEEP_TILES
@@ -75,6 +82,9 @@ def main() -> None:
             tiles = tuple(tuple(int(v) for v in t.lower().split("x")) for t in args.tiles)
         except ValueError:
             raise SystemExit(f"--tiles takes NxK pairs such as 16x1024, got {args.tiles}")
+    if max(args.m) > max_rows():
+        print(f"(M above {max_rows()} launches without PDL: set SPINDLE_SKINNY_MAX_M to time "
+              f"the chain as the engine would run it)")
     num_sms = _num_sms(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: {num_sms} SMs, device copy "
           f"{copy_bandwidth() / 1e12:.2f} TB/s (read + write)")
@@ -95,12 +105,13 @@ def main() -> None:
                 raise SystemExit(f"{name} M={m}: relative error {err:.2e}")
             moved = (n * k + m * k + m * n) * dtype.itemsize
             cublas = graph_us(lambda i: F.linear(x, weights[i % copies]), args.iters)
-            auto = pick_config(n, k, num_sms)
+            auto = pick_config(n, k, num_sms, rows_block=block_m(m),
+                               m_tiles=-(-m // block_m(m)))
             skinny = graph_us(lambda i: skinny_linear(x, weights[i % copies], counters=counters),
                              args.iters)
             best, best_cfg = skinny, auto
             if args.sweep:
-                for cfg in sweep_configs(n, k, num_sms, tiles):
+                for cfg in sweep_configs(n, k, num_sms, tiles, m, args.stages):
                     try:
                         t = graph_us(lambda i: skinny_linear(x, weights[i % copies], config=cfg,
                                                             counters=counters),
@@ -116,21 +127,21 @@ def main() -> None:
                          moved / skinny / 1e6, cublas / skinny, err, auto, best, best_cfg))
             print(f"  {name} M={m}: F.linear {cublas:.2f} us, skinny {skinny:.2f} us",
                   flush=True)
-    print(f"\n{'shape':>13} {'N':>6} {'K':>5} {'M':>2} | {'F.linear us':>11} {'TB/s':>5} | "
+    print(f"\n{'shape':>13} {'N':>6} {'K':>5} {'M':>3} | {'F.linear us':>11} {'TB/s':>5} | "
           f"{'skinny us':>9} {'TB/s':>5} | {'speedup':>7} | {'rel err':>7} | "
           f"default tiles (n, k, split, warps, stages)")
     for (name, n, k, m, cublas, cublas_bw, skinny, skinny_bw, speedup, err, auto, best,
          best_cfg) in rows:
-        print(f"{name:>13} {n:>6} {k:>5} {m:>2} | {cublas:>11.2f} {cublas_bw:>5.2f} | "
+        print(f"{name:>13} {n:>6} {k:>5} {m:>3} | {cublas:>11.2f} {cublas_bw:>5.2f} | "
               f"{skinny:>9.2f} {skinny_bw:>5.2f} | {speedup:>7.2f} | {err:>7.1e} | "
               f"{auto.block_n}, {auto.block_k}, {auto.split_k}, {auto.num_warps}, "
               f"{auto.num_stages}")
     if args.sweep:
-        print(f"\n{'shape':>13} {'M':>2} | {'default us':>10} | {'best us':>7} {'TB/s':>5} | "
+        print(f"\n{'shape':>13} {'M':>3} | {'default us':>10} | {'best us':>7} {'TB/s':>5} | "
               f"best tiles (n, k, split, warps, stages)")
         for (name, n, k, m, _, _, skinny, _, _, _, _, best, cfg) in rows:
             moved = (n * k + m * k + m * n) * dtype.itemsize
-            print(f"{name:>13} {m:>2} | {skinny:>10.2f} | {best:>7.2f} {moved / best / 1e6:>5.2f}"
+            print(f"{name:>13} {m:>3} | {skinny:>10.2f} | {best:>7.2f} {moved / best / 1e6:>5.2f}"
                   f" | {cfg.block_n}, {cfg.block_k}, {cfg.split_k}, {cfg.num_warps}, "
                   f"{cfg.num_stages}")
     per_layer = {m: sum(r[6] for r in rows if r[3] == m and r[0] != "lm_head") for m in args.m}

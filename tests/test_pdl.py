@@ -24,19 +24,40 @@ def test_pdl_only_where_switched_on_and_the_gpu_has_it(monkeypatch, switch, devi
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
     assert pdl.enabled(dev) is on
     assert pdl.launch_options(dev) == ({"launch_pdl": True} if on else {})
-    for rows in (1, pdl.MAX_ROWS, pdl.MAX_ROWS + 1, 256):
-        expected = on and rows <= pdl.MAX_ROWS
+    monkeypatch.delenv(pdl.MAX_ROWS_ENV, raising=False)
+    for rows in (1, pdl.max_rows(), pdl.max_rows() + 1, 256):
+        expected = on and rows <= pdl.max_rows()
         args = pdl.kernel_args(dev, rows)
         assert args["PDL"] is expected
         assert args.get("launch_pdl", False) is expected
 
 
-def test_pdl_rows_bound_is_the_skinny_gemms():
+def test_pdl_rows_bound_is_the_skinny_gemms(monkeypatch):
     """PDL pays where the decode GEMMs are the skinny Triton kernel (measured: from 16
-    rows, with cuBLAS between the kernels, it was slower), so the bounds agree."""
+    rows, with cuBLAS between the kernels, it was slower), so one setting,
+    SPINDLE_SKINNY_MAX_M, moves both bounds; a value the kernel cannot take is refused
+    by name."""
     from spindle.layers import skinny_gemm
 
-    assert pdl.MAX_ROWS == skinny_gemm.MAX_M
+    monkeypatch.setattr(pdl, "_capability", lambda d: (9, 0))
+    monkeypatch.delenv(pdl.SWITCH_ENV, raising=False)
+    dev = torch.device("cuda", 0)
+    w = torch.randn(64, 256, dtype=torch.bfloat16)
+    for setting, bound in ((None, pdl.DEFAULT_MAX_ROWS), ("64", 64), ("256", 256)):
+        if setting is None:
+            monkeypatch.delenv(pdl.MAX_ROWS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(pdl.MAX_ROWS_ENV, setting)
+        assert skinny_gemm.max_rows() == pdl.max_rows() == bound
+        for rows in (bound, bound + 1):
+            x = torch.randn(rows, 256, dtype=torch.bfloat16)
+            assert skinny_gemm.skinny_gemm_applies(x, w) is (rows <= bound)
+            assert pdl.kernel_args(dev, rows)["PDL"] is (rows <= bound)
+    for bad in ("0", "257", "sixteen", "-1"):
+        monkeypatch.setenv(pdl.MAX_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match="SPINDLE_SKINNY_MAX_M must be an integer from 1 "
+                                             "to 256"):
+            pdl.max_rows()
 
 
 def _hopper() -> bool:

@@ -62,6 +62,26 @@ def test_skinny_linear(m, n, k, dtype, with_bias):
     _check(_run(x, w, b), _reference(x, w, b), dtype)
 
 
+@pytest.mark.parametrize("n,k", pick(QWEN_SHAPES, SMALL_SHAPES) + TAIL_SHAPES)
+@pytest.mark.parametrize("m", pick([17, 24, 32, 33, 64, 100, 128, 129, 200, 256], [17, 100, 200]))
+def test_skinny_linear_row_blocks(m, n, k):
+    """More than 16 rows: row blocks of 32 to 128 (block_m), several of them past 128,
+    each with its split-K counters (they are left at zero for the next launch)."""
+    from spindle.layers.skinny_gemm import new_split_counters
+
+    x, w, b = _inputs(m, n, k, HALF, True, seed=hash((m, n, k)) % 1000)
+    counters = new_split_counters(n, x.device)
+    _check(_run(x, w, b, counters=counters), _reference(x, w, b), HALF)
+    assert not counters.any()
+
+
+def test_block_m_follows_the_rows():
+    from spindle.layers.skinny_gemm import MAX_M, block_m
+
+    assert [block_m(m) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, MAX_M)] == [
+        16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
+
+
 @pytest.mark.skipif(INTERPRETED, reason="too slow for the interpreter: the small shapes "
                     "take the same paths there")
 @pytest.mark.parametrize("n,k", QWEN_SHAPES)
@@ -89,14 +109,15 @@ def test_split_k_is_deterministic_and_rearms_its_counters():
     bit for bit; and it leaves the arrival counters at zero, as a graph replay needs."""
     from spindle.layers.skinny_gemm import SkinnyConfig, new_split_counters
 
-    x, w, _ = _inputs(8, pick(1024, 256), 2048, torch.bfloat16, False, seed=7)
-    cfg = SkinnyConfig(split_k=8)
-    counters = new_split_counters(w.shape[0], x.device)
-    first = _run(x, w, None, config=cfg, counters=counters)
-    for _ in range(3):
-        assert torch.equal(_run(x, w, None, config=cfg, counters=counters), first)
-    assert not counters.any()
-    _check(first, _reference(x, w, None), torch.bfloat16)
+    for m in (8, 200):  # (one row block; two, each with its own counters)
+        x, w, _ = _inputs(m, pick(1024, 256), 2048, torch.bfloat16, False, seed=7)
+        cfg = SkinnyConfig(split_k=8)
+        counters = new_split_counters(w.shape[0], x.device)
+        first = _run(x, w, None, config=cfg, counters=counters)
+        for _ in range(3):
+            assert torch.equal(_run(x, w, None, config=cfg, counters=counters), first)
+        assert not counters.any()
+        _check(first, _reference(x, w, None), torch.bfloat16)
 
 
 def test_strided_and_3d_inputs():
@@ -170,12 +191,12 @@ def test_the_mlp_fuses_its_activation_into_the_down_projection(monkeypatch, swit
     real = fused_kernels.silu_and_mul
     monkeypatch.setattr(fused_kernels, "silu_and_mul",
                         lambda x: activations.append(len(x)) or real(x))
-    past = skinny_gemm.MAX_M + 1
-    for m in (1, skinny_gemm.MAX_M, past):
+    bound = skinny_gemm.max_rows()
+    for m in (1, bound, bound + 1):
         x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
         expected = mlp.down_proj(real(mlp.gate_up_proj(x)))
         assert torch.equal(mlp(x), expected)
-    assert activations == ([past] if switch == "1" else [1, skinny_gemm.MAX_M, past])
+    assert activations == ([bound + 1] if switch == "1" else [1, bound, bound + 1])
 
 
 def test_when_the_skinny_gemm_applies(monkeypatch):
@@ -189,6 +210,10 @@ def test_when_the_skinny_gemm_applies(monkeypatch):
     assert not use_skinny_gemm(x, w)  # CPU tensors keep F.linear
     assert skinny_gemm_applies(torch.randn(16, 256, dtype=torch.bfloat16), w)
     assert not skinny_gemm_applies(torch.randn(17, 256, dtype=torch.bfloat16), w)  # M > 16
+    monkeypatch.setenv("SPINDLE_SKINNY_MAX_M", "256")
+    assert skinny_gemm_applies(torch.randn(256, 256, dtype=torch.bfloat16), w)
+    assert not skinny_gemm_applies(torch.randn(257, 256, dtype=torch.bfloat16), w)
+    monkeypatch.delenv("SPINDLE_SKINNY_MAX_M")
     assert not skinny_gemm_applies(x.float(), w.float())
     assert not skinny_gemm_applies(x[:, :248], w[:, :248].contiguous())  # K % 16
     assert not skinny_gemm_applies(x, w.T.contiguous().T)  # non-contiguous weight
@@ -280,7 +305,7 @@ def test_fp8_weight_needs_its_scale_to_apply():
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("n,k,split", pick([(1024, 2048, 8), (1024, 3072, 12)],
                                            [(256, 1024, 4), (192, 768, 3)]))
-@pytest.mark.parametrize("m", pick([1, 3, 8], [1, 3]))
+@pytest.mark.parametrize("m", pick([1, 3, 8, 40, 200], [1, 3, 40]))
 def test_deferred_merge_gives_the_merged_bits(m, n, k, split, silu):
     """defer_merge: the partials left unsummed add up (merged(), and the fused RMSNorm
     as it loads them, with and without a residual) to the bits the GEMM's own merge
@@ -325,8 +350,8 @@ def test_deferred_merge_only_where_k_is_split_without_bias():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers dispatch on CUDA only")
 def test_the_mlp_defers_its_merge_to_the_norm(monkeypatch):
     """LlamaMLP on a decode-sized CUDA batch, asked to defer: its down projection leaves
-    its partials to the next RMSNorm (up to skinny_gemm.MAX_M rows), and they give that
-    norm the bits of the merged output; one row more (cuBLAS) gives a tensor."""
+    its partials to the next RMSNorm (up to skinny_gemm.max_rows() rows), and they give
+    that norm the bits of the merged output; one row more (cuBLAS) gives a tensor."""
     from spindle.distributed.parallel_state import TensorParallelGroup
     from spindle.layers import skinny_gemm
     from spindle.layers.norm import RMSNorm
@@ -337,12 +362,13 @@ def test_the_mlp_defers_its_merge_to_the_norm(monkeypatch):
         norm = RMSNorm(1024)
     for p in list(mlp.parameters()) + list(norm.parameters()):
         p.data = (torch.randn_like(p, dtype=torch.float32) / 32).to(torch.bfloat16).cuda()
-    for m in (1, skinny_gemm.MAX_M, skinny_gemm.MAX_M + 1):
+    bound = skinny_gemm.max_rows()
+    for m in (1, bound, bound + 1):
         x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
         residual = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
         deferred = mlp(x, defer_merge=True)
         stored = mlp(x)
-        assert isinstance(deferred, skinny_gemm.SplitKPartials) == (m <= skinny_gemm.MAX_M)
+        assert isinstance(deferred, skinny_gemm.SplitKPartials) == (m <= bound)
         assert torch.equal(skinny_gemm.merged(deferred), stored)
         for a, b in zip(norm(deferred, residual), norm(stored, residual)):
             assert torch.equal(a, b)
@@ -366,4 +392,20 @@ def test_pick_config_splits_k_only_for_few_n_tiles():
     assert chosen(151936, 1024) == (1, 128)
     assert chosen(4096, 1152) == (1, 128)
     assert pick_config(4096, 1024, 132, SkinnyConfig(block_k=512)).block_k == 512
+
+
+def test_pick_config_counts_row_blocks():
+    """Row blocks count as programs (down_proj at 256 rows: 2 x 16 tiles, so 6 splits
+    reach the SMs where one block needs 12); blocks of 64 rows and more keep K tiles of 128 (their x tile would
+    not fit shared memory beside a 256-deep W tile)."""
+    from spindle.layers.skinny_gemm import SkinnyConfig, base_config, pick_config
+
+    assert pick_config(1024, 3072, 132, rows_block=16).split_k == 12
+    assert pick_config(1024, 2048, 132, rows_block=128, m_tiles=2).split_k == 8
+    assert pick_config(1024, 2048, 132, rows_block=128, m_tiles=1).split_k == 8
+    assert pick_config(1024, 3072, 132, rows_block=128, m_tiles=2).split_k == 6
+    assert pick_config(4096, 1024, 132, rows_block=32).block_k == 256
+    assert pick_config(4096, 1024, 132, rows_block=64).block_k == 128
+    assert pick_config(4096, 1024, 132, rows_block=128, m_tiles=2).split_k == 1
+    assert base_config(128).num_warps == 8 and base_config(16) == SkinnyConfig()
 

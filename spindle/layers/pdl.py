@@ -19,16 +19,18 @@ launched that way: one that reads before waiting could see its predecessor's
 half-written output. A kernel launched without PDL waits for its predecessor as usual,
 whatever that one did.
 
-It applies to launches of at most MAX_ROWS rows (tokens or requests), on CUDA devices of
-compute capability 9.0 and later. Measured on an H200 (docs/benchmarks.md): decode graphs
-of 1 to 8 requests replay 9-12% faster with it; from 16 requests, where cuBLAS GEMMs (which
-do not take part) sit between these kernels instead of the skinny Triton GEMM, 1.5-3.6%
-slower. SPINDLE_PDL=0 switches it off.
+It applies to launches of at most max_rows() rows (tokens or requests), on CUDA devices
+of compute capability 9.0 and later. Measured on an H200 (docs/benchmarks.md): decode
+graphs of 1 to 8 requests replay 9-12% faster with it; from 16 requests, where cuBLAS
+GEMMs (which do not take part) sat between these kernels instead of the skinny Triton
+GEMM, 1.5-3.6% slower. So the limit is the skinny GEMM's: SPINDLE_SKINNY_MAX_M moves
+both. SPINDLE_PDL=0 switches it off.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -53,8 +55,9 @@ except ImportError:
         pass
 
 SWITCH_ENV = "SPINDLE_PDL"
-# The most rows a PDL launch has: skinny_gemm.MAX_M, the GEMMs' switch to cuBLAS.
-MAX_ROWS = 16
+MAX_ROWS_ENV = "SPINDLE_SKINNY_MAX_M"
+DEFAULT_MAX_ROWS = 16
+_KERNEL_MAX_ROWS = 256  # (skinny_gemm.MAX_M: the most rows its kernel takes)
 
 
 def enabled(device: torch.device) -> bool:
@@ -62,6 +65,21 @@ def enabled(device: torch.device) -> bool:
     and a GPU that has it."""
     return (on_off(SWITCH_ENV, True) and HAVE_GDC and device.type == "cuda"
             and _capability(device) >= (9, 0))
+
+
+def max_rows(environ=os.environ) -> int:
+    """The most rows of a PDL launch, which is also the most rows for which the engine's
+    linear layers take the skinny GEMM (layers/skinny_gemm.py): above it they are cuBLAS,
+    which takes no part in the chain. SPINDLE_SKINNY_MAX_M, 1 to 256; default
+    DEFAULT_MAX_ROWS."""
+    raw = environ.get(MAX_ROWS_ENV, "")
+    if not raw:
+        return DEFAULT_MAX_ROWS
+    value = int(raw) if raw.strip().isdigit() else 0
+    if not 1 <= value <= _KERNEL_MAX_ROWS:
+        raise ValueError(f"{MAX_ROWS_ENV} must be an integer from 1 to {_KERNEL_MAX_ROWS}, "
+                         f"got {raw!r}")
+    return value
 
 
 def launch_options(device: torch.device) -> Mapping[str, bool]:
@@ -72,7 +90,7 @@ def launch_options(device: torch.device) -> Mapping[str, bool]:
 def kernel_args(device: torch.device, rows: int) -> Mapping[str, bool]:
     """What a launch site of rows rows (tokens or requests) passes a kernel that calls
     enter(PDL): the constexpr and the launch keywords. (Called at every launch.)"""
-    return _PDL_ARGS if rows <= MAX_ROWS and enabled(device) else _NO_PDL_ARGS
+    return _PDL_ARGS if rows <= max_rows() and enabled(device) else _NO_PDL_ARGS
 
 
 _NO_OPTIONS: Mapping[str, bool] = MappingProxyType({})

@@ -1,14 +1,20 @@
-"""A Triton GEMM for decode-sized batches: y = x W^T (+ b) with x [M, K], M <= 16.
+"""A Triton GEMM for decode-sized batches: y = x W^T (+ b) with x [M, K], M <= 256.
 
-At M = 1..16 a linear layer is a pass over its weight: cuBLAS reaches about a quarter
-of an H200's memory bandwidth at these shapes. Here each program streams a
-[BLOCK_N, BLOCK_K] tile of W along K (K is contiguous: coalesced, pipelined loads),
-multiplies it by the M rows of x (padded to 16 for the matrix units; x is tiny and
-stays in cache) and accumulates in float32. When N alone gives too few programs to
-fill the chip (o_proj, down_proj), K is split as well; the program of an N tile that
-finishes last sums the splits' partials in a fixed order, so results do not depend on
-arrival order and there is no second launch. The grid depends only on (M, N, K):
-CUDA graphs can capture it. This module knows nothing of layers or parallelism.
+At decode batch sizes a linear layer is a pass over its weight: cuBLAS reaches about a
+quarter of an H200's memory bandwidth at M = 1..16, and from 17 rows on its kernels,
+which take no part in programmatic dependent launch (layers/pdl.py), stop the PDL chain
+of a decode step. Here each program streams a [BLOCK_N, BLOCK_K] tile of W along K (K
+is contiguous: coalesced, pipelined loads), multiplies it by a block of up to 128 rows
+of x (padded to 16 at least for the matrix units; x is small and stays in cache) and
+accumulates in float32; more than 128 rows take several row blocks, whose programs of
+one N tile run side by side so the second reads W from L2. When N alone gives too few
+programs to fill the chip (o_proj, down_proj), K is split as well; the program of an
+output tile that finishes last sums the splits' partials in a fixed order, so results
+do not depend on arrival order and there is no second launch. The grid depends only
+on (M, N, K): CUDA graphs can capture it. This module knows nothing of layers or
+parallelism.
+
+The engine uses it up to max_rows() rows (SPINDLE_SKINNY_MAX_M); above, F.linear.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from spindle.switches import on_off
 from spindle.layers.fused_kernels import silu_mul
 from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this API)
 
-# One 16-row block (the matrix units' narrowest operand) serves every M up to 16 with
-# the same kernel and tiles.
-MAX_M = 16
-_BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
+# The most rows the kernel takes; the engine's own limit is max_rows().
+MAX_M = 256
+_MIN_BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
+_MAX_BLOCK_M = 128  # rows of x a program multiplies at once; more take several blocks
+max_rows = pdl.max_rows  # the engine's limit (SPINDLE_SKINNY_MAX_M), shared with PDL
 _DEEP_BLOCK_K = 256  # K tile of an unsplit program with few N tiles (pick_config)
 SWITCH_ENV = "SPINDLE_SKINNY_GEMM"  # "0": cuBLAS for every shape (A/B runs)
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -48,11 +55,18 @@ def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor,
     the same device, and SPINDLE_SKINNY_GEMM not "0" (the switch for A/B runs). (The
     device type is use_skinny_gemm's business.)"""
     weight_dtype = x.dtype if weight_scale is None else torch.float8_e4m3fn
-    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_M and x.dtype in _DTYPES
+    return (x.dim() == 2 and 1 <= x.shape[0] <= max_rows() and x.dtype in _DTYPES
             and weight.dtype == weight_dtype and weight.dim() == 2
             and weight.shape[1] == x.shape[1] and weight.shape[1] % 16 == 0
             and weight.is_contiguous() and weight.device == x.device
             and on_off(SWITCH_ENV, True))
+
+
+def block_m(m: int) -> int:
+    """The rows of x one program multiplies: M rounded up to a power of two, from 16
+    (the narrowest dot operand) to 128 (more rows take several blocks). One compiled
+    variant per block serves every M it covers (M is not specialized)."""
+    return min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, triton.next_power_of_2(m)))
 
 
 @dataclass(frozen=True)
@@ -109,9 +123,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if k == 0:
             out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
         return out.reshape(*lead, n)
-    cfg = config or _default_config(n, k, x.device)
+    rows_block = block_m(m)
+    m_tiles = triton.cdiv(m, rows_block)
+    cfg = config or _default_config(n, k, rows_block, m_tiles, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
-    if counters is None or n_tiles > counters.numel():
+    if counters is None or n_tiles * m_tiles > counters.numel():
         cfg = replace(cfg, split_k=1)
     split, block_k = cfg.split_k, cfg.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
@@ -122,13 +138,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                             device=x.device) if split > 1 else out)
     if defer:
         out = partials  # (not written)
-    _skinny_gemm_kernel[(n_tiles, split)](
+    # Row blocks are the grid's first axis: the blocks of one N tile run side by side,
+    # so all but the first find W's tiles in L2.
+    _skinny_gemm_kernel[(m_tiles, n_tiles, split)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, partials,
         counters if counters is not None else out,
         m, n, k, x.stride(0), k_per_split,
         HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, SPLIT_K=split,
-        BLOCK_M=_BLOCK_M,
+        BLOCK_M=rows_block,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k == split * k_per_split,
         # CPU tensors reach a Triton kernel only under Triton's interpreter, which
         # multiplies bf16 dot operands as raw integers: it gets float32 operands (bf16 x
@@ -161,35 +179,49 @@ class SplitKPartials:
         return total.to(self.dtype).reshape(*self.lead, self.n)
 
 
-def pick_config(n: int, k: int, num_sms: int,
-                base: SkinnyConfig = SkinnyConfig()) -> SkinnyConfig:
-    """base's tiles (64 x 128); K split only when the N tiles cover less than a third
-    of num_sms.
+def base_config(rows_block: int) -> SkinnyConfig:
+    """The tiles for a row block of rows_block (block_m()): 64 x 128 everywhere; fewer
+    pipeline stages and more warps as the x tile grows, so a stage's W and x tiles stay
+    within shared memory and the float32 accumulator within registers."""
+    if rows_block <= 16:
+        return SkinnyConfig()
+    if rows_block <= 64:
+        return SkinnyConfig(num_stages=3)
+    return SkinnyConfig(num_warps=8, num_stages=3)
+
+
+def pick_config(n: int, k: int, num_sms: int, base: SkinnyConfig | None = None,
+                rows_block: int = 16, m_tiles: int = 1) -> SkinnyConfig:
+    """base's tiles (default base_config(rows_block)); K split only when the programs
+    (N tiles x m_tiles row blocks) cover less than a third of num_sms.
 
     From a third of the SMs up, a program runs all of K (in tiles of at least
-    _DEEP_BLOCK_K, where K allows): on the H200 that beat splitting, whose programs
-    wait for the last split's merge (batch-1 decode graph 1.02 -> 0.94 ms with the
-    deferred merges, docs/benchmarks.md). Below, the split divides K into whole
-    BLOCK_K chunks (no masked tail), keeps at least two chunks per program so its
-    loads pipeline, and is the smallest such divisor that reaches num_sms programs
-    (else the largest there is). Qwen3-0.6B on 132 SMs: qkv 4096x1024 -> 64 tiles,
-    gate_up 6144x1024 -> 96 (both K tiles of 256), o_proj 1024x2048 -> 16 x 8 splits,
-    down_proj 1024x3072 -> 16 x 12, LM head 151936x1024 -> 2374."""
-    n_tiles = triton.cdiv(n, base.block_n)
-    if n_tiles >= num_sms or k % base.block_k:
+    _DEEP_BLOCK_K, where K allows and the row block is at most 32 rows): on the H200 that
+    beat splitting, whose programs wait for the last split's merge (batch-1 decode graph
+    1.02 -> 0.94 ms with the deferred merges, docs/benchmarks.md). Below, the split
+    divides K into whole BLOCK_K chunks (no masked tail), keeps at least two chunks per
+    program so its loads pipeline, and is the smallest such divisor that reaches num_sms
+    programs (else the largest there is). Qwen3-0.6B on 132 SMs, one row block: qkv
+    4096x1024 -> 64 tiles, gate_up 6144x1024 -> 96 (both K tiles of 256 up to 32 rows),
+    o_proj 1024x2048 -> 16 x 8 splits, down_proj 1024x3072 -> 16 x 12, LM head
+    151936x1024 -> 2374."""
+    base = base or base_config(rows_block)
+    programs = triton.cdiv(n, base.block_n) * m_tiles
+    if programs >= num_sms or k % base.block_k:
         return replace(base, split_k=1)
-    if 3 * n_tiles >= num_sms:
-        deep = max(base.block_k, _DEEP_BLOCK_K)
+    if 3 * programs >= num_sms:
+        deep = max(base.block_k, _DEEP_BLOCK_K) if rows_block <= 32 else base.block_k
         return replace(base, split_k=1, block_k=deep if k % deep == 0 else base.block_k)
     chunks = k // base.block_k
     splits = [d for d in range(1, chunks // 2 + 1) if chunks % d == 0] or [1]
-    return replace(base, split_k=next((d for d in splits if n_tiles * d >= num_sms),
+    return replace(base, split_k=next((d for d in splits if programs * d >= num_sms),
                                       splits[-1]))
 
 
 @functools.lru_cache(maxsize=None)
-def _default_config(n: int, k: int, device: torch.device) -> SkinnyConfig:
-    return pick_config(n, k, _num_sms(device))
+def _default_config(n: int, k: int, rows_block: int, m_tiles: int,
+                    device: torch.device) -> SkinnyConfig:
+    return pick_config(n, k, _num_sms(device), rows_block=rows_block, m_tiles=m_tiles)
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,8 +233,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 
-# M (1..16) is not specialized (Triton would compile M == 1 apart): one variant per
-# shape and config serves every decode batch, so nothing compiles after warm-up.
+# M is not specialized (Triton would compile M == 1 apart): one variant per shape,
+# config and row block serves every decode batch, so nothing compiles after warm-up.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr,
                         M, N, K, x_stride, k_per_split,
@@ -212,10 +244,11 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
                         IEEE: tl.constexpr, SILU_MUL: tl.constexpr, MERGE: tl.constexpr,
                         PDL: tl.constexpr):
     pdl.release(PDL)
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = split * k_per_split + tl.arange(0, BLOCK_K)
     m_valid = offs_m < M
     # The tail tile rereads row N - 1 instead of masking, so W loads stay unmasked.
@@ -240,16 +273,17 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_pt
         _store_output(acc, b_ptr, s_ptr, rows, y_ptrs, y_mask, HAS_BIAS, HAS_SCALE)
     else:
         # partials [SPLIT_K, M, n_tiles * BLOCK_N]: whole tiles, so no N mask.
-        width = tl.num_programs(0) * BLOCK_N
+        width = tl.num_programs(1) * BLOCK_N
         part = part_ptr + offs_m[None, :] * width + offs_n[:, None]
         tl.store(part + split * M * width, acc, mask=m_valid[None, :])
         if not MERGE:  # the next kernel adds the partials up (SplitKPartials)
             return
         # Every thread's partial is written before the arrival is counted (release);
         # the program that arrives last sees all partials (acquire) and sums them in
-        # split order, whichever order the splits finished in.
+        # split order, whichever order the splits finished in. A counter per output
+        # tile (row block, N tile).
         tl.debug_barrier()
-        counter = counters_ptr + pid_n
+        counter = counters_ptr + pid_n * tl.num_programs(0) + pid_m
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
