@@ -109,9 +109,10 @@ def test_split_k_is_deterministic_and_rearms_its_counters():
     bit for bit; and it leaves the arrival counters at zero, as a graph replay needs."""
     from spindle.layers.skinny_gemm import SkinnyConfig, new_split_counters
 
-    for m in (8, 200):  # (one row block; two, each with its own counters)
-        x, w, _ = _inputs(m, pick(1024, 256), 2048, torch.bfloat16, False, seed=7)
-        cfg = SkinnyConfig(split_k=8)
+    # (One row block; two, each output tile with its own counter.)
+    for m, k, split in ((8, 2048, 8), (200, 512, 4)):
+        x, w, _ = _inputs(m, pick(1024, 256), k, torch.bfloat16, False, seed=7)
+        cfg = SkinnyConfig(split_k=split)
         counters = new_split_counters(w.shape[0], x.device)
         first = _run(x, w, None, config=cfg, counters=counters)
         for _ in range(3):
