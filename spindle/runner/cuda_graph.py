@@ -145,9 +145,10 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Capture every size, largest first (the smaller graphs reuse its pool)."""
         for key in self._each_shape():
+            query_len, size, adapters = key
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[key] = self._forward(*key)
+                self.outputs[key] = self._forward(size, query_len, adapters)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[key] = graph
