@@ -360,13 +360,14 @@ class RowParallelLinear(_ParallelLinearBase):
         """forward(silu(gate) * up) for gate_up = [gate | up] [M, 2K] in one skinny GEMM
         launch that applies the activation as it loads (a SwiGLU MLP's down projection
         on a CUDA decode step), or None where that does not apply: not CUDA, more rows
-        than the skinny GEMM takes, a quantized or batch-invariant weight, or
+        than the skinny GEMM takes (or than skinny_gemm.SILU_MAX_M), a quantized or batch-invariant weight, or
         SPINDLE_SKINNY_SILU=0. The rounding is that of the separate activation kernel.
         defer_merge: as forward's."""
-        from spindle.layers.skinny_gemm import skinny_linear, use_skinny_gemm
+        from spindle.layers.skinny_gemm import SILU_MAX_M, skinny_linear, use_skinny_gemm
 
         k = self.weight.shape[1]
         if (not gate_up.is_cuda or gate_up.dim() != 2 or gate_up.shape[1] != 2 * k
+                or gate_up.shape[0] > SILU_MAX_M
                 or self._lora_step() is not None or self.int4 is not None
                 or self.weight_scale is not None
                 or self.batch_invariant or not on_off(SKINNY_SILU_ENV, True)

@@ -36,6 +36,9 @@ MAX_M = 256
 _MIN_BLOCK_M = 16  # the smallest dot operand Triton takes; rows >= M are masked
 _MAX_BLOCK_M = 128  # rows of x a program multiplies at once; more take several blocks
 max_rows = pdl.max_rows  # the engine's limit (SPINDLE_SKINNY_MAX_M), shared with PDL
+# With silu_and_mul, x comes as two tiles (gate and up): a block of 128 rows of them
+# overflows shared memory beside W (on an H100: 240 KB asked, 227 KB there).
+SILU_MAX_M = 64
 _DEEP_BLOCK_K = 256  # K tile of an unsplit program with few N tiles (pick_config)
 SWITCH_ENV = "SPINDLE_SKINNY_GEMM"  # "0": cuBLAS for every shape (A/B runs)
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -107,8 +110,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"skinny_linear needs a contiguous weight [N, K] with x [M, "
                          f"{'2K' if silu_and_mul else 'K'}], got x {tuple(x.shape)}, weight "
                          f"{tuple(weight.shape)} (contiguous={weight.is_contiguous()})")
-    if m > MAX_M:
-        raise ValueError(f"skinny_linear serves at most {MAX_M} rows, got {m}")
+    if m > (SILU_MAX_M if silu_and_mul else MAX_M):
+        raise ValueError(f"skinny_linear serves at most {MAX_M} rows, and {SILU_MAX_M} with "
+                         f"silu_and_mul, got {m}")
     if weight_scale is not None and (weight_scale.shape != (n,)
                                      or weight_scale.dtype != torch.float32):
         raise ValueError(f"weight_scale must be a float32 [{n}] tensor, got "
