@@ -7,6 +7,8 @@ tensors; the conversion is made once, and files that are not models are refused 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from spindle import LLM, SamplingParams
@@ -109,7 +111,16 @@ def requantize(src, dst, types: dict[str, str], num_layers: int = 2) -> None:
     size (gguf-py quantizes only the simple types)."""
     from spindle.tools.gguf_requantize import requantize as write
 
-    write(src, dst, types, num_layers, quantize=_quantize)
+    write(src, dst, types, num_layers, quantize=_quantize, reader=_source_reader(src))
+
+
+@functools.lru_cache(maxsize=2)
+def _source_reader(path):
+    """One reader of each source file for the whole run: the cuts are many, the source
+    one, and a reader decodes its 49,152-token vocabulary entry by entry (seconds)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
 
 
 def _quantize(data, qtype):

@@ -4,6 +4,8 @@ through spindle equal transformers' generate on the same checkpoint, token for t
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -28,9 +30,15 @@ def hf_chat_greedy(path, conversations, max_new: int,
     (gguf_file: transformers reads that GGUF file in path instead)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from spindle.models.gguf import one_reader_per_file
+
     source = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(path, **source)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **source).eval()
+    # (transformers opens a GGUF file three or four times, each decoding its whole
+    # vocabulary: one reader serves them, reading the same bytes.)
+    with one_reader_per_file() if gguf_file else contextlib.nullcontext():
+        tokenizer = AutoTokenizer.from_pretrained(path, **source)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     **source).eval()
     results = []
     for conversation in conversations:
         text = tokenizer.apply_chat_template(conversation, tokenize=False,

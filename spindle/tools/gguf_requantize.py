@@ -11,18 +11,21 @@ QuantizeFn = Callable[[object, object], object]  # (float32 array, type) -> pack
 
 
 def requantize(src: str | Path, dst: str | Path, types: dict[str, str],
-               num_layers: int | None = None, quantize: QuantizeFn | None = None) -> None:
+               num_layers: int | None = None, quantize: QuantizeFn | None = None,
+               reader=None) -> None:
     """src's metadata and its first num_layers layers (None: all) as a new GGUF file,
     each matrix quantized to the type its name's first matching key in types says
     (1-D tensors stay float32). quantize(data, type) makes the blocks (default
-    gguf.quants.quantize, which knows the simple types: Q4_0 ... Q8_0, F16, BF16)."""
+    gguf.quants.quantize, which knows the simple types: Q4_0 ... Q8_0, F16, BF16).
+    reader: a gguf.GGUFReader of src already open (reading a file's metadata decodes
+    every vocabulary entry one by one: seconds for a real tokenizer), else one is made."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize
 
     if quantize is None:
         from gguf.quants import quantize
-    reader = GGUFReader(str(src))
+    reader = reader if reader is not None else GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(str(dst), arch)
     for field in reader.fields.values():
