@@ -1,12 +1,12 @@
 """The skinny Triton GEMM against F.linear (cuBLAS) at decode batch sizes, on CUDA.
 
-For M in 1, 2, 4, 8 (or --m, up to 256) and Qwen3-0.6B's four projections plus its LM head: the time per
-call and the weight-streaming bandwidth it reaches. Each timed graph replays gpu_timing.CALLS
-calls that cycle through enough copies of the weight (over 256 MB) that no call finds
-its weight in L2, as in a decode step; a call's time is the replay time (CUDA events,
-median of --iters replays after a warm-up) over those calls, launch gaps included as in a
-captured decode step. Outputs are checked against a float32 reference first. The
-device-to-device copy rate is printed as the bandwidth ceiling.
+For M in 1, 2, 4, 8 (or --m, up to 256) and Qwen3-0.6B's four projections plus its LM
+head: the time per call and the weight-streaming bandwidth it reaches. Each timed graph
+replays gpu_timing.CALLS calls that cycle through enough copies of the weight (over 256
+MB) that no call finds its weight in L2, as in a decode step; a call's time is the
+replay time (CUDA events, median of --iters replays after a warm-up) over those calls,
+launch gaps included as in a captured decode step. Outputs are checked against a float32
+reference first. The device-to-device copy rate is printed as the bandwidth ceiling.
 
     python benchmarks/skinny_gemm.py                  # the table
     python benchmarks/skinny_gemm.py --sweep --m 1 8  # also the best tile configs

@@ -403,8 +403,8 @@ def test_pick_config_splits_k_only_for_few_n_tiles():
 
 def test_pick_config_counts_row_blocks():
     """Row blocks count as programs (down_proj at 256 rows: 2 x 16 tiles, so 6 splits
-    reach the SMs where one block needs 12); blocks of 64 rows and more keep K tiles of 128 (their x tile would
-    not fit shared memory beside a 256-deep W tile)."""
+    reach the SMs where one block needs 12); blocks of 64 rows and more keep K tiles of
+    128 (their x tile would not fit shared memory beside a 256-deep W tile)."""
     from spindle.layers.skinny_gemm import SkinnyConfig, base_config, pick_config
 
     assert pick_config(1024, 3072, 132, rows_block=16).split_k == 12

@@ -360,8 +360,9 @@ class RowParallelLinear(_ParallelLinearBase):
         """forward(silu(gate) * up) for gate_up = [gate | up] [M, 2K] in one skinny GEMM
         launch that applies the activation as it loads (a SwiGLU MLP's down projection
         on a CUDA decode step), or None where that does not apply: not CUDA, more rows
-        than the skinny GEMM takes (or than skinny_gemm.SILU_MAX_M), a quantized or batch-invariant weight, or
-        SPINDLE_SKINNY_SILU=0. The rounding is that of the separate activation kernel.
+        than the skinny GEMM takes (or than skinny_gemm.SILU_MAX_M), a quantized or
+        batch-invariant weight, or SPINDLE_SKINNY_SILU=0. The rounding is that of the
+        separate activation kernel.
         defer_merge: as forward's."""
         from spindle.layers.skinny_gemm import SILU_MAX_M, skinny_linear, use_skinny_gemm
 
