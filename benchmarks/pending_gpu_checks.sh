@@ -89,6 +89,10 @@ if [[ $what == kernels || $what == all ]]; then
     stamp "decode attention, both orders"
     timeout 120 python3 decode_attention.py --batches 256 192 128 96 64 32 \
         --json "$OUT/decode_attention.json" 2>&1 | tail -14
+    stamp "the skinny GEMM's tiles past 16 rows (default 16: cuBLAS won from 64, 2026-12-06)"
+    SPINDLE_SKINNY_MAX_M=256 timeout 200 python3 skinny_gemm.py --m 64 128 256 \
+        --shapes qkv_proj gate_up_proj o_proj down_proj --sweep \
+        --tiles 64x128 128x64 128x128 32x128 --stages 3 --iters 60 2>&1 | tail -16
     stamp "batch-1 layers as one persistent kernel (experiment)"
     timeout 200 python3 persistent_layers.py --json "$OUT/persistent.json" 2>&1 | tail -12
     stamp "gated delta prefill (torch by request, batched, Triton)"
