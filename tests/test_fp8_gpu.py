@@ -1,11 +1,11 @@
 """FP8 weights on a GPU with float8 GEMMs (compute capability 8.9+), bf16.
 
-The float8 GEMM of batches over skinny_gemm.MAX_M rows (per-token activation scales,
+The float8 GEMM of batches over skinny_gemm.max_rows() rows (per-token activation scales,
 torch._scaled_mm) against the float32 product of the same rounded operands, on fresh
 random inputs, and replayed from a CUDA graph; the engine with quantization="fp8"
 decoding in CUDA graphs equal to its eager decode; and the real SmolLM2-135M-Instruct
 answering as bf16 does at nearly every position (teacher-forced top-1 agreement), where
-it is installed. (The skinny float8 path, at most MAX_M rows, is tested in
+it is installed. (The skinny float8 path, at most max_rows() rows, is tested in
 test_skinny_gemm.py.)
 """
 
@@ -47,10 +47,11 @@ def _inputs(m, n, k, seed, with_bias=True):
 
 def _reference(x, q, scale, b):
     """The float32 product; the activations rounded per token as fp8_linear rounds
-    them above skinny_gemm.MAX_M rows (up to it, the skinny GEMM takes them as they are)."""
-    from spindle.layers.skinny_gemm import MAX_M
+    them above skinny_gemm.max_rows() rows (up to it, the skinny GEMM takes them as they
+    are)."""
+    from spindle.layers.skinny_gemm import max_rows
 
-    xs = round_rows(x) if x.shape[0] > MAX_M else x.float()
+    xs = round_rows(x) if x.shape[0] > max_rows() else x.float()
     ref = xs @ (q.float() * scale[:, None]).T
     return ref + b.float() if b is not None else ref
 

@@ -39,6 +39,7 @@ def test_pdl_rows_bound_is_the_skinny_gemms(monkeypatch):
     by name."""
     from spindle.layers import skinny_gemm
 
+    assert pdl._KERNEL_MAX_ROWS == skinny_gemm.MAX_M
     monkeypatch.setattr(pdl, "_capability", lambda d: (9, 0))
     monkeypatch.delenv(pdl.SWITCH_ENV, raising=False)
     dev = torch.device("cuda", 0)

@@ -11,7 +11,7 @@ parallelism a row-parallel shard's rows are scaled over that rank's columns.
 
 A matmul picks one of two paths:
 
-* decode-sized batches on CUDA (at most skinny_gemm.MAX_M = 16 rows): the skinny GEMM
+* decode-sized batches on CUDA (at most skinny_gemm.max_rows(), 16, rows): the skinny GEMM
   reads the float8 weight and widens it to the activations' dtype in registers: half
   the bytes of a bf16 weight, and the activations stay exact;
 * otherwise: the activations are quantized per token the same way (row max / 448) and
