@@ -41,15 +41,13 @@ def sweep_configs(n: int, k: int, num_sms: int, tiles=SWEEP_TILES, m: int = 1,
                   stages=(3, 4)):
     """Tiles x warps x stages, each with its default split for m rows, half and twice
     that."""
-    from spindle.layers.skinny_gemm import SkinnyConfig, block_m, pick_config
+    from spindle.layers.skinny_gemm import SkinnyConfig, pick_config, row_blocks
 
-    rows_block = block_m(m)
-    m_tiles = -(-m // rows_block)
     for (block_n, block_k), warps, stage in itertools.product(tiles, (4, 8), stages):
         if k % block_k:
             continue
         auto = pick_config(n, k, num_sms, SkinnyConfig(block_n, block_k, 1, warps, stage),
-                           rows_block=rows_block, m_tiles=m_tiles)
+                           **row_blocks(m))
         for split in sorted({auto.split_k // 2, auto.split_k, auto.split_k * 2} - {0}):
             if k % (split * block_k) == 0:
                 yield replace(auto, split_k=split)
@@ -72,8 +70,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
-    from spindle.layers.skinny_gemm import (_num_sms, block_m, max_rows, new_split_counters,
-                                            pick_config, skinny_linear)
+    from spindle.layers.skinny_gemm import (_num_sms, max_rows, new_split_counters,
+                                            pick_config, row_blocks, skinny_linear)
 
     dtype = getattr(torch, args.dtype)
     tiles = SWEEP_TILES
@@ -105,8 +103,7 @@ def main() -> None:
                 raise SystemExit(f"{name} M={m}: relative error {err:.2e}")
             moved = (n * k + m * k + m * n) * dtype.itemsize
             cublas = graph_us(lambda i: F.linear(x, weights[i % copies]), args.iters)
-            auto = pick_config(n, k, num_sms, rows_block=block_m(m),
-                               m_tiles=-(-m // block_m(m)))
+            auto = pick_config(n, k, num_sms, **row_blocks(m))
             skinny = graph_us(lambda i: skinny_linear(x, weights[i % copies], counters=counters),
                              args.iters)
             best, best_cfg = skinny, auto

@@ -67,12 +67,16 @@ def enabled(device: torch.device) -> bool:
             and _capability(device) >= (9, 0))
 
 
-def max_rows(environ=os.environ) -> int:
+def max_rows() -> int:
     """The most rows of a PDL launch, which is also the most rows for which the engine's
     linear layers take the skinny GEMM (layers/skinny_gemm.py): above it they are cuBLAS,
     which takes no part in the chain. SPINDLE_SKINNY_MAX_M, 1 to 256; default
-    DEFAULT_MAX_ROWS."""
-    raw = environ.get(MAX_ROWS_ENV, "")
+    DEFAULT_MAX_ROWS. (Asked at every launch: the setting's text is parsed once.)"""
+    return _parsed_max_rows(os.environ.get(MAX_ROWS_ENV, ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_max_rows(raw: str) -> int:
     if not raw:
         return DEFAULT_MAX_ROWS
     value = int(raw) if raw.strip().isdigit() else 0

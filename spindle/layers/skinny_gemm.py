@@ -72,6 +72,12 @@ def block_m(m: int) -> int:
     return min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, triton.next_power_of_2(m)))
 
 
+def row_blocks(m: int) -> dict[str, int]:
+    """pick_config's row arguments for M rows: the block (block_m) and how many."""
+    rows_block = block_m(m)
+    return {"rows_block": rows_block, "m_tiles": triton.cdiv(m, rows_block)}
+
+
 @dataclass(frozen=True)
 class SkinnyConfig:
     block_n: int = 64
@@ -127,8 +133,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if k == 0:
             out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
         return out.reshape(*lead, n)
-    rows_block = block_m(m)
-    m_tiles = triton.cdiv(m, rows_block)
+    rows = row_blocks(m)
+    rows_block, m_tiles = rows["rows_block"], rows["m_tiles"]
     cfg = config or _default_config(n, k, rows_block, m_tiles, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
     if counters is None or n_tiles * m_tiles > counters.numel():

@@ -13,9 +13,10 @@ Rounding is the masked form's: x A^T rounded to the activation dtype, the delta
 rounded before it is added, the sum rounded. Steps of more tokens than MAX_TOKENS
 (prefills) take the masked GEMMs, which use tensor cores.
 
-Off by default (SPINDLE_LORA_KERNEL=1 turns it on): it is tested against the masked
-form under Triton's interpreter only; its GPU test and its cost in CUDA graphs wait for
-a device session (benchmarks/pending_gpu_checks.sh), which decides the default.
+Off by default (SPINDLE_LORA_KERNEL=1 turns it on): it equals the masked form under
+Triton's interpreter and on an H100 (tests/test_lora_kernel.py, test_lora.py -m gpu);
+its cost in CUDA graphs waits for a device session (benchmarks/pending_gpu_checks.sh),
+which decides the default.
 """
 
 from __future__ import annotations
