@@ -15,6 +15,11 @@ verify_max_batch. Where LoRA adapters are served, each shape is captured twice: 
 adapters' work, and without it for steps none of whose requests has an adapter (which
 then run as fast as the base model's). Graphs are keyed by (tokens per request, batch
 size, adapters).
+
+With logits=True the graphs end with the LM head (ModelState.compute_logits), so a
+decode step launches no kernel of its own between the graph and its sampler: at batch 1
+the head's launch was about a fifth of the step's host time. The logits of a padded
+batch are computed for its padding rows too (nobody reads them).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import bisect
 import logging
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from spindle.attention.metadata import AttentionMetadata, decode_order, longest_first_enabled
@@ -48,18 +54,52 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-# Rows of the pinned host array staged each step (then one row per paged group's slots).
+def max_graph_tokens(max_batch: int, verify_len: int = 1, verify_max_batch: int = 0) -> int:
+    """The most tokens any captured graph runs: the static buffers' length."""
+    tokens = capture_sizes(max_batch)[-1]
+    if verify_len > 1 and verify_max_batch >= 1:
+        tokens = max(tokens, verify_len * capture_sizes(min(verify_max_batch, max_batch))[-1])
+    return tokens
+
+
+# Rows of the array staged each step (then one row per paged group's slots, then the
+# tokens' LoRA slots); SEQ_LENS, STATE_SLOTS and DECODE_ORDER hold int32 values,
+# HAS_STATE bools.
 _INPUT_IDS, _POSITIONS, _SEQ_LENS, _STATE_SLOTS, _HAS_STATE, _DECODE_ORDER, _FIRST_SLOTS = \
     range(7)
+
+
+def _int32_row(host: np.ndarray, row: int) -> np.ndarray:
+    """Row `row` of the staged int64 array as the int32 values it holds."""
+    return host[row].view(np.int32)
+
+
+def _pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, pin_memory=True)
+
+
+def _initial_inputs(rows: int, t: int, n: int) -> torch.Tensor:
+    """A pinned mirror of the staged array with the values of rows no step has written:
+    slots -1 (no cache write), state slots -1, every state initial, batch order."""
+    host_t = _pinned_zeros((rows, t), torch.int64)
+    host = host_t.numpy()
+    host[_FIRST_SLOTS:] = -1
+    _int32_row(host, _STATE_SLOTS)[:] = -1
+    host[_HAS_STATE].view(np.bool_)[:n] = True
+    _int32_row(host, _DECODE_ORDER)[:n] = np.arange(n, dtype=np.int32)
+    return host_t
 
 
 class CudaGraphRunner:
     def __init__(self, state: ModelState, max_batch: int, max_blocks_per_req: int,
                  device: torch.device, groups: Sequence[CacheGroup] = (),
-                 verify_len: int = 1, verify_max_batch: int = 0, lora=None) -> None:
+                 verify_len: int = 1, verify_max_batch: int = 0, lora=None,
+                 logits: bool = False) -> None:
         """lora: the runner's LoRAManager where adapters are served (each token's slot
-        is staged like its position; the graphs compute the mask from it)."""
+        is staged like its position; the graphs compute the mask from it). logits: the
+        graphs compute the LM head's logits too (see the module docstring)."""
         self.state = state
+        self.with_logits = logits
         self.lora = lora
         self.adapter_variants = (False, True) if lora is not None else (False,)
         self.device = device
@@ -72,39 +112,44 @@ class CudaGraphRunner:
         if verify_len > 1 and verify_max_batch >= 1:
             self.sizes_by_len[verify_len] = capture_sizes(min(verify_max_batch, self.max_batch))
         n = self.max_batch
-        t = max(size * q for q, sizes in self.sizes_by_len.items() for size in sizes)
-        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        t = max_graph_tokens(max_batch, verify_len, verify_max_batch)
+        # Every per-step input but the block tables is a row of one int64 array (the
+        # int32 and bool buffers are views of theirs), so a step stages them with one
+        # host-to-device copy: each copy costs the host about 15 us.
+        self._lora_row = _FIRST_SLOTS + self.num_paged  # (where adapters are served)
+        rows = self._lora_row + 1
+        self._staged = torch.zeros((rows, t), dtype=torch.int64, device=device)
+        self.input_ids = self._staged[_INPUT_IDS]
+        self.positions = self._staged[_POSITIONS]
+        self.seq_lens = self._staged[_SEQ_LENS].view(torch.int32)[:n]
         # Decode graphs start their requests longest first (attention/metadata.py).
         self.longest_first = longest_first_enabled()
-        self.decode_order = torch.arange(n, dtype=torch.int32, device=device)
+        self.decode_order = self._staged[_DECODE_ORDER].view(torch.int32)[:n]
         self.query_start_locs = {q: torch.arange(0, q * (n + 1), q, dtype=torch.int32,
                                                  device=device) for q in self.sizes_by_len}
-        self.slot_mappings = [torch.full((t,), -1, dtype=torch.int64, device=device)
-                              for _ in range(self.num_paged)]
+        self.slot_mappings = [self._staged[_FIRST_SLOTS + g] for g in range(self.num_paged)]
         self.block_tables = [torch.zeros((n, max_blocks_per_req), dtype=torch.int32,
                                          device=device) for _ in range(self.num_paged)]
-        self.lora_slots = torch.full((t,), -1, dtype=torch.int64, device=device)
-        self._lora_row = _FIRST_SLOTS + self.num_paged  # (its host row, where served)
-        self.state_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
-        self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
-        # Pinned host mirrors of the per-step inputs (one H2D copy per buffer per step),
-        # two sets used in turn: with async scheduling a step is staged while the
-        # previous step's copies may still be queued (see runner/staging.py).
-        # A step's block tables are packed [num, cols] in their pinned buffer: a copy
-        # from a strided slice of pinned memory would go through a pageable temporary,
-        # and a pageable copy makes the host wait for the device (no step ahead).
-        self._host_sets = [
-            (torch.zeros((_FIRST_SLOTS + self.num_paged + 1, t), dtype=torch.int64,
-                         pin_memory=True),
-             torch.zeros((max(1, self.num_paged), n * max_blocks_per_req), dtype=torch.int32,
-                         pin_memory=True)) for _ in range(2)]
+        self.lora_slots = self._staged[self._lora_row]
+        self.state_slots = self._staged[_STATE_SLOTS].view(torch.int32)[:n]
+        self.has_initial_state = self._staged[_HAS_STATE].view(torch.bool)[:n]
+        # Pinned host mirrors of the staged array, two used in turn: with async
+        # scheduling a step is staged while the previous step's copy may still be
+        # queued (see runner/staging.py). Rows a step does not write keep the values
+        # set here. A step's block tables are packed [num, cols] in their pinned
+        # buffer: a copy from a strided slice of pinned memory would go through a
+        # pageable temporary, and a pageable copy makes the host wait for the device.
+        self._host_sets = [(_initial_inputs(rows, t, n),
+                            _pinned_zeros((max(1, self.num_paged), n * max_blocks_per_req),
+                                          torch.int32))
+                           for _ in range(2)]
+        self._staged.copy_(self._host_sets[0][0])
         self._runs = 0
         self.num_replays: dict[tuple[int, int, bool], int] = {}  # by graph key, since capture
         # (tokens per request, size, adapters) -> graph, its output
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self.logits: dict[tuple[int, int, bool], torch.Tensor] = {}  # (with_logits)
         self.pool = None
 
     def can_run(self, batch: StepBatch) -> bool:
@@ -131,7 +176,7 @@ class CudaGraphRunner:
             for size in reversed(sizes):
                 self.seq_lens[:size].fill_(query_len)
                 for adapters in self.adapter_variants:
-                    self._forward(size, query_len, adapters)
+                    self._step(size, query_len, adapters)
                     yield query_len, size, adapters
         self.seq_lens.zero_()
 
@@ -148,15 +193,19 @@ class CudaGraphRunner:
             query_len, size, adapters = key
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[key] = self._forward(size, query_len, adapters)
+                self.outputs[key], logits = self._step(size, query_len, adapters)
+            if logits is not None:
+                self.logits[key] = logits
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
 
-    def run(self, batch: StepBatch, feed=None) -> torch.Tensor:
-        """Replay the graph of the smallest captured size >= batch size; hidden [T, ...].
-        feed(input_ids), when given, writes input ids still being sampled on the device."""
+    def run(self, batch: StepBatch, feed=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the graph of the smallest captured size >= batch size; returns hidden
+        [T, ...] and, with logits=True, the logits of those T rows (else None): views of
+        the graph's buffers, valid until the next replay. feed(input_ids), when given,
+        writes input ids still being sampled on the device."""
         num = batch.num_reqs
         query_len = batch.num_tokens // num
         sizes = self.sizes_by_len[query_len]
@@ -168,7 +217,9 @@ class CudaGraphRunner:
         key = (query_len, size, adapters)
         self.graphs[key].replay()
         self.num_replays[key] = self.num_replays.get(key, 0) + 1
-        return self.outputs[key][:batch.num_tokens]
+        logits = self.logits.get(key)
+        return (self.outputs[key][:batch.num_tokens],
+                None if logits is None else logits[:batch.num_tokens])
 
     def _stage_inputs(self, batch: StepBatch, size: int, query_len: int = 1,
                       adapters: bool = False) -> None:
@@ -178,15 +229,16 @@ class CudaGraphRunner:
         host = host_t.numpy()
         host[_INPUT_IDS, :tokens] = batch.input_ids
         host[_POSITIONS, :tokens] = batch.model_positions
-        host[_SEQ_LENS, :num] = batch.seq_lens
-        host[_SEQ_LENS, num:size] = 0
+        seq_lens = _int32_row(host, _SEQ_LENS)
+        seq_lens[:num] = batch.seq_lens
+        seq_lens[num:size] = 0
+        state_slots = _int32_row(host, _STATE_SLOTS)
         if batch.state_slots is not None:
-            host[_STATE_SLOTS, :num] = batch.state_slots
-            host[_HAS_STATE, :num] = batch.num_computed > 0
-        host[_STATE_SLOTS, num:size] = -1
-        ordered = self._ordered(query_len)
-        if ordered:
-            host[_DECODE_ORDER, :size] = decode_order(host[_SEQ_LENS, :size])
+            state_slots[:num] = batch.state_slots
+            host[_HAS_STATE].view(np.bool_)[:num] = batch.num_computed > 0
+        state_slots[num:size] = -1
+        if self._ordered(query_len):
+            _int32_row(host, _DECODE_ORDER)[:size] = decode_order(seq_lens[:size])
         cols = batch.block_tables[0].shape[1] if self.num_paged else 0
         for g in range(self.num_paged):
             host[_FIRST_SLOTS + g, :tokens] = batch.slot_mappings[g]
@@ -195,18 +247,8 @@ class CudaGraphRunner:
         if adapters:
             host[self._lora_row, :tokens] = batch.token_lora_slots
             host[self._lora_row, tokens:padded] = -1
-            self.lora_slots[:padded].copy_(host_t[self._lora_row, :padded], non_blocking=True)
-        self.input_ids[:padded].copy_(host_t[_INPUT_IDS, :padded], non_blocking=True)
-        self.positions[:padded].copy_(host_t[_POSITIONS, :padded], non_blocking=True)
-        self.seq_lens[:size].copy_(host_t[_SEQ_LENS, :size], non_blocking=True)
-        if ordered:
-            self.decode_order[:size].copy_(host_t[_DECODE_ORDER, :size], non_blocking=True)
-        if batch.state_slots is not None:
-            self.state_slots[:size].copy_(host_t[_STATE_SLOTS, :size], non_blocking=True)
-            self.has_initial_state[:size].copy_(host_t[_HAS_STATE, :size], non_blocking=True)
+        self._staged.copy_(host_t, non_blocking=True)
         for g in range(self.num_paged):
-            self.slot_mappings[g][:padded].copy_(host_t[_FIRST_SLOTS + g, :padded],
-                                                 non_blocking=True)
             self.block_tables[g][:num, :cols].copy_(tables_t[g, :num * cols].view(num, cols),
                                                     non_blocking=True)
 
@@ -237,6 +279,13 @@ class CudaGraphRunner:
                     state_indices=self.state_slots[:size],
                     has_initial_state=self.has_initial_state[:size], max_query_len=1))
         return metadata[0] if len(metadata) == 1 else metadata
+
+    def _step(self, size: int, query_len: int = 1, adapters: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a graph computes: the hidden states and, with logits, the LM head's
+        logits (outside the forward context, as an eager step computes them)."""
+        hidden = self._forward(size, query_len, adapters)
+        return hidden, self.state.compute_logits(hidden) if self.with_logits else None
 
     def _forward(self, size: int, query_len: int = 1, adapters: bool = False) -> torch.Tensor:
         tokens = size * query_len

@@ -31,7 +31,7 @@ from spindle.outputs import RequestFailure
 from spindle.platforms.interface import Platform
 from spindle.runner import compile_ahead
 from spindle.runner.async_output import PendingOutput
-from spindle.runner.cuda_graph import CudaGraphRunner
+from spindle.runner.cuda_graph import CudaGraphRunner, max_graph_tokens
 from spindle.runner.input_batch import InputBatch, StepBatch
 from spindle.runner.kernel_plan import KernelPlan, engine_fingerprint
 from spindle.runner.model_states import model_state_class
@@ -43,6 +43,7 @@ from spindle.runner.sample.prompt_logprobs import prompt_rows, score_rows
 from spindle.runner.staging import HostToDevice
 from spindle.step_messages import (ModelRunnerOutput, NewRequestData, SampledLogprobs,
                                    SchedulerOutput)
+from spindle.switches import on_off
 
 logger = logging.getLogger(__name__)
 
@@ -433,7 +434,27 @@ class ModelRunner:
             # Verifying steps: every request's last token and k drafts, in batches that
             # speculate (fewer than disable_by_batch_size requests).
             verify_len=spec.num_speculative_tokens + 1 if spec else 1,
-            verify_max_batch=spec.disable_by_batch_size - 1 if spec else 0, lora=self.lora)
+            verify_max_batch=spec.disable_by_batch_size - 1 if spec else 0, lora=self.lora,
+            logits=self._graphs_compute_logits())
+
+    def _graphs_compute_logits(self) -> bool:
+        """Whether the CUDA graphs end with the LM head (cuda_graph.py): where this rank
+        samples alone (one tensor-parallel rank; a head gathered across ranks stays
+        outside the graphs), unless SPINDLE_GRAPH_LOGITS=0."""
+        return (self.pooler is None and self.tp_group.size == 1
+                and on_off("SPINDLE_GRAPH_LOGITS", True))
+
+    def graph_logits_bytes(self) -> int:
+        """Device memory the CUDA graphs' logits will hold (at most 4 bytes a logit), for
+        the KV cache budget: 0 where no graphs compute them."""
+        if self.config.device.enforce_eager or not self._graphs_compute_logits():
+            return 0
+        spec = self.config.speculative
+        tokens = max_graph_tokens(
+            self.config.device.max_cudagraph_batch_size,
+            spec.num_speculative_tokens + 1 if spec else 1,
+            spec.disable_by_batch_size - 1 if spec else 0)
+        return tokens * self.config.model.vocab_size * 4
 
     # ---- sleep mode (the SleepTarget of spindle/memory/sleep_backend.py) ----------
     def tagged_tensors(self, tag: str) -> list[torch.Tensor]:
@@ -569,8 +590,9 @@ class ModelRunner:
         batch = self.input_batch.prepare(scheduled, sched.spec_token_ids or None)
         feed = self._inflight_feed(batch)
         self._copy_state_slots(sched.state_copies_before)
+        logits = None  # (the LM head's, when the graph computed them)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            hidden = self.graph_runner.run(batch, feed)
+            hidden, logits = self.graph_runner.run(batch, feed)
         else:
             inputs = state.prepare_inputs(batch)
             if feed is not None:
@@ -595,7 +617,7 @@ class ModelRunner:
             output.failed_requests = failures
             return PendingOutput.ready(output)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        sampled = self._sample(batch, hidden)
+        sampled = self._sample(batch, hidden, logits)
         pending = PendingOutput(self, batch, sampled, failures, prompt_logprobs)
         earlier, self._last_launched = self._last_launched, pending
         if sched.speculate and self.proposer is not None:
@@ -759,14 +781,17 @@ class ModelRunner:
     def _hidden_size(self) -> int:
         return self.config.model.hf_config.hidden_size
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> SamplerOutput | None:
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor,
+                logits: torch.Tensor | None = None) -> SamplerOutput | None:
+        """The step's tokens; logits: every token's, where a CUDA graph computed them."""
         if len(batch.logits_indices) == 0:
             return None
         num_samples = len(batch.logits_indices)
+        rows = hidden if logits is None else logits
         if num_samples < batch.num_tokens:
-            hidden = hidden[self.h2d.put(batch.logits_indices, torch.int64)]
-        # else: every token samples (a decode step): its hidden rows are already in order.
-        logits = self._require_state().compute_logits(hidden)  # (the sampler widens them)
+            rows = rows[self.h2d.put(batch.logits_indices, torch.int64)]
+        # else: every token samples (a decode step): its rows are already in order.
+        logits = rows if logits is not None else self._require_state().compute_logits(rows)
         if self.tp_group.rank != 0:
             # Tensor-parallel rank 0 samples and the others take its tokens: ranks cannot
             # diverge, whatever their random streams or kernels do.

@@ -29,7 +29,8 @@ from spindle.step_messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-# Decode graphs share one pool sized by the largest batch's activations: small.
+# Decode graphs share one pool sized by the largest batch's activations: small (the
+# logits the graphs compute are counted apart, ModelRunner.graph_logits_bytes).
 CUDA_GRAPH_MEMORY_ESTIMATE = 512 * 2**20
 # profile_run's forward where the KV budget is configured, not measured: enough tokens
 # to run every layer and the sampler, few enough to take milliseconds.
@@ -376,7 +377,8 @@ class Worker:
         free, total = self.platform.mem_get_info(self.device)
         peak = self.platform.peak_memory(self.device) or 0
         non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
-        graphs = 0 if self.config.device.enforce_eager else CUDA_GRAPH_MEMORY_ESTIMATE
+        graphs = (0 if self.config.device.enforce_eager
+                  else CUDA_GRAPH_MEMORY_ESTIMATE + self.runner.graph_logits_bytes())
         return max(0, int(total * cache.gpu_memory_utilization) - peak - non_torch - graphs)
 
     @contextlib.contextmanager
