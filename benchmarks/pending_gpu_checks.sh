@@ -16,6 +16,10 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
+# Pending (2026-12-06, twenty-fifth session): SPINDLE_GRAPH_LOGITS (the LM head inside
+# the decode graphs, on by default) measured on an H100 only (nano +1.6%, batch 1 -1%):
+# its A/B on an H200 (the `ab` part runs it). Its GPU tests passed on an H100 (e2e, spec
+# decode, sleep, compile, LoRA graphs, batch-invariant, Bamba graphs: 31).
 # Pending (2026-12-06, twenty-fourth session): the LoRA kernel's cost (lora_overhead.py
 # with SPINDLE_LORA_KERNEL=1 and 0; its tests passed), which decides its default (off);
 # the skinny GEMM's 64-row bound with silu_and_mul (test_skinny_gemm.py -k deferred);
@@ -72,8 +76,8 @@ fi
 if [[ $what == ab || $what == all ]]; then
     stamp "engine A/B (batch 1, graph replays, nano)"
     timeout 600 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/switch_ab.json" \
-        --variant main= --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 \
-        --variant no_pdl=SPINDLE_PDL=0 2>&1 | tail -12
+        --variant main= --variant head_outside=SPINDLE_GRAPH_LOGITS=0 \
+        --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 2>&1 | tail -12
     stamp "LoRA's cost in CUDA graphs (Qwen3-0.6B shape: 64 requests, then 1)"
     for kernel in 1 0; do
         for batch in 64 1; do
