@@ -1,14 +1,16 @@
-"""CudaGraphRunner's bookkeeping without a GPU: every graph is captured from the
-forward of its own shape. (Its graphs themselves run in the GPU tests; this caught a
-capture that handed _forward its key (tokens per request, size, adapters) as
-(size, tokens per request), which only a GPU run had shown.) Each graph's logits, where
-the graphs compute them, come from its own hidden states."""
+"""CUDA graphs' bookkeeping without a GPU: every graph is captured from the forward of
+its own shape (its graphs themselves run in the GPU tests; this caught a capture that
+handed _forward its key (tokens per request, size, adapters) as (size, tokens per
+request), which only a GPU run had shown), each graph's logits, where the graphs compute
+them, come from its own hidden states, a step samples from those logits, and the KV
+budget counts their buffer."""
 
 from __future__ import annotations
 
 import contextlib
 import types
 
+import numpy as np
 import torch
 
 from spindle.runner.cuda_graph import CudaGraphRunner
@@ -38,3 +40,67 @@ def test_each_graph_is_captured_from_the_forward_of_its_own_shape(monkeypatch):
     for (query_len, size, adapters), output in fake.outputs.items():
         assert output == (size, query_len, adapters)
         assert fake.logits[query_len, size, adapters] == ("logits", output)
+
+
+def _greedy_metadata(rows: int):
+    from spindle.runner.sample.metadata import SamplingMetadata
+
+    return SamplingMetadata(temperature=torch.zeros(rows), all_greedy=True, all_random=False,
+                            top_k=None, top_p=None, min_p=None)
+
+
+def _sampling_runner():
+    """A ModelRunner's attributes that _sample reads; the LM head must not run."""
+    from spindle.runner.sample import Sampler
+
+    def no_head(hidden):
+        raise AssertionError("the LM head ran although the graph computed the logits")
+
+    return types.SimpleNamespace(
+        h2d=types.SimpleNamespace(put=lambda a, dtype: torch.as_tensor(a, dtype=dtype)),
+        _require_state=lambda: types.SimpleNamespace(compute_logits=no_head),
+        tp_group=types.SimpleNamespace(rank=0, broadcast=lambda t: t),
+        input_batch=types.SimpleNamespace(
+            needs_outputs=lambda req_ids: False,
+            sampling_metadata=lambda req_ids, h2d: _greedy_metadata(len(req_ids))),
+        sampler=Sampler(), _last_launched=None)
+
+
+def test_a_step_samples_from_the_graphs_logits_of_its_sampling_rows():
+    """Where the graph computed every token's logits, a step samples the rows of its
+    sampling tokens from them: all of them in a decode step, a subset (a token of a
+    prompt chunk that does not end its prompt samples nothing) otherwise."""
+    from spindle.runner.model_runner import ModelRunner
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    hidden = torch.zeros(6, 8)
+    for indices in ([0, 1, 2, 3, 4, 5], [1, 4, 5]):
+        batch = types.SimpleNamespace(logits_indices=np.asarray(indices), num_tokens=6,
+                                      draft_token_ids={}, sampling_req_ids=list(indices))
+        sampled = ModelRunner._sample(_sampling_runner(), batch, hidden, logits)
+        assert sampled.sampled_token_ids.tolist() == logits[indices].argmax(-1).tolist()
+
+
+def test_the_kv_budget_counts_the_graphs_logits_only_where_they_are_computed(monkeypatch):
+    """graph_logits_bytes: the largest graph's tokens (verifying steps' included) x the
+    vocabulary x 4 bytes; nothing without graphs, with a pooler, with several
+    tensor-parallel ranks (the head gathers across them outside the graphs) or with
+    SPINDLE_GRAPH_LOGITS=0."""
+    from spindle.runner.model_runner import ModelRunner
+
+    def runner(enforce_eager=False, pooler=None, tp=1, spec=None):
+        fake = types.SimpleNamespace(
+            config=types.SimpleNamespace(
+                device=types.SimpleNamespace(enforce_eager=enforce_eager,
+                                             max_cudagraph_batch_size=64),
+                model=types.SimpleNamespace(vocab_size=1000), speculative=spec),
+            pooler=pooler, tp_group=types.SimpleNamespace(size=tp))
+        fake._graphs_compute_logits = lambda: ModelRunner._graphs_compute_logits(fake)
+        return ModelRunner.graph_logits_bytes(fake)
+
+    assert runner() == 64 * 1000 * 4
+    spec = types.SimpleNamespace(num_speculative_tokens=3, disable_by_batch_size=33)
+    assert runner(spec=spec) == 4 * 32 * 1000 * 4  # verifying steps of 4 tokens, 32 requests
+    assert runner(enforce_eager=True) == runner(pooler=object()) == runner(tp=2) == 0
+    monkeypatch.setenv("SPINDLE_GRAPH_LOGITS", "0")
+    assert runner() == 0
