@@ -189,7 +189,8 @@ class StepTimer:
 
 def graph_replay_ms(llm) -> dict:
     """GPU time of one decode-graph replay per captured size of interest (the floor
-    of a decode step's model forward, without any host work)."""
+    of a decode step's model forward, without any host work; the LM head included
+    unless SPINDLE_GRAPH_LOGITS=0)."""
     runner = llm.engine.core.executor.worker.runner.graph_runner
     if runner is None:
         return {}
