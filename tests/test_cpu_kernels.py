@@ -301,13 +301,14 @@ def test_the_real_gguf_model_through_decode_layer(monkeypatch):
         return out
 
     monkeypatch.setattr(LlamaDecoderLayer, "cpu_decode", counted)
-    fused = greedy_logprobs(gguf, prompts, 6, max_model_len=256)
+    # (bf16, the default where the CPU computes in bf16: its layers are the fused ones)
+    fused = greedy_logprobs(gguf, prompts, 6, max_model_len=256, dtype="bfloat16")
     # Every layer of each decode step (5, and the start's warm-up ones) fused; prefill not.
     steps = [calls[i:i + 30] for i in range(0, len(calls), 30)]
     assert all(len(set(step)) == 1 for step in steps)
     assert sum(step[0] for step in steps) >= 5
     monkeypatch.setattr(LlamaDecoderLayer, "cpu_decode", lambda self, *args: None)
-    assert greedy_logprobs(gguf, prompts, 6, max_model_len=256) == fused
+    assert greedy_logprobs(gguf, prompts, 6, max_model_len=256, dtype="bfloat16") == fused
 
 
 # ---------------------------------------------------------------- bf16 GEMM for a few rows

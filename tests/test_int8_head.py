@@ -185,8 +185,8 @@ def test_the_real_heads_logits_are_float32_precise(gguf_file, monkeypatch):
     reference = hidden.double() @ reference_weight.t()
     biggest = reference.abs().max()
 
-    def start():
-        with LLM(str(gguf_file), device="cpu", max_model_len=256) as llm:
+    def start():  # (bf16: the default where the CPU computes in bf16, pinned here)
+        with LLM(str(gguf_file), device="cpu", dtype="bfloat16", max_model_len=256) as llm:
             model, head, embedding = head_parts(llm)
             names = {name for name, _ in model.named_parameters()}
             return (head, embedding, names, model.compute_logits(hidden), embedding(ids),
@@ -231,7 +231,8 @@ def test_a_weight_update_writes_the_shared_int8_tensors(two_layer_cut, tmp_path,
     cut = two_layer_cut
     new = torch.randn(49152, 576, generator=torch.Generator().manual_seed(8)) * 0.05
     hidden = torch.randn(3, 576, generator=torch.Generator().manual_seed(9)).bfloat16()
-    with LLM(str(cut), device="cpu", max_model_len=256, enable_sleep_mode=True) as llm:
+    with LLM(str(cut), device="cpu", dtype="bfloat16", max_model_len=256,
+             enable_sleep_mode=True) as llm:
         model, head, embedding = head_parts(llm)
         before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
         llm.update_weights({"model.embed_tokens.weight": new})
