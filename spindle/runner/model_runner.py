@@ -423,19 +423,30 @@ class ModelRunner:
     def _new_graph_runner(self, eager: bool = False) -> CudaGraphRunner | None:
         """The CUDA graph runner this engine captures, None where it captures none.
         eager=True: one regardless of enforce_eager (its shapes serve compiling ahead)."""
-        state = self._require_state()
-        if ((self.config.device.enforce_eager and not eager) or not state.supports_cuda_graphs
-                or not self.needs_kv_cache or self.stage.size > 1):
+        if not self._captures_graphs(eager):
             return None
-        spec = self.config.speculative
+        verify_len, verify_max_batch = self._verify_shape()
         return CudaGraphRunner(
-            state, self.config.device.max_cudagraph_batch_size,
+            self._require_state(), self.config.device.max_cudagraph_batch_size,
             self.input_batch.max_blocks_per_req, self.device, self.cache_layout.groups,
-            # Verifying steps: every request's last token and k drafts, in batches that
-            # speculate (fewer than disable_by_batch_size requests).
-            verify_len=spec.num_speculative_tokens + 1 if spec else 1,
-            verify_max_batch=spec.disable_by_batch_size - 1 if spec else 0, lora=self.lora,
+            verify_len=verify_len, verify_max_batch=verify_max_batch, lora=self.lora,
             logits=self._graphs_compute_logits())
+
+    def _captures_graphs(self, eager: bool = False) -> bool:
+        """Whether decode steps replay CUDA graphs (eager=True: regardless of
+        enforce_eager)."""
+        return ((eager or not self.config.device.enforce_eager)
+                and self._require_state().supports_cuda_graphs and self.needs_kv_cache
+                and self.stage.size == 1)
+
+    def _verify_shape(self) -> tuple[int, int]:
+        """(tokens per request, most requests) of the verifying steps the graphs capture:
+        every request's last token and k drafts, in batches that speculate (fewer than
+        disable_by_batch_size requests); (1, 0) without speculation."""
+        spec = self.config.speculative
+        if spec is None:
+            return 1, 0
+        return spec.num_speculative_tokens + 1, spec.disable_by_batch_size - 1
 
     def _graphs_compute_logits(self) -> bool:
         """Whether the CUDA graphs end with the LM head (cuda_graph.py): where this rank
@@ -447,13 +458,10 @@ class ModelRunner:
     def graph_logits_bytes(self) -> int:
         """Device memory the CUDA graphs' logits will hold (at most 4 bytes a logit), for
         the KV cache budget: 0 where no graphs compute them."""
-        if self.config.device.enforce_eager or not self._graphs_compute_logits():
+        if not (self._captures_graphs() and self._graphs_compute_logits()):
             return 0
-        spec = self.config.speculative
-        tokens = max_graph_tokens(
-            self.config.device.max_cudagraph_batch_size,
-            spec.num_speculative_tokens + 1 if spec else 1,
-            spec.disable_by_batch_size - 1 if spec else 0)
+        tokens = max_graph_tokens(self.config.device.max_cudagraph_batch_size,
+                                  *self._verify_shape())
         return tokens * self.config.model.vocab_size * 4
 
     # ---- sleep mode (the SleepTarget of spindle/memory/sleep_backend.py) ----------
