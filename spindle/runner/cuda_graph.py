@@ -18,7 +18,7 @@ size, adapters).
 
 With logits=True the graphs end with the LM head (ModelState.compute_logits), so a
 decode step launches no kernel of its own between the graph and its sampler: at batch 1
-the head's launch was about a fifth of the step's host time. The logits of a padded
+the head's launch was about a quarter of the step's host time. The logits of a padded
 batch are computed for its padding rows too (nobody reads them).
 """
 
