@@ -19,7 +19,9 @@ size, adapters).
 With logits=True the graphs end with the LM head (ModelState.compute_logits), so a
 decode step launches no kernel of its own between the graph and its sampler: at batch 1
 the head's launch was about a quarter of the step's host time. The logits of a padded
-batch are computed for its padding rows too (nobody reads them).
+batch are computed for its padding rows too (nobody reads them). Each graph keeps its
+own logits buffer (a graph's outputs stay allocated, so the shared pool cannot reuse
+them): ModelRunner.graph_logits_bytes counts them all in the KV cache budget.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def max_graph_tokens(max_batch: int, verify_len: int = 1, verify_max_batch: int = 0) -> int:
-    """The most tokens any captured graph runs: the static buffers' length."""
-    tokens = capture_sizes(max_batch)[-1]
+def graph_tokens(max_batch: int, verify_len: int = 1, verify_max_batch: int = 0) -> list[int]:
+    """The tokens of each captured graph shape (decode steps, then verifying ones; once
+    per adapter variant where LoRA adapters are served)."""
+    tokens = list(capture_sizes(max_batch))
     if verify_len > 1 and verify_max_batch >= 1:
-        tokens = max(tokens, verify_len * capture_sizes(min(verify_max_batch, max_batch))[-1])
+        tokens += [verify_len * size for size in capture_sizes(min(verify_max_batch, max_batch))]
     return tokens
 
 
@@ -112,7 +115,7 @@ class CudaGraphRunner:
         if verify_len > 1 and verify_max_batch >= 1:
             self.sizes_by_len[verify_len] = capture_sizes(min(verify_max_batch, self.max_batch))
         n = self.max_batch
-        t = max_graph_tokens(max_batch, verify_len, verify_max_batch)
+        t = max(graph_tokens(max_batch, verify_len, verify_max_batch))
         # Every per-step input but the block tables is a row of one int64 array (the
         # int32 and bool buffers are views of theirs), so a step stages them with one
         # host-to-device copy: each copy costs the host about 15 us.

@@ -31,7 +31,7 @@ from spindle.outputs import RequestFailure
 from spindle.platforms.interface import Platform
 from spindle.runner import compile_ahead
 from spindle.runner.async_output import PendingOutput
-from spindle.runner.cuda_graph import CudaGraphRunner, max_graph_tokens
+from spindle.runner.cuda_graph import CudaGraphRunner, graph_tokens
 from spindle.runner.input_batch import InputBatch, StepBatch
 from spindle.runner.kernel_plan import KernelPlan, engine_fingerprint
 from spindle.runner.model_states import model_state_class
@@ -456,13 +456,15 @@ class ModelRunner:
                 and on_off("SPINDLE_GRAPH_LOGITS", True))
 
     def graph_logits_bytes(self) -> int:
-        """Device memory the CUDA graphs' logits will hold (at most 4 bytes a logit), for
-        the KV cache budget: 0 where no graphs compute them."""
+        """Device memory the CUDA graphs' logits will hold, for the KV cache budget: one
+        buffer per graph (each shape, each adapter variant), at most 4 bytes a logit; 0
+        where no graphs compute them."""
         if not (self._captures_graphs() and self._graphs_compute_logits()):
             return 0
-        tokens = max_graph_tokens(self.config.device.max_cudagraph_batch_size,
-                                  *self._verify_shape())
-        return tokens * self.config.model.vocab_size * 4
+        tokens = sum(graph_tokens(self.config.device.max_cudagraph_batch_size,
+                                  *self._verify_shape()))
+        variants = 2 if self.lora is not None else 1
+        return tokens * variants * self.config.model.vocab_size * 4
 
     # ---- sleep mode (the SleepTarget of spindle/memory/sleep_backend.py) ----------
     def tagged_tensors(self, tag: str) -> list[torch.Tensor]:
