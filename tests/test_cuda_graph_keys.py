@@ -84,9 +84,9 @@ def test_a_step_samples_from_the_graphs_logits_of_its_sampling_rows():
 def test_the_kv_budget_counts_the_graphs_logits_only_where_they_are_computed(monkeypatch):
     """graph_logits_bytes: every captured graph's tokens (decode sizes, verifying steps,
     twice where adapters are served: each graph keeps its own logits) x the vocabulary x
-    4 bytes; nothing without graphs (enforce_eager, pipeline stages, a state without
-    graphs), with a pooler, with several tensor-parallel ranks (the head gathers across
-    them outside the graphs) or with SPINDLE_GRAPH_LOGITS=0."""
+    the model dtype's bytes; nothing without graphs (enforce_eager, pipeline stages, a
+    state without graphs), with a pooler, with several tensor-parallel ranks (the head
+    gathers across them outside the graphs) or with SPINDLE_GRAPH_LOGITS=0."""
     from spindle.runner.model_runner import ModelRunner
 
     def runner(enforce_eager=False, pooler=None, tp=1, spec=None, stages=1, graphs=True,
@@ -95,7 +95,8 @@ def test_the_kv_budget_counts_the_graphs_logits_only_where_they_are_computed(mon
             config=types.SimpleNamespace(
                 device=types.SimpleNamespace(enforce_eager=enforce_eager,
                                              max_cudagraph_batch_size=64),
-                model=types.SimpleNamespace(vocab_size=1000), speculative=spec),
+                model=types.SimpleNamespace(vocab_size=1000, dtype=torch.bfloat16),
+                speculative=spec),
             pooler=pooler, tp_group=types.SimpleNamespace(size=tp), needs_kv_cache=True,
             stage=types.SimpleNamespace(size=stages), lora=lora,
             _require_state=lambda: types.SimpleNamespace(supports_cuda_graphs=graphs))
@@ -104,11 +105,11 @@ def test_the_kv_budget_counts_the_graphs_logits_only_where_they_are_computed(mon
         return ModelRunner.graph_logits_bytes(fake)
 
     decode = 1 + 2 + 4 + 8 + 16 + 24 + 32 + 48 + 64  # (the sizes captured up to 64)
-    assert runner() == decode * 1000 * 4
-    assert runner(lora=object()) == 2 * decode * 1000 * 4
+    assert runner() == decode * 1000 * 2
+    assert runner(lora=object()) == 2 * decode * 1000 * 2
     spec = types.SimpleNamespace(num_speculative_tokens=3, disable_by_batch_size=33)
     verify = 4 * (1 + 2 + 4 + 8 + 16 + 24 + 32)  # steps of 4 tokens, up to 32 requests
-    assert runner(spec=spec) == (decode + verify) * 1000 * 4
+    assert runner(spec=spec) == (decode + verify) * 1000 * 2
     assert runner(enforce_eager=True) == runner(pooler=object()) == runner(tp=2) == 0
     assert runner(stages=2) == runner(graphs=False) == 0  # (no graphs at all there)
     monkeypatch.setenv("SPINDLE_GRAPH_LOGITS", "0")

@@ -419,6 +419,11 @@ class ModelRunner:
         graphs.capture()
         self.graph_runner = graphs
         self.num_graph_captures += len(graphs.graphs)
+        held = sum(t.numel() * t.element_size() for t in graphs.logits.values())
+        if held > self.graph_logits_bytes():
+            logger.warning("the CUDA graphs' logits take %d MiB, more than the %d MiB the KV "
+                           "cache budget set aside for them", held >> 20,
+                           self.graph_logits_bytes() >> 20)
 
     def _new_graph_runner(self, eager: bool = False) -> CudaGraphRunner | None:
         """The CUDA graph runner this engine captures, None where it captures none.
@@ -457,14 +462,16 @@ class ModelRunner:
 
     def graph_logits_bytes(self) -> int:
         """Device memory the CUDA graphs' logits will hold, for the KV cache budget: one
-        buffer per graph (each shape, each adapter variant), at most 4 bytes a logit; 0
-        where no graphs compute them."""
+        buffer per graph (each shape, each adapter variant) of the model's dtype (every
+        compute_logits keeps its hidden states' dtype; capture warns if they took
+        more); 0 where no graphs compute them."""
         if not (self._captures_graphs() and self._graphs_compute_logits()):
             return 0
         tokens = sum(graph_tokens(self.config.device.max_cudagraph_batch_size,
                                   *self._verify_shape()))
         variants = 2 if self.lora is not None else 1
-        return tokens * variants * self.config.model.vocab_size * 4
+        return (tokens * variants * self.config.model.vocab_size
+                * self.config.model.dtype.itemsize)
 
     # ---- sleep mode (the SleepTarget of spindle/memory/sleep_backend.py) ----------
     def tagged_tensors(self, tag: str) -> list[torch.Tensor]:
