@@ -420,10 +420,10 @@ class ModelRunner:
         self.graph_runner = graphs
         self.num_graph_captures += len(graphs.graphs)
         held = sum(t.numel() * t.element_size() for t in graphs.logits.values())
-        if held > self.graph_logits_bytes():
+        counted = self.graph_logits_bytes()
+        if held > counted:
             logger.warning("the CUDA graphs' logits take %d MiB, more than the %d MiB the KV "
-                           "cache budget set aside for them", held >> 20,
-                           self.graph_logits_bytes() >> 20)
+                           "cache budget set aside for them", held >> 20, counted >> 20)
 
     def _new_graph_runner(self, eager: bool = False) -> CudaGraphRunner | None:
         """The CUDA graph runner this engine captures, None where it captures none.
@@ -808,6 +808,7 @@ class ModelRunner:
         if num_samples < batch.num_tokens:
             rows = rows[self.h2d.put(batch.logits_indices, torch.int64)]
         # else: every token samples (a decode step): its rows are already in order.
+        # (The sampler widens the logits.)
         logits = rows if logits is not None else self._require_state().compute_logits(rows)
         if self.tp_group.rank != 0:
             # Tensor-parallel rank 0 samples and the others take its tokens: ranks cannot
