@@ -4,8 +4,9 @@ over the decode steps. Prints, per decode step: each kernel's device time and la
 the wall time per step, the device's largest idle gaps (named by the kernels on either
 side: a gap between one step's graph and the next step's sampler is host or scheduling
 time), and the decode graph's replay time alone (the model's forward and its LM head,
-which the graphs compute unless SPINDLE_GRAPH_LOGITS=0; no sampling or host work). A run of one token (the prompt's prefill) is profiled too and
-subtracted, so the kernel table holds the decode steps only.
+which the graphs compute unless SPINDLE_GRAPH_LOGITS=0; no sampling or host work). A run
+of one token (the prompt's prefill) is profiled too and subtracted, so the kernel table
+holds the decode steps only.
 
     python benchmarks/batch1_profile.py [--new-tokens 64] [--context 512] [--json out.json]
 

@@ -56,13 +56,21 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def graph_tokens(max_batch: int, verify_len: int = 1, verify_max_batch: int = 0) -> list[int]:
-    """The tokens of each captured graph shape (decode steps, then verifying ones; once
-    per adapter variant where LoRA adapters are served)."""
-    tokens = list(capture_sizes(max_batch))
+def sizes_by_len(max_batch: int, verify_len: int = 1,
+                 verify_max_batch: int = 0) -> dict[int, list[int]]:
+    """The batch sizes captured per number of tokens per request: decode steps (1), and
+    verifying steps (verify_len) where speculation is on. Each shape is captured once
+    per adapter variant where LoRA adapters are served."""
+    sizes = {1: capture_sizes(max_batch)}
     if verify_len > 1 and verify_max_batch >= 1:
-        tokens += [verify_len * size for size in capture_sizes(min(verify_max_batch, max_batch))]
-    return tokens
+        sizes[verify_len] = capture_sizes(min(verify_max_batch, max_batch))
+    return sizes
+
+
+def graph_tokens(max_batch: int, verify_len: int = 1, verify_max_batch: int = 0) -> list[int]:
+    """The tokens of each captured graph shape (one entry per shape of sizes_by_len)."""
+    return [query_len * size for query_len, sizes
+            in sizes_by_len(max_batch, verify_len, verify_max_batch).items() for size in sizes]
 
 
 # Rows of the array staged each step (then one row per paged group's slots, then the
@@ -108,14 +116,12 @@ class CudaGraphRunner:
         self.device = device
         self.groups = list(groups) or [CacheGroup(FULL_ATTENTION, 1)]
         self.num_paged = sum(g.is_paged for g in self.groups)
-        self.sizes = capture_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
         # Batch sizes captured per number of tokens per request.
-        self.sizes_by_len = {1: self.sizes}
-        if verify_len > 1 and verify_max_batch >= 1:
-            self.sizes_by_len[verify_len] = capture_sizes(min(verify_max_batch, self.max_batch))
+        self.sizes_by_len = sizes_by_len(max_batch, verify_len, verify_max_batch)
+        self.sizes = self.sizes_by_len[1]
+        self.max_batch = self.sizes[-1]
         n = self.max_batch
-        t = max(graph_tokens(max_batch, verify_len, verify_max_batch))
+        t = max(size * q for q, sizes in self.sizes_by_len.items() for size in sizes)
         # Every per-step input but the block tables is a row of one int64 array (the
         # int32 and bool buffers are views of theirs), so a step stages them with one
         # host-to-device copy: each copy costs the host about 15 us.
