@@ -14,9 +14,14 @@ the plain-torch (Hugging Face) version rounds, so results stay bit-comparable:
   paged KV-cache slots (rotary.QKNormRope bundles the arguments for the attention
   layer).
 * silu_and_mul(x): silu(gate) * up for x = [gate | up].
+
+PendingNorm is an rms_norm not run yet, left for the linear layer that reads its output
+to apply as it loads its input (tma_gemv.py, a decode step of one request).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,10 +30,12 @@ import triton.language as tl
 from spindle.layers import pdl
 
 
-def rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             residual_out: torch.Tensor | None = None):
     """x [T, H] -> y, or (y, x + residual) when residual is given. x may be a
     SplitKPartials of [T, H]: its partials are summed as they load, in split order from
-    zero, then rounded to its dtype, which is the tensor its GEMM would have stored."""
+    zero, then rounded to its dtype, which is the tensor its GEMM would have stored.
+    residual_out: where x + residual goes (a new tensor by default)."""
     if isinstance(x, torch.Tensor):
         source, parts = x, 0
         (num_tokens, hidden), dtype = x.shape, x.dtype
@@ -38,7 +45,9 @@ def rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None 
         (num_tokens, hidden), dtype = (x.partials.shape[1], x.n), x.dtype
         x_stride, part_stride = source.stride(1), source.stride(0)
     out = torch.empty(num_tokens, hidden, dtype=dtype, device=source.device)
-    new_residual = torch.empty_like(out) if residual is not None else out
+    new_residual = out
+    if residual is not None:
+        new_residual = residual_out if residual_out is not None else torch.empty_like(out)
     if num_tokens:
         res = residual if residual is not None else out  # (unread without a residual)
         _rms_norm_kernel[(num_tokens,)](
@@ -76,6 +85,44 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, x_stride, part
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * HIDDEN + offs, y, mask=mask)
+
+
+@dataclass(frozen=True)
+class PendingNorm:
+    """rms_norm(x, weight, eps, residual) not run yet: the input of the linear layer
+    that reads it next, which may apply the norm as it loads x (tma_gemv, one row on
+    CUDA) instead of reading a normalized copy. x + residual goes to residual_out
+    (allocated when the norm was deferred: the decoder layer holds it as its residual
+    stream), written by whichever kernel runs the norm. Without a residual (a first
+    layer) there is no sum to write."""
+    x: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def materialized(self) -> torch.Tensor:
+        """The normalized rows, by the norm's own kernel (residual_out written too)."""
+        if self.residual is None:
+            return rms_norm(self.x, self.weight, self.eps)
+        return rms_norm(self.x, self.weight, self.eps, self.residual, self.residual_out)[0]
+
+
+def materialized(x):
+    """x as a tensor: a PendingNorm run (PendingNorm.materialized), anything else as is."""
+    return x.materialized() if isinstance(x, PendingNorm) else x
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

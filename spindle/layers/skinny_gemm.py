@@ -15,6 +15,8 @@ on (M, N, K): CUDA graphs can capture it. This module knows nothing of layers or
 parallelism.
 
 The engine uses it up to max_rows() rows (SPINDLE_SKINNY_MAX_M); above, F.linear.
+One row on a GPU with TMA goes to tma_gemv.py instead (the whole weight share of a
+program in shared memory before the PDL wait), where that applies.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from spindle.layers import pdl
 from spindle.switches import on_off
 from spindle.layers.fused_kernels import silu_mul
 from spindle.layers.linear import new_split_counters  # noqa: F401 (part of this API)
+from spindle.layers.tma_gemv import tma_gemv, tma_gemv_applies
 
 # The most rows the kernel takes; the engine's own limit is max_rows().
 MAX_M = 256
@@ -133,6 +136,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if k == 0:
             out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
         return out.reshape(*lead, n)
+    if config is None and m == 1 and tma_gemv_applies(x, weight, silu_and_mul, weight_scale):
+        return tma_gemv(x, weight, bias, out, silu_and_mul).reshape(*lead, n)
     rows = row_blocks(m)
     rows_block, m_tiles = rows["rows_block"], rows["m_tiles"]
     cfg = config or _default_config(n, k, rows_block, m_tiles, x.device)
