@@ -139,6 +139,37 @@ def test_bf16_teacher_forced_logprobs(tiny_model):
     assert worst < BF16_LOGPROB_TOL
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_bf16_one_request_decode_logprobs(tiny_model, arch, enforce_eager):
+    """Decode steps of one request (on Hopper, TMA GEMVs that apply the decoder layers'
+    norms as they load: layers/tma_gemv.py), in CUDA graphs and eagerly: each token
+    spindle picks greedily has, within BF16_LOGPROB_TOL, the logprob transformers gives
+    it after the same prefix."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model(arch=arch, dtype="bfloat16")
+    prompts = _prompts(512, lengths=(9, 70))
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=1024,
+              enforce_eager=enforce_eager)
+    try:
+        outs = [llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, logprobs=1),
+                             use_tqdm=False)[0].outputs[0] for prompt in prompts]
+    finally:
+        llm.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    worst = 0.0
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt + list(out.token_ids[:-1])], device="cuda")
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:].float()
+        expected = torch.log_softmax(logits, -1)
+        for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            worst = max(worst, abs(entry[token].logprob - expected[j, token].item()))
+    print(f"worst bf16 logprob difference: {worst:.4f}")
+    assert worst < BF16_LOGPROB_TOL
+
+
 def test_steps_copy_nothing_from_pageable_memory(tiny_model):
     """Every host-to-device copy of a step comes from pinned memory. A copy from
     pageable memory (e.g. of a strided slice of a pinned buffer, which torch first

@@ -266,13 +266,56 @@ def test_a_pending_norm_is_applied_as_x_loads(n, k, with_residual):
         assert out_residual.isnan().all()
 
 
+@pytest.mark.gpu
+@hopper
+def test_a_linear_layer_takes_a_deferred_norm(monkeypatch):
+    """RMSNorm(defer=True) on one CUDA row gives a PendingNorm and the residual stream's
+    tensor; a column-parallel layer reading it applies the norm in its TMA GEMV (the norm
+    never runs alone), or, where the GEMV does not apply (SPINDLE_TMA_GEMV=0), runs the
+    norm first. Both match the norm then the product, and the stream holds x + residual."""
+    from spindle.distributed.parallel_state import TensorParallelGroup
+    from spindle.layers import fused_kernels
+    from spindle.layers.linear import MergedColumnParallelLinear
+    from spindle.layers.norm import RMSNorm
+
+    monkeypatch.delenv(tma_gemv.SWITCH_ENV, raising=False)
+    with torch.device("cuda"):
+        norm = RMSNorm(1024)
+        gate_up = MergedColumnParallelLinear(1024, [3072, 3072], bias=False,
+                                             tp_group=TensorParallelGroup(rank=0, size=1))
+    for p in (norm.weight, gate_up.weight):
+        p.data = (1 + torch.randn_like(p, dtype=torch.float32) / 8).to(torch.bfloat16)
+    gate_up.weight.data /= 32
+    runs = []
+    real = fused_kernels.PendingNorm.materialized
+    monkeypatch.setattr(fused_kernels.PendingNorm, "materialized",
+                        lambda self: runs.append(1) or real(self))
+    x = torch.randn(1, 1024, dtype=torch.bfloat16, device="cuda")
+    residual = torch.randn(1, 1024, dtype=torch.bfloat16, device="cuda")
+    rows, summed = _norm_reference(x, residual, norm.weight)
+    reference = rows.float() @ gate_up.weight.float().cpu().T
+    pending, stream = norm(x, residual, defer=True)
+    assert isinstance(pending, fused_kernels.PendingNorm)
+    _check(gate_up(pending), reference, torch.bfloat16)
+    assert not runs and torch.equal(stream.cpu(), summed)
+    monkeypatch.setenv(tma_gemv.SWITCH_ENV, "0")
+    pending, stream = norm(x, residual, defer=True)
+    _check(gate_up(pending), reference, torch.bfloat16)
+    assert runs == [1] and torch.equal(stream.cpu(), summed)
+    two_rows = torch.cat([x, x])
+    assert isinstance(norm(two_rows, torch.cat([residual, residual]), defer=True)[0],
+                      torch.Tensor)  # (only one row defers)
+
+
 @pytest.mark.kernel
 def test_a_pending_norm_run_alone_is_the_norm_kernel():
     """Where no GEMV takes it, a PendingNorm runs fused_kernels.rms_norm, writing the
-    residual stream's tensor it was given (and nothing, without a residual)."""
+    residual stream's tensor it was given (and nothing, without a residual); on the CPU
+    a norm never defers."""
     from kernel_utils import DEVICE, HALF
 
     from spindle.layers.fused_kernels import PendingNorm, materialized, rms_norm
+    from spindle.layers.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(0)
     x, residual = (torch.randn(1, 64, generator=gen).to(HALF).to(DEVICE) for _ in range(2))
@@ -283,3 +326,6 @@ def test_a_pending_norm_run_alone_is_the_norm_kernel():
     assert torch.equal(y, expected) and torch.equal(out, summed)
     assert torch.equal(materialized(PendingNorm(x, weight, 1e-6)), rms_norm(x, weight, 1e-6))
     assert materialized(x) is x
+    norm = RMSNorm(64).to(HALF)
+    assert not norm.deferrable(x.cpu(), residual.cpu())
+    assert isinstance(norm.pre_norm(x.cpu(), residual.cpu(), defer=True)[0], torch.Tensor)

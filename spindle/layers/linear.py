@@ -189,12 +189,33 @@ class _ParallelLinearBase(nn.Module):
         copy_checked(self.weight_scale.data.narrow(0, offset or 0, dst.shape[0]), scale)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, defer_merge: bool = False):
+        """x may be a PendingNorm (fused_kernels): a TMA GEMV of this weight applies the
+        norm as it loads x where it takes the call; any other path runs the norm first."""
+        from spindle.layers.fused_kernels import PendingNorm
+
+        if isinstance(x, PendingNorm):
+            y = self._normed_matmul(x, bias)
+            if y is not None:
+                return y
+            x = x.materialized()
         step = self._lora_step()
         if step is not None:
             flat = x.reshape(-1, x.shape[-1])
             y = self._base_matmul(x, bias)
             return self.lora.add(y.view(flat.shape[0], -1), flat, step).view(y.shape)
         return self._base_matmul(x, bias, defer_merge)
+
+    def _normed_matmul(self, norm, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The product of a PendingNorm's rows by one TMA GEMV launch that normalizes as
+        it loads them, or None where that does not apply: adapters in the step, a
+        quantized or batch-invariant weight, or tma_gemv_applies says no."""
+        from spindle.layers.tma_gemv import tma_gemv, tma_gemv_applies
+
+        if (self._lora_step() is not None or self.int4 is not None
+                or self.weight_scale is not None or self.batch_invariant
+                or not tma_gemv_applies(norm, self.weight)):
+            return None
+        return tma_gemv(norm, self.weight, bias)
 
     def _lora_step(self):
         """The step's adapters where this layer has slots and the step uses any

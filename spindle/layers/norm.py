@@ -60,9 +60,11 @@ class RMSNorm(nn.Module):
         the activations' for a float32 residual stream)."""
         return self.weight * rms_normalized(x, self.variance_epsilon).to(dtype or x.dtype)
 
-    def forward(self, x, residual: torch.Tensor | None = None):
+    def forward(self, x, residual: torch.Tensor | None = None, defer: bool = False):
         """x: a tensor, or on CUDA a skinny GEMM's unsummed output (SplitKPartials,
-        which only the fused kernel reads)."""
+        which only the fused kernel reads). defer: as deferred()'s, where it applies."""
+        if defer and residual is not None and self.deferrable(x, residual):
+            return self.deferred(x, residual)
         if self.fused:
             out = self._fused_forward(x, residual)
             if out is not None:
@@ -84,12 +86,34 @@ class RMSNorm(nn.Module):
             return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, residual)
         return None
 
-    def pre_norm(self, x, residual: torch.Tensor | None):
+    def pre_norm(self, x, residual: torch.Tensor | None, defer: bool = False):
         """A decoder layer's input norm: (norm(x), x) at the first layer, which has no
-        residual yet, else forward(x, residual)."""
+        residual yet, else forward(x, residual). defer: as deferred()'s."""
+        if defer and self.deferrable(x, residual):
+            return self.deferred(x, residual)
         if residual is None:
             return self(x), x
         return self(x, residual)
+
+    def deferrable(self, x, residual: torch.Tensor | None) -> bool:
+        """Whether deferred() applies: the fused kernel's numerics, one row of a CUDA
+        tensor (a decode step of one request), a residual of its dtype, and not
+        batch-invariant."""
+        return (self.fused and not self.batch_invariant and isinstance(x, torch.Tensor)
+                and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+                and self.weight.dtype == x.dtype
+                and (residual is None or residual.dtype == x.dtype))
+
+    def deferred(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """(PendingNorm, residual stream): the norm left for the linear layer that reads
+        it next to apply as it loads its input (a TMA GEMV; any other layer runs it
+        first), the sum x + residual in a tensor that the one running it writes."""
+        from spindle.layers.fused_kernels import PendingNorm
+
+        if residual is None:
+            return PendingNorm(x, self.weight, self.variance_epsilon), x
+        summed = torch.empty_like(x)
+        return PendingNorm(x, self.weight, self.variance_epsilon, residual, summed), summed
 
     def _normalize(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """_norm over x, row by row when batch-invariant (batch_invariant.py)."""

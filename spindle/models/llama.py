@@ -283,11 +283,17 @@ class LlamaDecoderLayer(nn.Module):
             fused = self.cpu_decode(hidden_states, residual, positions)
             if fused is not None:
                 return fused
-        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
+        # With the fused norms, a one-request CUDA step leaves each norm to the linear
+        # layer after it (norm.RMSNorm.deferred): qkv_proj and gate_up_proj read the
+        # normalized rows, and only they.
+        dense_mlp = isinstance(self.mlp, LlamaMLP)
+        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual,
+                                                                defer=self.defer_merge)
         hidden_states = self.self_attn(hidden_states, positions, cos, sin,
                                        defer_merge=self.defer_merge)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        if isinstance(self.mlp, LlamaMLP):
+        hidden_states, residual = self.post_attention_layernorm(
+            hidden_states, residual, defer=self.defer_merge and dense_mlp)
+        if dense_mlp:
             return self.mlp(hidden_states, defer_merge=self.defer_merge), residual
         return self.mlp(hidden_states), residual
 
