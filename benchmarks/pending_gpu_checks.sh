@@ -16,6 +16,11 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
+# Pending (2026-12-06, twenty-sixth session): the one-row TMA GEMV with the norms inside
+# (SPINDLE_TMA_GEMV, on by default) was measured on an H100 only (batch 1 +19%, nano
+# +2.9%): its A/B on an H200 (`ab`), `layer_chain.py` with and without it (`kernels`),
+# test_skinny_gemm.py's one-row cases (which now take it on Hopper) and the last of
+# test_cuda_e2e.py's one-request bf16 cases (`tests`).
 # Pending (2026-12-06, twenty-fifth session): SPINDLE_GRAPH_LOGITS (the LM head inside
 # the decode graphs, on by default) measured on an H100 only (nano +1.6%, batch 1 -1%):
 # its A/B on an H200 (the `ab` part runs it). Its GPU tests passed on an H100 (e2e, spec
@@ -53,6 +58,11 @@ if [[ $what == tests || $what == all ]]; then
         tests/test_triton_attention.py tests/test_gated_delta.py \
         tests/test_selective_scan.py tests/test_prompt_logprobs.py tests/test_fused_moe.py \
         tests/test_structured_outputs.py 2>&1 | tail -3
+    stamp "the TMA GEMV: its tests, the skinny GEMM's one-row cases, one-request bf16 decode"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tma_gemv.py \
+        tests/test_skinny_gemm.py 2>&1 | tail -3
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \
+        -k one_request 2>&1 | tail -3
     stamp "engine tests (longest-first decode attention is the default)"
     timeout 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \
         tests/test_compile_gpu.py tests/test_pdl.py 2>&1 | tail -4
@@ -76,7 +86,8 @@ fi
 if [[ $what == ab || $what == all ]]; then
     stamp "engine A/B (batch 1, graph replays, nano)"
     timeout 600 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/switch_ab.json" \
-        --variant main= --variant head_outside=SPINDLE_GRAPH_LOGITS=0 \
+        --variant main= --variant skinny_one_row=SPINDLE_TMA_GEMV=0 \
+        --variant head_outside=SPINDLE_GRAPH_LOGITS=0 \
         --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 2>&1 | tail -12
     stamp "LoRA's cost in CUDA graphs (Qwen3-0.6B shape: 64 requests, then 1)"
     for kernel in 1 0; do
@@ -90,6 +101,9 @@ fi
 
 if [[ $what == kernels || $what == all ]]; then
     cd benchmarks
+    stamp "28 layers' dense part at one and two rows: TMA GEMV (default), then skinny"
+    timeout 100 python3 layer_chain.py --rows 1 2 2>&1 | tail -4
+    SPINDLE_TMA_GEMV=0 timeout 100 python3 layer_chain.py --rows 1 2 2>&1 | tail -4
     stamp "decode attention, both orders"
     timeout 120 python3 decode_attention.py --batches 256 192 128 96 64 32 \
         --json "$OUT/decode_attention.json" 2>&1 | tail -14

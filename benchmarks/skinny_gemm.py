@@ -1,7 +1,8 @@
 """The skinny Triton GEMM against F.linear (cuBLAS) at decode batch sizes, on CUDA.
 
 For M in 1, 2, 4, 8 (or --m, up to 256) and Qwen3-0.6B's four projections plus its LM
-head: the time per call and the weight-streaming bandwidth it reaches. Each timed graph
+head: the time per call and the weight-streaming bandwidth it reaches; at one row on a
+GPU with TMA also the TMA GEMV's (tma_gemv.py), which the engine uses there. Each timed graph
 replays gpu_timing.CALLS calls that cycle through enough copies of the weight (over 256
 MB) that no call finds its weight in L2, as in a decode step; a call's time is the
 replay time (CUDA events, median of --iters replays after a warm-up) over those calls,
@@ -72,6 +73,7 @@ def main() -> None:
         raise SystemExit("needs CUDA")
     from spindle.layers.skinny_gemm import (_num_sms, max_rows, new_split_counters,
                                             pick_config, row_blocks, skinny_linear)
+    from spindle.layers.tma_gemv import tma_gemv, tma_gemv_applies
 
     dtype = getattr(torch, args.dtype)
     tiles = SWEEP_TILES
@@ -86,7 +88,7 @@ def main() -> None:
     num_sms = _num_sms(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: {num_sms} SMs, device copy "
           f"{copy_bandwidth() / 1e12:.2f} TB/s (read + write)")
-    rows = []
+    rows, tma_rows = [], []
     for name in args.shapes:
         n, k = SHAPES[name]
         copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
@@ -104,8 +106,12 @@ def main() -> None:
             moved = (n * k + m * k + m * n) * dtype.itemsize
             cublas = graph_us(lambda i: F.linear(x, weights[i % copies]), args.iters)
             auto = pick_config(n, k, num_sms, **row_blocks(m))
-            skinny = graph_us(lambda i: skinny_linear(x, weights[i % copies], counters=counters),
-                             args.iters)
+            # (A config given: the skinny kernel itself, also where one row would go to
+            # the TMA GEMV, timed beside it.)
+            skinny = graph_us(lambda i: skinny_linear(x, weights[i % copies], config=auto,
+                                                      counters=counters), args.iters)
+            tma = (graph_us(lambda i: tma_gemv(x, weights[i % copies]), args.iters)
+                   if tma_gemv_applies(x, weights[0]) else None)
             best, best_cfg = skinny, auto
             if args.sweep:
                 for cfg in sweep_configs(n, k, num_sms, tiles, m, args.stages):
@@ -122,8 +128,9 @@ def main() -> None:
                         best, best_cfg = t, cfg
             rows.append((name, n, k, m, cublas, moved / cublas / 1e6, skinny,
                          moved / skinny / 1e6, cublas / skinny, err, auto, best, best_cfg))
-            print(f"  {name} M={m}: F.linear {cublas:.2f} us, skinny {skinny:.2f} us",
-                  flush=True)
+            tma_rows.append((name, m, tma))
+            print(f"  {name} M={m}: F.linear {cublas:.2f} us, skinny {skinny:.2f} us"
+                  + (f", TMA GEMV {tma:.2f} us" if tma is not None else ""), flush=True)
     print(f"\n{'shape':>13} {'N':>6} {'K':>5} {'M':>3} | {'F.linear us':>11} {'TB/s':>5} | "
           f"{'skinny us':>9} {'TB/s':>5} | {'speedup':>7} | {'rel err':>7} | "
           f"default tiles (n, k, split, warps, stages)")
@@ -141,6 +148,11 @@ def main() -> None:
             print(f"{name:>13} {m:>3} | {skinny:>10.2f} | {best:>7.2f} {moved / best / 1e6:>5.2f}"
                   f" | {cfg.block_n}, {cfg.block_k}, {cfg.split_k}, {cfg.num_warps}, "
                   f"{cfg.num_stages}")
+    if any(t is not None for _, _, t in tma_rows):
+        print(f"\n{'shape':>13} {'M':>3} | {'TMA GEMV us':>11} (tma_gemv.py, one row)")
+        for name, m, t in tma_rows:
+            if t is not None:
+                print(f"{name:>13} {m:>3} | {t:>11.2f}")
     per_layer = {m: sum(r[6] for r in rows if r[3] == m and r[0] != "lm_head") for m in args.m}
     per_layer_ref = {m: sum(r[4] for r in rows if r[3] == m and r[0] != "lm_head")
                      for m in args.m}
