@@ -8,7 +8,7 @@ some 7.5 us of bytes; docs/benchmarks.md).
 
 Here every program copies its whole share of W (BLOCK_N rows, all of K) into shared
 memory by TMA before it waits for the kernel before (pdl.release, then the copies, then
-pdl.wait). The programs are small (16-96 KB of shared memory), so under PDL the next
+pdl.wait). The programs are small (16-106 KB of shared memory), so under PDL the next
 GEMM's programs become resident beside the running ones and their weights stream in
 while the chain's earlier kernels still work: the weight stream hardly stops at a
 launch boundary. After the wait a program reads x once (all of K at once, into shared
