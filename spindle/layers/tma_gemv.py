@@ -68,6 +68,7 @@ class GemvConfig:
         return (chunks * self.block_n + x_rows) * self.block_k * itemsize + 8 * chunks
 
 
+@functools.lru_cache(maxsize=None)  # (asked at every one-row call)
 def pick_config(k: int, itemsize: int, silu_and_mul: bool = False) -> GemvConfig | None:
     """The tiles for a weight of K columns, or None where even the narrowest program's
     share of W does not fit MAX_SHARED_BYTES. K chunks of 256 (fewer where K is small);
