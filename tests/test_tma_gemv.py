@@ -65,21 +65,21 @@ source = GluonASTSource(tma_gemv._tma_gemv_kernel, signature,
                         {(names.index(name),): v for name, v in values.items()})
 compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": config.num_warps, "launch_pdl": True})
-print(json.dumps([chunks, compiled.asm["ptx"]]))
+print(json.dumps([chunks, compiled.metadata.shared, compiled.asm["ptx"]]))
 """
 
 
-def _compile_for_sm90(k: int, silu: bool, norm: bool) -> tuple[str, int]:
-    """The kernel's PTX for an H100/H200 and its K chunks, compiled by Triton's own
-    ptxas without a GPU: in a fresh interpreter, since the tests' Triton may be in
-    interpreter mode (conftest), which Gluon does not have."""
+def _compile_for_sm90(k: int, silu: bool, norm: bool) -> tuple[str, int, int]:
+    """The kernel's PTX for an H100/H200, its K chunks and its shared memory bytes,
+    compiled by Triton's own ptxas without a GPU: in a fresh interpreter, since the
+    tests' Triton may be in interpreter mode (conftest), which Gluon does not have."""
     env = {name: v for name, v in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([k, silu, norm])],
                           capture_output=True, text=True, env=env, timeout=300)
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
-    chunks, ptx = json.loads(done.stdout.strip().splitlines()[-1])
-    return ptx, chunks
+    chunks, shared, ptx = json.loads(done.stdout.strip().splitlines()[-1])
+    return ptx, chunks, shared
 
 
 @needs_gluon
@@ -88,8 +88,11 @@ def _compile_for_sm90(k: int, silu: bool, norm: bool) -> tuple[str, int]:
 def test_every_weight_copy_is_asked_for_before_the_pdl_wait(k, silu, norm):
     """The design in the compiled code: let the next kernel launch, issue the TMA copies
     of every chunk of the program's W, and only then wait for the kernel before; read x
-    (and the residual) after the wait, the norm's weight before it."""
-    ptx, chunks = _compile_for_sm90(k, silu, norm)
+    (and the residual) after the wait, the norm's weight before it. Its shared memory
+    is what pick_config planned, so two programs fit an SM."""
+    ptx, chunks, shared = _compile_for_sm90(k, silu, norm)
+    assert shared == tma_gemv.pick_config(k, 2, silu).shared_bytes(k, 2)
+    assert shared <= tma_gemv.MAX_SHARED_BYTES
     lines = [line.strip() for line in ptx.splitlines()]
     release = next(i for i, line in enumerate(lines) if "launch_dependents" in line)
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
