@@ -101,18 +101,6 @@ class PendingNorm:
     residual: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
     def materialized(self) -> torch.Tensor:
         """The normalized rows, by the norm's own kernel (residual_out written too)."""
         if self.residual is None:

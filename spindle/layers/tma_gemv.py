@@ -32,7 +32,7 @@ import torch
 import triton
 
 from spindle.layers import pdl
-from spindle.layers.fused_kernels import PendingNorm
+from spindle.layers.fused_kernels import PendingNorm, silu_mul
 from spindle.switches import on_off
 
 try:
@@ -215,7 +215,7 @@ if HAVE_GLUON:
         # x at once (one wait on memory, not one per chunk), into shared memory.
         xv = gl.load(x_ptr + offs, mask=in_k, other=0.0)
         if SILU_MUL:
-            xv = _silu_mul(xv, gl.load(x_ptr + K + offs, mask=in_k, other=0.0))
+            xv = silu_mul(xv, gl.load(x_ptr + K + offs, mask=in_k, other=0.0))
         if NORM:
             xv = _rms_norm(xv, norm_w, r_ptr, new_r_ptr, offs, in_k, eps, K, HAS_RESIDUAL)
         x_smem = gl.allocate_shared_memory(xv.dtype, [X_ROWS, BLOCK_K],
@@ -234,13 +234,6 @@ if HAVE_GLUON:
         gl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
         for c in gl.static_range(CHUNKS):
             mbarrier.invalidate(bars.index(c))
-
-    @gluon.jit
-    def _silu_mul(gate, up):
-        """silu(gate) * up rounded as fused_kernels.silu_mul rounds it."""
-        g = gate.to(gl.float32)
-        act = (g / (1.0 + gl.exp(-g))).to(gate.dtype)
-        return (act.to(gl.float32) * up.to(gl.float32)).to(gate.dtype)
 
     @gluon.jit
     def _rms_norm(x, weight, r_ptr, new_r_ptr, offs, in_k, eps, K: gl.constexpr,
