@@ -29,11 +29,36 @@ MAX_CONTEXT = pick(2000, 300)
 def _plan_splits_for_a_small_gpu(monkeypatch):
     """Under the interpreter, decode plans its context splits as for a GPU with 16
     SMs (two waves of programs: 32) instead of an H200's 132, so that a handful of
-    requests takes every split count from 32 (the most) down to 1 (no merge)."""
+    requests takes every split count from 32 (the most) down to 1 (no merge), in both
+    kernels (the per-head one's target too)."""
     if INTERPRETED:
         from spindle.attention.backends import triton_attn
 
         monkeypatch.setattr(triton_attn, "_TARGET_PROGRAMS", 32)
+        monkeypatch.setattr(triton_attn, "_PER_HEAD_PROGRAMS", 32)
+
+
+KERNELS = ["per_head", "per_kv_head"]
+PER_HEAD_MAX_REQS = 8  # (in these tests: the engine's is 2)
+
+
+def use_decode_kernel(monkeypatch, kernel: str) -> None:
+    """Make kernel serve decode steps: the per-head one (_decode_head_kernel, the
+    engine's for a request or two) at up to PER_HEAD_MAX_REQS requests, or the
+    per-KV-head one at any (SPINDLE_DECODE_PER_HEAD=0)."""
+    from spindle.attention.backends import triton_attn
+
+    if kernel == "per_head":
+        monkeypatch.setattr(triton_attn, "_PER_HEAD_MAX_REQS", PER_HEAD_MAX_REQS)
+    else:
+        monkeypatch.setenv(triton_attn.PER_HEAD_ENV, "0")
+
+
+def with_kernels(cases, batch_at: int = -1):
+    """cases (tuples whose item batch_at is a batch size) x KERNELS, leaving out the
+    per-head kernel above PER_HEAD_MAX_REQS requests: (kernel, *case)."""
+    return [(kernel, *case) for case in cases for kernel in KERNELS
+            if kernel != "per_head" or case[batch_at] <= PER_HEAD_MAX_REQS]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -217,11 +242,13 @@ DECODE_CASES = pick(
      (4, 4, 64, 32, 9)])  # 1: no merge
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,batch", DECODE_CASES)
+@pytest.mark.parametrize("kernel,num_heads,num_kv_heads,head_dim,block_size,batch",
+                         with_kernels(DECODE_CASES))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ordered", [False, True], ids=["batch_order", "longest_first"])
-def test_decode_split_context(num_heads, num_kv_heads, head_dim, block_size, dtype, batch,
-                              ordered):
+def test_decode_split_context(monkeypatch, kernel, num_heads, num_kv_heads, head_dim,
+                              block_size, dtype, batch, ordered):
+    use_decode_kernel(monkeypatch, kernel)
     gen = torch.Generator().manual_seed(batch * 31 + head_dim + block_size)
     context_lens = torch.randint(0, MAX_CONTEXT, (batch,), generator=gen).tolist()
     context_lens[0] = 0  # a context of just the new token
@@ -300,16 +327,18 @@ def _transformed_reference_case(case, transform, rope, dtype):
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
                          pick([(16, 8, 128), (8, 2, 64)], [(8, 2, 64)]))
-@pytest.mark.parametrize("block_size,batch", pick(
-    list(itertools.product([16, 32], [1, 8, 40])),
-    [(16, 1), (32, 8), (16, 17)]))  # 16 splits, 2, 1 (see DECODE_CASES)
+@pytest.mark.parametrize("kernel,block_size,batch", with_kernels(pick(
+    list(itertools.product([16, 32], [1, 2, 8, 40])),
+    [(16, 1), (16, 2), (32, 8), (16, 17)])))  # 16 splits, 8, 2, 1 (see DECODE_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_fused_decode_with_qk_norm_rope(num_heads, num_kv_heads, head_dim, block_size, dtype,
-                                        batch, with_norm):
+def test_fused_decode_with_qk_norm_rope(monkeypatch, kernel, num_heads, num_kv_heads, head_dim,
+                                        block_size, dtype, batch, with_norm):
     """The backend's decode path with a QKNormRope: one launch normalises and rotates q
     and k, stores k and v (padding slots skipped), attends and merges the splits."""
     from spindle.attention.backends.triton_attn import TritonAttentionBackend
+
+    use_decode_kernel(monkeypatch, kernel)
 
     gen = torch.Generator().manual_seed(batch * 7 + head_dim + block_size + with_norm)
     context_lens = torch.randint(100, MAX_CONTEXT, (batch,), generator=gen).tolist()
@@ -457,11 +486,14 @@ WINDOW_DECODE = pick(
     [(8, 1, 64, 16, 1), (8, 2, 128, 8, 3), (4, 4, 64, 16, 9)])
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,batch", WINDOW_DECODE)
+@pytest.mark.parametrize("kernel,num_heads,num_kv_heads,head_dim,block_size,batch",
+                         with_kernels(WINDOW_DECODE))
 @pytest.mark.parametrize("window", [1, 37, 150])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_sliding_window_reads_only_the_window(num_heads, num_kv_heads, head_dim,
-                                                     block_size, batch, window, dtype):
+def test_decode_sliding_window_reads_only_the_window(monkeypatch, kernel, num_heads,
+                                                     num_kv_heads, head_dim, block_size, batch,
+                                                     window, dtype):
+    use_decode_kernel(monkeypatch, kernel)
     gen = torch.Generator().manual_seed(batch * 31 + window + block_size)
     context_lens = torch.randint(window, MAX_CONTEXT, (batch,), generator=gen).tolist()
     context_lens[0] = MAX_CONTEXT - 1  # the longest context: the most stale blocks
@@ -774,3 +806,60 @@ def test_attention_sinks(window, batch, dtype):
         ref, _, _ = reference(case, scale, window=window, sinks=sinks)
         assert not out.isnan().any()
         assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("option", ["soft_cap", "alibi", "sinks", "chunk", "window"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_options_in_both_kernels(monkeypatch, kernel, option, batch, dtype):
+    """Each score option through a decode step of one and of two requests whose
+    contexts take several splits of several tiles, in both decode kernels, against the
+    reference; the reference without the option is further off than the tolerance, so
+    the option is seen to act."""
+    from spindle.attention.alibi import bloom_slopes
+    from spindle.attention.backends.triton_attn import decode_attention, split_counters
+
+    use_decode_kernel(monkeypatch, kernel)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    gen = torch.Generator().manual_seed(batch)
+    case = make_case([1] * batch, [MAX_CONTEXT - 1, 40][:batch], num_heads, num_kv_heads,
+                     head_dim, block_size, dtype, seed=batch)
+    scale = head_dim ** -0.5
+    if option == "soft_cap":
+        case["q"] = case["q"] * 3  # scores of several times the cap
+        kwargs, ref_kwargs = dict(soft_cap=5.0), dict(soft_cap=5.0)
+    elif option == "alibi":
+        slopes = bloom_slopes(num_heads).to(DEVICE)
+        kwargs, ref_kwargs = dict(alibi_slopes=slopes), dict(alibi=slopes)
+    elif option == "sinks":
+        # (logits about as heavy as all the keys together: every head's output shrinks)
+        sinks = (6.0 + 2.0 * torch.randn(num_heads, generator=gen)).to(DEVICE)
+        kwargs, ref_kwargs = dict(sinks=sinks), dict(sinks=sinks)
+    elif option == "chunk":
+        kwargs, ref_kwargs = dict(sliding_window=16, chunked=True), dict(chunk=16)
+    else:
+        kwargs, ref_kwargs = dict(sliding_window=12), dict(window=12)
+    ref, _, _ = reference(case, scale, **ref_kwargs)
+    plain, _, _ = reference(case, scale)
+    out = torch.full_like(case["q"], float("nan"))
+    counters = split_counters(DEVICE)
+    decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case), scale,
+                     out, counters, **kwargs)
+    assert not counters.any(), "the last split must leave its counter at zero"
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    assert rel_err(out, plain) > 10 * REL_TOL[dtype]
+
+
+def test_small_batches_take_the_per_head_kernel(monkeypatch):
+    """One or two requests with a head dim of 16, 32, 64 or 128 take the per-head
+    kernel unless SPINDLE_DECODE_PER_HEAD=0; three requests, or other head dims, the
+    per-KV-head one."""
+    from spindle.attention.backends.triton_attn import PER_HEAD_ENV, per_head_applies
+
+    assert per_head_applies(1, 128) and per_head_applies(2, 64) and per_head_applies(1, 16)
+    assert not per_head_applies(3, 128)
+    assert not per_head_applies(1, 40) and not per_head_applies(1, 256)
+    monkeypatch.setenv(PER_HEAD_ENV, "0")
+    assert not per_head_applies(1, 128)

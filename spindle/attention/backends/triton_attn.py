@@ -53,9 +53,15 @@ from spindle.attention.metadata import AttentionMetadata
 from spindle.layers import pdl
 from spindle.layers.fused_kernels import cache_row, norm_rope_rows
 from spindle.layers.rotary import QKNormRope
+from spindle.switches import on_off
 
 TARGET_PROGRAMS_ENV = "SPINDLE_DECODE_TARGET_PROGRAMS"
+PER_HEAD_ENV = "SPINDLE_DECODE_PER_HEAD"
 _MAX_SPLITS = 32
+# Small decode batches take the per-head kernel (see decode_attention): at most this
+# many requests, split to about this many programs.
+_PER_HEAD_MAX_REQS = 2
+_PER_HEAD_PROGRAMS = 512
 
 
 def target_programs(environ=os.environ) -> int:
@@ -326,10 +332,29 @@ def num_decode_splits(num_reqs: int, num_kv_heads: int) -> int:
 
 
 def split_counters(device: torch.device | str) -> torch.Tensor:
-    """Zeroed arrival counters for decode_attention, one per (request, KV head). More
-    than one split per request only happens below _TARGET_PROGRAMS (request, KV head)
-    pairs, so that many counters always suffice. Each launch leaves them at zero."""
-    return torch.zeros(_TARGET_PROGRAMS, dtype=torch.int32, device=device)
+    """Zeroed arrival counters for decode_attention, one per (request, KV head), or per
+    (request, query head) in the per-head kernel. More than one split per request only
+    happens below _TARGET_PROGRAMS (request, KV head) pairs, or _PER_HEAD_PROGRAMS
+    (request, query head) pairs, so that many counters always suffice. Each launch
+    leaves them at zero."""
+    return torch.zeros(max(_TARGET_PROGRAMS, _PER_HEAD_PROGRAMS), dtype=torch.int32,
+                       device=device)
+
+
+def per_head_applies(num_reqs: int, head_dim: int, environ=os.environ) -> bool:
+    """Whether a decode step of num_reqs requests takes the per-head kernel: at most
+    _PER_HEAD_MAX_REQS requests, a head dim of 16, 32, 64 or 128 (a program holds a
+    64-key tile of its KV head in two warps' registers), and SPINDLE_DECODE_PER_HEAD
+    not "0". (On an H100, four requests at 2,048 tokens of context and eight at 640 or
+    2,048 were faster in the per-KV-head kernel: docs/benchmarks.md.)"""
+    return (num_reqs <= _PER_HEAD_MAX_REQS and head_dim in (16, 32, 64, 128)
+            and on_off(PER_HEAD_ENV, True, environ))
+
+
+def num_per_head_splits(num_reqs: int, num_heads: int) -> int:
+    """Context splits per (request, query head) for the per-head kernel."""
+    splits = triton.cdiv(_PER_HEAD_PROGRAMS, max(1, num_reqs * num_heads))
+    return min(_MAX_SPLITS, triton.next_power_of_2(splits))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -347,14 +372,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     soft_cap, sinks, alibi_slopes, chunked: as in prefill_attention (chunked: the last
     positions of its chunk).
 
+    Up to _PER_HEAD_MAX_REQS requests (per_head_applies) take _decode_head_kernel, a
+    program per query head; more take _decode_kernel, a program per KV head.
+
     The grid depends only on B, H and H_kv (never on sequence lengths): CUDA-graph
     safe. A padding row (sequence length 0) gets zeros."""
     num_reqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     gqa = num_heads // num_kv_heads
-    splits = num_decode_splits(num_reqs, num_kv_heads)
-    if splits > 1 and num_reqs * num_kv_heads > counters.numel():
-        raise ValueError(f"decode with {splits} splits needs {num_reqs * num_kv_heads} "
+    per_head = per_head_applies(num_reqs, head_dim)
+    if per_head:
+        kernel, heads, warps, stages = _decode_head_kernel, num_heads, 2, 1
+        splits = num_per_head_splits(num_reqs, num_heads)
+    else:
+        kernel, heads, warps, stages = _decode_kernel, num_kv_heads, 4, 2
+        splits = num_decode_splits(num_reqs, num_kv_heads)
+    if splits > 1 and num_reqs * heads > counters.numel():
+        raise ValueError(f"decode with {splits} splits needs {num_reqs * heads} "
                          f"split counters, got {counters.numel()}")
     if splits > 1:
         part_out = torch.empty((splits, num_reqs, num_heads, head_dim), dtype=torch.float32,
@@ -366,7 +400,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rope = qk_transform
     has_norm = rope is not None and rope.q_weight is not None
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    _decode_kernel[(num_kv_heads, num_reqs, splits)](
+    kernel[(heads, num_reqs, splits)](
         q, k, v, key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
         meta.decode_order if meta.decode_order is not None else meta.seq_lens,
         rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
@@ -386,7 +420,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HAS_NORM=has_norm, SLIDING=sliding_window is not None,
         CHUNKED=_chunked(sliding_window, chunked), SOFT_CAP=soft_cap is not None,
         SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
         **pdl.kernel_args(q.device, num_reqs))
 
 
@@ -421,16 +455,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
     num_reqs = tl.num_programs(1)
     num_heads = tl.num_programs(0) * GQA
     seq_len = tl.load(seq_lens_ptr + req)
-    first = 0  # the first context position the query sees
-    if CHUNKED:  # (its chunk's start; a padding row's 0)
-        first = tl.maximum(seq_len - 1, 0) // window * window
-    elif SLIDING:
-        first = tl.maximum(seq_len - window, 0)
-    # Split the range in BLOCK_N-sized pieces derived from this request's length.
-    span = seq_len - first
-    per_split = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
-    start = first + split * per_split
-    end = tl.minimum(seq_len, start + per_split)
+    span, per_split, start, end = _split_range(seq_len, split, window, SPLITS, BLOCK_N,
+                                               SLIDING, CHUNKED)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -572,6 +598,237 @@ def _attend_tile(m_i, l_i, acc, q, k, v, offs_n, n_valid, scale, soft_cap, slope
         scores += slopes[:, None] * (offs_n - query_pos)[None, :].to(tl.float32)
     scores = tl.where(n_valid[None, :], scores, float("-inf"))
     return _softmax_step(m_i, l_i, acc, scores, v, IEEE, EMPTY_ROWS=False)
+
+
+@triton.jit
+def _split_range(seq_len, split, window, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SLIDING: tl.constexpr, CHUNKED: tl.constexpr):
+    """(span, per_split, start, end): the context positions a decode query sees are
+    the span positions before seq_len (all, or its window or chunk's); split `split`
+    of SPLITS takes [start, end) of them, in BLOCK_N-sized pieces derived from the
+    request's length (empty for splits past a short context)."""
+    first = 0  # the first context position the query sees
+    if CHUNKED:  # (its chunk's start; a padding row's 0)
+        first = tl.maximum(seq_len - 1, 0) // window * window
+    elif SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    span = seq_len - first
+    per_split = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
+    end = tl.minimum(seq_len, start + per_split)
+    return span, per_split, start, end
+
+
+@triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
+def _decode_head_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+                        block_tables_ptr, seq_lens_ptr, order_ptr, pos_ptr, cos_ptr, sin_ptr,
+                        qw_ptr, kw_ptr, eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr,
+                        sinks_ptr, alibi_ptr, scale, window, soft_cap,
+                        q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                        o_stride_t, o_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h,
+                        cs_stride,
+                        GQA: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        SPLITS: tl.constexpr, ORDERED: tl.constexpr, ROPE: tl.constexpr,
+                        HAS_NORM: tl.constexpr, SLIDING: tl.constexpr, CHUNKED: tl.constexpr,
+                        SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, ALIBI: tl.constexpr,
+                        IEEE: tl.constexpr, PDL: tl.constexpr):
+    """_decode_kernel's work (same arguments; BLOCK_G, BLOCK_D and IEEE unused) for
+    one or two requests: one program per (query head, request, split), two warps,
+    CUDA-core arithmetic on [BLOCK_N] scores and [HEAD_DIM] rows instead of tl.dot
+    tiles padded to 16 query rows. At that size the kernel's time is latency (layout
+    conversions through shared memory, reductions across warps, the merge), not
+    arithmetic: in a chain of 28 Qwen3-0.6B layers on an H100 it took 0.6-1.9 us a
+    layer less at one request and 2.2 us at two (640-2,048 tokens of context;
+    docs/benchmarks.md). The query heads of a KV head read the same cache tiles (the
+    second read mostly from L2).
+
+    Heads are handled as halves [HEAD_DIM / 2] so that the neox rotation needs no
+    partner loads. Everything no kernel of the step writes (positions, slots, rotary
+    rows, norm weights, the split's first cache tile) is read before pdl.wait. Splits
+    with no context leave at once, before the wait (split 0 always waits, so this
+    kernel's completion still implies its predecessor's); a request whose context
+    fits one split writes its output directly; otherwise the last split to finish
+    merges."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pdl.release(PDL)
+    head = tl.program_id(0)
+    kv_head = head // GQA
+    req = tl.program_id(1)
+    if ORDERED:
+        req = tl.load(order_ptr + req)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    span, per_split, start, end = _split_range(seq_len, split, window, SPLITS, BLOCK_N,
+                                               SLIDING, CHUNKED)
+    used = tl.cdiv(span, tl.maximum(per_split, 1))  # (0 for a padding row)
+    if split >= tl.maximum(used, 1):
+        return  # (it reads and writes nothing)
+    token = req.to(tl.int64)
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos = tl.load(pos_ptr + token)
+    slot = tl.load(slot_ptr + token)
+    dtype = q_ptr.dtype.element_ty
+    if ROPE:  # (float32 tables, cast to the activations' dtype as torch does)
+        cos_row = cos_ptr + pos * cs_stride
+        sin_row = sin_ptr + pos * cs_stride
+        cos1 = tl.load(cos_row + offs_h).to(dtype).to(tl.float32)
+        cos2 = tl.load(cos_row + HALF + offs_h).to(dtype).to(tl.float32)
+        sin1 = tl.load(sin_row + offs_h).to(dtype).to(tl.float32)
+        sin2 = tl.load(sin_row + HALF + offs_h).to(dtype).to(tl.float32)
+        if HAS_NORM:
+            qw1 = tl.load(qw_ptr + offs_h).to(tl.float32)
+            qw2 = tl.load(qw_ptr + HALF + offs_h).to(tl.float32)
+            kw1 = tl.load(kw_ptr + offs_h).to(tl.float32)
+            kw2 = tl.load(kw_ptr + HALF + offs_h).to(tl.float32)
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(alibi_ptr + head)
+    cached_end = tl.minimum(end, seq_len - 1)
+    block_table = block_tables_ptr + req * bt_stride
+    offs_n = start + tl.arange(0, BLOCK_N)
+    k1, k2, v = _load_head_tile(key_cache_ptr, value_cache_ptr, block_table, offs_n,
+                                offs_n < cached_end, kv_head, c_stride_b, c_stride_t,
+                                c_stride_h, PAGE, HALF)
+    pdl.wait(PDL)
+    q_row = q_ptr + token * q_stride_t + head * q_stride_h
+    k_row = k_ptr + token * k_stride_t + kv_head * k_stride_h
+    q1 = tl.load(q_row + offs_h)
+    q2 = tl.load(q_row + HALF + offs_h)
+    kn1 = tl.load(k_row + offs_h)
+    kn2 = tl.load(k_row + HALF + offs_h)
+    v_new = tl.load(v_ptr + token * v_stride_t + kv_head * v_stride_h + offs_d)
+    if ROPE:
+        if HAS_NORM:
+            q1, q2 = _rms_norm_halves(q1, q2, qw1, qw2, eps, HEAD_DIM)
+            kn1, kn2 = _rms_norm_halves(kn1, kn2, kw1, kw2, eps, HEAD_DIM)
+        q1, q2 = _rope_halves(q1, q2, cos1, cos2, sin1, sin2)
+        kn1, kn2 = _rope_halves(kn1, kn2, cos1, cos2, sin1, sin2)
+    q1 = q1.to(tl.float32)
+    q2 = q2.to(tl.float32)
+
+    # The new token first (every split has its q and k by now; a split without it
+    # starts from an empty state), then the cached tiles.
+    has_new = (start < end) & (end == seq_len)
+    score = _capped((tl.sum(q1 * kn1.to(tl.float32), 0)
+                     + tl.sum(q2 * kn2.to(tl.float32), 0)) * scale, soft_cap, SOFT_CAP)
+    m_i = tl.where(has_new, score, float("-inf"))
+    l_i = tl.where(has_new, 1.0, 0.0)
+    acc = tl.where(has_new, v_new.to(tl.float32), 0.0)
+    query_pos = seq_len - 1
+    m_i, l_i, acc = _head_tile(m_i, l_i, acc, q1, q2, k1, k2, v, offs_n, offs_n < cached_end,
+                               scale, soft_cap, slope, query_pos, SOFT_CAP, ALIBI)
+    for n in range(start + BLOCK_N, cached_end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < cached_end
+        k1, k2, v = _load_head_tile(key_cache_ptr, value_cache_ptr, block_table, offs_n,
+                                    n_valid, kv_head, c_stride_b, c_stride_t, c_stride_h,
+                                    PAGE, HALF)
+        m_i, l_i, acc = _head_tile(m_i, l_i, acc, q1, q2, k1, k2, v, offs_n, n_valid, scale,
+                                   soft_cap, slope, query_pos, SOFT_CAP, ALIBI)
+    if has_new & (slot >= 0) & (head % GQA == 0):  # (one writer per KV head)
+        dst = cache_row(slot, c_stride_b, c_stride_t, PAGE) + kv_head * c_stride_h
+        tl.store(key_cache_ptr + dst + offs_h, kn1)
+        tl.store(key_cache_ptr + dst + HALF + offs_h, kn2)
+        tl.store(value_cache_ptr + dst + offs_d, v_new)
+    out_row = out_ptr + token * o_stride_t + head * o_stride_h
+    if used <= 1:  # (one split: no merge; a padding row writes zeros)
+        total = _nonzero(l_i)
+        if SINKS:
+            total = l_i + tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m_i)
+        tl.store(out_row + offs_d, (acc / total).to(out_ptr.dtype.element_ty))
+    else:
+        part = (split * tl.num_programs(1) + req).to(tl.int64) * tl.num_programs(0) + head
+        tl.store(part_out_ptr + part * HEAD_DIM + offs_d, acc / l_i)
+        tl.store(part_lse_ptr + part, m_i + tl.log(l_i))
+        # (as in _decode_kernel: partials written before the arrival, merged by the last)
+        tl.debug_barrier()
+        counter = counters_ptr + req * tl.num_programs(0) + head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+            _merge_head(part_out_ptr, part_lse_ptr, out_row, sinks_ptr, req, head,
+                        tl.num_programs(1), tl.num_programs(0), used, HEAD_DIM, SPLITS, SINKS)
+            tl.store(counter, 0)  # ready for the next launch
+
+
+@triton.jit
+def _load_head_tile(key_cache_ptr, value_cache_ptr, block_table_ptr, offs_n, n_valid, kv_head,
+                    c_stride_b, c_stride_t, c_stride_h, PAGE: tl.constexpr, HALF: tl.constexpr):
+    """One KV head's keys, as halves [BLOCK_N, HALF] x 2, and values [BLOCK_N, 2 HALF]
+    at context positions offs_n."""
+    block = tl.load(block_table_ptr + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
+    row = (block * c_stride_b + (offs_n % PAGE) * c_stride_t + kv_head * c_stride_h)[:, None]
+    offs_h = tl.arange(0, HALF)[None, :]
+    k1 = tl.load(key_cache_ptr + row + offs_h, mask=n_valid[:, None], other=0.0)
+    k2 = tl.load(key_cache_ptr + row + HALF + offs_h, mask=n_valid[:, None], other=0.0)
+    v = tl.load(value_cache_ptr + row + tl.arange(0, 2 * HALF)[None, :], mask=n_valid[:, None],
+                other=0.0)
+    return k1, k2, v
+
+
+@triton.jit
+def _head_tile(m_i, l_i, acc, q1, q2, k1, k2, v, offs_n, n_valid, scale, soft_cap, slope,
+               query_pos, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Fold a tile of cached keys (halves) and values into one query head's softmax
+    state: scalars m_i, l_i and acc [HEAD_DIM] (float32; q1, q2 float32 halves). A tile
+    with no valid key leaves an empty state (-inf, 0, 0) as it was."""
+    scores = (tl.sum(k1.to(tl.float32) * q1[None, :], 1)
+              + tl.sum(k2.to(tl.float32) * q2[None, :], 1)) * scale
+    scores = _capped(scores, soft_cap, SOFT_CAP)
+    if ALIBI:
+        scores += slope * (offs_n - query_pos).to(tl.float32)
+    scores = tl.where(n_valid, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a padding row sees no key)
+    p = tl.exp(scores - m_safe)
+    alpha = tl.exp(m_i - m_safe)
+    return (m_new, l_i * alpha + tl.sum(p, 0),
+            acc * alpha + tl.sum(v.to(tl.float32) * p[:, None], 0))
+
+
+@triton.jit
+def _rms_norm_halves(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr):
+    """RMSNorm(x) * w of a head given as halves, rounded where norm_rope_rows rounds."""
+    dtype = x1.dtype
+    h1 = x1.to(tl.float32)
+    h2 = x2.to(tl.float32)
+    inv = tl.math.rsqrt((tl.sum(h1 * h1, 0) + tl.sum(h2 * h2, 0)) / HEAD_DIM + eps)
+    return ((w1 * (h1 * inv).to(dtype).to(tl.float32)).to(dtype),
+            (w2 * (h2 * inv).to(dtype).to(tl.float32)).to(dtype))
+
+
+@triton.jit
+def _rope_halves(x1, x2, cos1, cos2, sin1, sin2):
+    """The neox rotation of a head given as halves (x1 * cos - x2 * sin, x2 * cos + x1 *
+    sin), each product rounded as norm_rope_rows rounds it."""
+    dtype = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    return (((a1 * cos1).to(dtype).to(tl.float32) + (-a2 * sin1).to(dtype).to(tl.float32))
+            .to(dtype),
+            ((a2 * cos2).to(dtype).to(tl.float32) + (a1 * sin2).to(dtype).to(tl.float32))
+            .to(dtype))
+
+
+@triton.jit
+def _merge_head(part_out_ptr, part_lse_ptr, out_row, sinks_ptr, req, head, num_reqs,
+                num_heads, used_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+                SINKS: tl.constexpr):
+    """_merge_splits for one query head (the per-head kernel's partials)."""
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_valid = offs_s < used_splits
+    rows = (offs_s * num_reqs + req).to(tl.int64) * num_heads + head
+    lse = tl.load(part_lse_ptr + rows, mask=s_valid, other=float("-inf"), cache_modifier=".cg")
+    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_valid[:, None], other=0.0, cache_modifier=".cg")
+    reference = tl.max(lse, 0)  # (finite: every used split saw a key)
+    weights = tl.exp(lse - reference)
+    total = tl.sum(weights, 0)
+    if SINKS:
+        total += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - reference)
+    merged = tl.sum(parts * weights[:, None], 0) / total
+    tl.store(out_row + offs_d, merged.to(out_row.dtype.element_ty))
 
 
 @triton.jit
