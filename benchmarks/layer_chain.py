@@ -1,4 +1,5 @@
-"""The dense part of a decode step's layers at a few rows, as the engine runs it, on CUDA.
+"""The dense part of a decode step's layers at a few rows, as the engine runs it, on CUDA;
+with --context, decode attention too.
 
 28 Qwen3-0.6B-shaped layers (each with its own weights: 880 MB, far more than L2) of
 the engine's own modules, called as LlamaDecoderLayer calls them on a decode step:
@@ -8,11 +9,16 @@ loads; the norms and merges deferred where the layer defers them. One CUDA graph
 28 layers, replayed; microseconds a layer (CUDA events, the median of --iters replays).
 Attention is left out, so this is the part the GEMM kernels decide.
 
-Switches apply as in the engine (SPINDLE_TMA_GEMV=0: the skinny GEMM at one row, the
-norms as their own kernels; SPINDLE_PDL=0; ...), so runs with and without one compare
-the chains:
+--context N: each layer runs the engine's Triton decode attention between qkv_proj and
+o_proj (Qwen3's q/k norms and rotary fused in, 16 query heads over 8 KV heads, 16-token
+pages), each row a request with N tokens of context before its new one; the difference
+from a run without it is what attention costs the chain.
 
-    python benchmarks/layer_chain.py [--rows 1 2 4] [--layers 28]
+Switches apply as in the engine (SPINDLE_TMA_GEMV=0: the skinny GEMM at one row, the
+norms as their own kernels; SPINDLE_DECODE_PER_HEAD=0; SPINDLE_PDL=0; ...), so runs with
+and without one compare the chains:
+
+    python benchmarks/layer_chain.py [--rows 1 2 4] [--layers 28] [--context 0 640 2048]
     SPINDLE_TMA_GEMV=0 python benchmarks/layer_chain.py
 """
 
@@ -25,6 +31,7 @@ import torch
 from gpu_timing import copy_bandwidth, graph_us
 
 HIDDEN, INTERMEDIATE, Q_WIDTH, QKV_WIDTH = 1024, 3072, 2048, 4096  # Qwen3-0.6B
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 
 
 def make_layers(count: int, dtype: torch.dtype) -> list[dict]:
@@ -52,12 +59,58 @@ def make_layers(count: int, dtype: torch.dtype) -> list[dict]:
     return layers
 
 
-def forward(layers: list[dict], hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """LlamaDecoderLayer.forward's calls, attention replaced by a view of qkv."""
+def add_attention(layers: list[dict], rows: int, context: int, dtype: torch.dtype) -> dict:
+    """Give each layer a decode-attention backend, q/k norm weights and a paged cache of
+    rows requests with context tokens each before the new one; returns the step's
+    attention metadata and rotary tables."""
+    from spindle.attention.backends.triton_attn import TritonAttentionBackend
+    from spindle.attention.metadata import AttentionMetadata
+
+    seq_len = context + 1
+    per_row = -(-seq_len // PAGE)
+    tables = torch.arange(rows * per_row, dtype=torch.int32, device="cuda").view(rows, per_row)
+    for layer in layers:
+        layer["attn"] = TritonAttentionBackend(HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS)
+        layer["cache"] = torch.randn(2, rows * per_row, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype,
+                                     device="cuda")
+        layer["q_norm"], layer["k_norm"] = (
+            1 + 0.1 * torch.randn(HEAD_DIM, dtype=dtype, device="cuda") for _ in range(2))
+    inv_freq = 1e6 ** -(torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+    angles = torch.arange(seq_len + 1, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1).to("cuda")
+    slots = tables[:, context // PAGE].long() * PAGE + context % PAGE
+    meta = AttentionMetadata(
+        num_reqs=rows, num_tokens=rows,
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((rows,), seq_len, dtype=torch.int32, device="cuda"),
+        block_tables=tables, slot_mapping=slots, max_query_len=1, max_seq_len=seq_len)
+    return dict(meta=meta, cos=angles.cos(), sin=angles.sin(),
+                positions=torch.full((rows,), context, device="cuda"))
+
+
+def attend(layer: dict, qkv: torch.Tensor, step: dict) -> torch.Tensor:
+    """Qwen3's attention of one decode step: qkv [rows, 4096] -> [rows, 2048]."""
+    from spindle.layers.rotary import QKNormRope
+
+    rows = qkv.shape[0]
+    q = qkv[:, :Q_WIDTH].view(rows, HEADS, HEAD_DIM)
+    k = qkv[:, Q_WIDTH:Q_WIDTH + KV_HEADS * HEAD_DIM].view(rows, KV_HEADS, HEAD_DIM)
+    v = qkv[:, Q_WIDTH + KV_HEADS * HEAD_DIM:].view(rows, KV_HEADS, HEAD_DIM)
+    rope = QKNormRope(step["positions"], step["cos"], step["sin"], layer["q_norm"],
+                      layer["k_norm"], 1e-6)
+    out = layer["attn"].forward(q, k, v, layer["cache"], step["meta"], qk_transform=rope)
+    return out.view(rows, Q_WIDTH)
+
+
+def forward(layers: list[dict], hidden: torch.Tensor, residual: torch.Tensor,
+            step: dict | None = None) -> torch.Tensor:
+    """LlamaDecoderLayer.forward's calls; attention replaced by a view of qkv unless
+    step (add_attention's) is given."""
     for layer in layers:
         normed, residual = layer["input_norm"].pre_norm(hidden, residual, defer=True)
         qkv = layer["qkv"](normed)
-        out = layer["o"](qkv[:, :Q_WIDTH], defer_merge=True)
+        attended = qkv[:, :Q_WIDTH] if step is None else attend(layer, qkv, step)
+        out = layer["o"](attended, defer_merge=True)
         normed, residual = layer["post_norm"](out, residual, defer=True)
         gate_up = layer["gate_up"](normed)
         hidden = layer["down"].silu_and_mul_forward(gate_up, defer_merge=True)
@@ -69,6 +122,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--context", type=int, nargs="+", default=[0],
+                        help="tokens of context per row for decode attention (0: none)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -79,13 +134,15 @@ def main() -> None:
           f"switches {switches or 'none'}")
     weights = sum(p.numel() * p.element_size() for layer in layers
                   for module in layer.values() for p in module.parameters()) / args.layers
-    print(f"{'rows':>4} | {'us a layer':>10} | {'weights GB/s':>12}")
+    print(f"{'rows':>4} | {'context':>7} | {'us a layer':>10} | {'weights GB/s':>12}")
     for rows in args.rows:
-        hidden = torch.randn(rows, HIDDEN, dtype=torch.bfloat16, device="cuda")
-        residual = torch.randn_like(hidden)
-        us = graph_us(lambda i: forward(layers, hidden, residual), args.iters, calls=1)
-        us /= args.layers
-        print(f"{rows:>4} | {us:>10.2f} | {weights / us / 1e3:>12.0f}")
+        for context in args.context:
+            step = add_attention(layers, rows, context, torch.bfloat16) if context else None
+            hidden = torch.randn(rows, HIDDEN, dtype=torch.bfloat16, device="cuda")
+            residual = torch.randn_like(hidden)
+            us = graph_us(lambda i: forward(layers, hidden, residual, step), args.iters, calls=1)
+            us /= args.layers
+            print(f"{rows:>4} | {context:>7} | {us:>10.2f} | {weights / us / 1e3:>12.0f}")
 
 
 if __name__ == "__main__":
