@@ -230,7 +230,9 @@ def test_prefill_with_prefix_hits_and_ragged_lengths(num_heads, num_kv_heads, he
 
 # (num_heads, num_kv_heads, head_dim, block_size, batch). On a GPU every combination;
 # under the interpreter (32 programs planned) each split count from 32 down to 1, and
-# each GQA ratio and block size.
+# each GQA ratio and block size. Both: heads of 16 and 32 features (the per-head
+# kernel's narrowest halves).
+NARROW_HEAD_CASES = [(4, 2, 16, 16, 2), (4, 2, 32, 8, 1)]
 DECODE_CASES = pick(
     [(*shape, block_size, batch) for shape, block_size, batch
      in itertools.product(SHAPES, [16, 32], [1, 3, 64])],
@@ -239,7 +241,7 @@ DECODE_CASES = pick(
      (4, 4, 64, 16, 1), (8, 2, 128, 16, 3),  # 8
      (8, 1, 64, 32, 8),  # 4
      (8, 2, 128, 16, 9),  # 2
-     (4, 4, 64, 32, 9)])  # 1: no merge
+     (4, 4, 64, 32, 9)]) + NARROW_HEAD_CASES  # 1: no merge
 
 
 @pytest.mark.parametrize("kernel,num_heads,num_kv_heads,head_dim,block_size,batch",
