@@ -13,6 +13,7 @@ import torch
 
 from spindle import switches
 from spindle.attention import metadata
+from spindle.attention.backends import triton_attn
 from spindle.layers import cpu_kernels, int8_head, norm, pdl, skinny_gemm
 from spindle import start_cache
 from spindle.runner import compile_ahead
@@ -49,6 +50,7 @@ READERS = {
     "SPINDLE_SKINNY_GEMM": _skinny_applies,
     "SPINDLE_PDL": lambda: pdl.enabled(torch.device("cpu")),
     "SPINDLE_DECODE_LONGEST_FIRST": metadata.longest_first_enabled,
+    "SPINDLE_DECODE_PER_HEAD": lambda: triton_attn.per_head_applies(1, 128),
 }
 
 
