@@ -24,11 +24,15 @@ Kernels:
   replayed for any sequence lengths. Given meta.decode_order (the runner's on a GPU
   with SPINDLE_DECODE_LONGEST_FIRST=1), program row i serves request decode_order[i]:
   the longest contexts start first.
+* ``decode``, one or two requests (``_decode_head_kernel``; SPINDLE_DECODE_PER_HEAD=0
+  keeps the one above): the same work and arguments, one program per (query head,
+  request, split) with multiply-adds instead of tl.dot tiles, the merge counted per
+  (request, query head). At these sizes the kernel's time is latency, not arithmetic.
 
 Sliding window W (the layer's ``sliding_window``; transformers' semantics, see
 torch_sdpa): a query at position p sees keys p - W < k <= p. Both kernels start
 reading a request's context at the window's start (prefill: the window of the tile's
-first query; decode: seq_len - W) and never load a position before it, so block-table
+first query; decode, either kernel: seq_len - W) and never load a position before it, so block-table
 entries of blocks wholly before the window may be stale. The window is a launch
 argument, the grid unchanged (CUDA-graph safe); without one (SLIDING=False) the
 kernels compile exactly as before.
