@@ -39,7 +39,7 @@ def _plan_splits_for_a_small_gpu(monkeypatch):
 
 
 KERNELS = ["per_head", "per_kv_head"]
-PER_HEAD_MAX_REQS = 8  # (in these tests: the engine's is 2)
+PER_HEAD_MAX_REQS = 4  # (in these tests; the engine's is 2)
 
 
 def use_decode_kernel(monkeypatch, kernel: str) -> None:
