@@ -30,10 +30,10 @@ Kernels:
   (request, query head). At these sizes the kernel's time is latency, not arithmetic.
 
 Sliding window W (the layer's ``sliding_window``; transformers' semantics, see
-torch_sdpa): a query at position p sees keys p - W < k <= p. Both kernels start
-reading a request's context at the window's start (prefill: the window of the tile's
-first query; decode, either kernel: seq_len - W) and never load a position before it, so block-table
-entries of blocks wholly before the window may be stale. The window is a launch
+torch_sdpa): a query at position p sees keys p - W < k <= p. The prefill and decode
+kernels start reading a request's context at the window's start (prefill: the window
+of the tile's first query; decode: seq_len - W) and never load a position before it,
+so block-table entries of blocks wholly before the window may be stale. The window is a launch
 argument, the grid unchanged (CUDA-graph safe); without one (SLIDING=False) the
 kernels compile exactly as before.
 
