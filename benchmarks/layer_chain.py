@@ -65,6 +65,7 @@ def add_attention(layers: list[dict], rows: int, context: int, dtype: torch.dtyp
     attention metadata and rotary tables."""
     from spindle.attention.backends.triton_attn import TritonAttentionBackend
     from spindle.attention.metadata import AttentionMetadata
+    from spindle.layers.rotary import RotaryEmbedding
 
     seq_len = context + 1
     per_row = -(-seq_len // PAGE)
@@ -75,16 +76,14 @@ def add_attention(layers: list[dict], rows: int, context: int, dtype: torch.dtyp
                                      device="cuda")
         layer["q_norm"], layer["k_norm"] = (
             1 + 0.1 * torch.randn(HEAD_DIM, dtype=dtype, device="cuda") for _ in range(2))
-    inv_freq = 1e6 ** -(torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
-    angles = torch.arange(seq_len + 1, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1).to("cuda")
+    rope = RotaryEmbedding(HEAD_DIM, seq_len, {"rope_type": "default", "rope_theta": 1e6})
     slots = tables[:, context // PAGE].long() * PAGE + context % PAGE
     meta = AttentionMetadata(
         num_reqs=rows, num_tokens=rows,
         query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
         seq_lens=torch.full((rows,), seq_len, dtype=torch.int32, device="cuda"),
         block_tables=tables, slot_mapping=slots, max_query_len=1, max_seq_len=seq_len)
-    return dict(meta=meta, cos=angles.cos(), sin=angles.sin(),
+    return dict(meta=meta, cos=rope.cos_cache.to("cuda"), sin=rope.sin_cache.to("cuda"),
                 positions=torch.full((rows,), context, device="cuda"))
 
 

@@ -20,7 +20,7 @@ def test_pdl_only_where_switched_on_and_the_gpu_has_it(monkeypatch, switch, devi
         monkeypatch.delenv(pdl.SWITCH_ENV, raising=False)
     else:
         monkeypatch.setenv(pdl.SWITCH_ENV, switch)
-    monkeypatch.setattr(pdl, "_capability", lambda d: capability)
+    monkeypatch.setattr(pdl, "capability", lambda d: capability)
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
     assert pdl.enabled(dev) is on
     assert pdl.launch_options(dev) == ({"launch_pdl": True} if on else {})
@@ -40,7 +40,7 @@ def test_pdl_rows_bound_is_the_skinny_gemms(monkeypatch):
     from spindle.layers import skinny_gemm
 
     assert pdl._KERNEL_MAX_ROWS == skinny_gemm.MAX_M
-    monkeypatch.setattr(pdl, "_capability", lambda d: (9, 0))
+    monkeypatch.setattr(pdl, "capability", lambda d: (9, 0))
     monkeypatch.delenv(pdl.SWITCH_ENV, raising=False)
     dev = torch.device("cuda", 0)
     w = torch.randn(64, 256, dtype=torch.bfloat16)

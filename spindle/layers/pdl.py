@@ -64,7 +64,7 @@ def enabled(device: torch.device) -> bool:
     """Whether kernels for device launch with PDL: switched on, a Triton that has it,
     and a GPU that has it."""
     return (on_off(SWITCH_ENV, True) and HAVE_GDC and device.type == "cuda"
-            and _capability(device) >= (9, 0))
+            and capability(device) >= (9, 0))
 
 
 def max_rows() -> int:
@@ -104,7 +104,8 @@ _PDL_ARGS: Mapping[str, bool] = MappingProxyType({"PDL": True, **_PDL_OPTIONS})
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
+def capability(device: torch.device) -> tuple[int, int]:
+    """device's CUDA compute capability, asked of the driver once."""
     return torch.cuda.get_device_capability(device)
 
 

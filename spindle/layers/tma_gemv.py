@@ -102,7 +102,7 @@ def tma_gemv_applies(x, weight: torch.Tensor, silu_and_mul: bool = False,
             and weight.dim() == 2 and weight.is_contiguous()
             and x.shape[1] == (2 * k if silu_and_mul else k)
             and (k * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
-            and _capability(x.device) >= (9, 0) and on_off(SWITCH_ENV, True)
+            and pdl.capability(x.device) >= (9, 0) and on_off(SWITCH_ENV, True)
             and pick_config(k, weight.element_size(), silu_and_mul) is not None)
 
 
@@ -160,11 +160,6 @@ def tma_gemv(x, weight: torch.Tensor, bias: torch.Tensor | None = None,
 def _shared_layout(block_n: int, block_k: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(
         [block_n, block_k], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 if HAVE_GLUON:

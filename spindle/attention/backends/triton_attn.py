@@ -751,7 +751,8 @@ def _decode_head_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slo
         counter = counters_ptr + req * tl.num_programs(0) + head
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
             _merge_head(part_out_ptr, part_lse_ptr, out_row, sinks_ptr, req, head,
-                        tl.num_programs(1), tl.num_programs(0), used, HEAD_DIM, SPLITS, SINKS)
+                        tl.num_programs(1), tl.num_programs(0), used, HEAD_DIM, HEAD_DIM,
+                        SPLITS, SINKS)
             tl.store(counter, 0)  # ready for the next launch
 
 
@@ -760,8 +761,8 @@ def _load_head_tile(key_cache_ptr, value_cache_ptr, block_table_ptr, offs_n, n_v
                     c_stride_b, c_stride_t, c_stride_h, PAGE: tl.constexpr, HALF: tl.constexpr):
     """One KV head's keys, as halves [BLOCK_N, HALF] x 2, and values [BLOCK_N, 2 HALF]
     at context positions offs_n."""
-    block = tl.load(block_table_ptr + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
-    row = (block * c_stride_b + (offs_n % PAGE) * c_stride_t + kv_head * c_stride_h)[:, None]
+    row = _kv_rows(block_table_ptr, offs_n, n_valid, kv_head, c_stride_b, c_stride_t,
+                   c_stride_h, PAGE)[:, None]
     offs_h = tl.arange(0, HALF)[None, :]
     k1 = tl.load(key_cache_ptr + row + offs_h, mask=n_valid[:, None], other=0.0)
     k2 = tl.load(key_cache_ptr + row + HALF + offs_h, mask=n_valid[:, None], other=0.0)
@@ -816,23 +817,29 @@ def _rope_halves(x1, x2, cos1, cos2, sin1, sin2):
 
 @triton.jit
 def _merge_head(part_out_ptr, part_lse_ptr, out_row, sinks_ptr, req, head, num_reqs,
-                num_heads, used_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-                SINKS: tl.constexpr):
-    """_merge_splits for one query head (the per-head kernel's partials)."""
+                num_heads, used_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                SPLITS: tl.constexpr, SINKS: tl.constexpr):
+    """Write query head `head`'s output row (at out_row) from its partials of splits
+    [0, used_splits) (the later ones had no context; none at all, for a padding row,
+    gives zeros). All of its partials are loaded at once, so the merge waits on memory
+    once, not once per split; the loads bypass L1 (.cg) because other programs wrote
+    the partials during this launch."""
     offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     s_valid = offs_s < used_splits
+    d_valid = offs_d < HEAD_DIM
     rows = (offs_s * num_reqs + req).to(tl.int64) * num_heads + head
     lse = tl.load(part_lse_ptr + rows, mask=s_valid, other=float("-inf"), cache_modifier=".cg")
     parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_valid[:, None], other=0.0, cache_modifier=".cg")
-    reference = tl.max(lse, 0)  # (finite: every used split saw a key)
+                    mask=s_valid[:, None] & d_valid[None, :], other=0.0, cache_modifier=".cg")
+    lse_max = tl.max(lse, 0)
+    reference = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.exp(lse - reference)
     total = tl.sum(weights, 0)
-    if SINKS:
+    if SINKS:  # (the sink's share, once, against the same reference)
         total += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - reference)
-    merged = tl.sum(parts * weights[:, None], 0) / total
-    tl.store(out_row + offs_d, merged.to(out_row.dtype.element_ty))
+    merged = tl.sum(parts * weights[:, None], 0) / _nonzero(total)
+    tl.store(out_row + offs_d, merged.to(out_row.dtype.element_ty), mask=d_valid)
 
 
 @triton.jit
@@ -840,32 +847,13 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, kv_head, 
                   num_heads, used_splits, o_stride_t, o_stride_h, GQA: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
                   SINKS: tl.constexpr):
-    """Write the output of this KV head's query heads from the partials of splits
-    [0, used_splits) (the later ones had no context; none at all, for a padding row,
-    gives zeros). All of a head's partials are loaded at once, so the merge waits on
-    memory once, not once per split; the loads bypass L1 (.cg) because other programs
-    wrote the partials during this launch."""
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_valid = offs_s < used_splits
-    d_valid = offs_d < HEAD_DIM
+    """_merge_head for each query head of this KV head."""
     for g in tl.static_range(GQA):
         head = kv_head * GQA + g
-        rows = (offs_s * num_reqs + req).to(tl.int64) * num_heads + head
-        lse = tl.load(part_lse_ptr + rows, mask=s_valid, other=float("-inf"),
-                      cache_modifier=".cg")
-        parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=s_valid[:, None] & d_valid[None, :], other=0.0,
-                        cache_modifier=".cg")
-        lse_max = tl.max(lse, 0)
-        reference = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        weights = tl.exp(lse - reference)
-        total = tl.sum(weights, 0)
-        if SINKS:  # (the sink's share, once, against the same reference)
-            total += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - reference)
-        merged = tl.sum(parts * weights[:, None], 0) / _nonzero(total)
-        tl.store(out_ptr + req.to(tl.int64) * o_stride_t + head * o_stride_h + offs_d,
-                 merged.to(out_ptr.dtype.element_ty), mask=d_valid)
+        _merge_head(part_out_ptr, part_lse_ptr,
+                    out_ptr + req.to(tl.int64) * o_stride_t + head * o_stride_h, sinks_ptr,
+                    req, head, num_reqs, num_heads, used_splits, HEAD_DIM, BLOCK_D, SPLITS,
+                    SINKS)
 
 
 @triton.jit
@@ -890,12 +878,21 @@ def _store_rows(rows, g_valid, d_valid, offs_d, values):
 def _load_kv_tile(key_cache_ptr, value_cache_ptr, block_table_ptr, offs_n, n_valid, offs_d,
                   d_valid, kv_head, c_stride_b, c_stride_t, c_stride_h, PAGE: tl.constexpr):
     """Keys and values [BLOCK_N, BLOCK_D] of context positions offs_n of one request."""
-    block = tl.load(block_table_ptr + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
-    row = block * c_stride_b + (offs_n % PAGE) * c_stride_t + kv_head * c_stride_h
+    row = _kv_rows(block_table_ptr, offs_n, n_valid, kv_head, c_stride_b, c_stride_t,
+                   c_stride_h, PAGE)
     mask = n_valid[:, None] & d_valid[None, :]
     k = tl.load(key_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(value_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _kv_rows(block_table_ptr, offs_n, n_valid, kv_head, c_stride_b, c_stride_t, c_stride_h,
+             PAGE: tl.constexpr):
+    """Offsets of one KV head's cache rows at context positions offs_n of one request
+    (block table block_table_ptr; positions where n_valid is False read block 0)."""
+    block = tl.load(block_table_ptr + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
+    return block * c_stride_b + (offs_n % PAGE) * c_stride_t + kv_head * c_stride_h
 
 
 @triton.jit
