@@ -62,6 +62,36 @@ def test_float32_greedy_matches_transformers(tiny_model, arch, enforce_eager):
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
 
 
+def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch):
+    """Greedy requests that want nothing but their tokens (no logprobs) take them from
+    the decode graphs' argmax (runner/cuda_graph.py; the Triton argmax of
+    runner/sample/argmax_kernel.py): float32 tokens equal transformers', for eight
+    requests together and one at a time, and the sampler returned the graphs' argmax on
+    every decode step of the lone requests."""
+    from spindle.runner.sample import Sampler
+
+    taken = []
+    forward = Sampler.forward
+
+    def recording(self, logits, metadata, argmax=None):
+        taken.append(argmax is not None)
+        return forward(self, logits, metadata, argmax)
+
+    monkeypatch.setattr(Sampler, "forward", recording)
+    path = tiny_model(arch="qwen3", max_position_embeddings=2048)
+    prompts = _prompts(512)
+    expected = _hf_greedy(path, prompts, 24, torch.float32, "cuda")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(path), dtype="float32", device="cuda", max_model_len=1024,
+             max_num_batched_tokens=256) as llm:
+        together = llm.generate(prompts, params, use_tqdm=False)
+        taken.clear()
+        alone = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts[1:4]]
+    assert sum(taken) >= 3 * 23  # (each lone request: a prefill step, then 23 in a graph)
+    for out, (tokens, _) in zip(together + alone, expected + expected[1:4]):
+        assert out.outputs[0].token_ids == tokens
+
+
 # Cases of an architecture with config fields of their own: (arch, fields).
 VARIANTS = {"phi3-partial": ("phi3", dict(rope_parameters={  # (Phi-4-mini's rotary)
     "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})),

@@ -21,12 +21,16 @@ class _FakeGraph:
         return "pool"
 
 
-def test_each_graph_is_captured_from_the_forward_of_its_own_shape(monkeypatch):
-    shapes = [(4, 8, False), (4, 8, True), (1, 64, False), (1, 2, True)]
+def _fake_capture(monkeypatch, shapes, with_greedy: bool):
+    """CudaGraphRunner.capture over shapes with no GPU: each forward returns its shape,
+    the LM head ("logits", hidden), the argmax ("argmax", logits); the forwards' shapes."""
+    from spindle.runner import cuda_graph
+
     calls = []
     fake = types.SimpleNamespace(
-        pool=None, graphs={}, outputs={}, logits={}, device=torch.device("cpu"),
-        with_logits=True, state=types.SimpleNamespace(compute_logits=lambda h: ("logits", h)),
+        pool=None, graphs={}, outputs={}, device=torch.device("cpu"),
+        with_logits=True, with_greedy=with_greedy,
+        state=types.SimpleNamespace(compute_logits=lambda h: ("logits", h)),
         _each_shape=lambda: iter(shapes),
         _forward=lambda size, query_len=1, adapters=False: calls.append(
             (size, query_len, adapters)) or (size, query_len, adapters))
@@ -34,12 +38,28 @@ def test_each_graph_is_captured_from_the_forward_of_its_own_shape(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(cuda_graph, "raw_argmax", lambda logits: ("argmax", logits))
     CudaGraphRunner.capture(fake)
+    return fake, calls
+
+
+def test_each_graph_is_captured_from_the_forward_of_its_own_shape(monkeypatch):
+    """Each graph's hidden states, logits and (decode graphs of at most GREEDY_MAX_BATCH
+    requests) greedy tokens come from its own shape's forward."""
+    from spindle.runner.cuda_graph import GREEDY_MAX_BATCH
+
+    shapes = [(4, 8, False), (4, 8, True), (1, 64, False), (1, GREEDY_MAX_BATCH + 1, False),
+              (1, GREEDY_MAX_BATCH, True), (1, 2, True), (1, 1, False)]
+    fake, calls = _fake_capture(monkeypatch, shapes, with_greedy=True)
     assert calls == [(size, query_len, adapters) for query_len, size, adapters in shapes]
     assert set(fake.graphs) == set(shapes)
     for (query_len, size, adapters), output in fake.outputs.items():
-        assert output == (size, query_len, adapters)
-        assert fake.logits[query_len, size, adapters] == ("logits", output)
+        assert output.hidden == (size, query_len, adapters)
+        assert output.logits == ("logits", output.hidden)
+        takes_argmax = query_len == 1 and size <= GREEDY_MAX_BATCH
+        assert output.greedy == (("argmax", output.logits) if takes_argmax else None)
+    fake, _ = _fake_capture(monkeypatch, shapes, with_greedy=False)
+    assert all(output.greedy is None for output in fake.outputs.values())
 
 
 def _greedy_metadata(rows: int):
@@ -79,6 +99,32 @@ def test_a_step_samples_from_the_graphs_logits_of_its_sampling_rows():
                                       draft_token_ids={}, sampling_req_ids=list(indices))
         sampled = ModelRunner._sample(_sampling_runner(), batch, hidden, logits)
         assert sampled.sampled_token_ids.tolist() == logits[indices].argmax(-1).tolist()
+
+
+def test_a_step_takes_the_graphs_argmax_only_where_it_is_the_token():
+    """The graph's argmax (here a marker unlike the logits' argmax) is the step's tokens
+    where every token samples and the sampler wants nothing but the argmax; a subset of
+    rows, or rows with logprobs or min_tokens, sample from the logits."""
+    from spindle.runner.model_runner import ModelRunner
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    marker = torch.tensor([7, 7, 7, 7])
+    every = types.SimpleNamespace(logits_indices=np.arange(4), num_tokens=4,
+                                  draft_token_ids={}, sampling_req_ids=[0, 1, 2, 3])
+    sampled = ModelRunner._sample(_sampling_runner(), every, torch.zeros(4, 8), logits, marker)
+    assert sampled.sampled_token_ids is marker
+    some = types.SimpleNamespace(logits_indices=np.asarray([1, 3]), num_tokens=4,
+                                 draft_token_ids={}, sampling_req_ids=[1, 3])
+    sampled = ModelRunner._sample(_sampling_runner(), some, torch.zeros(4, 8), logits, marker)
+    assert sampled.sampled_token_ids.tolist() == logits[[1, 3]].argmax(-1).tolist()
+    for extra in ({"max_num_logprobs": 2}, {"min_tokens_blocked": {0: {49}}}):
+        runner = _sampling_runner()
+        metadata = _greedy_metadata(4)
+        for name, value in extra.items():
+            setattr(metadata, name, value)
+        runner.input_batch.sampling_metadata = lambda req_ids, h2d: metadata
+        sampled = ModelRunner._sample(runner, every, torch.zeros(4, 8), logits, marker)
+        assert sampled.sampled_token_ids.tolist() == logits.argmax(-1).tolist()
 
 
 def test_the_kv_budget_counts_the_graphs_logits_only_where_they_are_computed(monkeypatch):

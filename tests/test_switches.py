@@ -16,7 +16,8 @@ from spindle.attention import metadata
 from spindle.attention.backends import triton_attn
 from spindle.layers import cpu_kernels, int8_head, norm, pdl, skinny_gemm
 from spindle import start_cache
-from spindle.runner import compile_ahead
+from spindle.runner import compile_ahead, cuda_graph
+from spindle.runner.sample import sampler
 
 
 def test_on_off_reads_zero_and_one_and_falls_back_to_the_default():
@@ -51,6 +52,8 @@ READERS = {
     "SPINDLE_PDL": lambda: pdl.enabled(torch.device("cpu")),
     "SPINDLE_DECODE_LONGEST_FIRST": metadata.longest_first_enabled,
     "SPINDLE_DECODE_PER_HEAD": lambda: triton_attn.per_head_applies(1, 128),
+    "SPINDLE_GRAPH_ARGMAX": cuda_graph.graph_argmax_enabled,
+    "SPINDLE_GREEDY_KERNEL": lambda: sampler.raw_argmax(torch.zeros(1, 4)),
 }
 
 

@@ -22,13 +22,19 @@ the head's launch was about a quarter of the step's host time. The logits of a p
 batch are computed for its padding rows too (nobody reads them). Each graph keeps its
 own logits buffer (a graph's outputs stay allocated, so the shared pool cannot reuse
 them): ModelRunner.graph_logits_bytes counts them all in the KV cache budget.
+
+Decode graphs of at most GREEDY_MAX_BATCH requests then also take each row's argmax of
+those logits (the greedy token), so a step whose sampler needs nothing but the argmax
+launches nothing between its graph and the copy of its tokens to the host. A step that
+samples otherwise ignores it: at a few rows the argmax costs about a microsecond of the
+graph. SPINDLE_GRAPH_ARGMAX=0 leaves it to the sampler.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -39,8 +45,20 @@ from spindle.forward_context import forward_context
 from spindle.layers.mamba.metadata import MambaMetadata
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.base import ModelState
+from spindle.runner.sample.sampler import raw_argmax
+from spindle.switches import on_off
+
+# Decode graphs of at most this many requests take the greedy tokens too (module docstring).
+GREEDY_MAX_BATCH = 8
+GRAPH_ARGMAX_ENV = "SPINDLE_GRAPH_ARGMAX"
 
 logger = logging.getLogger(__name__)
+
+
+def graph_argmax_enabled() -> bool:
+    """Whether decode graphs that compute the logits take their argmax too (module
+    docstring): unless SPINDLE_GRAPH_ARGMAX=0."""
+    return on_off(GRAPH_ARGMAX_ENV, True)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -101,6 +119,19 @@ def _initial_inputs(rows: int, t: int, n: int) -> torch.Tensor:
     return host_t
 
 
+class GraphOutputs(NamedTuple):
+    """What a graph leaves in its buffers: the hidden states, and where the graphs
+    compute them the logits and, for a decode graph of few requests, each row's argmax
+    of them (GREEDY_MAX_BATCH)."""
+    hidden: torch.Tensor
+    logits: torch.Tensor | None = None
+    greedy: torch.Tensor | None = None
+
+    def rows(self, num: int) -> "GraphOutputs":
+        """The first num rows of each (views)."""
+        return GraphOutputs(*(None if t is None else t[:num] for t in self))
+
+
 class CudaGraphRunner:
     def __init__(self, state: ModelState, max_batch: int, max_blocks_per_req: int,
                  device: torch.device, groups: Sequence[CacheGroup] = (),
@@ -111,6 +142,7 @@ class CudaGraphRunner:
         graphs compute the LM head's logits too (see the module docstring)."""
         self.state = state
         self.with_logits = logits
+        self.with_greedy = logits and graph_argmax_enabled()
         self.lora = lora
         self.adapter_variants = (False, True) if lora is not None else (False,)
         self.device = device
@@ -155,10 +187,9 @@ class CudaGraphRunner:
         self._staged.copy_(self._host_sets[0][0])
         self._runs = 0
         self.num_replays: dict[tuple[int, int, bool], int] = {}  # by graph key, since capture
-        # (tokens per request, size, adapters) -> graph, its output
+        # (tokens per request, size, adapters) -> graph, its outputs
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
-        self.logits: dict[tuple[int, int, bool], torch.Tensor] = {}  # (with_logits)
+        self.outputs: dict[tuple[int, int, bool], GraphOutputs] = {}
         self.pool = None
 
     def can_run(self, batch: StepBatch) -> bool:
@@ -202,19 +233,22 @@ class CudaGraphRunner:
             query_len, size, adapters = key
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[key], logits = self._step(size, query_len, adapters)
-            if logits is not None:
-                self.logits[key] = logits
+                self.outputs[key] = self._step(size, query_len, adapters)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
 
-    def run(self, batch: StepBatch, feed=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay the graph of the smallest captured size >= batch size; returns hidden
-        [T, ...] and, with logits=True, the logits of those T rows (else None): views of
-        the graph's buffers, valid until the next replay. feed(input_ids), when given,
-        writes input ids still being sampled on the device."""
+    def logits_bytes(self) -> int:
+        """Device memory the graphs' logits hold."""
+        return sum(out.logits.numel() * out.logits.element_size()
+                   for out in self.outputs.values() if out.logits is not None)
+
+    def run(self, batch: StepBatch, feed=None) -> GraphOutputs:
+        """Replay the graph of the smallest captured size >= batch size; returns its
+        outputs' first T rows (T: the batch's tokens): views of the graph's buffers,
+        valid until the next replay. feed(input_ids), when given, writes input ids
+        still being sampled on the device."""
         num = batch.num_reqs
         query_len = batch.num_tokens // num
         sizes = self.sizes_by_len[query_len]
@@ -226,9 +260,7 @@ class CudaGraphRunner:
         key = (query_len, size, adapters)
         self.graphs[key].replay()
         self.num_replays[key] = self.num_replays.get(key, 0) + 1
-        logits = self.logits.get(key)
-        return (self.outputs[key][:batch.num_tokens],
-                None if logits is None else logits[:batch.num_tokens])
+        return self.outputs[key].rows(batch.num_tokens)
 
     def _stage_inputs(self, batch: StepBatch, size: int, query_len: int = 1,
                       adapters: bool = False) -> None:
@@ -289,12 +321,17 @@ class CudaGraphRunner:
                     has_initial_state=self.has_initial_state[:size], max_query_len=1))
         return metadata[0] if len(metadata) == 1 else metadata
 
-    def _step(self, size: int, query_len: int = 1, adapters: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(self, size: int, query_len: int = 1, adapters: bool = False) -> GraphOutputs:
         """What a graph computes: the hidden states and, with logits, the LM head's
-        logits (outside the forward context, as an eager step computes them)."""
+        logits (outside the forward context, as an eager step computes them) and, for
+        a decode graph of few requests, their argmax (see the module docstring)."""
         hidden = self._forward(size, query_len, adapters)
-        return hidden, self.state.compute_logits(hidden) if self.with_logits else None
+        if not self.with_logits:
+            return GraphOutputs(hidden)
+        logits = self.state.compute_logits(hidden)
+        if not (self.with_greedy and query_len == 1 and size <= GREEDY_MAX_BATCH):
+            return GraphOutputs(hidden, logits)
+        return GraphOutputs(hidden, logits, raw_argmax(logits))
 
     def _forward(self, size: int, query_len: int = 1, adapters: bool = False) -> torch.Tensor:
         tokens = size * query_len

@@ -419,7 +419,7 @@ class ModelRunner:
         graphs.capture()
         self.graph_runner = graphs
         self.num_graph_captures += len(graphs.graphs)
-        held = sum(t.numel() * t.element_size() for t in graphs.logits.values())
+        held = graphs.logits_bytes()
         counted = self.graph_logits_bytes()
         if held > counted:
             logger.warning("the CUDA graphs' logits take %d MiB, more than the %d MiB the KV "
@@ -607,9 +607,9 @@ class ModelRunner:
         batch = self.input_batch.prepare(scheduled, sched.spec_token_ids or None)
         feed = self._inflight_feed(batch)
         self._copy_state_slots(sched.state_copies_before)
-        logits = None  # (the LM head's, when the graph computed them)
+        logits = greedy = None  # (the LM head's and their argmax, where the graph has them)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            hidden, logits = self.graph_runner.run(batch, feed)
+            hidden, logits, greedy = self.graph_runner.run(batch, feed)
         else:
             inputs = state.prepare_inputs(batch)
             if feed is not None:
@@ -634,7 +634,7 @@ class ModelRunner:
             output.failed_requests = failures
             return PendingOutput.ready(output)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        sampled = self._sample(batch, hidden, logits)
+        sampled = self._sample(batch, hidden, logits, greedy)
         pending = PendingOutput(self, batch, sampled, failures, prompt_logprobs)
         earlier, self._last_launched = self._last_launched, pending
         if sched.speculate and self.proposer is not None:
@@ -799,14 +799,17 @@ class ModelRunner:
         return self.config.model.hf_config.hidden_size
 
     def _sample(self, batch: StepBatch, hidden: torch.Tensor,
-                logits: torch.Tensor | None = None) -> SamplerOutput | None:
-        """The step's tokens; logits: every token's, where a CUDA graph computed them."""
+                logits: torch.Tensor | None = None,
+                greedy: torch.Tensor | None = None) -> SamplerOutput | None:
+        """The step's tokens; logits: every token's, where a CUDA graph computed them,
+        and greedy their argmax, where it computed that too."""
         if len(batch.logits_indices) == 0:
             return None
         num_samples = len(batch.logits_indices)
         rows = hidden if logits is None else logits
         if num_samples < batch.num_tokens:
             rows = rows[self.h2d.put(batch.logits_indices, torch.int64)]
+            greedy = None
         # else: every token samples (a decode step): its rows are already in order.
         # (The sampler widens the logits.)
         logits = rows if logits is not None else self._require_state().compute_logits(rows)
@@ -821,7 +824,7 @@ class ModelRunner:
             sampled = self._verify(batch, logits)
         else:
             metadata = self.input_batch.sampling_metadata(batch.sampling_req_ids, self.h2d)
-            sampled = self.sampler(logits, metadata)
+            sampled = self.sampler(logits, metadata, argmax=greedy)
         self.tp_group.broadcast(sampled.sampled_token_ids)
         return sampled
 

@@ -31,7 +31,9 @@ from spindle.runner.sample.logprobs import compute_logprobs, gather_logprobs
 from spindle.runner.sample.metadata import SamplingMetadata
 from spindle.runner.sample.penalties import apply_penalties
 from spindle.runner.sample.topk_topp import apply_min_p, apply_top_k_top_p
+from spindle.switches import on_off
 
+GREEDY_KERNEL_ENV = "SPINDLE_GREEDY_KERNEL"
 # Rows with a temperature below this are greedy (the same bound as SamplingParams.is_greedy).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -62,13 +64,18 @@ class Sampler(torch.nn.Module):
         self.processed = processed
         self.batch_invariant = batch_invariant
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                argmax: torch.Tensor | None = None) -> SamplerOutput:
+        """argmax: each row's argmax of logits where it was computed already (a decode
+        graph's, runner/cuda_graph.py), taken as the tokens when that is all it takes."""
         if argmax_suffices(metadata):
             _check_logits(logits)
+            if argmax is not None:
+                return SamplerOutput(sampled_token_ids=argmax)
             # The logits as they come (a bf16 model's): widening them to float32 first
             # changes no comparison, and at 256 rows of a 152k vocabulary it was a
             # 230 MB round trip through device memory per step.
-            return SamplerOutput(sampled_token_ids=greedy_sample(logits))
+            return SamplerOutput(sampled_token_ids=raw_argmax(logits))
         sampled, _, logprobs_of = self.draw(logits, metadata)
         return self.gather(logprobs_of, sampled, metadata)
 
@@ -144,6 +151,18 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     if cpu_kernels.argmax_applies(logits):
         return cpu_kernels.argmax_rows(logits)
     return logits.argmax(dim=-1)
+
+
+def raw_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """greedy_sample of the LM head's own logits (the model's dtype), which on CUDA is
+    argmax_kernel.argmax_rows unless SPINDLE_GREEDY_KERNEL=0: warm-up's greedy request
+    compiles it for that dtype. (Logits the sampler made, float32, keep torch's argmax:
+    a kernel variant for them would compile after warm-up.)"""
+    if on_off(GREEDY_KERNEL_ENV, True) and logits.is_cuda:
+        from spindle.runner.sample.argmax_kernel import argmax_rows
+
+        return argmax_rows(logits)
+    return greedy_sample(logits)
 
 
 def random_sample(logits: torch.Tensor, metadata: SamplingMetadata

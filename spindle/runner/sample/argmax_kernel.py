@@ -1,0 +1,85 @@
+"""The greedy sampler's argmax on CUDA, in two small Triton kernels.
+
+torch's argmax of one row of a 152k vocabulary took 9.4 us of a batch-1 decode step on
+an H100 (docs/benchmarks.md): one reduction carrying (value, index) pairs over the whole
+row. Here each row is cut into chunks of CHUNK ids; a program per (row, chunk) finds
+its chunk's first maximum, then a program per row picks the first chunk holding the
+row's maximum. Both launch with PDL (layers/pdl.py) where it is on: inside a decode
+graph they follow the LM head without waiting for its tail.
+
+The result is torch's, id for id: ties go to the smallest id, and a NaN counts as larger
+than everything (the first NaN of a row wins, as torch's argmax has it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spindle.layers import pdl
+
+CHUNK = 2048  # ids a program of the first kernel reduces (152k ids: 75 programs a row)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The int64 index of each row's first maximum of logits [rows, vocab] (a CUDA
+    tensor, or a CPU one under Triton's interpreter); rows must be unit-strided."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"argmax_rows takes [rows, vocab] logits with unit-strided rows, got "
+                         f"shape {tuple(logits.shape)}, strides {logits.stride()}")
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    chunks = triton.cdiv(vocab, CHUNK)
+    best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
+    where = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+    # (PDL in either size: a variant per row count would compile after warm-up.)
+    launch = {"PDL": pdl.enabled(logits.device), **pdl.launch_options(logits.device)}
+    _chunk_argmax_kernel[(rows, chunks)](logits, best, where, logits.stride(0), vocab,
+                                         CHUNKS=chunks, CHUNK=CHUNK, num_warps=4, **launch)
+    _row_argmax_kernel[(rows,)](best, where, out, CHUNKS=chunks,
+                                BLOCK=triton.next_power_of_2(chunks), num_warps=1, **launch)
+    return out
+
+
+@triton.jit
+def _first_max(values, ids, BIG: tl.constexpr):
+    """(value, id) of the first maximum of values at ids (ids below BIG), a NaN counting
+    as the largest value."""
+    nan = values != values
+    first_nan = tl.min(tl.where(nan, ids, BIG), 0)
+    best = tl.max(tl.where(nan, float("-inf"), values), 0)
+    best_id = tl.min(tl.where(values == best, ids, BIG), 0)
+    has_nan = first_nan < BIG
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, best_id)
+
+
+@triton.jit
+def _chunk_argmax_kernel(logits_ptr, best_ptr, where_ptr, row_stride, vocab,
+                         CHUNKS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    ids = chunk * CHUNK + tl.arange(0, CHUNK)
+    values = tl.load(logits_ptr + row * row_stride + ids, mask=ids < vocab,
+                     other=float("-inf")).to(tl.float32)
+    # (The masked tail is -inf and comes after every id of the row: it never wins.)
+    best, best_id = _first_max(values, ids, 2147483647)
+    tl.store(best_ptr + row * CHUNKS + chunk, best)
+    tl.store(where_ptr + row * CHUNKS + chunk, best_id)
+
+
+@triton.jit
+def _row_argmax_kernel(best_ptr, where_ptr, out_ptr, CHUNKS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, BLOCK)
+    valid = chunks < CHUNKS
+    best = tl.load(best_ptr + row * CHUNKS + chunks, mask=valid, other=float("-inf"))
+    ids = tl.load(where_ptr + row * CHUNKS + chunks, mask=valid, other=2147483647)
+    # Chunks hold ascending ids: the first chunk with the maximum holds the first id.
+    _, best_id = _first_max(best, ids, 2147483647)
+    tl.store(out_ptr + row, best_id.to(tl.int64))
