@@ -18,7 +18,9 @@ for real and finds every kernel compiled.
 
 Garbage is harmless there because no spindle kernel produces addresses another one
 follows: block tables, slots, positions and state slots come from the host, and MoE
-routing is torch's top-k (indices in range whatever the scores). No kernel is
+routing is torch's top-k (indices in range whatever the scores). The greedy argmax
+(runner/sample/argmax_kernel.py), whose output the host records as the warm-up
+request's token, writes into zeros: a skipped launch leaves token 0. No kernel is
 autotuned (a skipped launch would time nothing). SPINDLE_COMPILE_AHEAD=0 switches this
 off: kernels then compile one by one on first launch, as Triton does by itself.
 

@@ -29,7 +29,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"argmax_rows takes [rows, vocab] logits with unit-strided rows, got "
                          f"shape {tuple(logits.shape)}, strides {logits.stride()}")
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    # Zeros outside a CUDA graph's capture: a launch skipped while warm-up compiles ahead
+    # (runner/compile_ahead.py) then leaves id 0, not garbage the host would record.
+    capturing = logits.is_cuda and torch.cuda.is_current_stream_capturing()
+    out = (torch.empty if capturing else torch.zeros)(rows, dtype=torch.int64,
+                                                      device=logits.device)
     if rows == 0:
         return out
     chunks = triton.cdiv(vocab, CHUNK)
