@@ -16,12 +16,15 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
+# Pending (2026-12-06, twenty-eighth session): the greedy argmax inside the decode
+# graphs (SPINDLE_GRAPH_ARGMAX, SPINDLE_GREEDY_KERNEL, on by default) was measured on an
+# H100 only (batch 1 +1.0%, nano +0.9%): its A/B on an H200 (`ab`). Also on the H100:
+# with SPINDLE_GRAPH_ARGMAX=0 alone the graphs of 64 and 256 requests replayed ~5% faster
+# though they hold the same kernels; unexplained (docs/benchmarks.md).
 # Pending (2026-12-06, twenty-seventh session): the per-head decode attention kernel
 # (SPINDLE_DECODE_PER_HEAD, on by default for one or two requests) was measured on an
-# H100 only (batch 1 +2.1%): its A/B on an H200 (`ab`), `layer_chain.py --context`
-# with and without it (`kernels`), and the per-head cases of test_triton_attention.py
-# that no call finished (about 40% of them, and the options test's per-head half;
-# `tests`).
+# H100 only (batch 1 +2.1%): its A/B on an H200 (`ab`) and `layer_chain.py --context`
+# with and without it (`kernels`). Its test cases all passed on an H100 (28th session).
 # Pending (2026-12-06, twenty-sixth session): the one-row TMA GEMV with the norms inside
 # (SPINDLE_TMA_GEMV, on by default) was measured on an H100 only (batch 1 +19%, nano
 # +2.9%): its A/B on an H200 (`ab`), `layer_chain.py` with and without it (`kernels`),
@@ -64,9 +67,9 @@ if [[ $what == tests || $what == all ]]; then
         tests/test_triton_attention.py tests/test_gated_delta.py \
         tests/test_selective_scan.py tests/test_prompt_logprobs.py tests/test_fused_moe.py \
         tests/test_structured_outputs.py 2>&1 | tail -3
-    stamp "the per-head decode attention kernel (every case of it, then the options)"
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_attention.py \
-        -k "per_head and not per_kv_head" 2>&1 | tail -3
+    stamp "the greedy argmax: its kernel, greedy tokens through the graphs"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_argmax_kernel.py \
+        tests/test_cuda_e2e.py -k "argmax" 2>&1 | tail -3
     stamp "the TMA GEMV: its tests, the skinny GEMM's one-row cases, one-request bf16 decode"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tma_gemv.py \
         tests/test_skinny_gemm.py 2>&1 | tail -3
@@ -97,6 +100,8 @@ if [[ $what == ab || $what == all ]]; then
     timeout 600 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/switch_ab.json" \
         --variant main= --variant skinny_one_row=SPINDLE_TMA_GEMV=0 \
         --variant per_kv_head=SPINDLE_DECODE_PER_HEAD=0 \
+        --variant argmax_outside=SPINDLE_GRAPH_ARGMAX=0 \
+        --variant torch_argmax=SPINDLE_GRAPH_ARGMAX=0,SPINDLE_GREEDY_KERNEL=0 \
         --variant head_outside=SPINDLE_GRAPH_LOGITS=0 \
         --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 2>&1 | tail -12
     stamp "LoRA's cost in CUDA graphs (Qwen3-0.6B shape: 64 requests, then 1)"
