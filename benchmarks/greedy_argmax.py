@@ -2,12 +2,13 @@
 (runner/sample/argmax_kernel.py), as a decode graph runs them.
 
 Qwen3-0.6B's head shape (1,024 -> 151,936, bf16) at a few rows. One CUDA graph of
---calls steps, each the engine's LM-head GEMM (apply_linear: the skinny Triton GEMM up
-to 16 rows, cuBLAS beyond) followed by nothing, by torch's argmax or by the Triton
+--calls steps, each the engine's LM-head GEMM (apply_linear: the one-row GEMV or the skinny
+Triton GEMM up to 16 rows, cuBLAS beyond) followed by nothing, by torch's argmax or by the Triton
 argmax; microseconds a step (CUDA events, the median of --iters replays). The
 difference from the head alone is what the argmax adds to a graph; the eager column
-times the argmax alone, launched and timed on its own (as the sampler ran it outside
-the graphs).
+times the argmax alone, launched and timed on its own (as the sampler runs it outside
+the graphs), and the host column what launching it costs the host (200 calls queued
+without waiting, a mean).
 
     python benchmarks/greedy_argmax.py [--rows 1 2 4 8 16 64 256] [--json out.json]
 """
@@ -16,12 +17,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
 from gpu_timing import eager_us, graph_us
 
 HIDDEN, VOCAB = 1024, 151936
+HOST_CALLS = 200
+
+
+def host_us(fn) -> float:
+    """Mean host microseconds of one fn() call, HOST_CALLS queued without waiting."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / HOST_CALLS * 1e6
 
 
 def main() -> None:
@@ -42,7 +57,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}; us a step (head, then argmax), median of {args.iters}")
     print(f"{'rows':>4} | {'head':>7} | {'+torch':>7} | {'+triton':>7} | "
-          f"{'torch eager':>11} | {'triton eager':>12} | same")
+          f"{'torch eager':>11} | {'triton eager':>12} | {'torch host':>10} | "
+          f"{'triton host':>11} | same")
     for rows in args.rows:
         hidden = torch.randn(rows, HIDDEN, dtype=torch.bfloat16, device="cuda")
         logits = apply_linear(hidden, weight)
@@ -55,10 +71,12 @@ def main() -> None:
                 lambda i, argmax=argmax: argmax(apply_linear(hidden, weight)), args.iters,
                 args.calls)
             row[f"{name}_eager_us"] = eager_us(lambda argmax=argmax: argmax(logits), args.iters)
+            row[f"{name}_host_us"] = host_us(lambda argmax=argmax: argmax(logits))
         results.append(row)
         print(f"{rows:>4} | {row['head_us']:>7.2f} | {row['torch_graph_us']:>7.2f} | "
               f"{row['triton_graph_us']:>7.2f} | {row['torch_eager_us']:>11.2f} | "
-              f"{row['triton_eager_us']:>12.2f} | {'yes' if same else 'NO'}")
+              f"{row['triton_eager_us']:>12.2f} | {row['torch_host_us']:>10.1f} | "
+              f"{row['triton_host_us']:>11.1f} | {'yes' if same else 'NO'}")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                          "torch": torch.__version__,
