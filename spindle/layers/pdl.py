@@ -91,10 +91,13 @@ def launch_options(device: torch.device) -> Mapping[str, bool]:
     return _PDL_OPTIONS if enabled(device) else _NO_OPTIONS
 
 
-def kernel_args(device: torch.device, rows: int) -> Mapping[str, bool]:
+def kernel_args(device: torch.device, rows: int | None) -> Mapping[str, bool]:
     """What a launch site of rows rows (tokens or requests) passes a kernel that calls
-    enter(PDL): the constexpr and the launch keywords. (Called at every launch.)"""
-    return _PDL_ARGS if rows <= max_rows() and enabled(device) else _NO_PDL_ARGS
+    enter(PDL): the constexpr and the launch keywords. rows None: PDL wherever it is
+    enabled, whatever the rows (a kernel whose variant must not depend on the row
+    count, or one would compile after warm-up). (Called at every launch.)"""
+    within = rows is None or rows <= max_rows()
+    return _PDL_ARGS if within and enabled(device) else _NO_PDL_ARGS
 
 
 _NO_OPTIONS: Mapping[str, bool] = MappingProxyType({})

@@ -39,8 +39,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     chunks = triton.cdiv(vocab, CHUNK)
     best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     where = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
-    # (PDL in either size: a variant per row count would compile after warm-up.)
-    launch = {"PDL": pdl.enabled(logits.device), **pdl.launch_options(logits.device)}
+    launch = pdl.kernel_args(logits.device, None)  # (whatever the rows: one variant)
     _chunk_argmax_kernel[(rows, chunks)](logits, best, where, logits.stride(0), vocab,
                                          CHUNKS=chunks, CHUNK=CHUNK, num_warps=4, **launch)
     _row_argmax_kernel[(rows,)](best, where, out, CHUNKS=chunks,
