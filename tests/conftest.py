@@ -20,6 +20,19 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (the README's `-n 2`), each worker gets its share of the cores
+    for torch's threads, and the processes its tests start inherit it (unless
+    OMP_NUM_THREADS is set): two workers that each ran torch on every core fought over
+    them, and the suite took about as long as one process (docs/benchmarks.md)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    threads = max(1, (os.cpu_count() or 1) // int(workers))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def start_cache_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The start cache (spindle/start_cache.py) in a folder of this session's, for the
