@@ -16,6 +16,11 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
+# Pending (2026-12-06, twenty-ninth session): still no H200 figure since the kernels of
+# sessions 24-28 (the `ab` part gives them). On the H100 the 64- and 256-request graphs
+# replay ~90 us slower in main than with SPINDLE_GRAPH_ARGMAX=0, all of it idle between
+# kernels (docs/benchmarks.md): try re-capturing them after the small graphs, and
+# SPINDLE_PDL=0 in both variants.
 # Pending (2026-12-06, twenty-eighth session): the greedy argmax inside the decode
 # graphs (SPINDLE_GRAPH_ARGMAX, SPINDLE_GREEDY_KERNEL, on by default) was measured on an
 # H100 only (batch 1 +1.0%, nano +0.9%): its A/B on an H200 (`ab`). Also on the H100:
