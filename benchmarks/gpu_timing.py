@@ -41,6 +41,20 @@ def graph_us(fn: Callable[[int], object], iters: int, calls: int = CALLS) -> flo
     return _median_us(graph.replay, iters, calls)
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 50) -> float:
+    """Milliseconds a replay of an already captured graph, by events around `replays`
+    replays in a row (after 3 warm-up replays): the device's time, gaps included."""
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def eager_us(fn: Callable[[], object], iters: int) -> float:
     """Median microseconds of one fn() call, each launched and timed on its own (its
     host launch time shows where it is longer than the device work)."""

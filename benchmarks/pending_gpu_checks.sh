@@ -20,7 +20,7 @@
 # sessions 24-28 (the `ab` part gives them). On the H100 the 64- and 256-request graphs
 # replay ~90 us slower in main than with SPINDLE_GRAPH_ARGMAX=0, all of it idle between
 # kernels (docs/benchmarks.md): try re-capturing them after the small graphs, and
-# SPINDLE_PDL=0 in both variants.
+# SPINDLE_PDL=0 in both variants (graph_gaps.py, in the `kernels` part).
 # Pending (2026-12-06, twenty-eighth session): the greedy argmax inside the decode
 # graphs (SPINDLE_GRAPH_ARGMAX, SPINDLE_GREEDY_KERNEL, on by default) was measured on an
 # H100 only (batch 1 +1.0%, nano +0.9%): its A/B on an H200 (`ab`). Also on the H100:
@@ -135,6 +135,12 @@ if [[ $what == kernels || $what == all ]]; then
     SPINDLE_SKINNY_MAX_M=256 timeout 200 python3 skinny_gemm.py --m 64 128 256 \
         --shapes qkv_proj gate_up_proj o_proj down_proj --sweep \
         --tiles 64x128 128x64 128x128 32x128 --stages 3 --iters 60 2>&1 | tail -16
+    stamp "idle between a large graph's kernels, argmax in the small graphs or not"
+    for env in SPINDLE_GRAPH_ARGMAX=1 SPINDLE_GRAPH_ARGMAX=0 \
+               "SPINDLE_GRAPH_ARGMAX=1 SPINDLE_PDL=0" "SPINDLE_GRAPH_ARGMAX=0 SPINDLE_PDL=0"; do
+        echo "$env"
+        env $env timeout 120 python3 graph_gaps.py --sizes 64 256 --recapture 2>&1 | tail -8
+    done
     stamp "batch-1 layers as one persistent kernel (experiment)"
     timeout 200 python3 persistent_layers.py --json "$OUT/persistent.json" 2>&1 | tail -12
     stamp "gated delta prefill (torch by request, batched, Triton)"

@@ -197,16 +197,7 @@ def graph_replay_ms(llm) -> dict:
     times = {}
     for size in (1, 64, runner.max_batch):
         size = min(s for s in runner.sizes if s >= size)
-        graph = runner.graphs[1, size, False]
-        for _ in range(3):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times[f"graph_replay_ms_b{size}"] = start.elapsed_time(end) / 50
+        times[f"graph_replay_ms_b{size}"] = gpu_timing.replay_ms(runner.graphs[1, size, False])
     return times
 
 
