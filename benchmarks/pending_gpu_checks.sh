@@ -23,9 +23,8 @@
 # SPINDLE_PDL=0 in both variants (graph_gaps.py, in the `kernels` part).
 # Pending (2026-12-06, twenty-eighth session): the greedy argmax inside the decode
 # graphs (SPINDLE_GRAPH_ARGMAX, SPINDLE_GREEDY_KERNEL, on by default) was measured on an
-# H100 only (batch 1 +1.0%, nano +0.9%): its A/B on an H200 (`ab`). Also on the H100:
-# with SPINDLE_GRAPH_ARGMAX=0 alone the graphs of 64 and 256 requests replayed ~5% faster
-# though they hold the same kernels; unexplained (docs/benchmarks.md).
+# H100 only (batch 1 +1.0%, nano +0.9%): its A/B on an H200 (`ab`). (The large graphs'
+# slower replays it brought: see the twenty-ninth session's line above.)
 # Pending (2026-12-06, twenty-seventh session): the per-head decode attention kernel
 # (SPINDLE_DECODE_PER_HEAD, on by default for one or two requests) was measured on an
 # H100 only (batch 1 +2.1%): its A/B on an H200 (`ab`) and `layer_chain.py --context`
