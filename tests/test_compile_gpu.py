@@ -27,8 +27,16 @@ pytestmark = [
 _SCRIPT = r"""
 import json, sys
 from spindle import LLM
+from spindle.attention.backends.triton_attn import TritonAttentionBackend
 from spindle.runner.compile_ahead import triton_variants
 from spindle.tools.varied_workload import run_varied_workload
+
+split, choose = [], TritonAttentionBackend._single_token_requests
+def counting(self, meta):  # (mixed steps' layers that attend in two kernels)
+    chosen = choose(self, meta)
+    split.append(chosen is not None)
+    return chosen
+TritonAttentionBackend._single_token_requests = counting
 
 path, dtype, eager = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 max_seqs, max_len = 24, 512
@@ -36,13 +44,15 @@ llm = LLM(path, device="cuda", dtype=dtype, max_model_len=max_len, max_num_seqs=
           max_num_batched_tokens=256, enforce_eager=eager)
 runner = llm.engine.core.executor.worker.runner
 at_ready = triton_variants()
+split.clear()  # (the warm-up's)
 # Batch sizes 1..max_num_seqs, prompts of 1 token to past the step budget (chunked),
 # block tables of 1, 2..15, 16 and more blocks, every sampling option.
 run_varied_workload(llm, (1, 2, 3, 8, 9, 17, max_seqs),
                     (1, 2, 7, 15, 16, 17, 33, 100, 255, 256, 300, 480), 400)
 print("RESULT " + json.dumps({"at_ready": at_ready, "after": triton_variants(),
                               "ahead": runner.kernels_compiled_ahead,
-                              "plan_used": runner.kernel_plan.used}))
+                              "plan_used": runner.kernel_plan.used,
+                              "split_calls": sum(split)}))
 llm.shutdown()
 """
 
@@ -71,6 +81,18 @@ def test_without_compiling_ahead_nothing_compiles_after_ready_either(tiny_model)
     result = _run(tiny_model(arch="llama"), "bfloat16", False, SPINDLE_COMPILE_AHEAD="0")
     assert result["ahead"] == 0, result
     assert result["after"] == result["at_ready"] > 0, result
+
+
+def test_mixed_steps_split_between_the_kernels_compile_nothing_after_ready(tiny_model):
+    """With the bound for sending a mixed step's single-token requests to the decode
+    kernel within the workload's reach (SPINDLE_DECODE_TARGET_PROGRAMS=16: 8 such
+    requests of a model with 2 KV heads), steps take that path, and the warm-up's mixed
+    steps compiled what it runs."""
+    result = _run(tiny_model(arch="qwen3"), "bfloat16", False,
+                  SPINDLE_DECODE_TARGET_PROGRAMS="16")
+    assert result["split_calls"] > 0, result
+    assert result["after"] == result["at_ready"], result
+    assert result["ahead"] == result["at_ready"] > 0, result
 
 
 def test_a_second_start_loads_every_kernel_from_its_plan(tiny_model, tmp_path):

@@ -132,18 +132,54 @@ def test_more_families_float32_greedy(tiny_model, arch):
     (transformers' eager attention: its SDPA path leaves Gemma 2's cap out.)"""
     arch, variant = VARIANTS.get(arch, (arch, {}))
     path = tiny_model(arch=arch, max_position_embeddings=2048, **variant)
-    prompts = _prompts(512)
-    expected = _hf_greedy(path, prompts, 24, torch.float32, "cuda",
+    _assert_float32_greedy_equals_eager_transformers(path, _prompts(512), 24,
+                                                     max_model_len=1024,
+                                                     max_num_batched_tokens=256)
+
+
+def _assert_float32_greedy_equals_eager_transformers(path, prompts, max_new, **engine_args):
+    """spindle's float32 greedy tokens on CUDA equal transformers' (its eager attention),
+    their logprobs within 1e-4."""
+    expected = _hf_greedy(path, prompts, max_new, torch.float32, "cuda",
                           attn_implementation="eager")
-    with LLM(str(path), dtype="float32", device="cuda", max_model_len=1024,
-             max_num_batched_tokens=256) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+    with LLM(str(path), dtype="float32", device="cuda", **engine_args) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new,
                                                     ignore_eos=True, logprobs=0),
                             use_tqdm=False)
     for out, (tokens, lps) in zip(outs, expected):
         assert out.outputs[0].token_ids == tokens
         got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma2", "bloom"])
+def test_mixed_steps_send_single_token_requests_to_the_decode_kernel(tiny_model, monkeypatch,
+                                                                     arch):
+    """Steps holding prompt chunks beside many decoding requests attend for those in the
+    decode kernel (TritonAttentionBackend._single_token_requests; its bound lowered from
+    264 programs to 16 so that a tiny model's steps meet it): float32 greedy tokens and
+    logprobs equal transformers' (Qwen3's fused q/k norm, Llama's rotary, Gemma 2's soft
+    cap and window, BLOOM's ALiBi), and many steps took that path."""
+    from spindle.attention.backends import triton_attn
+
+    monkeypatch.setattr(triton_attn, "_TARGET_PROGRAMS", 16)
+    split = []
+    choose = triton_attn.TritonAttentionBackend._single_token_requests
+
+    def recording(self, meta):
+        chosen = choose(self, meta)
+        split.append(chosen is not None)
+        return chosen
+
+    monkeypatch.setattr(triton_attn.TritonAttentionBackend, "_single_token_requests",
+                        recording)
+    arch, variant = VARIANTS.get(arch, (arch, {}))
+    path = tiny_model(arch=arch, max_position_embeddings=2048, **variant)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 90))] for _ in range(40)]
+    _assert_float32_greedy_equals_eager_transformers(path, prompts, 16, max_model_len=512,
+                                                     max_num_batched_tokens=64)
+    assert sum(split) >= 10, f"{sum(split)} layer calls of mixed steps took the decode kernel"
 
 
 def test_bf16_teacher_forced_logprobs(tiny_model):

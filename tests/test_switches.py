@@ -51,6 +51,7 @@ READERS = {
     "SPINDLE_SKINNY_GEMM": _skinny_applies,
     "SPINDLE_PDL": lambda: pdl.enabled(torch.device("cpu")),
     "SPINDLE_DECODE_LONGEST_FIRST": metadata.longest_first_enabled,
+    "SPINDLE_MIXED_DECODE_KERNEL": metadata.mixed_split_enabled,
     "SPINDLE_DECODE_PER_HEAD": lambda: triton_attn.per_head_applies(1, 128),
     "SPINDLE_GRAPH_ARGMAX": cuda_graph.graph_argmax_enabled,
     "SPINDLE_GREEDY_KERNEL": lambda: sampler.raw_argmax(torch.zeros(1, 4)),

@@ -262,6 +262,58 @@ def test_decode_split_context(monkeypatch, kernel, num_heads, num_kv_heads, head
     assert rel_err(out, ref) < REL_TOL[dtype]
 
 
+# Mixed steps: single-token requests (decodes, and a prompt's last token after a
+# prefix hit) among prompt chunks, in batch order; the longest context past 32 splits'
+# reach. (Four single-token requests or fewer take the per-head kernel in these tests.)
+MIXED_STEPS = pick(
+    [([1, 40, 1, 1, 7, 1], [300, 0, 1500, 64, 20, 2000]), ([70, 1], [0, 900]),
+     ([1, 1, 3, 1, 1, 1, 1, 1, 1, 1], [5, 800, 30, 0, 77, 1200, 16, 300, 2, 640])],
+    [([1, 30, 1, 1, 7, 1], [120, 0, 250, 64, 20, 9]), ([20, 1], [0, 100]),
+     ([1, 1, 3, 1, 1, 1, 1, 1, 1, 1], [5, 90, 30, 0, 77, 150, 16, 40, 2, 64])])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_lens,context_lens", MIXED_STEPS)
+@pytest.mark.parametrize("window", [None, 37])
+def test_mixed_step_single_token_requests_by_the_decode_kernel(monkeypatch, kernel, dtype,
+                                                               query_lens, context_lens,
+                                                               window):
+    """A mixed step split between the kernels: the prefill kernel given the requests of
+    more than one token writes their rows and leaves the single-token requests' rows
+    alone; decode_attention given those (longest first) writes theirs, each at its query
+    start, and leaves its split counters at zero. Both against the reference."""
+    from spindle.attention.backends.triton_attn import (decode_attention, prefill_attention,
+                                                        split_counters, store_kv)
+
+    use_decode_kernel(monkeypatch, kernel)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     dtype, seed=len(query_lens) + (window or 0))
+    scale = head_dim ** -0.5
+    ref, _, _ = reference(case, scale, window)
+    meta = meta_for(case)
+    starts = case["query_start_loc"].tolist()
+    singles = sorted((i for i, n in enumerate(query_lens) if n == 1),
+                     key=lambda i: -(query_lens[i] + context_lens[i]))
+    single_rows = [starts[i] for i in singles]
+    multi = [i for i, n in enumerate(query_lens) if n > 1]
+    store_kv(case["k"], case["v"], case["kv_cache"], case["slot_mapping"])
+    out = torch.full_like(case["q"], float("nan"))
+    prefill_attention(case["q"], case["kv_cache"], meta, scale, out, sliding_window=window,
+                      requests=torch.tensor(multi, dtype=torch.int32, device=DEVICE))
+    assert out[single_rows].isnan().all(), "the prefill kernel wrote a single token's row"
+    others = [r for r in range(out.shape[0]) if r not in single_rows]
+    assert rel_err(out[others], ref[others]) < REL_TOL[dtype]
+    counters = split_counters(DEVICE)
+    decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta, scale, out,
+                     counters, sliding_window=window,
+                     requests=torch.tensor(singles, dtype=torch.int32, device=DEVICE))
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    assert not counters.any(), "the last split must leave its counter at zero"
+
+
 def test_store_kv_skips_negative_slots():
     from spindle.attention.backends.triton_attn import store_kv
 
@@ -385,6 +437,20 @@ def test_fused_decode_with_qk_norm_rope(monkeypatch, kernel, num_heads, num_kv_h
     assert torch.equal(cache_v[untouched], before[1, untouched])
 
 
+def _qwen3_like_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype,
+                     seed, transform_seed):
+    """A step's case (16-token pages) with Qwen3's q/k norm and rotary still to apply:
+    (case, the QKNormRope, the case with it applied, the float64 reference output)."""
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype,
+                     seed=seed)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
+    transform, rope = _qwen3_like_transform(positions, head_dim, True,
+                                            torch.Generator().manual_seed(transform_seed))
+    ref_case = _transformed_reference_case(case, transform, rope, dtype)
+    ref, _, _ = reference(ref_case, head_dim ** -0.5)
+    return case, transform, ref_case, ref
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
                          pick([(16, 8, 128), (8, 1, 64)], [(8, 4, 128), (8, 1, 64)]))
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -392,14 +458,10 @@ def test_prefill_with_fused_qk_norm_rope_store(num_heads, num_kv_heads, head_dim
     """Prefill through the backend with a QKNormRope: the rotary kernel stores k/v."""
     from spindle.attention.backends.triton_attn import TritonAttentionBackend
 
-    gen = torch.Generator().manual_seed(head_dim + num_kv_heads)
     query_lens, context_lens = pick([5, 1, 70], [5, 1, 40]), [0, 33, 16]
-    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype,
-                     seed=11)
-    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
-    transform, rope = _qwen3_like_transform(positions, head_dim, True, gen)
-    ref_case = _transformed_reference_case(case, transform, rope, dtype)
-    ref, _, _ = reference(ref_case, head_dim ** -0.5)
+    case, transform, ref_case, ref = _qwen3_like_step(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype, seed=11,
+        transform_seed=head_dim + num_kv_heads)
     backend = TritonAttentionBackend(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
     out = backend.forward(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case),
                           qk_transform=transform)
@@ -772,6 +834,59 @@ def test_decode_order_is_longest_first_with_ties_and_padding_in_batch_order():
     assert not longest_first_enabled({LONGEST_FIRST_ENV: "0"})
     with pytest.raises(ValueError, match=f"{LONGEST_FIRST_ENV} must be 0 or 1"):
         longest_first_enabled({LONGEST_FIRST_ENV: "yes"})
+
+
+def test_mixed_step_requests_single_tokens_longest_first_then_the_rest():
+    import numpy as np
+
+    from spindle.attention.metadata import (MIXED_SPLIT_ENV, mixed_split_enabled,
+                                            mixed_step_requests)
+
+    order, num_single = mixed_step_requests(np.array([1, 40, 1, 1, 7, 1]),
+                                            np.array([5, 40, 900, 5, 30, 37]))
+    assert order.dtype == np.int32 and num_single == 4
+    assert order.tolist() == [2, 5, 0, 3, 1, 4]
+    assert mixed_step_requests(np.array([1, 1]), np.array([3, 9])) is None  # (a decode step)
+    assert mixed_step_requests(np.array([4, 9]), np.array([4, 9])) is None  # (prompts only)
+    assert mixed_split_enabled({}) and not mixed_split_enabled({MIXED_SPLIT_ENV: "0"})
+
+
+@pytest.mark.parametrize("bound,split", [(16, True), (264, False)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_mixed_step_splits_at_its_bound(monkeypatch, bound, split, dtype):
+    """TritonAttentionBackend.forward on a mixed step whose metadata names its
+    single-token requests (as DefaultModelState's does on a GPU), with Qwen3's q/k norm
+    and rotary: those requests go to the decode kernel when they give bound programs
+    without splitting (8 requests x 2 KV heads >= 16), and stay in the prefill kernel
+    below it; the output equals the reference either way."""
+    import numpy as np
+
+    from spindle.attention.backends import triton_attn
+    from spindle.attention.metadata import mixed_step_requests
+
+    monkeypatch.setattr(triton_attn, "_TARGET_PROGRAMS", bound)
+    taken = []
+    decode = triton_attn.decode_attention
+    monkeypatch.setattr(triton_attn, "decode_attention",
+                        lambda *a, **kw: (taken.append(kw["requests"]), decode(*a, **kw)))
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    query_lens = [1, 1, 12, 1, 1, 1, 30, 1, 1, 1]
+    context_lens = [pick(900, 120), 5, 0, 64, 0, 33, 16, 2, 250, 40]
+    case, transform, _, ref = _qwen3_like_step(query_lens, context_lens, num_heads,
+                                               num_kv_heads, head_dim, dtype, seed=17,
+                                               transform_seed=5)
+    meta = meta_for(case)
+    order, num_single = mixed_step_requests(np.array(query_lens),
+                                            case["seq_lens"].cpu().numpy())
+    order = torch.from_numpy(order).to(DEVICE)
+    meta.single_token_reqs, meta.multi_token_reqs = order[:num_single], order[num_single:]
+    backend = triton_attn.TritonAttentionBackend(num_heads, head_dim, head_dim ** -0.5,
+                                                 num_kv_heads)
+    out = backend.forward(case["q"], case["k"], case["v"], case["kv_cache"], meta,
+                          qk_transform=transform)
+    assert len(taken) == split
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < REL_TOL[dtype]
 
 
 @pytest.mark.parametrize("num_heads,head_dim", [(4, 40), (16, 576)])

@@ -13,6 +13,7 @@ import torch
 from spindle.switches import on_off
 
 LONGEST_FIRST_ENV = "SPINDLE_DECODE_LONGEST_FIRST"
+MIXED_SPLIT_ENV = "SPINDLE_MIXED_DECODE_KERNEL"
 
 
 @dataclass
@@ -45,6 +46,13 @@ class AttentionMetadata:
     # kernel starts the requests (a permutation, longest context first), or None for
     # batch order. See decode_order().
     decode_order: torch.Tensor | None = None
+    # Steps holding both requests with one new token and requests with more (a prompt
+    # chunk beside decodes), on a GPU: [R1] and [R2] int32 on device, the first kind
+    # longest context first, the second in batch order; None otherwise. The Triton
+    # backend may attend for the first kind in the decode kernel (see
+    # mixed_step_requests and TritonAttentionBackend.forward).
+    single_token_reqs: torch.Tensor | None = None
+    multi_token_reqs: torch.Tensor | None = None
     # What a backend derives from this metadata once per step for all its layers (the
     # CPU backend's decode gather plan), keyed by the backend; the metadata is built
     # anew every step, so nothing here outlives it.
@@ -72,3 +80,28 @@ def decode_order(seq_lens: np.ndarray) -> np.ndarray:
     first, the short ones fill in behind the long ones (longest-processing-time-first
     scheduling). Padding rows (length 0) come last."""
     return np.argsort(-np.asarray(seq_lens, dtype=np.int64), kind="stable").astype(np.int32)
+
+
+def mixed_split_enabled(environ=os.environ) -> bool:
+    """Whether a mixed step on a GPU may attend for its single-token requests in the
+    decode kernel (the default) or keeps every request in the prefill kernel
+    (SPINDLE_MIXED_DECODE_KERNEL=0), where each takes a 64-row tile of one valid row
+    per query head. Measured (docs/benchmarks.md): a layer's attention at 8,192 tokens
+    with 248 decoding requests 1,034 -> 509 us on an H100."""
+    return on_off(MIXED_SPLIT_ENV, True, environ)
+
+
+def mixed_step_requests(query_lens: np.ndarray,
+                        seq_lens: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """A mixed step's requests as one int32 array: those with one new token, longest
+    context first (ties in batch order, as decode_order), then those with more in batch
+    order; and how many of the first kind there are. None when the step lacks either
+    kind."""
+    query_lens = np.asarray(query_lens)
+    single = query_lens == 1
+    num_single = int(single.sum())
+    if num_single == 0 or num_single == len(query_lens):
+        return None
+    singles = np.flatnonzero(single)
+    singles = singles[decode_order(np.asarray(seq_lens)[singles])]
+    return np.concatenate([singles, np.flatnonzero(~single)]).astype(np.int32), num_single

@@ -303,6 +303,7 @@ class ModelRunner:
         def warm_passes(compile_only: bool) -> None:
             for num_prompt, block_ids in requests:
                 self._warmup_request(num_prompt, block_ids)
+            self._warmup_mixed_steps()
             if eager_sizes is not None:
                 eager_sizes.forward_each_size()
             if compile_only and graphs is not None:
@@ -394,15 +395,8 @@ class ModelRunner:
     def _warmup_request(self, num_prompt: int, block_ids: list[list[int]]) -> None:
         """A throw-away greedy request: its prefill step, then one decode step."""
         from spindle.step_messages import CachedRequestData
-        from spindle.sampling_params import SamplingParams
 
-        req = "__warmup__"
-        prefill = SchedulerOutput(
-            new_requests=[NewRequestData(req, [0] * num_prompt, num_prompt,
-                                         SamplingParams(temperature=0.0), block_ids, 0,
-                                         **self._require_state().warmup_inputs())],
-            num_scheduled_tokens={req: num_prompt}, total_num_scheduled_tokens=num_prompt)
-        self.execute_model(prefill)
+        req, = self._warmup_prefill([num_prompt], [block_ids])
         # (new_token_ids: what pipeline stages other than the last did not sample)
         no_blocks = [[] for _ in block_ids]
         decode = SchedulerOutput(cached_requests=[CachedRequestData(req, no_blocks, num_prompt,
@@ -411,6 +405,55 @@ class ModelRunner:
                                  speculate=self.proposer is not None)
         self.execute_model(decode)
         self.input_batch.remove_request(req)
+
+    def _warmup_mixed_steps(self) -> None:
+        """Where the model state splits mixed steps (AttentionMetadata.single_token_reqs),
+        the steps that compile what such a split runs: a prompt of 2 tokens, then one of
+        33 (both prefill tile heights), each beside as many one-token requests as a step
+        can hold, so that the attention backend's bound for sending them to the decode
+        kernel is met wherever a served step could meet it."""
+        state = self._require_state()
+        if not (state.splits_mixed_steps and self.platform.compiles_kernels_on_first_use):
+            return
+        sched, block_size = self.config.scheduler, self.config.cache.block_size
+        groups = self.cache_layout.groups
+        num_paged = sum(g.is_paged for g in groups)
+        for num_prompt in (2, 33):
+            singles = min(sched.max_num_seqs - 1, sched.max_num_batched_tokens - num_prompt)
+            prompt_blocks = -(-(num_prompt + 1) // block_size)
+            if (singles < 1 or num_prompt + 1 > self.config.model.max_model_len
+                    or (prompt_blocks + singles) * num_paged > self.num_kv_blocks
+                    or (num_paged < len(groups) and singles + 1 > self.kv_config.num_state_slots)):
+                continue
+            lengths = [num_prompt] + [1] * singles
+            block_ids, next_block = [], 0
+            for i, n in enumerate(lengths):  # (distinct blocks per request and group)
+                ids = []
+                for group in groups:
+                    if group.is_paged:
+                        blocks = -(-(n + 1) // block_size)
+                        ids.append(list(range(next_block, next_block + blocks)))
+                        next_block += blocks
+                    else:
+                        ids.append([i])
+                block_ids.append(ids)
+            for req in self._warmup_prefill(lengths, block_ids):
+                self.input_batch.remove_request(req)
+
+    def _warmup_prefill(self, prompt_lengths: list[int], block_ids: list) -> list[str]:
+        """One step of new throw-away greedy requests, the whole of each prompt (token
+        id 0) in it, request i in the blocks block_ids[i]. Returns their ids."""
+        from spindle.sampling_params import SamplingParams
+
+        reqs = [f"__warmup_{i}__" for i in range(len(prompt_lengths))]
+        extra = self._require_state().warmup_inputs()
+        self.execute_model(SchedulerOutput(
+            new_requests=[NewRequestData(req, [0] * n, n, SamplingParams(temperature=0.0),
+                                         ids, 0, **extra)
+                          for req, n, ids in zip(reqs, prompt_lengths, block_ids)],
+            num_scheduled_tokens=dict(zip(reqs, prompt_lengths)),
+            total_num_scheduled_tokens=sum(prompt_lengths)))
+        return reqs
 
     def _capture_cuda_graphs(self, graphs: CudaGraphRunner | None) -> None:
         """Capture graphs' shapes and serve from them (None: this engine has none)."""

@@ -28,6 +28,10 @@ Kernels:
   keeps the one above): the same work and arguments, one program per (query head,
   request, split) with multiply-adds instead of tl.dot tiles, the merge counted per
   (request, query head). At these sizes the kernel's time is latency, not arithmetic.
+* mixed steps (prompt chunks beside requests of one new token): given the metadata's
+  two lists of requests (single_token_reqs, multi_token_reqs), the prefill kernel
+  serves the second and the decode kernel the first, each request's token read at its
+  query start (TritonAttentionBackend.forward says when).
 
 Sliding window W (the layer's ``sliding_window``; transformers' semantics, see
 torch_sdpa): a query at position p sees keys p - W < k <= p. The prefill and decode
@@ -129,22 +133,43 @@ class TritonAttentionBackend:
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
         out = torch.empty_like(q)
+        options = self._kernel_options()
         if attn_metadata.max_query_len == 1:
             decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
-                             self._split_counters(q.device), qk_transform,
-                             sliding_window=self.sliding_window,
-                             soft_cap=self.logits_soft_cap, sinks=self.sinks,
-                             alibi_slopes=self.alibi_slopes, chunked=self.chunk is not None)
+                             self._split_counters(q.device), qk_transform, **options)
             return out
         if qk_transform is None:
             store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
         else:
             qk_transform.apply_(q, k, v, kv_cache, attn_metadata.slot_mapping)
+        singles = self._single_token_requests(attn_metadata)
         prefill_attention(q, kv_cache, attn_metadata, self.scale, out,
-                          sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap,
-                          sinks=self.sinks, alibi_slopes=self.alibi_slopes,
-                          chunked=self.chunk is not None)
+                          requests=None if singles is None else attn_metadata.multi_token_reqs,
+                          **options)
+        if singles is not None:  # (q and k rotated, k and v stored above)
+            decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
+                             self._split_counters(q.device), requests=singles, **options)
         return out
+
+    def _kernel_options(self) -> dict:
+        """The layer's attention options, as both kernels' launchers take them."""
+        return dict(sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap,
+                    sinks=self.sinks, alibi_slopes=self.alibi_slopes,
+                    chunked=self.chunk is not None)
+
+    def _single_token_requests(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The requests of a mixed step that the decode kernel serves, or None.
+
+        In the prefill kernel a single-token request takes a 64-row tile of one valid
+        row for each query head, and reads its context once per query head; the decode
+        kernel reads it once per KV head. Only when they fill the GPU without splitting
+        their contexts (one variant of the decode kernel, compiled in warm-up), though:
+        at 248 decoding requests beside prompts, 8,192 tokens in all, a layer's attention
+        took 1,034 us in one kernel and 509 us split (an H100, docs/benchmarks.md)."""
+        singles = meta.single_token_reqs
+        if singles is None or singles.numel() * self.num_kv_heads < _TARGET_PROGRAMS:
+            return None
+        return singles
 
     def _split_counters(self, device: torch.device) -> torch.Tensor:
         """This layer's decode split counters, allocated once and kept: captured CUDA
@@ -195,7 +220,9 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
                       scale: float, out: torch.Tensor, sliding_window: int | None = None,
                       block_m: int | None = None, pack_gqa: bool = False,
                       soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                      alibi_slopes: torch.Tensor | None = None, chunked: bool = False) -> None:
+                      alibi_slopes: torch.Tensor | None = None, chunked: bool = False,
+                      requests: torch.Tensor | None = None, block_n: int | None = None,
+                      num_warps: int = 4, num_stages: int = 2) -> None:
     """Causal attention of every request's new tokens over its context (the new tokens'
     k/v already stored), within sliding_window positions when given, scores soft-capped
     (cap * tanh(score / cap), Gemma 2) with soft_cap; sinks [H]: a logit per query head
@@ -208,20 +235,27 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 
     A tile's rows are one query head's tokens, or with pack_gqa the (token, query
     head) pairs of one KV head, so its keys and values are read once for all the
-    query heads that share them (a decode step's tile is then one token's heads)."""
+    query heads that share them (a decode step's tile is then one token's heads).
+
+    requests [R] int32: attend for those requests alone (a mixed step's with more than
+    one new token; the other rows of out are left alone): see
+    TritonAttentionBackend.forward. block_n, num_warps, num_stages: the key tile and
+    the launch's (a sweep: benchmarks/mixed_attention.py)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     wide = _wide_heads(head_dim)
     block_m = block_m or (64 if meta.max_query_len > 32 and not wide else 16)
-    block_n = 16 if wide else 64
+    block_n = block_n or (16 if wide else 64)
     gqa = num_heads // num_kv_heads
+    num_reqs = meta.num_reqs if requests is None else requests.numel()
     if pack_gqa:
-        grid = (triton.cdiv(meta.max_query_len * gqa, block_m), meta.num_reqs, num_kv_heads)
+        grid = (triton.cdiv(meta.max_query_len * gqa, block_m), num_reqs, num_kv_heads)
     else:
-        grid = (triton.cdiv(meta.max_query_len, block_m), meta.num_reqs, num_heads)
+        grid = (triton.cdiv(meta.max_query_len, block_m), num_reqs, num_heads)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[grid](
         q, key_cache, value_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        meta.seq_lens if requests is None else requests,
         q if sinks is None else sinks, q if alibi_slopes is None else alibi_slopes,
         scale, sliding_window or 0, soft_cap or 0.0, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), meta.block_tables.stride(0), key_cache.stride(0), key_cache.stride(1),
@@ -231,23 +265,26 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
         SLIDING=sliding_window is not None, CHUNKED=_chunked(sliding_window, chunked),
         SOFT_CAP=soft_cap is not None, SINKS=sinks is not None,
         ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32, PACK_GQA=pack_gqa,
-        num_warps=4, num_stages=2)
+        INDEXED=requests is not None, num_warps=num_warps, num_stages=num_stages)
 
 
 # bt_stride (the widest block table of the step) varies step by step: not specialized,
 # so one compiled variant serves every step (no compiling after warm-up).
 @triton.jit(do_not_specialize=["bt_stride"])
 def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr,
-                    query_start_ptr, seq_lens_ptr, sinks_ptr, alibi_ptr, scale, window, soft_cap,
+                    query_start_ptr, seq_lens_ptr, requests_ptr, sinks_ptr, alibi_ptr, scale,
+                    window, soft_cap,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
                     c_stride_b, c_stride_t, c_stride_h,
                     GQA: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     SLIDING: tl.constexpr, CHUNKED: tl.constexpr, SOFT_CAP: tl.constexpr,
                     SINKS: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr,
-                    PACK_GQA: tl.constexpr):
+                    PACK_GQA: tl.constexpr, INDEXED: tl.constexpr):
     tile = tl.program_id(0)
     req = tl.program_id(1)
+    if INDEXED:
+        req = tl.load(requests_ptr + req)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     if PACK_GQA:  # rows are (token, query head of this KV head) pairs
         kv_head = tl.program_id(2)
@@ -367,7 +404,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      qk_transform: QKNormRope | None = None,
                      sliding_window: int | None = None, soft_cap: float | None = None,
                      sinks: torch.Tensor | None = None,
-                     alibi_slopes: torch.Tensor | None = None, chunked: bool = False) -> None:
+                     alibi_slopes: torch.Tensor | None = None, chunked: bool = False,
+                     requests: torch.Tensor | None = None) -> None:
     """One query token per request: q [B, H, D], this step's k/v [B, H_kv, D] -> out
     [B, H, D], in one launch. Stores k/v into the cache slots meta.slot_mapping
     (negative: padding, skipped); applies qk_transform to q and k first when given
@@ -379,9 +417,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Up to _PER_HEAD_MAX_REQS requests (per_head_applies) take _decode_head_kernel, a
     program per query head; more take _decode_kernel, a program per KV head.
 
+    requests [R] int32 (a mixed step's requests with one new token, in the order to
+    start them): attend for those alone, each request r's token being row
+    meta.query_start_loc[r] of q, k, v, out, the positions and meta.slot_mapping (the
+    other rows are left alone).
+
     The grid depends only on B, H and H_kv (never on sequence lengths): CUDA-graph
     safe. A padding row (sequence length 0) gets zeros."""
-    num_reqs, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_reqs = q.shape[0] if requests is None else requests.numel()
+    order = meta.decode_order if requests is None else requests
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     gqa = num_heads // num_kv_heads
     per_head = per_head_applies(num_reqs, head_dim)
@@ -406,7 +451,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     kernel[(heads, num_reqs, splits)](
         q, k, v, key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-        meta.decode_order if meta.decode_order is not None else meta.seq_lens,
+        order if order is not None else meta.seq_lens, meta.query_start_loc,
         rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
         rope.sin_cache if rope else q, rope.q_weight if has_norm else q,
         rope.k_weight if has_norm else q, rope.eps if rope else 0.0,
@@ -420,29 +465,28 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         GQA=gqa, BLOCK_G=max(16, triton.next_power_of_2(gqa)), PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=16 if _wide_heads(head_dim) else 64,
-        SPLITS=splits, ORDERED=meta.decode_order is not None, ROPE=rope is not None,
-        HAS_NORM=has_norm, SLIDING=sliding_window is not None,
+        SPLITS=splits, ORDERED=order is not None, MIXED=requests is not None,
+        ROPE=rope is not None, HAS_NORM=has_norm, SLIDING=sliding_window is not None,
         CHUNKED=_chunked(sliding_window, chunked), SOFT_CAP=soft_cap is not None,
         SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
         IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
-        **pdl.kernel_args(q.device, num_reqs))
+        **pdl.kernel_args(q.device, q.shape[0]))  # (PDL by the step's tokens, as its kernels)
 
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
 def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                   block_tables_ptr, seq_lens_ptr, order_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr,
-                   kw_ptr, eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr, sinks_ptr,
-                   alibi_ptr, scale, window, soft_cap,
+                   block_tables_ptr, seq_lens_ptr, order_ptr, query_start_ptr, pos_ptr, cos_ptr,
+                   sin_ptr, qw_ptr, kw_ptr, eps, part_out_ptr, part_lse_ptr, out_ptr,
+                   counters_ptr, sinks_ptr, alibi_ptr, scale, window, soft_cap,
                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                    o_stride_t, o_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h,
                    cs_stride,
                    GQA: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLITS: tl.constexpr, ORDERED: tl.constexpr, ROPE: tl.constexpr,
-                   HAS_NORM: tl.constexpr, SLIDING: tl.constexpr, CHUNKED: tl.constexpr,
-                   SOFT_CAP: tl.constexpr,
-                   SINKS: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SPLITS: tl.constexpr, ORDERED: tl.constexpr, MIXED: tl.constexpr,
+                   ROPE: tl.constexpr, HAS_NORM: tl.constexpr, SLIDING: tl.constexpr,
+                   CHUNKED: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
+                   ALIBI: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     # Until pdl.wait (in _attend_split, or below for a split with no context), only
     # what no kernel of the step writes is read: the step's inputs and the cache.
     pdl.release(PDL)
@@ -452,9 +496,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
     # requests on the H200).
     # With ORDERED, the requests start in meta.decode_order (longest context first).
     kv_head = tl.program_id(0)
-    req = tl.program_id(1)
-    if ORDERED:
-        req = tl.load(order_ptr + req)
+    row = tl.program_id(1)  # (the index of partials and split counters)
+    req, token = _request_and_token(row, order_ptr, query_start_ptr, ORDERED, MIXED)
     split = tl.program_id(2)
     num_reqs = tl.num_programs(1)
     num_heads = tl.num_programs(0) * GQA
@@ -467,12 +510,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
     g_valid = offs_g < GQA
     d_valid = offs_d < HEAD_DIM
     heads = kv_head * GQA + offs_g
-    out_rows = out_ptr + req.to(tl.int64) * o_stride_t + heads * o_stride_h
+    out_rows = out_ptr + token * o_stride_t + heads * o_stride_h
     if SPLITS == 1:
         m_i, l_i, acc = _attend_split(
             q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, block_tables_ptr,
             pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, alibi_ptr, eps, scale, soft_cap, req,
-            kv_head, heads, g_valid, start, end, seq_len, q_stride_t, q_stride_h, k_stride_t,
+            token, kv_head, heads, g_valid, start, end, seq_len, q_stride_t, q_stride_h, k_stride_t,
             k_stride_h, v_stride_t, v_stride_h, bt_stride, c_stride_b, c_stride_t,
             c_stride_h, cs_stride,
             PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, ALIBI, IEEE,
@@ -480,12 +523,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
         _store_rows(out_rows, g_valid, d_valid, offs_d,
                     acc / _denominator(l_i, m_i, sinks_ptr, heads, g_valid, SINKS)[:, None])
     else:
-        part_rows = (split * num_reqs + req).to(tl.int64) * num_heads + heads
+        part_rows = (split * num_reqs + row).to(tl.int64) * num_heads + heads
         if start < end:  # (splits past the end of a short context only check in)
             m_i, l_i, acc = _attend_split(
                 q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                 block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, alibi_ptr, eps,
-                scale, soft_cap, req, kv_head, heads, g_valid, start, end, seq_len, q_stride_t,
+                scale, soft_cap, req, token, kv_head, heads, g_valid, start, end, seq_len,
+                q_stride_t,
                 q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, bt_stride,
                 c_stride_b, c_stride_t, c_stride_h, cs_stride,
                 PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, ALIBI,
@@ -499,10 +543,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
         # Every thread's partial is written before the arrival is counted (release);
         # the program that arrives last sees all partials (acquire) and merges them.
         tl.debug_barrier()
-        counter = counters_ptr + req * tl.num_programs(0) + kv_head
+        counter = counters_ptr + row * tl.num_programs(0) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
             used_splits = tl.cdiv(span, tl.maximum(per_split, 1))
-            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, kv_head,
+            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, row, token, kv_head,
                           num_reqs, num_heads, used_splits, o_stride_t, o_stride_h,
                           GQA, HEAD_DIM, BLOCK_D, SPLITS, SINKS)
             tl.store(counter, 0)  # ready for the next launch
@@ -511,7 +555,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
 @triton.jit
 def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                   block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, alibi_ptr, eps,
-                  scale, soft_cap, req, kv_head, heads, g_valid, start, end, seq_len,
+                  scale, soft_cap, req, token, kv_head, heads, g_valid, start, end, seq_len,
                   q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                   bt_stride, c_stride_b, c_stride_t, c_stride_h, cs_stride,
                   PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -519,7 +563,8 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                   HAS_NORM: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
                   IEEE: tl.constexpr, PDL: tl.constexpr):
     """Softmax state (m, l, acc) of one request's query heads `heads` over context
-    positions [start, end). Positions before seq_len - 1 come from the cache; the new
+    positions [start, end); its new token is row `token` of q, k, v, positions and
+    slots. Positions before seq_len - 1 come from the cache; the new
     token (position seq_len - 1, in the last non-empty split) comes from k/v: it is
     rotated, written to its cache slot and attended from registers (at distance 0:
     no ALiBi bias).
@@ -540,7 +585,6 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                                      first_valid, offs_d, d_valid, kv_head, c_stride_b,
                                      c_stride_t, c_stride_h, PAGE)
     pdl.wait(PDL)
-    token = req.to(tl.int64)
     pos = tl.load(pos_ptr + token)
     slot = tl.load(slot_ptr + token)
     cos_row = cos_ptr + pos * cs_stride
@@ -605,6 +649,21 @@ def _attend_tile(m_i, l_i, acc, q, k, v, offs_n, n_valid, scale, soft_cap, slope
 
 
 @triton.jit
+def _request_and_token(row, order_ptr, query_start_ptr, ORDERED: tl.constexpr,
+                       MIXED: tl.constexpr):
+    """(request, its new token's row) for decode program row `row`: request row, or
+    order[row] with ORDERED; its token is the request's index in a decode step, its
+    query start in a mixed step (MIXED)."""
+    req = row
+    if ORDERED:
+        req = tl.load(order_ptr + row)
+    token = req.to(tl.int64)
+    if MIXED:
+        token = tl.load(query_start_ptr + req).to(tl.int64)
+    return req, token
+
+
+@triton.jit
 def _split_range(seq_len, split, window, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
                  SLIDING: tl.constexpr, CHUNKED: tl.constexpr):
     """(span, per_split, start, end): the context positions a decode query sees are
@@ -625,18 +684,18 @@ def _split_range(seq_len, split, window, SPLITS: tl.constexpr, BLOCK_N: tl.const
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
 def _decode_head_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                        block_tables_ptr, seq_lens_ptr, order_ptr, pos_ptr, cos_ptr, sin_ptr,
-                        qw_ptr, kw_ptr, eps, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr,
-                        sinks_ptr, alibi_ptr, scale, window, soft_cap,
+                        block_tables_ptr, seq_lens_ptr, order_ptr, query_start_ptr, pos_ptr,
+                        cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, part_out_ptr, part_lse_ptr,
+                        out_ptr, counters_ptr, sinks_ptr, alibi_ptr, scale, window, soft_cap,
                         q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                         o_stride_t, o_stride_h, bt_stride, c_stride_b, c_stride_t, c_stride_h,
                         cs_stride,
                         GQA: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        SPLITS: tl.constexpr, ORDERED: tl.constexpr, ROPE: tl.constexpr,
-                        HAS_NORM: tl.constexpr, SLIDING: tl.constexpr, CHUNKED: tl.constexpr,
-                        SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, ALIBI: tl.constexpr,
-                        IEEE: tl.constexpr, PDL: tl.constexpr):
+                        SPLITS: tl.constexpr, ORDERED: tl.constexpr, MIXED: tl.constexpr,
+                        ROPE: tl.constexpr, HAS_NORM: tl.constexpr, SLIDING: tl.constexpr,
+                        CHUNKED: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
+                        ALIBI: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """_decode_kernel's work (same arguments; BLOCK_G, BLOCK_D and IEEE unused) for
     one or two requests: one program per (query head, request, split), two warps,
     CUDA-core arithmetic on [BLOCK_N] scores and [HEAD_DIM] rows instead of tl.dot
@@ -658,9 +717,8 @@ def _decode_head_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slo
     pdl.release(PDL)
     head = tl.program_id(0)
     kv_head = head // GQA
-    req = tl.program_id(1)
-    if ORDERED:
-        req = tl.load(order_ptr + req)
+    row = tl.program_id(1)  # (the index of partials and split counters)
+    req, token = _request_and_token(row, order_ptr, query_start_ptr, ORDERED, MIXED)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     span, per_split, start, end = _split_range(seq_len, split, window, SPLITS, BLOCK_N,
@@ -668,7 +726,6 @@ def _decode_head_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slo
     used = tl.cdiv(span, tl.maximum(per_split, 1))  # (0 for a padding row)
     if split >= tl.maximum(used, 1):
         return  # (it reads and writes nothing)
-    token = req.to(tl.int64)
     offs_h = tl.arange(0, HALF)
     offs_d = tl.arange(0, HEAD_DIM)
     pos = tl.load(pos_ptr + token)
@@ -743,14 +800,14 @@ def _decode_head_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slo
             total = l_i + tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m_i)
         tl.store(out_row + offs_d, (acc / total).to(out_ptr.dtype.element_ty))
     else:
-        part = (split * tl.num_programs(1) + req).to(tl.int64) * tl.num_programs(0) + head
+        part = (split * tl.num_programs(1) + row).to(tl.int64) * tl.num_programs(0) + head
         tl.store(part_out_ptr + part * HEAD_DIM + offs_d, acc / l_i)
         tl.store(part_lse_ptr + part, m_i + tl.log(l_i))
         # (as in _decode_kernel: partials written before the arrival, merged by the last)
         tl.debug_barrier()
-        counter = counters_ptr + req * tl.num_programs(0) + head
+        counter = counters_ptr + row * tl.num_programs(0) + head
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
-            _merge_head(part_out_ptr, part_lse_ptr, out_row, sinks_ptr, req, head,
+            _merge_head(part_out_ptr, part_lse_ptr, out_row, sinks_ptr, row, head,
                         tl.num_programs(1), tl.num_programs(0), used, HEAD_DIM, HEAD_DIM,
                         SPLITS, SINKS)
             tl.store(counter, 0)  # ready for the next launch
@@ -816,7 +873,7 @@ def _rope_halves(x1, x2, cos1, cos2, sin1, sin2):
 
 
 @triton.jit
-def _merge_head(part_out_ptr, part_lse_ptr, out_row, sinks_ptr, req, head, num_reqs,
+def _merge_head(part_out_ptr, part_lse_ptr, out_row, sinks_ptr, row, head, num_rows,
                 num_heads, used_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 SPLITS: tl.constexpr, SINKS: tl.constexpr):
     """Write query head `head`'s output row (at out_row) from its partials of splits
@@ -828,7 +885,7 @@ def _merge_head(part_out_ptr, part_lse_ptr, out_row, sinks_ptr, req, head, num_r
     offs_d = tl.arange(0, BLOCK_D)
     s_valid = offs_s < used_splits
     d_valid = offs_d < HEAD_DIM
-    rows = (offs_s * num_reqs + req).to(tl.int64) * num_heads + head
+    rows = (offs_s * num_rows + row).to(tl.int64) * num_heads + head
     lse = tl.load(part_lse_ptr + rows, mask=s_valid, other=float("-inf"), cache_modifier=".cg")
     parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=s_valid[:, None] & d_valid[None, :], other=0.0, cache_modifier=".cg")
@@ -843,16 +900,17 @@ def _merge_head(part_out_ptr, part_lse_ptr, out_row, sinks_ptr, req, head, num_r
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, kv_head, num_reqs,
-                  num_heads, used_splits, o_stride_t, o_stride_h, GQA: tl.constexpr,
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, row, token, kv_head,
+                  num_rows, num_heads, used_splits, o_stride_t, o_stride_h, GQA: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
                   SINKS: tl.constexpr):
-    """_merge_head for each query head of this KV head."""
+    """_merge_head for each query head of this KV head (program row `row`, whose
+    output is row `token`)."""
     for g in tl.static_range(GQA):
         head = kv_head * GQA + g
         _merge_head(part_out_ptr, part_lse_ptr,
-                    out_ptr + req.to(tl.int64) * o_stride_t + head * o_stride_h, sinks_ptr,
-                    req, head, num_reqs, num_heads, used_splits, HEAD_DIM, BLOCK_D, SPLITS,
+                    out_ptr + token * o_stride_t + head * o_stride_h, sinks_ptr,
+                    row, head, num_rows, num_heads, used_splits, HEAD_DIM, BLOCK_D, SPLITS,
                     SINKS)
 
 

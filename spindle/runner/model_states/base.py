@@ -36,6 +36,9 @@ class ModelState(abc.ABC):
     #: Whether decode steps may be replayed from CUDA graphs fed with token ids
     #: (runner/cuda_graph.py); states with other inputs run eagerly.
     supports_cuda_graphs: bool = False
+    #: Whether mixed steps' attention metadata names their single-token requests
+    #: (AttentionMetadata.single_token_reqs): the warm-up then runs such steps too.
+    splits_mixed_steps: bool = False
 
     def graph_can_take(self, batch: Any) -> bool:
         """Whether a decode graph may run this step (shape permitting): a state may keep

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from spindle.attention.metadata import AttentionMetadata, decode_order, longest_first_enabled
+from spindle.attention.metadata import (AttentionMetadata, decode_order, longest_first_enabled,
+                                       mixed_split_enabled, mixed_step_requests)
 from spindle.cache.spec import CacheGroup
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.base import ModelState
@@ -15,11 +16,16 @@ from spindle.runner.model_states.base import ModelState
 class DefaultModelState(ModelState):
     needs_kv_cache = True
     supports_cuda_graphs = True
+    # Whether mixed steps on a GPU may send their single-token requests to the decode
+    # kernel (AttentionMetadata.single_token_reqs); the warm-up then runs such steps.
+    may_split_mixed_steps = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Decode steps on a GPU may hand the kernel an order, longest context first.
         self.longest_first = not self.h2d.on_cpu and longest_first_enabled()
+        self.splits_mixed_steps = (self.may_split_mixed_steps and not self.h2d.on_cpu
+                                   and mixed_split_enabled())
 
     def prepare_inputs(self, batch: StepBatch) -> dict[str, Any]:
         return {
@@ -44,16 +50,31 @@ class DefaultModelState(ModelState):
         )
         if self.longest_first and common["max_query_len"] == 1:
             common["decode_order"] = self.h2d.put(decode_order(batch.seq_lens), torch.int32)
+        paged = self._mixed_step_requests(batch) if common["max_query_len"] > 1 else {}
         metadata, table = [], 0
         for group in self.groups():
             if group.is_paged:
                 metadata.append(AttentionMetadata(
-                    **common, block_tables=self.h2d.put(batch.block_tables[table], torch.int32),
+                    **common, **paged,
+                    block_tables=self.h2d.put(batch.block_tables[table], torch.int32),
                     slot_mapping=self.h2d.put(batch.slot_mappings[table], torch.int64)))
                 table += 1
             else:
                 metadata.append(self.state_metadata(batch, group, common))
         return metadata[0] if len(metadata) == 1 else metadata
+
+    def _mixed_step_requests(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+        """AttentionMetadata's single_token_reqs and multi_token_reqs for a step with
+        prompt tokens, where it has both kinds and this state splits mixed steps."""
+        if not self.splits_mixed_steps:
+            return {}
+        found = mixed_step_requests(batch.num_scheduled, batch.seq_lens)
+        if found is None:
+            return {}
+        order, num_single = found
+        # (Two copies, each 16-byte aligned: Triton specializes on a pointer's alignment.)
+        return dict(single_token_reqs=self.h2d.put(order[:num_single], torch.int32),
+                    multi_token_reqs=self.h2d.put(order[num_single:], torch.int32))
 
     def state_metadata(self, batch: StepBatch, group: CacheGroup, common: dict) -> Any:
         """The metadata of a state (non-paged) cache group; see MambaHybridModelState."""

@@ -34,6 +34,8 @@ _FEATURES = "encoder_inputs"
 class EncoderDecoderModelState(MambaHybridModelState):
     needs_kv_cache = True
     supports_cuda_graphs = True
+    # (Its warm-up's mixed steps would run the encoder for every request.)
+    may_split_mixed_steps = False
 
     def __init__(self, model, device, h2d=None) -> None:
         super().__init__(model, device, h2d)
