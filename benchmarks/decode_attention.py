@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import platform
 from pathlib import Path
 
 import torch
-from gpu_timing import copy_bandwidth, graph_us
+from gpu_timing import copy_bandwidth, graph_us, write_rows
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 
@@ -113,10 +111,7 @@ def main() -> None:
               f"{r['of_copy']:>7.3f} "
               f"{r['max_diff']:>9.2e}")
     if args.json:
-        args.json.write_text(json.dumps(
-            {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-             "python": platform.python_version(), "copy_bandwidth": copy_bw, "rows": rows},
-            indent=1))
+        write_rows(args.json, rows, copy_bw)
 
 
 if __name__ == "__main__":

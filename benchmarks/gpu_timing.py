@@ -5,7 +5,10 @@ folder (`python benchmarks/<script>.py` puts it on sys.path)."""
 
 from __future__ import annotations
 
+import json
+import platform
 import statistics
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -72,3 +75,11 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     for _ in range(3):
         dst.copy_(src)
     return 2 * src.numel() / (eager_us(lambda: dst.copy_(src), 20) / 1e6)
+
+
+def write_rows(path: Path, rows: list[dict], copy_bw: float) -> None:
+    """A kernel benchmark's rows as JSON, with the device, versions and copy bandwidth."""
+    path.write_text(json.dumps(
+        {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+         "python": platform.python_version(), "copy_bandwidth": copy_bw, "rows": rows},
+        indent=1))
