@@ -529,9 +529,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                 q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                 block_tables_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, alibi_ptr, eps,
                 scale, soft_cap, req, token, kv_head, heads, g_valid, start, end, seq_len,
-                q_stride_t,
-                q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, bt_stride,
-                c_stride_b, c_stride_t, c_stride_h, cs_stride,
+                q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                bt_stride, c_stride_b, c_stride_t, c_stride_h, cs_stride,
                 PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, ALIBI,
                 IEEE, PDL)
             # A partial is stored as (log-sum-exp, normalised output).
@@ -564,8 +563,8 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                   IEEE: tl.constexpr, PDL: tl.constexpr):
     """Softmax state (m, l, acc) of one request's query heads `heads` over context
     positions [start, end); its new token is row `token` of q, k, v, positions and
-    slots. Positions before seq_len - 1 come from the cache; the new
-    token (position seq_len - 1, in the last non-empty split) comes from k/v: it is
+    slots. Positions before seq_len - 1 come from the cache; the new token (position
+    seq_len - 1, in the last non-empty split) comes from k/v: it is
     rotated, written to its cache slot and attended from registers (at distance 0:
     no ALiBi bias).
 
