@@ -22,9 +22,10 @@
 # noise): its A/B on an H200 (`ab`), mixed_attention.py (`kernels`); its GPU tests
 # passed on an H100 (`tests` runs them again). The hybrid, spec-decode, sliding-window
 # and Whisper GPU files were cut by the calls' limits with it, none failing: run them
-# whole (`models`). With the split, nano's steps with prompt tokens are bound by the
-# host (0.7-1.1 ms a layer to launch; F.linear 62 us a call in cProfile): host_launch.py
-# with a layer's four projections in turn, under either BLAS library (`kernels`).
+# whole (`models`). Nano's steps with prompt tokens launch their forward as slowly as
+# the device runs them (0.7-1.1 ms a layer; F.linear 62 us a call in cProfile): the
+# host or launches blocking behind the device? host_launch.py with a layer's four
+# projections in turn, under either BLAS library (`kernels`).
 # Pending (2026-12-06, twenty-ninth session): still no H200 figure since the kernels of
 # sessions 24-28 (the `ab` part gives them). On the H100 the 64- and 256-request graphs
 # replay ~90 us slower in main than with SPINDLE_GRAPH_ARGMAX=0, all of it idle between
