@@ -6,6 +6,10 @@ decode attention's KV read rate; plus the host's time by Python function over a 
 prefill steps (cProfile); and, for every step that runs eagerly (with prompt tokens),
 where its host time goes: launching the forward, the LM head, the sampler, against the
 step's device time, with the LM-head calls that held the host longer than 1 ms.
+With --probe-queue, each such step also waits, once its forward is launched, until the
+device has run it, and reports how long that took: near zero where the device waits
+for the host's launches, the device's backlog where launches ran ahead of it (or
+blocked behind it). The wait holds the host there, so the run's figures move.
 
 Same checkpoint, engine settings and workload as benchmarks/throughput.py. Every
 engine step is recorded: its wall time, its scheduled tokens (a decode request has
@@ -16,7 +20,7 @@ step's roofline is that of throughput.py: all weights plus the KV of its decode
 requests, at the copy bandwidth measured in the same run. The kernel shares come from
 torch.profiler over the windows (CUDA graph replays included).
 
-    python benchmarks/nano_breakdown.py [--json out.json]
+    python benchmarks/nano_breakdown.py [--json out.json] [--probe-queue]
     python benchmarks/nano_breakdown.py --smoke     # a tiny CPU run of the bookkeeping
 """
 
@@ -147,9 +151,11 @@ class EagerStepTimer:
     step's start to the end of the forward's launch, in the LM head and in the sampler,
     and the whole step's host and device time (CUDA events; None on the CPU). Also every
     LM-head call of the run that held the host more than 1 ms (cuBLAS's first call at a
-    row count it has not served blocks until the device catches up)."""
+    row count it has not served blocks until the device catches up). probe_queue: wait
+    at the end of the forward's launch until the device has run it (see the module
+    docstring)."""
 
-    def __init__(self, runner, cuda: bool) -> None:
+    def __init__(self, runner, cuda: bool, probe_queue: bool = False) -> None:
         self.rows: list[dict] = []
         self.slow_heads: list[tuple[int, float]] = []  # (rows, seconds)
         self._marks: dict | None = None
@@ -160,6 +166,11 @@ class EagerStepTimer:
         def timed_forward(*args, **kwargs):
             out = forward(*args, **kwargs)
             self._mark("forward")
+            if probe_queue and cuda and self._marks is not None:
+                launched, start = torch.cuda.Event(), time.perf_counter()
+                launched.record()
+                launched.synchronize()
+                self._mark("behind", time.perf_counter() - start)
             return out
 
         def timed_logits(hidden):
@@ -195,6 +206,7 @@ class EagerStepTimer:
                                       host_s=time.perf_counter() - marks["start"],
                                       forward_s=marks.get("forward", marks["start"]) - marks["start"],
                                       head_s=marks.get("head", 0.0),
+                                      behind_s=marks.get("behind"),
                                       sampler_s=marks.get("sampler", 0.0), events=events))
 
         state.forward, state.compute_logits = timed_forward, timed_logits
@@ -219,13 +231,15 @@ def format_eager_steps(report: dict) -> str:
     lines = ["--- eager steps (with prompt tokens): host ms from the step's start; those in "
              "the prefill profiler window and the cProfile window carry those tools' host "
              "time ---",
-             f"{'tokens':>6s} {'reqs':>4s} {'forward':>8s} {'LM head':>8s} {'sampler':>8s} "
-             f"{'host':>8s} {'device':>8s}"]
+             f"{'tokens':>6s} {'reqs':>4s} {'forward':>8s} {'behind':>8s} {'LM head':>8s} "
+             f"{'sampler':>8s} {'host':>8s} {'device':>8s}"]
+
+    def ms(seconds):
+        return f"{seconds * 1e3:8.2f}" if seconds is not None else f"{'-':>8s}"
     for r in report["eager_steps"]:
-        device = f"{r['device_s'] * 1e3:8.2f}" if r["device_s"] is not None else f"{'-':>8s}"
-        lines.append(f"{r['tokens']:6d} {r['reqs']:4d} {r['forward_s'] * 1e3:8.2f} "
-                     f"{r['head_s'] * 1e3:8.2f} {r['sampler_s'] * 1e3:8.2f} "
-                     f"{r['host_s'] * 1e3:8.2f} {device}")
+        lines.append(f"{r['tokens']:6d} {r['reqs']:4d} {ms(r['forward_s'])} "
+                     f"{ms(r['behind_s'])} {ms(r['head_s'])} {ms(r['sampler_s'])} "
+                     f"{ms(r['host_s'])} {ms(r['device_s'])}")
     slow = report["slow_lm_heads"]
     lines.append(f"LM-head calls over 1 ms in the run: {len(slow)}, "
                  f"{sum(h['ms'] for h in slow):.1f} ms in all"
@@ -334,6 +348,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--probe-queue", action="store_true",
+                        help="wait after each eager step's forward launch until the device "
+                             "has run it, and report that wait (the 'behind' column)")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny model on the CPU, 8 sequences: checks the bookkeeping")
     args = parser.parse_args()
@@ -370,7 +387,7 @@ def main() -> None:
         # torch.profiler window covers: where a prefill step's host time goes.
         host_window = (8, 13)
         recorder = StepRecorder(llm.engine, windows, cuda, host_window=host_window)
-        eager = EagerStepTimer(runner, cuda)
+        eager = EagerStepTimer(runner, cuda, args.probe_queue)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start

@@ -24,8 +24,8 @@
 # and Whisper GPU files were cut by the calls' limits with it, none failing: run them
 # whole (`models`). Nano's steps with prompt tokens launch their forward as slowly as
 # the device runs them (0.7-1.1 ms a layer; F.linear 62 us a call in cProfile): the
-# host or launches blocking behind the device? host_launch.py with a layer's four
-# projections in turn, under either BLAS library (`kernels`).
+# host or launches blocking behind the device? nano_breakdown.py --probe-queue, and
+# host_launch.py with a layer's four projections in turn under either BLAS (`kernels`).
 # Pending (2026-12-06, twenty-ninth session): still no H200 figure since the kernels of
 # sessions 24-28 (the `ab` part gives them). On the H100 the 64- and 256-request graphs
 # replay ~90 us slower in main than with SPINDLE_GRAPH_ARGMAX=0, all of it idle between
@@ -151,6 +151,9 @@ if [[ $what == kernels || $what == all ]]; then
     for blas in cublas cublaslt; do
         timeout 60 python3 host_launch.py --blas $blas 2>&1 | tail -9
     done
+    stamp "nano's steps with prompt tokens: is the device behind when the forward is launched?"
+    timeout 150 python3 nano_breakdown.py --probe-queue --json "$OUT/nano_probe.json" 2>&1 \
+        | grep -A20 "^tokens reqs"
     stamp "a mixed step's attention: one kernel, split, tiles"
     timeout 120 python3 mixed_attention.py --json "$OUT/mixed_attention.json" 2>&1 | tail -52
     stamp "decode attention, both orders"
