@@ -191,3 +191,52 @@ def test_cpu_kv_cache_gb_flag():
     add_engine_args(parser)
     assert engine_args_from(parser.parse_args(["--cpu-kv-cache-gb", "2.5"])).cpu_kv_cache_gb == 2.5
     assert engine_args_from(parser.parse_args([])).cpu_kv_cache_gb == DEFAULT_GIB
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "bamba"])
+def test_warmup_mixed_steps_give_each_request_its_own_blocks_and_slot(tiny_model, arch):
+    """The warm-up's mixed steps (run where a model state splits mixed steps: on a GPU;
+    forced here on the CPU): a prompt of 2 tokens, then one of 33, each beside
+    max_num_seqs - 1 one-token requests, every request in blocks of its own in each
+    paged group (Gemma 2's full and sliding-window groups) and in a state slot of its
+    own (Bamba's Mamba layers); nothing is left in the batch, and the engine then
+    generates as before."""
+    from spindle import SamplingParams
+
+    path = tiny_model(arch=arch)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    engine_args = dict(device="cpu", max_num_seqs=6, max_num_batched_tokens=64,
+                       max_model_len=128)
+    with LLM(str(path), **engine_args) as llm:
+        before = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(str(path), **engine_args) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        steps = []
+        execute = runner.execute_model
+
+        def recording(scheduler_output):
+            steps.append(scheduler_output)
+            return execute(scheduler_output)
+
+        runner.execute_model = recording
+        runner._require_state().splits_mixed_steps = True
+        runner._warmup_mixed_steps()
+        del runner.execute_model
+        assert not runner.input_batch.requests
+        assert all(step.new_requests and not step.cached_requests for step in steps)
+        groups, num_blocks = runner.cache_layout.groups, runner.num_kv_blocks
+        num_slots = runner.kv_config.num_state_slots
+        after = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert after == before
+    assert [sorted(s.num_scheduled_tokens.values()) for s in steps] == \
+        [[1] * 5 + [2], [1] * 5 + [33]]
+    for step in steps:
+        for g, group in enumerate(groups):
+            ids = [b for new in step.new_requests for b in new.block_ids[g]]
+            assert len(ids) == len(set(ids)), f"a block shared in group {group.kind}"
+            if group.is_paged:
+                assert max(ids) < num_blocks
+            else:
+                assert max(ids) < num_slots
+    assert any(not group.is_paged for group in groups) == (arch == "bamba")
+    assert (sum(group.is_paged for group in groups) > 1) == (arch == "gemma2")

@@ -412,8 +412,7 @@ class ModelRunner:
         33 (both prefill tile heights), each beside as many one-token requests as a step
         can hold, so that the attention backend's bound for sending them to the decode
         kernel is met wherever a served step could meet it."""
-        state = self._require_state()
-        if not (state.splits_mixed_steps and self.platform.compiles_kernels_on_first_use):
+        if not self._require_state().splits_mixed_steps:  # (a GPU's states only)
             return
         sched, block_size = self.config.scheduler, self.config.cache.block_size
         groups = self.cache_layout.groups
