@@ -301,9 +301,14 @@ def test_chat_streams_replies_in_context_from_piped_stdin(model, tokenizer):
 
 # ---- Ctrl-C ----------------------------------------------------------------------------
 def _interrupt(args: list[str], ready) -> subprocess.CompletedProcess:
-    """Start `python -m spindle args`, send SIGINT once ready(proc) returns, and wait."""
+    """Start `python -m spindle args`, send SIGINT once ready(proc) returns, and wait.
+
+    The child starts with SIGINT at its default, as from a terminal: a test run that
+    was itself started in the background by a shell inherits SIGINT ignored, and an
+    ignored SIGINT would reach no handler of the CLI's."""
     proc = subprocess.Popen([sys.executable, "-m", "spindle", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen = ready(proc)
         proc.send_signal(signal.SIGINT)
