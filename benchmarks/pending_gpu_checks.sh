@@ -19,7 +19,9 @@
 # Pending (2026-12-06, thirtieth session): mixed steps' single-token requests in the
 # decode kernel (SPINDLE_MIXED_DECODE_KERNEL, on by default) were measured on an H100
 # only (a layer's attention at 248 decoding requests 1,034 -> 509 us; nano within
-# noise): its A/B on an H200 (`ab`), mixed_attention.py (`kernels`); its GPU tests
+# noise): its A/B on an H200 (`ab`, with mixed_step_latency.py: what 200 streams wait
+# while 4 prompts prefill; written after the session's device time, run on the CPU
+# only), mixed_attention.py (`kernels`); its GPU tests
 # passed on an H100 (`tests` runs them again). The hybrid, spec-decode, sliding-window
 # and Whisper GPU files were cut by the calls' limits with it, none failing: run them
 # whole (`models`). Nano's steps with prompt tokens launch their forward as slowly as
@@ -128,6 +130,14 @@ if [[ $what == ab || $what == all ]]; then
         --variant head_outside=SPINDLE_GRAPH_LOGITS=0 \
         --variant mixed_one_kernel=SPINDLE_MIXED_DECODE_KERNEL=0 \
         --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 2>&1 | tail -12
+    stamp "streams' wait while prompts prefill beside them: split (default), one kernel"
+    for round in 1 2; do
+        for split in 1 0; do
+            SPINDLE_MIXED_DECODE_KERNEL=$split timeout 150 python3 \
+                benchmarks/mixed_step_latency.py --json "$OUT/mixed_latency_${split}_$round.json" \
+                2>&1 | tail -3
+        done
+    done
     stamp "LoRA's cost in CUDA graphs (Qwen3-0.6B shape: 64 requests, then 1)"
     for kernel in 1 0; do
         for batch in 64 1; do
