@@ -334,16 +334,25 @@ class ModelRunner:
             blocks = -(-(n + 1 + lookahead) // block_size)
             if n + 1 > self.config.model.max_model_len or blocks * num_paged > self.num_kv_blocks:
                 break
-            # Distinct blocks per paged group (groups share tensors); state slot 0.
-            block_ids, start = [], 0
-            for group in groups:
-                if group.is_paged:
-                    block_ids.append(list(range(start, start + blocks)))
-                    start += blocks
-                else:
-                    block_ids.append([0])
-            requests.append((n, block_ids))
+            requests.append((n, self._warmup_block_ids([n + 1 + lookahead])[0]))
         return requests
+
+    def _warmup_block_ids(self, tokens: list[int]) -> list[list[list[int]]]:
+        """Block ids per cache group for warm-up requests holding tokens[i] tokens each:
+        distinct blocks for every request in every paged group (groups share tensors),
+        and request i in state slot i."""
+        block_size, next_block, block_ids = self.config.cache.block_size, 0, []
+        for i, n in enumerate(tokens):
+            ids = []
+            for group in self.cache_layout.groups:
+                if group.is_paged:
+                    blocks = -(-n // block_size)
+                    ids.append(list(range(next_block, next_block + blocks)))
+                    next_block += blocks
+                else:
+                    ids.append([i])
+            block_ids.append(ids)
+        return block_ids
 
     def _compiles_ahead(self) -> bool:
         """Whether warm-up compiles its Triton kernels ahead on threads
@@ -425,17 +434,7 @@ class ModelRunner:
                     or (num_paged < len(groups) and singles + 1 > self.kv_config.num_state_slots)):
                 continue
             lengths = [num_prompt] + [1] * singles
-            block_ids, next_block = [], 0
-            for i, n in enumerate(lengths):  # (distinct blocks per request and group)
-                ids = []
-                for group in groups:
-                    if group.is_paged:
-                        blocks = -(-(n + 1) // block_size)
-                        ids.append(list(range(next_block, next_block + blocks)))
-                        next_block += blocks
-                    else:
-                        ids.append([i])
-                block_ids.append(ids)
+            block_ids = self._warmup_block_ids([n + 1 for n in lengths])
             for req in self._warmup_prefill(lengths, block_ids):
                 self.input_batch.remove_request(req)
 

@@ -111,6 +111,10 @@ class TritonAttentionBackend:
         self.sliding_window = sliding_window
         self.gqa = num_heads // num_kv_heads
         self._counters: torch.Tensor | None = None
+        # The layer's options, as both kernels' launchers take them.
+        self._options = dict(sliding_window=self.sliding_window,
+                             soft_cap=self.logits_soft_cap, sinks=self.sinks,
+                             alibi_slopes=self.alibi_slopes, chunked=self.chunk is not None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None,
@@ -133,7 +137,7 @@ class TritonAttentionBackend:
         if attn_metadata is None:
             raise ValueError("attention with a KV cache needs attention metadata")
         out = torch.empty_like(q)
-        options = self._kernel_options()
+        options = self._options
         if attn_metadata.max_query_len == 1:
             decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
                              self._split_counters(q.device), qk_transform, **options)
@@ -150,12 +154,6 @@ class TritonAttentionBackend:
             decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
                              self._split_counters(q.device), requests=singles, **options)
         return out
-
-    def _kernel_options(self) -> dict:
-        """The layer's attention options, as both kernels' launchers take them."""
-        return dict(sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap,
-                    sinks=self.sinks, alibi_slopes=self.alibi_slopes,
-                    chunked=self.chunk is not None)
 
     def _single_token_requests(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """The requests of a mixed step that the decode kernel serves, or None.
