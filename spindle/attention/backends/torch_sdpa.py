@@ -38,9 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spindle.attention.alibi import check_alibi_slopes
-from spindle.attention.chunked import chunk_as_window
-from spindle.attention.heads import set_head_geometry
+from spindle.attention.heads import set_head_geometry, set_score_options
 from spindle.attention.metadata import AttentionMetadata
 from spindle.layers import cpu_kernels
 from spindle.layers.rotary import QKNormRope
@@ -63,21 +61,11 @@ class TorchSDPABackend:
                  alibi_slopes: torch.Tensor | None = None,
                  attention_chunk_size: int | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
-        sliding_window, self.chunk = chunk_as_window(sliding_window, attention_chunk_size)
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-        if logits_soft_cap is not None and not logits_soft_cap > 0:
-            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
-        self.sliding_window = sliding_window
-        # Scores become cap * tanh(scores / cap) before the mask (Gemma 2): SDPA has no
-        # such step, so those layers attend with explicit torch ops (_attention).
-        self.logits_soft_cap = logits_soft_cap
-        # A logit per query head in each softmax's denominator (gpt-oss): explicit steps
-        # too, as transformers' eager attention takes them.
-        self.sinks = sinks
-        # ALiBi (attention/alibi.py): slope_h * (key position - query position) added to
-        # every score of head h; explicit steps too.
-        self.alibi_slopes = check_alibi_slopes(alibi_slopes, num_heads)
+        # Gemma 2's soft cap, gpt-oss's sinks and ALiBi have no SDPA step: layers with
+        # any of them attend with explicit torch ops (_attention), as transformers' eager
+        # attention does.
+        set_score_options(self, num_heads, sliding_window, logits_soft_cap, sinks,
+                          alibi_slopes, attention_chunk_size)
         self.gqa = num_heads != num_kv_heads
 
     # ---------------------------------------------------------------- entry point

@@ -54,9 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spindle.attention.alibi import check_alibi_slopes
-from spindle.attention.chunked import chunk_as_window
-from spindle.attention.heads import set_head_geometry
+from spindle.attention.heads import set_head_geometry, set_score_options
 from spindle.attention.metadata import AttentionMetadata
 from spindle.layers import pdl
 from spindle.layers.fused_kernels import cache_row, norm_rope_rows
@@ -100,15 +98,8 @@ class TritonAttentionBackend:
                  alibi_slopes: torch.Tensor | None = None,
                  attention_chunk_size: int | None = None) -> None:
         set_head_geometry(self, num_heads, head_dim, scale, num_kv_heads)
-        sliding_window, self.chunk = chunk_as_window(sliding_window, attention_chunk_size)
-        self.sinks = sinks  # (a logit per query head in every denominator: gpt-oss)
-        self.alibi_slopes = check_alibi_slopes(alibi_slopes, num_heads)  # (attention/alibi.py)
-        if logits_soft_cap is not None and not logits_soft_cap > 0:
-            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
-        self.logits_soft_cap = logits_soft_cap
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-        self.sliding_window = sliding_window
+        set_score_options(self, num_heads, sliding_window, logits_soft_cap, sinks,
+                          alibi_slopes, attention_chunk_size)
         self.gqa = num_heads // num_kv_heads
         self._counters: torch.Tensor | None = None
         # The layer's options, as both kernels' launchers take them.
