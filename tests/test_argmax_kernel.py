@@ -84,3 +84,52 @@ def test_strided_rows_and_errors():
         argmax_rows(torch.zeros(10, device=DEVICE))
     with pytest.raises(ValueError, match="unit-strided"):
         argmax_rows(torch.zeros(10, 4, device=DEVICE).t())
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiling ahead skips compiled launches on a GPU")
+def test_a_skipped_first_kernel_leaves_id_zero_while_compiling_ahead():
+    """Inside warm-up's compile-ahead pass a launch that would compile is skipped. When
+    the chunk kernel is new (bf16 logits, a vocabulary not a multiple of 16) but the row
+    kernel is compiled (the same number of chunks, float32 logits earlier in the
+    process), the row kernel runs on the chunks' scratch: it must give id 0, not an id
+    from unwritten memory (a bf16 Whisper start after a float32 engine read such an id
+    as its warm-up token and failed on a device-side assert)."""
+    from spindle.runner import compile_ahead
+    from spindle.runner.sample.argmax_kernel import argmax_rows
+
+    chunks = 37  # (a chunk count no other test here uses)
+    generator = torch.Generator().manual_seed(9)
+    _check(torch.randn(3, chunks * _chunk(), generator=generator).to(DEVICE))
+    logits = torch.randn(3, chunks * _chunk() - 3, generator=generator).to(HALF).to(DEVICE)
+    # Freed blocks of the scratch tensors' size, full of ids past any vocabulary, for
+    # the caching allocator to hand out again.
+    junk = [torch.full((128,), 1 << 30, dtype=torch.int32, device=DEVICE) for _ in range(64)]
+    del junk
+    with compile_ahead.compiling_ahead(torch.device(DEVICE), threads=2):
+        ids = argmax_rows(logits)
+    assert ids.tolist() == [0, 0, 0]
+    _check(logits)  # (compiled on leaving: the real ids now)
+
+
+def test_the_row_kernel_after_a_skipped_chunk_kernel_gives_id_zero(monkeypatch):
+    """The same case wherever the kernels run: the chunk kernel's launch skipped (as
+    compile_ahead.py's hook skips it) and the scratch tensors' memory unwritten (here:
+    full of ids past the vocabulary); the row kernel that runs after it must give 0."""
+    from spindle.runner.sample import argmax_kernel
+
+    class SkippedLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    class UnwrittenMemory:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*shape, dtype, device):
+            return torch.full(*shape, 1 << 30, dtype=dtype, device=device)
+
+    logits = torch.randn(3, 2 * _chunk() + 5, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(argmax_kernel, "_chunk_argmax_kernel", SkippedLaunch())
+    monkeypatch.setattr(argmax_kernel, "torch", UnwrittenMemory())
+    assert argmax_kernel.argmax_rows(logits.to(DEVICE)).tolist() == [0, 0, 0]

@@ -20,9 +20,12 @@ Garbage is harmless there because no spindle kernel produces addresses another o
 follows: block tables, slots, positions and state slots come from the host, and MoE
 routing is torch's top-k (indices in range whatever the scores). The greedy argmax
 (runner/sample/argmax_kernel.py), whose output the host records as the warm-up
-request's token, writes into zeros: a skipped launch leaves token 0. No kernel is
-autotuned (a skipped launch would time nothing). SPINDLE_COMPILE_AHEAD=0 switches this
-off: kernels then compile one by one on first launch, as Triton does by itself.
+request's token, writes its ids into zeros, the chunks' and the rows': a skipped launch
+leaves token 0, also where only its first kernel is skipped (the second does not see the
+logits' dtype, so an engine of another dtype earlier in the process compiled it). No
+kernel is autotuned (a skipped launch would time nothing). SPINDLE_COMPILE_AHEAD=0
+switches this off: kernels then compile one by one on first launch, as Triton does by
+itself.
 
 triton_variants() counts the compiled variants of every spindle kernel in this process:
 what a test reads to show that nothing compiles once the engine is ready.

@@ -30,15 +30,18 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
                          f"shape {tuple(logits.shape)}, strides {logits.stride()}")
     rows, vocab = logits.shape
     # Zeros outside a CUDA graph's capture: a launch skipped while warm-up compiles ahead
-    # (runner/compile_ahead.py) then leaves id 0, not garbage the host would record.
+    # (runner/compile_ahead.py) then leaves id 0, not garbage the host would record. The
+    # chunks' ids too: the second kernel may be compiled (it does not see the logits'
+    # dtype or alignment: an engine of another dtype ran before in the process) while
+    # the first is skipped, and it would pick an id from unwritten memory.
     capturing = logits.is_cuda and torch.cuda.is_current_stream_capturing()
-    out = (torch.empty if capturing else torch.zeros)(rows, dtype=torch.int64,
-                                                      device=logits.device)
+    new_ids = torch.empty if capturing else torch.zeros
+    out = new_ids(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
     chunks = triton.cdiv(vocab, CHUNK)
     best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
-    where = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+    where = new_ids((rows, chunks), dtype=torch.int32, device=logits.device)
     launch = pdl.kernel_args(logits.device, None)  # (whatever the rows: one variant)
     _chunk_argmax_kernel[(rows, chunks)](logits, best, where, logits.stride(0), vocab,
                                          CHUNKS=chunks, CHUNK=CHUNK, num_warps=4, **launch)
