@@ -144,3 +144,14 @@ def smollm2() -> Path:
         return smollm2_checkpoint()
     except SmolLM2Unavailable as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture
+def logs(caplog, monkeypatch):
+    """caplog, with the spindle logger's records reaching it (spindle.logger stops
+    them at its own handler once an engine has configured it)."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("spindle"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="spindle")
+    return caplog

@@ -126,17 +126,6 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     return folder
 
 
-@pytest.fixture
-def logs(caplog, monkeypatch):
-    """caplog, with the spindle logger's records reaching it (spindle.logger stops
-    them at its own handler once an engine has configured it)."""
-    import logging
-
-    monkeypatch.setattr(logging.getLogger("spindle"), "propagate", True)
-    caplog.set_level(logging.INFO, logger="spindle")
-    return caplog
-
-
 def no_transformers(monkeypatch) -> None:
     """A later start must not load transformers' tokenizer or config."""
     def refuse(*args, **kwargs):

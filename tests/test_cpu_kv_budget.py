@@ -240,3 +240,26 @@ def test_warmup_mixed_steps_give_each_request_its_own_blocks_and_slot(tiny_model
                 assert max(ids) < num_slots
     assert any(not group.is_paged for group in groups) == (arch == "bamba")
     assert (sum(group.is_paged for group in groups) > 1) == (arch == "gemma2")
+
+
+def test_a_failed_start_is_logged_before_the_executor_shuts_down(tiny_model, logs,
+                                                                 monkeypatch):
+    """The error is in the log before the shutdown frees device memory (which, after a
+    device-side assert on a GPU, can abort the process before the exception is seen)."""
+    from spindle.executor.abstract import Executor
+
+    errors_at_shutdown = []
+    shutdown = Executor.shutdown
+
+    def recording_shutdown(self):
+        errors_at_shutdown.append([r.getMessage() for r in logs.records
+                                   if r.levelname == "ERROR"])
+        shutdown(self)
+
+    monkeypatch.setattr(Executor, "shutdown", recording_shutdown)
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        LLM(str(tiny_model("llama")), device="cpu", max_model_len=2048, cpu_kv_cache_gb=1e-5)
+    assert errors_at_shutdown, "the executor was not shut down"
+    first = errors_at_shutdown[0]
+    assert len(first) == 1 and first[0].startswith("engine start failed: ValueError: ")
+    assert "cannot hold one sequence" in first[0]

@@ -33,7 +33,11 @@ class EngineCore:
         self.executor = Executor.get_class(config)(config)
         try:
             self.kv_config = self._initialize_kv_caches()
-        except BaseException:
+        except BaseException as error:
+            # Said before the shutdown: after a device fault (a device-side assert) the
+            # freeing of device memory there can abort the process before the exception
+            # reaches the caller.
+            logger.error("engine start failed: %s: %s", type(error).__name__, error)
             self.executor.shutdown()
             raise
         # Async scheduling: schedule and launch step N+1 while step N runs on the device.
