@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import tempfile
 import time
 import traceback
@@ -58,34 +59,32 @@ def slow_first_calls(name: str, rows: range, call) -> list[dict]:
     return out
 
 
+def median_of_two_passes(items, seconds_of) -> list[float]:
+    """The median of seconds_of(item) over items, twice: first uses, then repeats."""
+    return [statistics.median(seconds_of(item) for item in items) for _ in range(2)]
+
+
 def new_shape_host_us(hidden: torch.Tensor, weight: torch.Tensor, first: int) -> list[float]:
-    """Median host us of F.linear at 40 row counts never seen, then at the same again."""
-    medians = []
-    for _ in range(2):
-        times = []
-        for m in range(first, first + 40):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            F.linear(hidden[:m], weight)
-            times.append((time.perf_counter() - start) * 1e6)
-        medians.append(sorted(times)[len(times) // 2])
-    return medians
+    """Host us of F.linear at 40 row counts never seen, then at the same again."""
+    def seconds(m: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        F.linear(hidden[:m], weight)
+        return time.perf_counter() - start
+    return [t * 1e6 for t in median_of_two_passes(range(first, first + 40), seconds)]
 
 
 def first_token_ms(llm, lengths: range) -> list[float]:
-    """Median ms to one token of a lone prompt at each length, twice."""
+    """Ms to one token of a lone prompt at each length: lengths never seen, then again."""
     from spindle import SamplingParams
 
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    medians = []
-    for _ in range(2):
-        times = []
-        for n in lengths:
-            start = time.perf_counter()
-            llm.generate([[5] * n], [one], use_tqdm=False)
-            times.append((time.perf_counter() - start) * 1e3)
-        medians.append(sorted(times)[len(times) // 2])
-    return medians
+
+    def seconds(n: int) -> float:
+        start = time.perf_counter()
+        llm.generate([[5] * n], [one], use_tqdm=False)
+        return time.perf_counter() - start
+    return [t * 1e3 for t in median_of_two_passes(lengths, seconds)]
 
 
 def synchronisations(llm) -> dict:
