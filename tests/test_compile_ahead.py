@@ -60,6 +60,17 @@ def test_a_miss_is_skipped_and_compiled_once_on_a_pool_thread():
     assert launch(kernel, "d") is None  # after the context: compiled at launch
 
 
+def test_cuda_without_an_index_is_the_callers_current_device(monkeypatch):
+    """The compiling threads set their device before compiling; "cuda" alone must mean
+    the device current on the thread that entered, not the pool thread's (device 0)."""
+    set_on_threads = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", set_on_threads.append)
+    with compiling_ahead(torch.device("cuda"), threads=2):
+        launch(FakeKernel(), "a")
+    assert set_on_threads == [torch.device("cuda", 3)]
+
+
 def test_other_threads_launch_as_usual():
     kernel, seen = FakeKernel(), []
     with compiling_ahead(torch.device("cpu"), threads=1) as report:

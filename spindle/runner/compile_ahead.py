@@ -75,6 +75,7 @@ def compiling_ahead(device: torch.device, threads: int) -> Iterator[dict]:
     top of this one while it was active is left in place, and this one then only
     passes calls on."""
     report = {"kernels": 0, "wait_s": 0.0}
+    device = with_index(device)
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spindle-compile")
     pending: dict[tuple[int, str], Future] = {}
     variants: dict[tuple[int, str], tuple] = {}  # (JITFunction, specialization data)
@@ -167,6 +168,14 @@ def hash_triton_in_background() -> None:
     if any(t.name == _HASH_THREAD for t in threading.enumerate()):
         return
     threading.Thread(target=triton_key, name=_HASH_THREAD, daemon=True).start()
+
+
+def with_index(device: torch.device) -> torch.device:
+    """device with its index: "cuda" alone means the calling thread's current device,
+    which the compiling threads (whose own current device is 0) would not know."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def preload(jit_function, specialization_data: str, device: torch.device) -> None:

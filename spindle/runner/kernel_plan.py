@@ -40,7 +40,7 @@ from typing import Any, Iterable
 
 import torch
 
-from spindle.runner.compile_ahead import preload, recording_compiles
+from spindle.runner.compile_ahead import preload, recording_compiles, with_index
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ def preload_variants(variants: list[tuple[Any, str]], device: torch.device,
     variants, and what this engine still lacks of it compiles on first use."""
     start = time.perf_counter()
     failed = []
+    device = with_index(device)
     todo = [v for v in variants if not _has_compiled_variants(v[0])]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spindle-plan") as pool:
         futures = [(variant, pool.submit(preload, variant[0], variant[1], device))
