@@ -19,7 +19,7 @@ from spindle.entrypoints.reasoning import (ReasoningSplitter, split_reasoning,
 from spindle.entrypoints.tool_calls import (KEEPS_SPECIAL_TOKENS, TOOL_CALL_PARSERS,
                                             RequiredCallStream, ToolCall, ToolCallStream,
                                             forced_calls)
-from spindle.outputs import CompletionOutput, finite_logprob
+from spindle.outputs import CompletionOutput, RequestOutput, finite_logprob
 
 
 class ChatServing(OpenAIServing):
@@ -121,7 +121,7 @@ class ChatServing(OpenAIServing):
         progress: dict[int, StreamProgress] = {}
         deltas: dict[int, _ChoiceDeltas] = {}
         k = req.top_logprobs or 0
-        prompt_tokens = completion_tokens = cached_tokens = 0
+        finished: list[RequestOutput] = []  # (for the usage chunk)
         try:
             async with contextlib.aclosing(merge_streams(streams)) as outputs:
                 async for _, output in outputs:
@@ -150,13 +150,9 @@ class ChatServing(OpenAIServing):
                                                                               c.stop_reason)
                         yield sse({**header, "choices": [choice]})
                     if output.finished:
-                        prompt_tokens += len(output.prompt_token_ids)
-                        completion_tokens += sum(len(c.token_ids) for c in output.outputs)
-                        cached_tokens += output.num_cached_tokens or 0
+                        finished.append(output)
             if req.include_usage_in_stream():
-                yield sse({**header, "choices": [], "usage": usage(prompt_tokens,
-                                                                   completion_tokens,
-                                                                   cached_tokens)})
+                yield sse({**header, "choices": [], "usage": usage_of(finished)})
         except Exception as e:  # the headers are sent: report in-band, as OpenAI does
             yield sse(api_error(e).body())
         yield SSE_DONE

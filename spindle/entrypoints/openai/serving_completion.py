@@ -91,7 +91,7 @@ class CompletionServing(OpenAIServing):
                       special: frozenset[int]) -> AsyncIterator[str]:
         n = req.n
         progress: dict[int, StreamProgress] = {}
-        prompt_tokens = completion_tokens = cached_tokens = 0
+        finished: list[RequestOutput] = []  # (for the usage chunk)
         try:
             async with contextlib.aclosing(merge_streams(streams)) as outputs:
                 async for i, output in outputs:
@@ -123,13 +123,9 @@ class CompletionServing(OpenAIServing):
                         choice["weight_version"] = output.weight_version
                         yield sse({**header, "choices": [choice]})
                     if output.finished:
-                        prompt_tokens += len(output.prompt_token_ids)
-                        completion_tokens += sum(len(c.token_ids) for c in output.outputs)
-                        cached_tokens += output.num_cached_tokens or 0
+                        finished.append(output)
             if req.include_usage_in_stream():
-                yield sse({**header, "choices": [], "usage": usage(prompt_tokens,
-                                                                   completion_tokens,
-                                                                   cached_tokens)})
+                yield sse({**header, "choices": [], "usage": usage_of(finished)})
         except Exception as e:  # the headers are sent: report in-band, as OpenAI does
             yield sse(api_error(e).body())
         yield SSE_DONE
