@@ -16,6 +16,12 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
+# Done on an H200 (2026-12-06, thirty-second session): the `ab` part's engine A/B (every
+# switch's default stands; docs/benchmarks.md "The speed targets on an H200 again"),
+# nano_breakdown --probe-queue, a cold start, test_argmax_kernel.py whole (after a fix
+# to compiling_ahead's device); on an H100 test_whisper_gpu.py whole, first_calls.py.
+# Still pending: mixed_step_latency.py and lora_overhead.py (`ab`), the `kernels` part
+# on an H200, test_hybrid_gpu.py whole (`models`), the engine tests (`tests`).
 # Pending (2026-12-06, thirty-first session): the greedy argmax's chunk ids start as zeros
 # (a bf16 Whisper start after float32 engines in one process recorded a warm-up token
 # from unwritten memory): test_argmax_kernel.py's compile-ahead case (`tests`) and
