@@ -139,6 +139,17 @@ def test_a_variant_that_fails_to_preload_leaves_the_plan(tmp_path, monkeypatch):
     assert load_plan(plan.path) == [(kernel_a, "s1")]
 
 
+def test_a_plan_preloads_on_the_callers_device_when_given_cuda_alone(monkeypatch):
+    """As compiling_ahead: the preload threads' own current device is 0, so "cuda"
+    must be resolved on the calling thread."""
+    set_on_threads = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", set_on_threads.append)
+    report = kernel_plan.preload_variants([(kernel_a, "s1")], torch.device("cuda"), threads=2)
+    assert report["kernels"] == 1 and kernel_a.preloaded == ["s1"]
+    assert set_on_threads == [torch.device("cuda", 2)]
+
+
 def test_a_kernel_another_engine_of_the_process_compiled_is_left_alone(tmp_path,
                                                                        monkeypatch):
     """A second engine in one process (a model pool) does not reload, and so replace,
