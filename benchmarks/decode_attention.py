@@ -7,7 +7,7 @@ during decode); block tables either in order (a fresh cache) or shuffled (a cach
 churn). The bytes counted are the keys and values of every context token, read once.
 
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
-        [--target-programs 264 528 1056]
+        [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3]
 
 Each case runs with the requests started in batch order and longest context first
 (meta.decode_order, what the runner hands the kernel on a GPU).
@@ -15,6 +15,9 @@ Each case runs with the requests started in batch order and longest context firs
 --target-programs: rerun every case with the split planner aiming at each number of
 programs (triton_attn._TARGET_PROGRAMS, set for the run), and report each output's
 largest difference from the first setting's.
+
+--tiles: the same for the per-KV-head kernel's BLOCK_N x num_warps x num_stages (the
+engine's: 64x4x2), each against every target.
 """
 
 from __future__ import annotations
@@ -57,12 +60,23 @@ def decode_case(num_reqs: int, shuffled: bool, seed: int = 0):
     return q, k, v, cache, meta, int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
 
 
+def parse_tiles(text: str) -> tuple[int, int, int]:
+    """"64x4x2" -> (64, 4, 2): BLOCK_N, num_warps, num_stages."""
+    parts = text.split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"tiles are BLOCKNxWARPSxSTAGES, got {text!r}")
+    block_n, warps, stages = map(int, parts)
+    return block_n, warps, stages
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 128, 32])
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--target-programs", type=int, nargs="+",
                         help="split-planner targets to compare (default: the module's)")
+    parser.add_argument("--tiles", type=parse_tiles, nargs="+", default=[None],
+                        help="BLOCKNxWARPSxSTAGES of the per-KV-head kernel (default: its own)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_attention.py needs a CUDA device")
@@ -83,16 +97,19 @@ def main() -> None:
                 longest_first = torch.from_numpy(
                     decode_order(meta.seq_lens.cpu().numpy())).cuda()
                 first = None
-                for target, ordered in itertools.product(targets, (False, True)):
+                for tiles, target, ordered in itertools.product(args.tiles, targets,
+                                                                (False, True)):
                     triton_attn._TARGET_PROGRAMS = target
                     meta.decode_order = longest_first if ordered else None
                     out, counters = torch.empty_like(q), split_counters("cuda")
                     # In a CUDA graph: launched from Python one at a time, the host's
                     # launches take longer than the kernel at 32 requests.
                     t = graph_us(lambda _: decode_attention(
-                        q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters), 5) / 1e6
+                        q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters, tiles=tiles),
+                        5) / 1e6
                     first = out.clone() if first is None else first
                     rows.append({"requests": num_reqs, "target_programs": target,
+                                 "tiles": "x".join(map(str, tiles)) if tiles else "64x4x2",
                                  "order": "longest first" if ordered else "batch",
                                  "splits": num_decode_splits(num_reqs, KV_HEADS),
                                  "block_tables": "shuffled" if shuffled else "in order",
@@ -103,10 +120,10 @@ def main() -> None:
         triton_attn._TARGET_PROGRAMS = default_target
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'requests':>8} {'target':>6} {'splits':>6}  {'block tables':<12} "
+    print(f"{'requests':>8} {'tiles':>8} {'target':>6} {'splits':>6}  {'block tables':<12} "
           f"{'order':<13} {'us':>8} {'TB/s':>6} {'x copy':>7} {'max diff':>9}")
     for r in rows:
-        print(f"{r['requests']:>8} {r['target_programs']:>6} {r['splits']:>6}  "
+        print(f"{r['requests']:>8} {r['tiles']:>8} {r['target_programs']:>6} {r['splits']:>6}  "
               f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
               f"{r['of_copy']:>7.3f} "
               f"{r['max_diff']:>9.2e}")

@@ -21,7 +21,9 @@
 # nano_breakdown --probe-queue, a cold start, test_argmax_kernel.py whole (after a fix
 # to compiling_ahead's device); on an H100 test_whisper_gpu.py whole, first_calls.py.
 # Still pending: mixed_step_latency.py and lora_overhead.py (`ab`), the `kernels` part
-# on an H200, test_hybrid_gpu.py whole (`models`), the engine tests (`tests`).
+# on an H200 (first: decode attention's tiles, since nano's decode steps there are bound
+# by that kernel at 0.88 of copy bandwidth), test_hybrid_gpu.py whole (`models`), the
+# engine tests (`tests`).
 # Pending (2026-12-06, thirty-first session): the greedy argmax's chunk ids start as zeros
 # (a bf16 Whisper start after float32 engines in one process recorded a warm-up token
 # from unwritten memory): test_argmax_kernel.py's compile-ahead case (`tests`) and
@@ -185,6 +187,9 @@ if [[ $what == kernels || $what == all ]]; then
     stamp "decode attention, both orders"
     timeout 120 python3 decode_attention.py --batches 256 192 128 96 64 32 \
         --json "$OUT/decode_attention.json" 2>&1 | tail -14
+    stamp "decode attention's tiles (on an H200 it reads the KV at 0.88 of copy bandwidth)"
+    timeout 200 python3 decode_attention.py --batches 256 128 --tiles 64x4x2 128x4x2 \
+        64x4x3 64x8x2 128x8x3 32x4x4 --json "$OUT/decode_tiles.json" 2>&1 | tail -26
     stamp "the skinny GEMM's tiles past 16 rows (default 16: cuBLAS won from 64, 2026-12-06)"
     SPINDLE_SKINNY_MAX_M=256 timeout 200 python3 skinny_gemm.py --m 64 128 256 \
         --shapes qkv_proj gate_up_proj o_proj down_proj --sweep \

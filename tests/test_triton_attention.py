@@ -328,6 +328,37 @@ def test_store_kv_skips_negative_slots():
     assert torch.equal(cache[0], before[0])
 
 
+@pytest.mark.parametrize("tiles", [(16, 4, 1), (32, 2, 3), (128, 8, 2)])
+def test_decode_tiles_knob_keeps_the_result(monkeypatch, tiles):
+    """decode_attention's tiles (the per-KV-head kernel's BLOCK_N, warps, stages; a
+    measuring knob for benchmarks/decode_attention.py) change how the context is
+    walked, not the result."""
+    from spindle.attention.backends.triton_attn import decode_attention, split_counters
+
+    use_decode_kernel(monkeypatch, "per_kv_head")
+    gen = torch.Generator().manual_seed(sum(tiles))
+    context_lens = torch.randint(1, MAX_CONTEXT, (6,), generator=gen).tolist()
+    case = make_case([1] * 6, context_lens, 8, 2, 64, 16, torch.float32, seed=sum(tiles))
+    out, counters = torch.full_like(case["q"], float("nan")), split_counters(DEVICE)
+    decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case), 0.125,
+                     out, counters, tiles=tiles)
+    ref, _, _ = reference(case, 0.125)
+    assert rel_err(out, ref) < REL_TOL[torch.float32]
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("tiles", [(48, 4, 2), (8, 4, 2), (64, 3, 2), (64, 4, 0)])
+def test_decode_tiles_knob_rejects_what_cannot_launch(monkeypatch, tiles):
+    from spindle.attention.backends.triton_attn import decode_attention, split_counters
+
+    use_decode_kernel(monkeypatch, "per_kv_head")
+    case = make_case([1] * 6, [5] * 6, 8, 2, 64, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="decode tiles"):
+        decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case),
+                         0.125, torch.empty_like(case["q"]), split_counters(DEVICE),
+                         tiles=tiles)
+
+
 def test_decode_padding_rows_are_zero():
     """CUDA-graph padding rows have seq_len 0 and slot -1: finite zeros, never NaN,
     and the cache is not touched for them."""

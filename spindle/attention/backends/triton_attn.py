@@ -394,7 +394,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      sliding_window: int | None = None, soft_cap: float | None = None,
                      sinks: torch.Tensor | None = None,
                      alibi_slopes: torch.Tensor | None = None, chunked: bool = False,
-                     requests: torch.Tensor | None = None) -> None:
+                     requests: torch.Tensor | None = None,
+                     tiles: tuple[int, int, int] | None = None) -> None:
     """One query token per request: q [B, H, D], this step's k/v [B, H_kv, D] -> out
     [B, H, D], in one launch. Stores k/v into the cache slots meta.slot_mapping
     (negative: padding, skipped); applies qk_transform to q and k first when given
@@ -404,7 +405,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     positions of its chunk).
 
     Up to _PER_HEAD_MAX_REQS requests (per_head_applies) take _decode_head_kernel, a
-    program per query head; more take _decode_kernel, a program per KV head.
+    program per query head; more take _decode_kernel, a program per KV head. tiles:
+    _decode_kernel's (BLOCK_N, num_warps, num_stages) instead of the tuned ones, a
+    measuring knob (benchmarks/decode_attention.py --tiles); the engine never sets it.
 
     requests [R] int32 (a mixed step's requests with one new token, in the order to
     start them): attend for those alone, each request r's token being row
@@ -419,12 +422,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     gqa = num_heads // num_kv_heads
     per_head = per_head_applies(num_reqs, head_dim)
+    block_n = 16 if _wide_heads(head_dim) else 64
     if per_head:
         kernel, heads, warps, stages = _decode_head_kernel, num_heads, 2, 1
         splits = num_per_head_splits(num_reqs, num_heads)
     else:
         kernel, heads, warps, stages = _decode_kernel, num_kv_heads, 4, 2
         splits = num_decode_splits(num_reqs, num_kv_heads)
+        if tiles is not None:
+            block_n, warps, stages = _checked_tiles(tiles)
     if splits > 1 and num_reqs * heads > counters.numel():
         raise ValueError(f"decode with {splits} splits needs {num_reqs * heads} "
                          f"split counters, got {counters.numel()}")
@@ -453,13 +459,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rope.cos_cache.stride(0) if rope else 0,
         GQA=gqa, BLOCK_G=max(16, triton.next_power_of_2(gqa)), PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=16 if _wide_heads(head_dim) else 64,
+        BLOCK_N=block_n,
         SPLITS=splits, ORDERED=order is not None, MIXED=requests is not None,
         ROPE=rope is not None, HAS_NORM=has_norm, SLIDING=sliding_window is not None,
         CHUNKED=_chunked(sliding_window, chunked), SOFT_CAP=soft_cap is not None,
         SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
         IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
         **pdl.kernel_args(q.device, q.shape[0]))  # (PDL by the step's tokens, as its kernels)
+
+
+def _checked_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
+    block_n, warps, stages = tiles
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"decode tiles: BLOCK_N must be a power of two >= 16, got {block_n}")
+    if warps not in (1, 2, 4, 8, 16) or stages < 1:
+        raise ValueError(f"decode tiles: num_warps must be 1-16 (a power of two) and "
+                         f"num_stages >= 1, got {warps} and {stages}")
+    return block_n, warps, stages
 
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
