@@ -359,6 +359,18 @@ def test_decode_tiles_knob_rejects_what_cannot_launch(monkeypatch, tiles):
                          tiles=tiles)
 
 
+def test_decode_tiles_knob_refuses_the_per_head_kernel(monkeypatch):
+    """Tiles that the step's kernel would not use are an error, not a silent no-op."""
+    from spindle.attention.backends.triton_attn import decode_attention, split_counters
+
+    use_decode_kernel(monkeypatch, "per_head")
+    case = make_case([1, 1], [5, 9], 8, 2, 64, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="per-head kernel"):
+        decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case),
+                         0.125, torch.empty_like(case["q"]), split_counters(DEVICE),
+                         tiles=(64, 4, 2))
+
+
 def test_decode_padding_rows_are_zero():
     """CUDA-graph padding rows have seq_len 0 and slot -1: finite zeros, never NaN,
     and the cache is not touched for them."""

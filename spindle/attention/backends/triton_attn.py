@@ -424,6 +424,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     per_head = per_head_applies(num_reqs, head_dim)
     block_n = 16 if _wide_heads(head_dim) else 64
     if per_head:
+        if tiles is not None:
+            raise ValueError(f"decode tiles are the per-KV-head kernel's; {num_reqs} "
+                             "request(s) take the per-head kernel")
         kernel, heads, warps, stages = _decode_head_kernel, num_heads, 2, 1
         splits = num_per_head_splits(num_reqs, num_heads)
     else:
