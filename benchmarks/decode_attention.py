@@ -16,8 +16,8 @@ Each case runs with the requests started in batch order and longest context firs
 programs (triton_attn._TARGET_PROGRAMS, set for the run), and report each output's
 largest difference from the first setting's.
 
---tiles: the same for the per-KV-head kernel's BLOCK_N x num_warps x num_stages (the
-engine's: 64x4x2), each against every target.
+--tiles: the same for the per-KV-head kernel's BLOCK_N x num_warps x num_stages (rows
+marked "default" use the engine's own), each against every target.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main() -> None:
                         5) / 1e6
                     first = out.clone() if first is None else first
                     rows.append({"requests": num_reqs, "target_programs": target,
-                                 "tiles": "x".join(map(str, tiles)) if tiles else "64x4x2",
+                                 "tiles": "x".join(map(str, tiles)) if tiles else "default",
                                  "order": "longest first" if ordered else "batch",
                                  "splits": num_decode_splits(num_reqs, KV_HEADS),
                                  "block_tables": "shuffled" if shuffled else "in order",
