@@ -134,7 +134,7 @@ def _check(out, ref, dtype):
 
 
 def _run(x, w, b=None, silu=False):
-    out = torch.full((1, w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    out = torch.full((1, w.shape[0]), float("nan"), dtype=w.dtype, device=w.device)
     assert tma_gemv.tma_gemv_applies(x, w, silu)
     assert tma_gemv.tma_gemv(x, w, b, out, silu_and_mul=silu) is out
     return out
