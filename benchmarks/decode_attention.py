@@ -61,12 +61,13 @@ def decode_case(num_reqs: int, shuffled: bool, seed: int = 0):
 
 
 def parse_tiles(text: str) -> tuple[int, int, int]:
-    """"64x4x2" -> (64, 4, 2): BLOCK_N, num_warps, num_stages."""
-    parts = text.split("x")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"tiles are BLOCKNxWARPSxSTAGES, got {text!r}")
-    block_n, warps, stages = map(int, parts)
-    return block_n, warps, stages
+    """"64x4x2" -> (64, 4, 2): BLOCK_N, num_warps, num_stages (triton_attn's parser)."""
+    from spindle.attention.backends.triton_attn import parse_tiles as parse
+
+    try:
+        return parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def main() -> None:

@@ -328,20 +328,24 @@ def test_store_kv_skips_negative_slots():
     assert torch.equal(cache[0], before[0])
 
 
+@pytest.mark.parametrize("source", ["argument", "environment"])
 @pytest.mark.parametrize("tiles", [(16, 4, 1), (32, 2, 3), (128, 8, 2)])
-def test_decode_tiles_knob_keeps_the_result(monkeypatch, tiles):
+def test_decode_tiles_knob_keeps_the_result(monkeypatch, tiles, source):
     """decode_attention's tiles (the per-KV-head kernel's BLOCK_N, warps, stages; a
-    measuring knob for benchmarks/decode_attention.py) change how the context is
-    walked, not the result."""
+    measuring knob for benchmarks/decode_attention.py, or SPINDLE_DECODE_TILES for the
+    engine's launches) change how the context is walked, not the result."""
+    from spindle.attention.backends import triton_attn
     from spindle.attention.backends.triton_attn import decode_attention, split_counters
 
     use_decode_kernel(monkeypatch, "per_kv_head")
+    if source == "environment":
+        monkeypatch.setattr(triton_attn, "_ENV_TILES", tiles)
     gen = torch.Generator().manual_seed(sum(tiles))
     context_lens = torch.randint(1, MAX_CONTEXT, (6,), generator=gen).tolist()
     case = make_case([1] * 6, context_lens, 8, 2, 64, 16, torch.float32, seed=sum(tiles))
     out, counters = torch.full_like(case["q"], float("nan")), split_counters(DEVICE)
     decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case), 0.125,
-                     out, counters, tiles=tiles)
+                     out, counters, tiles=tiles if source == "argument" else None)
     ref, _, _ = reference(case, 0.125)
     assert rel_err(out, ref) < REL_TOL[torch.float32]
     assert not counters.any()
@@ -357,6 +361,32 @@ def test_decode_tiles_knob_rejects_what_cannot_launch(monkeypatch, tiles):
         decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case),
                          0.125, torch.empty_like(case["q"]), split_counters(DEVICE),
                          tiles=tiles)
+
+
+def test_decode_tiles_from_the_environment_reach_the_per_kv_head_kernel(monkeypatch):
+    """SPINDLE_DECODE_TILES: unset or empty is the tuned tiles; BLOCK_NxWARPSxSTAGES is
+    parsed and checked, naming the variable; the engine's per-KV-head launches take it
+    (tiles that cannot launch then fail there), per-head launches do not."""
+    from spindle.attention.backends import triton_attn
+    from spindle.attention.backends.triton_attn import (TILES_ENV, decode_attention,
+                                                        env_tiles, split_counters)
+
+    assert env_tiles({}) is None and env_tiles({TILES_ENV: ""}) is None
+    assert env_tiles({TILES_ENV: "64x4x3"}) == (64, 4, 3)
+    for bad in ("64x4", "big", "48x4x2", "64x3x2", "64x4x0", "-64x4x2"):
+        with pytest.raises(ValueError, match=f"{TILES_ENV}: decode tiles"):
+            env_tiles({TILES_ENV: bad})
+    monkeypatch.setattr(triton_attn, "_ENV_TILES", (48, 4, 2))  # (as if unchecked)
+    for kernel, lens in (("per_head", [5, 9]), ("per_kv_head", [5] * 6)):
+        use_decode_kernel(monkeypatch, kernel)
+        case = make_case([1] * len(lens), lens, 8, 2, 64, 16, torch.float32, seed=1)
+        args = (case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case), 0.125,
+                torch.empty_like(case["q"]), split_counters(DEVICE))
+        if kernel == "per_kv_head":
+            with pytest.raises(ValueError, match="BLOCK_N must be a power of two"):
+                decode_attention(*args)
+        else:
+            decode_attention(*args)
 
 
 def test_decode_tiles_knob_refuses_the_per_head_kernel(monkeypatch):

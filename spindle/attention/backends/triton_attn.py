@@ -63,6 +63,7 @@ from spindle.switches import on_off
 
 TARGET_PROGRAMS_ENV = "SPINDLE_DECODE_TARGET_PROGRAMS"
 PER_HEAD_ENV = "SPINDLE_DECODE_PER_HEAD"
+TILES_ENV = "SPINDLE_DECODE_TILES"
 _MAX_SPLITS = 32
 # Small decode batches take the per-head kernel (see decode_attention): at most this
 # many requests, split to about this many programs.
@@ -85,6 +86,32 @@ def target_programs(environ=os.environ) -> int:
 
 
 _TARGET_PROGRAMS = target_programs()
+
+
+def parse_tiles(text: str) -> tuple[int, int, int]:
+    """"64x4x2" -> (64, 4, 2): the per-KV-head decode kernel's BLOCK_N, num_warps and
+    num_stages, checked as decode_attention checks its tiles argument."""
+    parts = text.split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"decode tiles are BLOCK_NxWARPSxSTAGES (e.g. 64x4x2), got {text!r}")
+    block_n, warps, stages = map(int, parts)
+    return _checked_tiles((block_n, warps, stages))
+
+
+def env_tiles(environ=os.environ) -> tuple[int, int, int] | None:
+    """SPINDLE_DECODE_TILES ("64x4x3"): the per-KV-head decode kernel's tiles for every
+    launch whose heads are not wide (a measuring knob, as SPINDLE_DECODE_TARGET_PROGRAMS
+    is); unset or empty: the tuned ones."""
+    raw = environ.get(TILES_ENV, "")
+    if not raw:
+        return None
+    try:
+        return parse_tiles(raw)
+    except ValueError as err:
+        raise ValueError(f"{TILES_ENV}: {err}") from None
+
+
+_ENV_TILES = env_tiles()
 
 
 class TritonAttentionBackend:
@@ -406,8 +433,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Up to _PER_HEAD_MAX_REQS requests (per_head_applies) take _decode_head_kernel, a
     program per query head; more take _decode_kernel, a program per KV head. tiles:
-    _decode_kernel's (BLOCK_N, num_warps, num_stages) instead of the tuned ones, a
-    measuring knob (benchmarks/decode_attention.py --tiles); the engine never sets it.
+    _decode_kernel's (BLOCK_N, num_warps, num_stages) instead of the tuned ones (or of
+    SPINDLE_DECODE_TILES), a measuring knob (benchmarks/decode_attention.py --tiles);
+    the engine never sets it.
 
     requests [R] int32 (a mixed step's requests with one new token, in the order to
     start them): attend for those alone, each request r's token being row
@@ -432,6 +460,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         kernel, heads, warps, stages = _decode_kernel, num_kv_heads, 4, 2
         splits = num_decode_splits(num_reqs, num_kv_heads)
+        if tiles is None and not _wide_heads(head_dim):
+            tiles = _ENV_TILES
         if tiles is not None:
             block_n, warps, stages = _checked_tiles(tiles)
     if splits > 1 and num_reqs * heads > counters.numel():
