@@ -16,6 +16,12 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
+# Pending (2026-12-07, thirty-third session; one H100 call, no H200 came): the decode
+# tiles on an H200 (`kernels`; on the H100 the default already reads at copy bandwidth at
+# 256 requests and 64x4x3 gains 4% at 128), then nano with SPINDLE_DECODE_TILES=64x4x3
+# against main (`ab`); batch1_profile.py on an H200 (the 35 us between replays: what it
+# is made of). The L2 prefetch of the next GEMV's weight was measured slower on the H100
+# and not kept (docs/benchmarks.md).
 # Done on an H200 (2026-12-06, thirty-second session): the `ab` part's engine A/B (every
 # switch's default stands; docs/benchmarks.md "The speed targets on an H200 again"),
 # nano_breakdown --probe-queue, a cold start, test_argmax_kernel.py whole (after a fix
@@ -145,7 +151,8 @@ if [[ $what == ab || $what == all ]]; then
         --variant torch_argmax=SPINDLE_GRAPH_ARGMAX=0,SPINDLE_GREEDY_KERNEL=0 \
         --variant head_outside=SPINDLE_GRAPH_LOGITS=0 \
         --variant mixed_one_kernel=SPINDLE_MIXED_DECODE_KERNEL=0 \
-        --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 2>&1 | tail -12
+        --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 \
+        --variant tiles_64x4x3=SPINDLE_DECODE_TILES=64x4x3 2>&1 | tail -13
     stamp "streams' wait while prompts prefill beside them: split (default), one kernel"
     for round in 1 2; do
         for split in 1 0; do
