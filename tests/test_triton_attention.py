@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -387,6 +390,18 @@ def test_decode_tiles_from_the_environment_reach_the_per_kv_head_kernel(monkeypa
                 decode_attention(*args)
         else:
             decode_attention(*args)
+
+
+@pytest.mark.parametrize("value, expected", [("64x4x3", "(64, 4, 3)"),
+                                             ("64x4", "SPINDLE_DECODE_TILES: decode tiles")])
+def test_decode_tiles_are_read_when_the_backend_is_imported(value, expected):
+    """The variable as a user sets it, before the process imports the backend: its
+    tiles, or its error naming it."""
+    script = ("from spindle.attention.backends import triton_attn\n"
+              "print(triton_attn._ENV_TILES)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "SPINDLE_DECODE_TILES": value}, timeout=120)
+    assert expected in (done.stdout if done.returncode == 0 else done.stderr), done.stderr
 
 
 def test_decode_tiles_knob_refuses_the_per_head_kernel(monkeypatch):

@@ -88,6 +88,16 @@ def target_programs(environ=os.environ) -> int:
 _TARGET_PROGRAMS = target_programs()
 
 
+def _checked_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
+    block_n, warps, stages = tiles
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"decode tiles: BLOCK_N must be a power of two >= 16, got {block_n}")
+    if warps not in (1, 2, 4, 8, 16) or stages < 1:
+        raise ValueError(f"decode tiles: num_warps must be 1-16 (a power of two) and "
+                         f"num_stages >= 1, got {warps} and {stages}")
+    return block_n, warps, stages
+
+
 def parse_tiles(text: str) -> tuple[int, int, int]:
     """"64x4x2" -> (64, 4, 2): the per-KV-head decode kernel's BLOCK_N, num_warps and
     num_stages, checked as decode_attention checks its tiles argument."""
@@ -499,16 +509,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
         IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
         **pdl.kernel_args(q.device, q.shape[0]))  # (PDL by the step's tokens, as its kernels)
-
-
-def _checked_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
-    block_n, warps, stages = tiles
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"decode tiles: BLOCK_N must be a power of two >= 16, got {block_n}")
-    if warps not in (1, 2, 4, 8, 16) or stages < 1:
-        raise ValueError(f"decode tiles: num_warps must be 1-16 (a power of two) and "
-                         f"num_stages >= 1, got {warps} and {stages}")
-    return block_n, warps, stages
 
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
