@@ -460,7 +460,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     gqa = num_heads // num_kv_heads
     per_head = per_head_applies(num_reqs, head_dim)
-    block_n = 16 if _wide_heads(head_dim) else 64
+    wide = _wide_heads(head_dim)
+    block_n = 16 if wide else 64
     if per_head:
         if tiles is not None:
             raise ValueError(f"decode tiles are the per-KV-head kernel's; {num_reqs} "
@@ -470,7 +471,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         kernel, heads, warps, stages = _decode_kernel, num_kv_heads, 4, 2
         splits = num_decode_splits(num_reqs, num_kv_heads)
-        if tiles is None and not _wide_heads(head_dim):
+        if tiles is None and not wide:
             tiles = _ENV_TILES
         if tiles is not None:
             block_n, warps, stages = _checked_tiles(tiles)
