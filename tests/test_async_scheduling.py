@@ -121,3 +121,32 @@ def test_the_runner_reads_outputs_only_while_a_request_needs_them():
     batch.remove_request("penalised")
     batch.remove_request("min")
     assert batch.num_output_readers == 0 and not batch.needs_outputs(["plain"])
+
+
+def test_block_tables_version_counts_their_writes():
+    """InputBatch.tables_version (a CUDA graph step copies block tables only when it
+    moved, runner/cuda_graph.py) moves with every write to a block table: a new request,
+    new blocks, a request taking a freed row; and not for a step without new blocks."""
+    from spindle.runner.input_batch import InputBatch
+    from spindle.sampling_params import SamplingParams
+    from spindle.step_messages import NewRequestData
+
+    batch = InputBatch(4, 64, 16, 100, torch.device("cpu"))
+
+    def add(rid, blocks):
+        batch.add_request(NewRequestData(rid, [1, 2, 3], 3, SamplingParams(), [blocks], 0))
+
+    versions = [batch.tables_version]
+    add("a", [0])
+    versions.append(batch.tables_version)
+    batch.append_blocks("a", [[]])
+    assert batch.tables_version == versions[-1]
+    assert batch.prepare({"a": 3}).tables_version == versions[-1]
+    batch.append_blocks("a", [[5]])
+    versions.append(batch.tables_version)
+    assert batch.block_tables[0][batch.requests["a"].row, :2].tolist() == [0, 5]
+    batch.remove_request("a")
+    add("b", [7])
+    versions.append(batch.tables_version)
+    assert batch.prepare({"b": 3}).tables_version == versions[-1]
+    assert versions == sorted(set(versions)), versions

@@ -32,11 +32,12 @@ def make_runner(monkeypatch):
     return make
 
 
-def _batch(seq_lens, num_paged, with_state=False, lora=None):
+def _batch(seq_lens, num_paged, with_state=False, lora=None, tables_version=-1, seed=None):
     num = len(seq_lens)
-    rng = np.random.default_rng(num)
+    rng = np.random.default_rng(num if seed is None else seed)
     cols = 3
     return types.SimpleNamespace(
+        rows=np.arange(num), tables_version=tables_version,
         num_reqs=num, num_tokens=num, input_ids=rng.integers(0, 1000, num),
         model_positions=np.asarray(seq_lens) - 1, seq_lens=np.asarray(seq_lens, np.int32),
         state_slots=rng.integers(0, 50, num).astype(np.int32) if with_state else None,
@@ -99,3 +100,29 @@ def test_adapter_slots_are_staged_with_padding(make_runner):
         _check(runner, batch, size)
         assert runner.lora_slots[:size].tolist() == (slots.tolist()
                                                      + [-1] * (size - len(seq_lens)))
+
+
+def test_unchanged_block_tables_are_not_copied_again(make_runner):
+    """A step whose tables version, rows and columns are those of the tables the
+    device holds copies no tables (here the device's copy was overwritten to show it);
+    another version, other rows or more columns copy them; version -1 always does."""
+    runner = make_runner([CacheGroup(FULL_ATTENTION, 1)])
+    first = _batch([9, 4], 1, tables_version=5, seed=1)
+    runner._stage_inputs(first, 2)
+    _check(runner, first, 2)
+    runner.block_tables[0].fill_(-9)
+    same = _batch([10, 5], 1, tables_version=5, seed=2)  # (other values: not read)
+    runner._stage_inputs(same, 2)
+    assert runner.block_tables[0][:2, :3].tolist() == [[-9] * 3] * 2
+    assert runner.positions[:2].tolist() == [9, 4]  # (the rest is staged as ever)
+    newer = _batch([10, 5], 1, tables_version=6, seed=3)
+    other_rows = _batch([11, 6], 1, tables_version=6, seed=4)
+    other_rows.rows = np.asarray([1, 0])
+    wider = _batch([12, 7], 1, tables_version=6, seed=5)
+    wider.block_tables = [np.arange(8, dtype=np.int32).reshape(2, 4)]
+    unknown = _batch([13, 8], 1, seed=6)
+    for batch in (newer, other_rows, wider, unknown, unknown):
+        runner.block_tables[0].fill_(-9)
+        runner._stage_inputs(batch, 2)
+        _check(runner, batch, 2)
+

@@ -186,6 +186,9 @@ class CudaGraphRunner:
                            for _ in range(2)]
         self._staged.copy_(self._host_sets[0][0])
         self._runs = 0
+        # (tables version, columns, rows) of the block tables the device holds: a step
+        # whose tables are those copies none (most decode steps of a small batch).
+        self._tables_key: tuple | None = None
         self.num_replays: dict[tuple[int, int, bool], int] = {}  # by graph key, since capture
         # (tokens per request, size, adapters) -> graph, its outputs
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
@@ -264,6 +267,8 @@ class CudaGraphRunner:
 
     def _stage_inputs(self, batch: StepBatch, size: int, query_len: int = 1,
                       adapters: bool = False) -> None:
+        """Write the step's inputs into a pinned mirror and copy it to the static
+        buffers, then the block tables where they changed."""
         num, tokens, padded = batch.num_reqs, batch.num_tokens, size * query_len
         self._runs += 1
         host_t, tables_t = self._host_sets[self._runs % 2]
@@ -284,14 +289,19 @@ class CudaGraphRunner:
         for g in range(self.num_paged):
             host[_FIRST_SLOTS + g, :tokens] = batch.slot_mappings[g]
             host[_FIRST_SLOTS + g, tokens:padded] = -1
-            tables_t.numpy()[g, :num * cols].reshape(num, cols)[:] = batch.block_tables[g]
         if adapters:
             host[self._lora_row, :tokens] = batch.token_lora_slots
             host[self._lora_row, tokens:padded] = -1
         self._staged.copy_(host_t, non_blocking=True)
+        tables_key = ((batch.tables_version, cols, batch.rows.tobytes())
+                      if batch.tables_version >= 0 else None)
+        if tables_key is not None and tables_key == self._tables_key:
+            return  # (the device holds these tables already)
         for g in range(self.num_paged):
+            tables_t.numpy()[g, :num * cols].reshape(num, cols)[:] = batch.block_tables[g]
             self.block_tables[g][:num, :cols].copy_(tables_t[g, :num * cols].view(num, cols),
                                                     non_blocking=True)
+        self._tables_key = tables_key
 
     def _ordered(self, query_len: int) -> bool:
         """Whether graphs of query_len tokens per request hand decode attention the

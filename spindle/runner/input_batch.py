@@ -80,6 +80,9 @@ class StepBatch:
     rope_positions: np.ndarray | None = None
     # [T] each token's LoRA adapter slot (-1: none), where the engine serves adapters.
     token_lora_slots: np.ndarray | None = None
+    # InputBatch.tables_version when the batch was prepared (-1: not known): two batches
+    # of the same version, rows and columns have the same block tables.
+    tables_version: int = -1
 
     @property
     def model_positions(self) -> np.ndarray:
@@ -130,6 +133,8 @@ class InputBatch:
         self.device = device
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        # Counts writes to the block tables (a step's graph skips copying unchanged ones).
+        self.tables_version = 0
         self.set_cache_groups(group_is_paged)
         self.requests: dict[str, CachedRequestState] = {}
         self._metadata_key: tuple | None = None
@@ -158,6 +163,7 @@ class InputBatch:
         self.group_is_paged = list(group_is_paged)
         self.block_tables = [np.zeros((self.max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
                              for paged in self.group_is_paged if paged]
+        self.tables_version += 1
         self.has_state = not all(self.group_is_paged)
         self.state_slot = np.full(self.max_num_reqs, -1, dtype=np.int32)
 
@@ -276,6 +282,7 @@ class InputBatch:
             raise RuntimeError(f"request {state.req_id!r} needs {end} KV blocks, more than "
                                f"max_model_len allows ({self.max_blocks_per_req})")
         table[state.row, start:end] = block_ids
+        self.tables_version += 1
 
     # ---- step preparation ----------------------------------------------------
     def prepare(self, num_scheduled_tokens: dict[str, int],
@@ -339,6 +346,7 @@ class InputBatch:
             query_start_loc=query_start_loc, seq_lens=seq_lens, positions=positions,
             input_ids=self.token_ids[token_rows, positions], slot_mappings=slot_mappings,
             block_tables=[table[rows, :num_block_cols] for table in self.block_tables],
+            tables_version=self.tables_version,
             state_slots=self.state_slot[rows] if self.has_state else None,
             token_req_index=token_req_index,
             sampling_mask=sampling_mask, logits_indices=logits_indices,
