@@ -86,6 +86,24 @@ def test_strided_rows_and_errors():
         argmax_rows(torch.zeros(10, 4, device=DEVICE).t())
 
 
+def test_also_into_receives_the_same_ids():
+    """also_into (a decode graph's input ids) gets each row's id as the output does, and
+    nothing past its rows; one that is not a contiguous int64 [rows] on the logits'
+    device is refused."""
+    from spindle.runner.sample.argmax_kernel import argmax_rows
+
+    logits = torch.randn(3, 2 * _chunk() + 5, generator=torch.Generator().manual_seed(6))
+    logits = logits.to(DEVICE)
+    inputs = torch.full((5,), -7, dtype=torch.int64, device=DEVICE)
+    got = argmax_rows(logits, also_into=inputs[:3])
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+    assert inputs.tolist() == got.tolist() + [-7, -7]
+    for bad in (inputs[:2], inputs[:3].to(torch.int32),
+                torch.zeros(6, dtype=torch.int64, device=DEVICE)[::2]):
+        with pytest.raises(ValueError, match="also_into must be a contiguous int64"):
+            argmax_rows(logits, also_into=bad)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="compiling ahead skips compiled launches on a GPU")
 def test_a_skipped_first_kernel_leaves_id_zero_while_compiling_ahead():
     """Inside warm-up's compile-ahead pass a launch that would compile is skipped. When

@@ -62,12 +62,16 @@ def test_float32_greedy_matches_transformers(tiny_model, arch, enforce_eager):
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
 
 
-def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch):
+@pytest.mark.parametrize("graph_feed", ["1", "0"])
+def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_feed):
     """Greedy requests that want nothing but their tokens (no logprobs) take them from
     the decode graphs' argmax (runner/cuda_graph.py; the Triton argmax of
     runner/sample/argmax_kernel.py): float32 tokens equal transformers', for eight
-    requests together and one at a time, and the sampler returned the graphs' argmax on
-    every decode step of the lone requests."""
+    requests together, one at a time and two of different lengths (the batch changes
+    when the shorter ends), and the sampler returned the graphs' argmax on every decode
+    step of the lone requests. With SPINDLE_GRAPH_FEED the graphs leave that argmax in
+    their input ids, and a lone request's decode steps after its first take it from
+    there; a sampled request's never do (its tokens are not the argmax)."""
     from spindle.runner.sample import Sampler
 
     taken = []
@@ -78,18 +82,38 @@ def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch):
         return forward(self, logits, metadata, argmax)
 
     monkeypatch.setattr(Sampler, "forward", recording)
+    monkeypatch.setenv("SPINDLE_GRAPH_FEED", graph_feed)
     path = tiny_model(arch="qwen3", max_position_embeddings=2048)
     prompts = _prompts(512)
     expected = _hf_greedy(path, prompts, 24, torch.float32, "cuda")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(str(path), dtype="float32", device="cuda", max_model_len=1024,
              max_num_batched_tokens=256) as llm:
+        graphs = llm.engine.core.executor.worker.runner.graph_runner
         together = llm.generate(prompts, params, use_tqdm=False)
         taken.clear()
+        in_place = graphs.num_in_place
         alone = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts[1:4]]
+        lone_in_place = graphs.num_in_place - in_place
+        pair = llm.generate(prompts[4:6], [SamplingParams(temperature=0, max_tokens=n,
+                                                          ignore_eos=True) for n in (9, 24)],
+                            use_tqdm=False)
+        in_place = graphs.num_in_place
+        llm.generate(prompts[1:2], SamplingParams(temperature=1.0, seed=3, max_tokens=24,
+                                                  ignore_eos=True), use_tqdm=False)
+        sampled_in_place = graphs.num_in_place - in_place
     assert sum(taken) >= 3 * 23  # (each lone request: a prefill step, then 23 in a graph)
+    # (each lone request's second to 23rd decode steps follow a graph's argmax; async
+    # scheduling may launch one more past the last token)
+    if graph_feed == "1":
+        assert 3 * 22 <= lone_in_place <= 3 * 23
+    else:
+        assert lone_in_place == 0
+    assert sampled_in_place == 0
     for out, (tokens, _) in zip(together + alone, expected + expected[1:4]):
         assert out.outputs[0].token_ids == tokens
+    assert pair[0].outputs[0].token_ids == expected[4][0][:9]
+    assert pair[1].outputs[0].token_ids == expected[5][0]
 
 
 # Cases of an architecture with config fields of their own: (arch, fields).

@@ -21,15 +21,17 @@ class _FakeGraph:
         return "pool"
 
 
-def _fake_capture(monkeypatch, shapes, with_greedy: bool):
+def _fake_capture(monkeypatch, shapes, with_greedy: bool, feeds_inputs: bool = False):
     """CudaGraphRunner.capture over shapes with no GPU: each forward returns its shape,
-    the LM head ("logits", hidden), the argmax ("argmax", logits); the forwards' shapes."""
+    the LM head ("logits", hidden), the argmax ("argmax", logits, the length of the
+    input ids it also writes, or None); the forwards' shapes."""
     from spindle.runner import cuda_graph
 
     calls = []
     fake = types.SimpleNamespace(
         pool=None, graphs={}, outputs={}, device=torch.device("cpu"),
-        with_logits=True, with_greedy=with_greedy,
+        with_logits=True, with_greedy=with_greedy, feeds_inputs=feeds_inputs,
+        input_ids=torch.zeros(256, dtype=torch.int64),
         state=types.SimpleNamespace(compute_logits=lambda h: ("logits", h)),
         _each_shape=lambda: iter(shapes),
         _forward=lambda size, query_len=1, adapters=False: calls.append(
@@ -38,26 +40,37 @@ def _fake_capture(monkeypatch, shapes, with_greedy: bool):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(cuda_graph, "raw_argmax", lambda logits: ("argmax", logits))
+    monkeypatch.setattr(cuda_graph, "raw_argmax", lambda logits, into: (
+        "argmax", logits, None if into is None else into_rows(into, fake.input_ids)))
     CudaGraphRunner.capture(fake)
     return fake, calls
 
 
+def into_rows(into: torch.Tensor, input_ids: torch.Tensor) -> int:
+    """The number of input ids `into` is, checked to be their first rows."""
+    if into.data_ptr() != input_ids.data_ptr() or into.stride() != (1,):
+        raise AssertionError("the argmax is written somewhere other than the input ids")
+    return into.numel()
+
+
 def test_each_graph_is_captured_from_the_forward_of_its_own_shape(monkeypatch):
     """Each graph's hidden states, logits and (decode graphs of at most GREEDY_MAX_BATCH
-    requests) greedy tokens come from its own shape's forward."""
+    requests) greedy tokens come from its own shape's forward; with feeds_inputs the
+    argmax is written into the first `size` input ids too."""
     from spindle.runner.cuda_graph import GREEDY_MAX_BATCH
 
     shapes = [(4, 8, False), (4, 8, True), (1, 64, False), (1, GREEDY_MAX_BATCH + 1, False),
               (1, GREEDY_MAX_BATCH, True), (1, 2, True), (1, 1, False)]
-    fake, calls = _fake_capture(monkeypatch, shapes, with_greedy=True)
-    assert calls == [(size, query_len, adapters) for query_len, size, adapters in shapes]
-    assert set(fake.graphs) == set(shapes)
-    for (query_len, size, adapters), output in fake.outputs.items():
-        assert output.hidden == (size, query_len, adapters)
-        assert output.logits == ("logits", output.hidden)
-        takes_argmax = query_len == 1 and size <= GREEDY_MAX_BATCH
-        assert output.greedy == (("argmax", output.logits) if takes_argmax else None)
+    for feeds in (False, True):
+        fake, calls = _fake_capture(monkeypatch, shapes, with_greedy=True, feeds_inputs=feeds)
+        assert calls == [(size, query_len, adapters) for query_len, size, adapters in shapes]
+        assert set(fake.graphs) == set(shapes)
+        for (query_len, size, adapters), output in fake.outputs.items():
+            assert output.hidden == (size, query_len, adapters)
+            assert output.logits == ("logits", output.hidden)
+            takes_argmax = query_len == 1 and size <= GREEDY_MAX_BATCH
+            expected = ("argmax", output.logits, size if feeds else None)
+            assert output.greedy == (expected if takes_argmax else None)
     fake, _ = _fake_capture(monkeypatch, shapes, with_greedy=False)
     assert all(output.greedy is None for output in fake.outputs.values())
 

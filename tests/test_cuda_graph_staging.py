@@ -126,3 +126,32 @@ def test_unchanged_block_tables_are_not_copied_again(make_runner):
         runner._stage_inputs(batch, 2)
         _check(runner, batch, 2)
 
+
+def test_inputs_in_place_are_neither_staged_nor_fed(make_runner):
+    """run(inputs_in_place=True): the input ids the last replay left stay as they are
+    (no staging, no feed) while every other input is staged; otherwise the staged ids
+    and then the feed's are what the graph reads."""
+    runner = make_runner([CacheGroup(FULL_ATTENTION, 1)])
+    replays = []
+    for size in (1, 2):
+        runner.graphs[(1, size, False)] = types.SimpleNamespace(
+            replay=lambda size=size: replays.append(size))
+        runner.outputs[(1, size, False)] = cuda_graph.GraphOutputs(torch.zeros(size, 4))
+    fed = []
+
+    def feed(input_ids):
+        fed.append(input_ids.numel())
+        input_ids.fill_(55)
+
+    batch = _batch([9, 4], 1)
+    runner.run(batch, feed)
+    assert runner.input_ids[:2].tolist() == [55, 55] and fed == [2]
+    runner.input_ids[:2] = torch.tensor([31, 32])  # (the argmax a replay left)
+    step = _batch([10, 5], 1, seed=8)
+    runner.run(step, feed, inputs_in_place=True)
+    assert runner.input_ids[:2].tolist() == [31, 32] and fed == [2]
+    assert runner.positions[:2].tolist() == [9, 4]
+    assert runner.num_in_place == 1 and replays == [2, 2]
+    lone = _batch([11], 1, seed=9)
+    runner.run(lone)
+    assert runner.input_ids[:1].tolist() == lone.input_ids.tolist() and replays[-1] == 1

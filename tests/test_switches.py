@@ -54,6 +54,7 @@ READERS = {
     "SPINDLE_MIXED_DECODE_KERNEL": metadata.mixed_split_enabled,
     "SPINDLE_DECODE_PER_HEAD": lambda: triton_attn.per_head_applies(1, 128),
     "SPINDLE_GRAPH_ARGMAX": cuda_graph.graph_argmax_enabled,
+    "SPINDLE_GRAPH_FEED": cuda_graph.graph_feed_enabled,
     "SPINDLE_GREEDY_KERNEL": lambda: sampler.raw_argmax(torch.zeros(1, 4)),
 }
 

@@ -43,6 +43,9 @@ class PendingOutput:
         self._sample_row: dict[str, int] | None = None
         self._host: list[torch.Tensor] = []
         self._event = None
+        # Whether the sampled tokens also sit in the CUDA graphs' input ids (the runner
+        # sets it: runner/cuda_graph.py, feeds_inputs).
+        self.in_graph_inputs = False
         if sampled is not None:
             self._copy_to_host(sampled)
 

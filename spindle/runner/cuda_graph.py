@@ -28,6 +28,12 @@ those logits (the greedy token), so a step whose sampler needs nothing but the a
 launches nothing between its graph and the copy of its tokens to the host. A step that
 samples otherwise ignores it: at a few rows the argmax costs about a microsecond of the
 graph. SPINDLE_GRAPH_ARGMAX=0 leaves it to the sampler.
+
+Those graphs also write the argmax into their own input ids (SPINDLE_GRAPH_FEED=0: not),
+where the next decode step of the same requests in the same order reads its tokens: when
+that step's tokens are that argmax (every request greedy), it neither copies them on the
+device nor stages its input ids (run's inputs_in_place), one operation fewer between two
+replays.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from spindle.switches import on_off
 # Decode graphs of at most this many requests take the greedy tokens too (module docstring).
 GREEDY_MAX_BATCH = 8
 GRAPH_ARGMAX_ENV = "SPINDLE_GRAPH_ARGMAX"
+GRAPH_FEED_ENV = "SPINDLE_GRAPH_FEED"
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,12 @@ def graph_argmax_enabled() -> bool:
     """Whether decode graphs that compute the logits take their argmax too (module
     docstring): unless SPINDLE_GRAPH_ARGMAX=0."""
     return on_off(GRAPH_ARGMAX_ENV, True)
+
+
+def graph_feed_enabled() -> bool:
+    """Whether decode graphs that take the argmax write it into their input ids too
+    (module docstring): unless SPINDLE_GRAPH_FEED=0."""
+    return on_off(GRAPH_FEED_ENV, True)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -143,6 +156,8 @@ class CudaGraphRunner:
         self.state = state
         self.with_logits = logits
         self.with_greedy = logits and graph_argmax_enabled()
+        # Whether the graphs that take the argmax leave it in the input ids too.
+        self.feeds_inputs = self.with_greedy and graph_feed_enabled()
         self.lora = lora
         self.adapter_variants = (False, True) if lora is not None else (False,)
         self.device = device
@@ -190,6 +205,7 @@ class CudaGraphRunner:
         # whose tables are those copies none (most decode steps of a small batch).
         self._tables_key: tuple | None = None
         self.num_replays: dict[tuple[int, int, bool], int] = {}  # by graph key, since capture
+        self.num_in_place = 0  # replays whose input ids the replay before left (run)
         # (tokens per request, size, adapters) -> graph, its outputs
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int, bool], GraphOutputs] = {}
@@ -247,18 +263,23 @@ class CudaGraphRunner:
         return sum(out.logits.numel() * out.logits.element_size()
                    for out in self.outputs.values() if out.logits is not None)
 
-    def run(self, batch: StepBatch, feed=None) -> GraphOutputs:
+    def run(self, batch: StepBatch, feed=None, inputs_in_place: bool = False) -> GraphOutputs:
         """Replay the graph of the smallest captured size >= batch size; returns its
         outputs' first T rows (T: the batch's tokens): views of the graph's buffers,
         valid until the next replay. feed(input_ids), when given, writes input ids
-        still being sampled on the device."""
+        still being sampled on the device. inputs_in_place: the last replay's argmax,
+        already in the input ids (feeds_inputs), is every input id of this batch (a
+        decode step of the same requests in the same order, all greedy): neither they
+        are staged nor feed called."""
         num = batch.num_reqs
         query_len = batch.num_tokens // num
         sizes = self.sizes_by_len[query_len]
         size = sizes[bisect.bisect_left(sizes, num)]
         adapters = self.lora is not None and bool((batch.token_lora_slots >= 0).any())
-        self._stage_inputs(batch, size, query_len, adapters)
-        if feed is not None:
+        self._stage_inputs(batch, size, query_len, adapters, with_ids=not inputs_in_place)
+        if inputs_in_place:
+            self.num_in_place += 1
+        elif feed is not None:
             feed(self.input_ids[:batch.num_tokens])
         key = (query_len, size, adapters)
         self.graphs[key].replay()
@@ -266,14 +287,15 @@ class CudaGraphRunner:
         return self.outputs[key].rows(batch.num_tokens)
 
     def _stage_inputs(self, batch: StepBatch, size: int, query_len: int = 1,
-                      adapters: bool = False) -> None:
+                      adapters: bool = False, with_ids: bool = True) -> None:
         """Write the step's inputs into a pinned mirror and copy it to the static
-        buffers, then the block tables where they changed."""
+        buffers (without the input ids row unless with_ids), then the block tables."""
         num, tokens, padded = batch.num_reqs, batch.num_tokens, size * query_len
         self._runs += 1
         host_t, tables_t = self._host_sets[self._runs % 2]
         host = host_t.numpy()
-        host[_INPUT_IDS, :tokens] = batch.input_ids
+        if with_ids:
+            host[_INPUT_IDS, :tokens] = batch.input_ids
         host[_POSITIONS, :tokens] = batch.model_positions
         seq_lens = _int32_row(host, _SEQ_LENS)
         seq_lens[:num] = batch.seq_lens
@@ -292,7 +314,8 @@ class CudaGraphRunner:
         if adapters:
             host[self._lora_row, :tokens] = batch.token_lora_slots
             host[self._lora_row, tokens:padded] = -1
-        self._staged.copy_(host_t, non_blocking=True)
+        first = 0 if with_ids else 1  # (the input ids are the first row)
+        self._staged[first:].copy_(host_t[first:], non_blocking=True)
         tables_key = ((batch.tables_version, cols, batch.rows.tobytes())
                       if batch.tables_version >= 0 else None)
         if tables_key is not None and tables_key == self._tables_key:
@@ -341,7 +364,8 @@ class CudaGraphRunner:
         logits = self.state.compute_logits(hidden)
         if not (self.with_greedy and query_len == 1 and size <= GREEDY_MAX_BATCH):
             return GraphOutputs(hidden, logits)
-        return GraphOutputs(hidden, logits, raw_argmax(logits))
+        into = self.input_ids[:size] if self.feeds_inputs else None
+        return GraphOutputs(hidden, logits, raw_argmax(logits, into))
 
     def _forward(self, size: int, query_len: int = 1, adapters: bool = False) -> torch.Tensor:
         tokens = size * query_len

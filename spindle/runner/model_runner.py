@@ -646,11 +646,11 @@ class ModelRunner:
         state = self._require_state()
         self.h2d.new_step()
         batch = self.input_batch.prepare(scheduled, sched.spec_token_ids or None)
-        feed = self._inflight_feed(batch)
+        feed, inputs_in_place = self._inflight_feed(batch)
         self._copy_state_slots(sched.state_copies_before)
         logits = greedy = None  # (the LM head's and their argmax, where the graph has them)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            hidden, logits, greedy = self.graph_runner.run(batch, feed)
+            hidden, logits, greedy = self.graph_runner.run(batch, feed, inputs_in_place)
         else:
             inputs = state.prepare_inputs(batch)
             if feed is not None:
@@ -677,6 +677,10 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampled = self._sample(batch, hidden, logits, greedy)
         pending = PendingOutput(self, batch, sampled, failures, prompt_logprobs)
+        # Its tokens are the graph's argmax, which the graph left in its input ids too.
+        pending.in_graph_inputs = (greedy is not None and self.graph_runner.feeds_inputs
+                                   and sampled is not None
+                                   and sampled.sampled_token_ids is greedy)
         earlier, self._last_launched = self._last_launched, pending
         if sched.speculate and self.proposer is not None:
             if earlier is not None:
@@ -716,10 +720,12 @@ class ModelRunner:
         return {r: n for r, n in sched.num_scheduled_tokens.items() if r not in self._dropped}
 
     def _inflight_feed(self, batch: StepBatch):
-        """A function writing, on the device, the input ids whose token the last
-        launched step is still sampling; None when every input id is known."""
+        """(feed, in place): feed writes, on the device, the input ids whose token the
+        last launched step is still sampling (None when every input id is known); in
+        place: the CUDA graphs' input ids hold them already (the last step's graph
+        left its argmax there, and this step decodes the same requests in order)."""
         if not batch.inflight_dst.size:
-            return None
+            return None, False
         last = self._last_launched
         if last is None or last.sampled is None:
             raise RuntimeError("a step needs tokens of a step that sampled nothing")
@@ -731,7 +737,7 @@ class ModelRunner:
             def feed_all(input_ids: torch.Tensor) -> None:
                 input_ids[:num].copy_(tokens[:num])
 
-            return feed_all
+            return feed_all, last.in_graph_inputs
         src = [last.sample_row[batch.req_ids[i]] for i in batch.token_req_index[batch.inflight_dst]]
         dst_t = self.h2d.put(batch.inflight_dst, torch.int64)
         src_t = self.h2d.put(src, torch.int64)
@@ -739,7 +745,7 @@ class ModelRunner:
         def feed(input_ids: torch.Tensor) -> None:
             input_ids[dst_t] = tokens[src_t].to(input_ids.dtype)
 
-        return feed
+        return feed, False
 
     def _update_states(self, sched: SchedulerOutput) -> dict[str, RequestFailure]:
         """Forget finished and preempted requests, add new ones, advance cached ones.

@@ -22,13 +22,21 @@ from spindle.layers import pdl
 CHUNK = 2048  # ids a program of the first kernel reduces (152k ids: 75 programs a row)
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, also_into: torch.Tensor | None = None) -> torch.Tensor:
     """The int64 index of each row's first maximum of logits [rows, vocab] (a CUDA
-    tensor, or a CPU one under Triton's interpreter); rows must be unit-strided."""
+    tensor, or a CPU one under Triton's interpreter); rows must be unit-strided.
+    also_into: a contiguous int64 tensor of [rows] on the same device that receives the
+    indices too (a decode graph's input ids: its next step's inputs)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"argmax_rows takes [rows, vocab] logits with unit-strided rows, got "
                          f"shape {tuple(logits.shape)}, strides {logits.stride()}")
     rows, vocab = logits.shape
+    if also_into is not None and not (also_into.shape == (rows,) and also_into.is_contiguous()
+                                      and also_into.dtype == torch.int64
+                                      and also_into.device == logits.device):
+        raise ValueError(f"argmax_rows: also_into must be a contiguous int64 tensor of "
+                         f"[{rows}] on {logits.device}, got {also_into.dtype} of shape "
+                         f"{tuple(also_into.shape)} on {also_into.device}")
     # Zeros outside a CUDA graph's capture: a launch skipped while warm-up compiles ahead
     # (runner/compile_ahead.py) then leaves id 0, not garbage the host would record. The
     # chunks' ids too: the second kernel may be compiled (it does not see the logits'
@@ -45,8 +53,9 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     launch = pdl.kernel_args(logits.device, None)  # (whatever the rows: one variant)
     _chunk_argmax_kernel[(rows, chunks)](logits, best, where, logits.stride(0), vocab,
                                          CHUNKS=chunks, CHUNK=CHUNK, num_warps=4, **launch)
-    _row_argmax_kernel[(rows,)](best, where, out, CHUNKS=chunks,
-                                BLOCK=triton.next_power_of_2(chunks), num_warps=1, **launch)
+    _row_argmax_kernel[(rows,)](best, where, out, also_into if also_into is not None else out,
+                                CHUNKS=chunks, BLOCK=triton.next_power_of_2(chunks),
+                                ALSO=also_into is not None, num_warps=1, **launch)
     return out
 
 
@@ -78,8 +87,8 @@ def _chunk_argmax_kernel(logits_ptr, best_ptr, where_ptr, row_stride, vocab,
 
 
 @triton.jit
-def _row_argmax_kernel(best_ptr, where_ptr, out_ptr, CHUNKS: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _row_argmax_kernel(best_ptr, where_ptr, out_ptr, also_ptr, CHUNKS: tl.constexpr,
+                       BLOCK: tl.constexpr, ALSO: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, BLOCK)
@@ -89,3 +98,5 @@ def _row_argmax_kernel(best_ptr, where_ptr, out_ptr, CHUNKS: tl.constexpr,
     # Chunks hold ascending ids: the first chunk with the maximum holds the first id.
     _, best_id = _first_max(best, ids, 2147483647)
     tl.store(out_ptr + row, best_id.to(tl.int64))
+    if ALSO:
+        tl.store(also_ptr + row, best_id.to(tl.int64))

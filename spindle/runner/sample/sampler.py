@@ -153,16 +153,20 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def raw_argmax(logits: torch.Tensor) -> torch.Tensor:
+def raw_argmax(logits: torch.Tensor, also_into: torch.Tensor | None = None) -> torch.Tensor:
     """greedy_sample of the LM head's own logits (the model's dtype), which on CUDA is
     argmax_kernel.argmax_rows unless SPINDLE_GREEDY_KERNEL=0: warm-up's greedy request
     compiles it for that dtype. (Logits the sampler made, float32, keep torch's argmax:
-    a kernel variant for them would compile after warm-up.)"""
+    a kernel variant for them would compile after warm-up.) also_into: an int64 tensor
+    of [rows] that receives the tokens too."""
     if on_off(GREEDY_KERNEL_ENV, True) and logits.is_cuda:
         from spindle.runner.sample.argmax_kernel import argmax_rows
 
-        return argmax_rows(logits)
-    return greedy_sample(logits)
+        return argmax_rows(logits, also_into)
+    tokens = greedy_sample(logits)
+    if also_into is not None:
+        also_into.copy_(tokens)
+    return tokens
 
 
 def random_sample(logits: torch.Tensor, metadata: SamplingMetadata
