@@ -7,7 +7,7 @@ during decode); block tables either in order (a fresh cache) or shuffled (a cach
 churn). The bytes counted are the keys and values of every context token, read once.
 
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
-        [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3]
+        [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3] [--prefetch]
 
 Each case runs with the requests started in batch order and longest context first
 (meta.decode_order, what the runner hands the kernel on a GPU).
@@ -18,6 +18,10 @@ largest difference from the first setting's.
 
 --tiles: the same for the per-KV-head kernel's BLOCK_N x num_warps x num_stages (rows
 marked "default" use the engine's own), each against every target.
+
+--prefetch: every case also with the kernel loading each next tile into registers
+while it attends to the current one (SPINDLE_DECODE_PREFETCH's variant, num_stages 1;
+its rows' tiles end in "+p").
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ def main() -> None:
                         help="split-planner targets to compare (default: the module's)")
     parser.add_argument("--tiles", type=parse_tiles, nargs="+", default=[None],
                         help="BLOCKNxWARPSxSTAGES of the per-KV-head kernel (default: its own)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="each case also with the next tile loaded ahead into registers")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_attention.py needs a CUDA device")
@@ -98,19 +104,21 @@ def main() -> None:
                 longest_first = torch.from_numpy(
                     decode_order(meta.seq_lens.cpu().numpy())).cuda()
                 first = None
-                for tiles, target, ordered in itertools.product(args.tiles, targets,
-                                                                (False, True)):
+                prefetches = (False, True) if args.prefetch else (False,)
+                for tiles, prefetch, target, ordered in itertools.product(
+                        args.tiles, prefetches, targets, (False, True)):
                     triton_attn._TARGET_PROGRAMS = target
                     meta.decode_order = longest_first if ordered else None
                     out, counters = torch.empty_like(q), split_counters("cuda")
                     # In a CUDA graph: launched from Python one at a time, the host's
                     # launches take longer than the kernel at 32 requests.
                     t = graph_us(lambda _: decode_attention(
-                        q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters, tiles=tiles),
-                        5) / 1e6
+                        q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters, tiles=tiles,
+                        prefetch=prefetch), 5) / 1e6
                     first = out.clone() if first is None else first
+                    name = "x".join(map(str, tiles)) if tiles else "default"
                     rows.append({"requests": num_reqs, "target_programs": target,
-                                 "tiles": "x".join(map(str, tiles)) if tiles else "default",
+                                 "tiles": name + ("+p" if prefetch else ""),
                                  "order": "longest first" if ordered else "batch",
                                  "splits": num_decode_splits(num_reqs, KV_HEADS),
                                  "block_tables": "shuffled" if shuffled else "in order",
@@ -121,10 +129,10 @@ def main() -> None:
         triton_attn._TARGET_PROGRAMS = default_target
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'requests':>8} {'tiles':>8} {'target':>6} {'splits':>6}  {'block tables':<12} "
+    print(f"{'requests':>8} {'tiles':>10} {'target':>6} {'splits':>6}  {'block tables':<12} "
           f"{'order':<13} {'us':>8} {'TB/s':>6} {'x copy':>7} {'max diff':>9}")
     for r in rows:
-        print(f"{r['requests']:>8} {r['tiles']:>8} {r['target_programs']:>6} {r['splits']:>6}  "
+        print(f"{r['requests']:>8} {r['tiles']:>10} {r['target_programs']:>6} {r['splits']:>6}  "
               f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
               f"{r['of_copy']:>7.3f} "
               f"{r['max_diff']:>9.2e}")
