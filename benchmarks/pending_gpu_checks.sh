@@ -16,6 +16,17 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
+# Pending (2026-12-07, thirty-fourth session; no machine came at all): three changes
+# written without a GPU. (1) SPINDLE_GRAPH_FEED (default on): the small decode graphs
+# leave their argmax in their own input ids, and a greedy step of the same requests
+# neither stages nor feeds them; its GPU test is test_cuda_e2e.py -k argmax (`tests`,
+# first), its speed the batch-1 A/B against SPINDLE_GRAPH_FEED=0 (`ab`). If the test
+# fails, turn the default off. (2) Block tables are copied only when they changed (no
+# switch: the batch-1 A/B against the code before it shows it, and every engine test
+# runs it). (3) SPINDLE_DECODE_PREFETCH (default off): the per-KV-head decode kernel
+# loads its next tile into registers ahead, since Triton's pipeliner gives its loop one
+# buffer whatever num_stages (sm_90 PTX compiled on the CPU): `kernels` sweeps it with
+# decode_attention.py --prefetch, then nano with it (`ab`) if it reads faster.
 # Pending (2026-12-07, thirty-third session; one H100 call, no H200 came): the decode
 # tiles on an H200 (`kernels`; on the H100 the default already reads at copy bandwidth at
 # 256 requests and 64x4x3 gains 4% at 128), then nano with SPINDLE_DECODE_TILES=64x4x3
@@ -103,7 +114,7 @@ if [[ $what == tests || $what == all ]]; then
         tests/test_triton_attention.py tests/test_gated_delta.py \
         tests/test_selective_scan.py tests/test_prompt_logprobs.py tests/test_fused_moe.py \
         tests/test_structured_outputs.py 2>&1 | tail -3
-    stamp "the greedy argmax: its kernel, greedy tokens through the graphs"
+    stamp "the greedy argmax: its kernel, greedy tokens through the graphs (the graph feed)"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_argmax_kernel.py \
         tests/test_cuda_e2e.py -k "argmax" 2>&1 | tail -3
     stamp "the TMA GEMV: its tests, the skinny GEMM's one-row cases, one-request bf16 decode"
@@ -152,7 +163,9 @@ if [[ $what == ab || $what == all ]]; then
         --variant head_outside=SPINDLE_GRAPH_LOGITS=0 \
         --variant mixed_one_kernel=SPINDLE_MIXED_DECODE_KERNEL=0 \
         --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 \
-        --variant tiles_64x4x3=SPINDLE_DECODE_TILES=64x4x3 2>&1 | tail -13
+        --variant tiles_64x4x3=SPINDLE_DECODE_TILES=64x4x3 \
+        --variant no_graph_feed=SPINDLE_GRAPH_FEED=0 \
+        --variant prefetch=SPINDLE_DECODE_PREFETCH=1 2>&1 | tail -15
     stamp "streams' wait while prompts prefill beside them: split (default), one kernel"
     for round in 1 2; do
         for split in 1 0; do
@@ -197,6 +210,9 @@ if [[ $what == kernels || $what == all ]]; then
     stamp "decode attention's tiles (on an H200 it reads the KV at 0.88 of copy bandwidth)"
     timeout 200 python3 decode_attention.py --batches 256 128 --tiles 64x4x2 128x4x2 \
         64x4x3 64x8x2 128x8x3 32x4x4 --json "$OUT/decode_tiles.json" 2>&1 | tail -26
+    stamp "decode attention with the next tile loaded ahead into registers"
+    timeout 200 python3 decode_attention.py --batches 256 128 --tiles 64x4x2 64x4x1 32x4x1 \
+        64x8x1 32x8x1 --prefetch --json "$OUT/decode_prefetch.json" 2>&1 | tail -42
     stamp "the skinny GEMM's tiles past 16 rows (default 16: cuBLAS won from 64, 2026-12-06)"
     SPINDLE_SKINNY_MAX_M=256 timeout 200 python3 skinny_gemm.py --m 64 128 256 \
         --shapes qkv_proj gate_up_proj o_proj down_proj --sweep \
