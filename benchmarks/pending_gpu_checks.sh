@@ -17,11 +17,12 @@
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
 # Pending (2026-12-07, thirty-fourth session; no machine came at all): three changes
-# written without a GPU. (1) SPINDLE_GRAPH_FEED (default on): the small decode graphs
-# leave their argmax in their own input ids, and a greedy step of the same requests
-# neither stages nor feeds them; its GPU test is test_cuda_e2e.py -k argmax (`tests`,
-# first), its speed the batch-1 A/B against SPINDLE_GRAPH_FEED=0 (`ab`). If the test
-# fails, turn the default off. (2) Block tables are copied only when they changed (no
+# written without a GPU. (1) SPINDLE_GRAPH_FEED (off until measured): the small decode
+# graphs leave their argmax in their own input ids, and a greedy step of the same
+# requests neither stages nor feeds them; its GPU test is test_cuda_e2e.py -k argmax
+# (`tests`, first; it sets the switch itself), its speed the batch-1 A/B with
+# SPINDLE_GRAPH_FEED=1 against main (`ab`): on by default if it passes and gains.
+# (2) Block tables are copied only when they changed (no
 # switch: the batch-1 A/B against the code before it shows it, and every engine test
 # runs it). (3) SPINDLE_DECODE_PREFETCH (default off): the per-KV-head decode kernel
 # loads its next tile into registers ahead, since Triton's pipeliner gives its loop one
@@ -164,7 +165,7 @@ if [[ $what == ab || $what == all ]]; then
         --variant mixed_one_kernel=SPINDLE_MIXED_DECODE_KERNEL=0 \
         --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 \
         --variant tiles_64x4x3=SPINDLE_DECODE_TILES=64x4x3 \
-        --variant no_graph_feed=SPINDLE_GRAPH_FEED=0 \
+        --variant graph_feed=SPINDLE_GRAPH_FEED=1 \
         --variant prefetch=SPINDLE_DECODE_PREFETCH=1 2>&1 | tail -15
     stamp "streams' wait while prompts prefill beside them: split (default), one kernel"
     for round in 1 2; do
