@@ -22,12 +22,12 @@
 # requests neither stages nor feeds them; its GPU test is test_cuda_e2e.py -k argmax
 # (`tests`, first; it sets the switch itself), its speed the batch-1 A/B with
 # SPINDLE_GRAPH_FEED=1 against main (`ab`): on by default if it passes and gains.
-# (2) Block tables are copied only when they changed (no
-# switch: the batch-1 A/B against the code before it shows it, and every engine test
-# runs it). (3) SPINDLE_DECODE_PREFETCH (default off): the per-KV-head decode kernel
-# loads its next tile into registers ahead, since Triton's pipeliner gives its loop one
-# buffer whatever num_stages (sm_90 PTX compiled on the CPU): `kernels` sweeps it with
-# decode_attention.py --prefetch, then nano with it (`ab`) if it reads faster.
+# (2) Block tables are copied only when they changed (no switch; every engine test runs
+# it; its gain is a batch-1 A/B against 96e012b's spindle package, a variant with
+# PYTHONPATH=/tmp/site:<its copy>). (3) SPINDLE_DECODE_PREFETCH (default off): the
+# per-KV-head decode kernel loads its next tile into registers ahead, since Triton's
+# pipeliner gives its loop one buffer whatever num_stages (sm_90 code compiled on the
+# CPU): `kernels` sweeps it with decode_attention.py --prefetch, `ab` runs nano with it.
 # Pending (2026-12-07, thirty-third session; one H100 call, no H200 came): the decode
 # tiles on an H200 (`kernels`; on the H100 the default already reads at copy bandwidth at
 # 256 requests and 64x4x3 gains 4% at 128), then nano with SPINDLE_DECODE_TILES=64x4x3
