@@ -632,11 +632,11 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     adding a round trip to memory after the loop of the split that holds the new
     token.
 
-    PREFETCH: each iteration loads the next tile into registers before it attends to
-    the current one, so a program always has a tile in flight. (Triton's pipeliner gives
-    this loop a single shared-memory buffer whatever num_stages: it issues the next
-    tile's copies after the current tile's products and waits for them at once, so a
-    program alternates between loading and computing. Launched with num_stages=1.)"""
+    Without PREFETCH, the loop's K/V copies get num_stages - 1 shared-memory buffers
+    (its block ids are loaded an iteration ahead): at num_stages 2, one, so a program
+    alternates between loading a tile and computing on it; from 3, the next tiles'
+    copies are in flight while it computes. PREFETCH: each iteration loads the next tile
+    into registers before it attends to the current one instead (num_stages=1)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
     cached_end = tl.minimum(end, seq_len - 1)
@@ -646,6 +646,8 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     k_first, v_first = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_table, offs_first,
                                      first_valid, offs_d, d_valid, kv_head, c_stride_b,
                                      c_stride_t, c_stride_h, PAGE)
+    offs_second = offs_first + BLOCK_N  # (for the loop without PREFETCH)
+    ids = _block_ids(block_table, offs_second, offs_second < cached_end, PAGE)
     pdl.wait(PDL)
     pos = tl.load(pos_ptr + token)
     slot = tl.load(slot_ptr + token)
@@ -688,12 +690,19 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
             m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_first, v_first, offs_first,
                                          first_valid, scale, soft_cap, slopes, query_pos,
                                          SOFT_CAP, ALIBI, IEEE)
+        # Each tile's block ids were loaded an iteration ahead (the second's up front):
+        # with the K/V addresses depending on no load of their own iteration, Triton's
+        # pipeliner gives their copies num_stages - 1 buffers (ids loaded in the same
+        # iteration: one buffer up to num_stages 4, a program waiting for each tile
+        # before computing on it).
         for n in range(start + BLOCK_N, cached_end, BLOCK_N):
             offs_n = n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < cached_end
-            k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_table, offs_n,
-                                 n_valid, offs_d, d_valid, kv_head, c_stride_b, c_stride_t,
-                                 c_stride_h, PAGE)
+            k, v = _load_kv_blocks(key_cache_ptr, value_cache_ptr, ids, offs_n, n_valid,
+                                   offs_d, d_valid, kv_head, c_stride_b, c_stride_t,
+                                   c_stride_h, PAGE)
+            ids = _block_ids(block_table, offs_n + BLOCK_N, offs_n + BLOCK_N < cached_end,
+                             PAGE)
             m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k, v, offs_n, n_valid, scale,
                                          soft_cap, slopes, query_pos, SOFT_CAP, ALIBI, IEEE)
 
@@ -1011,8 +1020,23 @@ def _store_rows(rows, g_valid, d_valid, offs_d, values):
 def _load_kv_tile(key_cache_ptr, value_cache_ptr, block_table_ptr, offs_n, n_valid, offs_d,
                   d_valid, kv_head, c_stride_b, c_stride_t, c_stride_h, PAGE: tl.constexpr):
     """Keys and values [BLOCK_N, BLOCK_D] of context positions offs_n of one request."""
-    row = _kv_rows(block_table_ptr, offs_n, n_valid, kv_head, c_stride_b, c_stride_t,
-                   c_stride_h, PAGE)
+    return _load_kv_blocks(key_cache_ptr, value_cache_ptr,
+                           _block_ids(block_table_ptr, offs_n, n_valid, PAGE), offs_n, n_valid,
+                           offs_d, d_valid, kv_head, c_stride_b, c_stride_t, c_stride_h, PAGE)
+
+
+@triton.jit
+def _block_ids(block_table_ptr, offs_n, n_valid, PAGE: tl.constexpr):
+    """The cache blocks of context positions offs_n (block 0 where n_valid is False)."""
+    return tl.load(block_table_ptr + offs_n // PAGE, mask=n_valid, other=0)
+
+
+@triton.jit
+def _load_kv_blocks(key_cache_ptr, value_cache_ptr, block_ids, offs_n, n_valid, offs_d,
+                    d_valid, kv_head, c_stride_b, c_stride_t, c_stride_h, PAGE: tl.constexpr):
+    """Keys and values [BLOCK_N, BLOCK_D] of context positions offs_n, in the cache
+    blocks block_ids (their _block_ids)."""
+    row = _block_rows(block_ids, offs_n, kv_head, c_stride_b, c_stride_t, c_stride_h, PAGE)
     mask = n_valid[:, None] & d_valid[None, :]
     k = tl.load(key_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(value_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
@@ -1024,8 +1048,17 @@ def _kv_rows(block_table_ptr, offs_n, n_valid, kv_head, c_stride_b, c_stride_t, 
              PAGE: tl.constexpr):
     """Offsets of one KV head's cache rows at context positions offs_n of one request
     (block table block_table_ptr; positions where n_valid is False read block 0)."""
-    block = tl.load(block_table_ptr + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
-    return block * c_stride_b + (offs_n % PAGE) * c_stride_t + kv_head * c_stride_h
+    return _block_rows(_block_ids(block_table_ptr, offs_n, n_valid, PAGE), offs_n, kv_head,
+                       c_stride_b, c_stride_t, c_stride_h, PAGE)
+
+
+@triton.jit
+def _block_rows(block_ids, offs_n, kv_head, c_stride_b, c_stride_t, c_stride_h,
+                PAGE: tl.constexpr):
+    """Offsets of one KV head's cache rows at context positions offs_n, which lie in
+    the cache blocks block_ids."""
+    return block_ids.to(tl.int64) * c_stride_b + (offs_n % PAGE) * c_stride_t \
+        + kv_head * c_stride_h
 
 
 @triton.jit
