@@ -29,11 +29,11 @@ launches nothing between its graph and the copy of its tokens to the host. A ste
 samples otherwise ignores it: at a few rows the argmax costs about a microsecond of the
 graph. SPINDLE_GRAPH_ARGMAX=0 leaves it to the sampler.
 
-With SPINDLE_GRAPH_FEED=1 those graphs also write the argmax into their own input ids,
+Those graphs also write the argmax into their own input ids (SPINDLE_GRAPH_FEED=0: not),
 where the next decode step of the same requests in the same order reads its tokens: when
 that step's tokens are that argmax (every request greedy), it neither copies them on the
 device nor stages its input ids (run's inputs_in_place), one operation fewer between two
-replays. Off by default until a GPU has run its test and measured it.
+replays.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def graph_argmax_enabled() -> bool:
 
 def graph_feed_enabled() -> bool:
     """Whether decode graphs that take the argmax write it into their input ids too
-    (module docstring): with SPINDLE_GRAPH_FEED=1."""
-    return on_off(GRAPH_FEED_ENV, False)
+    (module docstring): unless SPINDLE_GRAPH_FEED=0."""
+    return on_off(GRAPH_FEED_ENV, True)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
