@@ -419,6 +419,36 @@ def test_decode_tiles_from_the_environment_reach_the_per_kv_head_kernel(monkeypa
             decode_attention(*args)
 
 
+def test_default_decode_tiles_by_programs_and_heads(monkeypatch):
+    """The per-KV-head kernel's tiles: 32 keys in two warps from 1,025 (request, KV
+    head) pairs, 64 keys in four below and for a mixed step's requests, three stages
+    for heads of up to 128 dims; wider heads keep 64x4x2. decode_attention launches
+    with them unless told other tiles."""
+    from spindle.attention.backends import triton_attn
+    from spindle.attention.backends.triton_attn import (decode_attention,
+                                                        default_decode_tiles, split_counters)
+
+    assert default_decode_tiles(129, 8, 128) == (32, 2, 3)
+    assert default_decode_tiles(1025, 1, 64) == (32, 2, 3)
+    assert default_decode_tiles(128, 8, 128) == (64, 4, 3)
+    assert default_decode_tiles(256, 8, 128, mixed=True) == (64, 4, 3)
+    assert default_decode_tiles(256, 8, 256) == (64, 4, 2)
+    use_decode_kernel(monkeypatch, "per_kv_head")
+    monkeypatch.setattr(triton_attn, "_ENV_TILES", None)
+    seen = []
+
+    def fake_tiles(*args, **kwargs):
+        seen.append((args, kwargs))
+        return (48, 4, 3)  # (cannot launch: shows the launch took these)
+
+    monkeypatch.setattr(triton_attn, "default_decode_tiles", fake_tiles)
+    case = make_case([1] * 6, [5] * 6, 8, 2, 64, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="BLOCK_N must be a power of two"):
+        decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case),
+                         0.125, torch.empty_like(case["q"]), split_counters(DEVICE))
+    assert seen == [((6, 2, 64), {"mixed": False})]
+
+
 @pytest.mark.parametrize("value, expected", [("64x4x3", "(64, 4, 3)"),
                                              ("64x4", "SPINDLE_DECODE_TILES: decode tiles")])
 def test_decode_tiles_are_read_when_the_backend_is_imported(value, expected):

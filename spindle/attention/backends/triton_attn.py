@@ -403,6 +403,33 @@ def _wide_heads(head_dim: int) -> bool:
 
 
 # ---------------------------------------------------------------------- decode
+# The per-KV-head kernel's tiles (BLOCK_N, num_warps, num_stages) by its (request, KV
+# head) pairs: past _SMALL_TILES_FROM, 32 keys in two warps (more programs an SM, so
+# more tiles in flight); below, 64 keys in four. Three stages: two buffers for the K/V
+# copies (_attend_split). On an H200 (docs/benchmarks.md, 2026-12-07) the nano workload
+# read 0.678 x roofline with 64x4x2, 0.683 with 64x4x3 and 0.702 with 32x2x3 at every
+# size; the kernel alone took 248 us against 263 (64x4x3) at 256 requests x 8 KV heads,
+# and 136 against 133 at 128, 83 against 76 at 64. Heads wider than 128 dims (not
+# measured with these) keep the earlier 64x4x2. A mixed step's single-token requests
+# take the 64-key tiles whatever their number: one variant, which warm-up compiles.
+_LARGE_TILES = (64, 4, 3)
+_SMALL_TILES = (32, 2, 3)
+_SMALL_TILES_FROM = 1025
+_WIDE_TILES = (64, 4, 2)
+
+
+def default_decode_tiles(num_reqs: int, num_kv_heads: int, head_dim: int,
+                         mixed: bool = False) -> tuple[int, int, int]:
+    """The per-KV-head decode kernel's tiles for num_reqs requests of num_kv_heads KV
+    heads of head_dim (at most 256: see _wide_heads), those of a mixed step or not
+    (SPINDLE_DECODE_TILES overrides them)."""
+    if head_dim > 128:
+        return _WIDE_TILES
+    if not mixed and num_reqs * num_kv_heads >= _SMALL_TILES_FROM:
+        return _SMALL_TILES
+    return _LARGE_TILES
+
+
 def num_decode_splits(num_reqs: int, num_kv_heads: int) -> int:
     """Context splits per request: enough programs to fill the GPU, no more."""
     splits = triton.cdiv(_TARGET_PROGRAMS, max(1, num_reqs * num_kv_heads))
@@ -455,8 +482,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Up to _PER_HEAD_MAX_REQS requests (per_head_applies) take _decode_head_kernel, a
     program per query head; more take _decode_kernel, a program per KV head. tiles:
-    _decode_kernel's (BLOCK_N, num_warps, num_stages) instead of the tuned ones (or of
-    SPINDLE_DECODE_TILES), a measuring knob (benchmarks/decode_attention.py --tiles);
+    _decode_kernel's (BLOCK_N, num_warps, num_stages) instead of default_decode_tiles'
+    (or SPINDLE_DECODE_TILES'), a measuring knob (benchmarks/decode_attention.py --tiles);
     the engine never sets it. prefetch: _decode_kernel loads each next tile into
     registers while it attends to the current one, with num_stages 1 (None: as
     SPINDLE_DECODE_PREFETCH says, off unless "1"; see _attend_split).
@@ -486,7 +513,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kernel, heads, warps, stages = _decode_kernel, num_kv_heads, 4, 2
         splits = num_decode_splits(num_reqs, num_kv_heads)
         if tiles is None and not wide:
-            tiles = _ENV_TILES
+            tiles = _ENV_TILES or default_decode_tiles(num_reqs, num_kv_heads, head_dim,
+                                                       mixed=requests is not None)
         if tiles is not None:
             block_n, warps, stages = _checked_tiles(tiles)
     prefetch = (_ENV_PREFETCH if prefetch is None else prefetch) and not per_head
