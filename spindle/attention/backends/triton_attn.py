@@ -404,12 +404,13 @@ def _wide_heads(head_dim: int) -> bool:
 
 # ---------------------------------------------------------------------- decode
 # The per-KV-head kernel's tiles (BLOCK_N, num_warps, num_stages) by its (request, KV
-# head) pairs: past _SMALL_TILES_FROM, 32 keys in two warps (more programs an SM, so
+# head) pairs: from _SMALL_TILES_FROM, 32 keys in two warps (more programs an SM, so
 # more tiles in flight); below, 64 keys in four. Three stages: two buffers for the K/V
 # copies (_attend_split). On an H200 (docs/benchmarks.md, 2026-12-07) the nano workload
-# read 0.678 x roofline with 64x4x2, 0.683 with 64x4x3 and 0.702 with 32x2x3 at every
+# read 0.676 x roofline with 64x4x2, 0.681 with 64x4x3 and 0.703 with 32x2x3 at every
 # size; the kernel alone took 248 us against 263 (64x4x3) at 256 requests x 8 KV heads,
-# and 136 against 133 at 128, 83 against 76 at 64. Heads wider than 128 dims (not
+# and 136 against 133 at 128, 83 against 76 at 64 (one nano round on a second H200:
+# no difference either way, to be repeated). Heads wider than 128 dims (not
 # measured with these) keep the earlier 64x4x2. A mixed step's single-token requests
 # take the 64-key tiles whatever their number: one variant, which warm-up compiles.
 _LARGE_TILES = (64, 4, 3)
