@@ -8,6 +8,12 @@ which the graphs compute unless SPINDLE_GRAPH_LOGITS=0; no sampling or host work
 of one token (the prompt's prefill) is profiled too and subtracted, so the kernel table
 holds the decode steps only.
 
+Then the same two runs without the profiler, timing how long the engine's host thread
+waits for each step's tokens (PendingOutput.get's event): a step's wall time less that
+wait is the host's own work per step. Near zero wait means the host, not the device,
+sets the pace (the device then idles between replays). The engine must run in this
+process (one GPU: the uni-process executor).
+
     python benchmarks/batch1_profile.py [--new-tokens 64] [--context 512] [--json out.json]
 
 Environment switches (SPINDLE_PDL, SPINDLE_SKINNY_GEMM, ...) apply as in the engine, so
@@ -37,6 +43,49 @@ def kernel_totals(prof) -> dict[str, tuple[float, int]]:
     """Device microseconds and launches per kernel name over a profiled block."""
     return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
             if e.device_type.name == "CUDA" and e.self_device_time_total > 0}
+
+
+class HostWaits:
+    """Seconds the host spends waiting in PendingOutput.get for a step's tokens, summed
+    while installed (a patch of the class for this process)."""
+
+    def __init__(self) -> None:
+        from spindle.runner.async_output import PendingOutput
+        self.cls, self.original = PendingOutput, PendingOutput.get
+        self.seconds, self.waits = 0.0, 0
+
+    def __enter__(self) -> "HostWaits":
+        original, probe = self.original, self
+
+        def timed_get(pending):
+            if pending._result is None and pending._event is not None:
+                start = time.perf_counter()
+                pending._event.synchronize()
+                probe.seconds += time.perf_counter() - start
+                probe.waits += 1
+            return original(pending)
+
+        self.cls.get = timed_get
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cls.get = self.original
+
+
+def host_pace(llm, prompt, greedy, steps: int) -> dict:
+    """Unprofiled: wall time and host wait per decode step (a run of steps + 1 tokens
+    less a run of 1), and the host's own time per step (wall less wait)."""
+    runs = {}
+    for n in (1, steps + 1):
+        with HostWaits() as waits:
+            start = time.perf_counter()
+            llm.generate([prompt], greedy(n), use_tqdm=False)
+            runs[n] = (time.perf_counter() - start, waits.seconds, waits.waits)
+    (short_s, short_wait, short_n), (long_s, long_wait, long_n) = runs[1], runs[steps + 1]
+    wall_us = (long_s - short_s) * 1e6 / steps
+    wait_us = (long_wait - short_wait) * 1e6 / steps
+    return {"wall_us": wall_us, "host_wait_us": wait_us, "host_work_us": wall_us - wait_us,
+            "waits_counted": long_n - short_n}
 
 
 def decode_kernels(long: dict, short: dict, steps: int, top: int = 12) -> list[dict]:
@@ -81,6 +130,7 @@ def main() -> None:
                 start = time.perf_counter()
                 out = llm.generate([prompt], greedy(n), use_tqdm=False)
                 runs[n] = (time.perf_counter() - start, prof)
+        pace = host_pace(llm, prompt, greedy, args.new_tokens)
         llm.shutdown()
     steps = args.new_tokens
     (short_s, short_prof), (long_s, long_prof) = runs[1], runs[args.new_tokens + 1]
@@ -93,7 +143,7 @@ def main() -> None:
               "profiled_step_us": step_us, "graph_replay_us_b1": replay.get(
                   "graph_replay_ms_b1", float("nan")) * 1e3,
               "tokens_hash": hash(tuple(out[0].outputs[0].token_ids)),
-              "kernels": kernels, "timeline": timeline}
+              "kernels": kernels, "timeline": timeline, "host_pace": pace}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(f"{result['device']}, torch {result['torch']}; batch 1, {args.context}-token prompt,"
@@ -109,6 +159,12 @@ def main() -> None:
               f"{row['launches_per_step']:>9.1f} {row['share']:>6.1%}")
     for gap in timeline.get("gaps", []):
         print(f"gap {gap['ms'] * 1e3:8.1f} us in all, x{gap['count']:<4} {gap['between']}")
+    if pace["waits_counted"]:
+        print(f"unprofiled: {pace['wall_us']:.1f} us a step, the host waiting "
+              f"{pace['host_wait_us']:.1f} us of it for the tokens: its own work "
+              f"{pace['host_work_us']:.1f} us a step")
+    else:
+        print("unprofiled: no waits seen in this process (an executor with workers?)")
 
 
 if __name__ == "__main__":

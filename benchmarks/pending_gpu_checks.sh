@@ -26,7 +26,8 @@
 # defaults (`tests`; cut by the call's limit so far, no failure). SPINDLE_GRAPH_FEED is
 # on by default since (its test passed; batch 1 1,495 against 1,466 tok/s, medians).
 # Batch 1's 35 us between replays are now mostly idle (one host-to-device copy, the
-# tokens' copy back): the host's time per step on the GPU machine is the next question.
+# tokens' copy back): batch1_profile.py (`kernels`, first) now also times the host's
+# own work per step, unprofiled: is the host what keeps the device waiting?
 # Pending (2026-12-07, thirty-fourth session; no machine came at all): three changes
 # written without a GPU. (1) SPINDLE_GRAPH_FEED (off until measured): the small decode
 # graphs leave their argmax in their own input ids, and a greedy step of the same
@@ -199,6 +200,8 @@ fi
 
 if [[ $what == kernels || $what == all ]]; then
     cd benchmarks
+    stamp "batch 1: kernels, idle between replays, the host's own work per step"
+    timeout 150 python3 batch1_profile.py --json "$OUT/batch1_profile.json" 2>&1 | tail -26
     stamp "28 layers' dense part at one and two rows: TMA GEMV (default), then skinny"
     timeout 100 python3 layer_chain.py --rows 1 2 2>&1 | tail -4
     SPINDLE_TMA_GEMV=0 timeout 100 python3 layer_chain.py --rows 1 2 2>&1 | tail -4
