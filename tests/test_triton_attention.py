@@ -443,10 +443,13 @@ def test_default_decode_tiles_by_programs_and_heads(monkeypatch):
 
     monkeypatch.setattr(triton_attn, "default_decode_tiles", fake_tiles)
     case = make_case([1] * 6, [5] * 6, 8, 2, 64, 16, torch.float32, seed=1)
-    with pytest.raises(ValueError, match="BLOCK_N must be a power of two"):
-        decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case),
-                         0.125, torch.empty_like(case["q"]), split_counters(DEVICE))
-    assert seen == [((6, 2, 64), {"mixed": False})]
+    # (A mixed step's single-token requests: here every row of the decode case.)
+    for requests in (None, torch.arange(6, dtype=torch.int32, device=DEVICE)):
+        with pytest.raises(ValueError, match="BLOCK_N must be a power of two"):
+            decode_attention(case["q"], case["k"], case["v"], case["kv_cache"],
+                             meta_for(case), 0.125, torch.empty_like(case["q"]),
+                             split_counters(DEVICE), requests=requests)
+    assert seen == [((6, 2, 64), {"mixed": False}), ((6, 2, 64), {"mixed": True})]
 
 
 @pytest.mark.parametrize("value, expected", [("64x4x3", "(64, 4, 3)"),
