@@ -363,12 +363,17 @@ def _prefill_kernel(q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables
             kv_start = (context_len + first_token) // window * window
         else:
             kv_start = tl.maximum(context_len + first_token - window + 1, 0)
+    # Each tile's block ids are loaded an iteration ahead, as in _attend_split's loop:
+    # from num_stages 3 the K/V copies get more than one buffer.
+    block_table = block_tables_ptr + req * bt_stride
+    offs_n = kv_start + tl.arange(0, BLOCK_N)
+    ids = _block_ids(block_table, offs_n, offs_n < kv_end, PAGE)
     for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
-        k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + req * bt_stride,
-                             offs_n, n_valid, offs_d, d_valid, kv_head,
-                             c_stride_b, c_stride_t, c_stride_h, PAGE)
+        k, v = _load_kv_blocks(key_cache_ptr, value_cache_ptr, ids, offs_n, n_valid, offs_d,
+                               d_valid, kv_head, c_stride_b, c_stride_t, c_stride_h, PAGE)
+        ids = _block_ids(block_table, offs_n + BLOCK_N, offs_n + BLOCK_N < kv_end, PAGE)
         scores = _capped(_dot(q, tl.trans(k), IEEE) * scale, soft_cap, SOFT_CAP)
         if ALIBI:
             scores += slopes[:, None] * (offs_n[None, :] - row_limit[:, None]).to(tl.float32)
