@@ -27,7 +27,9 @@
 # on by default since (its test passed; batch 1 1,495 against 1,466 tok/s, medians).
 # Batch 1's 35 us between replays are now mostly idle (one host-to-device copy, the
 # tokens' copy back): batch1_profile.py (`kernels`, first) now also times the host's
-# own work per step, unprofiled: is the host what keeps the device waiting?
+# own work per step, unprofiled: is the host what keeps the device waiting? The
+# prefill kernel's loop loads its block ids ahead too (still 2 stages, compiled as
+# before): mixed_attention.py's 3-stage tiles (`kernels`) now keep a tile in flight.
 # Pending (2026-12-07, thirty-fourth session; no machine came at all): three changes
 # written without a GPU. (1) SPINDLE_GRAPH_FEED (off until measured): the small decode
 # graphs leave their argmax in their own input ids, and a greedy step of the same
