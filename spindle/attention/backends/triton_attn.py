@@ -422,13 +422,16 @@ _LARGE_TILES = (64, 4, 3)
 _SMALL_TILES = (32, 2, 3)
 _SMALL_TILES_FROM = 1025
 _WIDE_TILES = (64, 4, 2)
+_WIDEST_TILES = (16, 4, 2)  # (see _wide_heads)
 
 
 def default_decode_tiles(num_reqs: int, num_kv_heads: int, head_dim: int,
                          mixed: bool = False) -> tuple[int, int, int]:
     """The per-KV-head decode kernel's tiles for num_reqs requests of num_kv_heads KV
-    heads of head_dim (at most 256: see _wide_heads), those of a mixed step or not
-    (SPINDLE_DECODE_TILES overrides them)."""
+    heads of head_dim, those of a mixed step or not (SPINDLE_DECODE_TILES overrides
+    them for heads of at most 256 dims)."""
+    if _wide_heads(head_dim):
+        return _WIDEST_TILES
     if head_dim > 128:
         return _WIDE_TILES
     if not mixed and num_reqs * num_kv_heads >= _SMALL_TILES_FROM:
@@ -507,22 +510,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     gqa = num_heads // num_kv_heads
     per_head = per_head_applies(num_reqs, head_dim)
-    wide = _wide_heads(head_dim)
-    block_n = 16 if wide else 64
     if per_head:
         if tiles is not None:
             raise ValueError(f"decode tiles are the per-KV-head kernel's; {num_reqs} "
                              "request(s) take the per-head kernel")
-        kernel, heads, warps, stages = _decode_head_kernel, num_heads, 2, 1
+        kernel, heads, block_n, warps, stages = _decode_head_kernel, num_heads, 64, 2, 1
         splits = num_per_head_splits(num_reqs, num_heads)
     else:
-        kernel, heads, warps, stages = _decode_kernel, num_kv_heads, 4, 2
+        kernel, heads = _decode_kernel, num_kv_heads
         splits = num_decode_splits(num_reqs, num_kv_heads)
-        if tiles is None and not wide:
-            tiles = _ENV_TILES or default_decode_tiles(num_reqs, num_kv_heads, head_dim,
-                                                       mixed=requests is not None)
-        if tiles is not None:
-            block_n, warps, stages = _checked_tiles(tiles)
+        if tiles is None:
+            tiles = ((not _wide_heads(head_dim) and _ENV_TILES)
+                     or default_decode_tiles(num_reqs, num_kv_heads, head_dim,
+                                             mixed=requests is not None))
+        block_n, warps, stages = _checked_tiles(tiles)
     prefetch = (_ENV_PREFETCH if prefetch is None else prefetch) and not per_head
     if prefetch:
         stages = 1  # (the loop prefetches by itself: see _attend_split)
