@@ -7,7 +7,7 @@ during decode); block tables either in order (a fresh cache) or shuffled (a cach
 churn). The bytes counted are the keys and values of every context token, read once.
 
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
-        [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3] [--prefetch]
+        [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3]
 
 Each case runs with the requests started in batch order and longest context first
 (meta.decode_order, what the runner hands the kernel on a GPU).
@@ -18,10 +18,6 @@ largest difference from the first setting's.
 
 --tiles: the same for the per-KV-head kernel's BLOCK_N x num_warps x num_stages (rows
 marked "default" use the engine's own), each against every target.
-
---prefetch: every case also with the kernel loading each next tile into registers
-while it attends to the current one (SPINDLE_DECODE_PREFETCH's variant, num_stages 1;
-its rows' tiles end in "+p").
 """
 
 from __future__ import annotations
@@ -82,8 +78,6 @@ def main() -> None:
                         help="split-planner targets to compare (default: the module's)")
     parser.add_argument("--tiles", type=parse_tiles, nargs="+", default=[None],
                         help="BLOCKNxWARPSxSTAGES of the per-KV-head kernel (default: its own)")
-    parser.add_argument("--prefetch", action="store_true",
-                        help="each case also with the next tile loaded ahead into registers")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_attention.py needs a CUDA device")
@@ -104,21 +98,20 @@ def main() -> None:
                 longest_first = torch.from_numpy(
                     decode_order(meta.seq_lens.cpu().numpy())).cuda()
                 first = None
-                prefetches = (False, True) if args.prefetch else (False,)
-                for tiles, prefetch, target, ordered in itertools.product(
-                        args.tiles, prefetches, targets, (False, True)):
+                for tiles, target, ordered in itertools.product(
+                        args.tiles, targets, (False, True)):
                     triton_attn._TARGET_PROGRAMS = target
                     meta.decode_order = longest_first if ordered else None
                     out, counters = torch.empty_like(q), split_counters("cuda")
                     # In a CUDA graph: launched from Python one at a time, the host's
                     # launches take longer than the kernel at 32 requests.
                     t = graph_us(lambda _: decode_attention(
-                        q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters, tiles=tiles,
-                        prefetch=prefetch), 5) / 1e6
+                        q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters, tiles=tiles),
+                        5) / 1e6
                     first = out.clone() if first is None else first
                     name = "x".join(map(str, tiles)) if tiles else "default"
                     rows.append({"requests": num_reqs, "target_programs": target,
-                                 "tiles": name + ("+p" if prefetch else ""),
+                                 "tiles": name,
                                  "order": "longest first" if ordered else "batch",
                                  "splits": num_decode_splits(num_reqs, KV_HEADS),
                                  "block_tables": "shuffled" if shuffled else "in order",

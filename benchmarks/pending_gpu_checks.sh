@@ -180,8 +180,7 @@ if [[ $what == ab || $what == all ]]; then
         --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 \
         --variant tiles_before=SPINDLE_DECODE_TILES=64x4x2 \
         --variant tiles_32x2x3=SPINDLE_DECODE_TILES=32x2x3 \
-        --variant no_graph_feed=SPINDLE_GRAPH_FEED=0 \
-        --variant prefetch=SPINDLE_DECODE_PREFETCH=1 2>&1 | tail -15
+        --variant no_graph_feed=SPINDLE_GRAPH_FEED=0 2>&1 | tail -15
     stamp "streams' wait while prompts prefill beside them: split (default), one kernel"
     for round in 1 2; do
         for split in 1 0; do
@@ -228,9 +227,6 @@ if [[ $what == kernels || $what == all ]]; then
     stamp "decode attention's tiles (on an H200 it reads the KV at 0.88 of copy bandwidth)"
     timeout 200 python3 decode_attention.py --batches 256 192 128 96 64 --tiles 64x4x2 \
         64x4x3 32x4x3 32x2x3 --json "$OUT/decode_tiles.json" 2>&1 | tail -42
-    stamp "decode attention with the next tile loaded ahead into registers"
-    timeout 200 python3 decode_attention.py --batches 256 128 --tiles 64x4x2 64x4x1 32x4x1 \
-        64x8x1 32x8x1 --prefetch --json "$OUT/decode_prefetch.json" 2>&1 | tail -42
     stamp "the skinny GEMM's tiles past 16 rows (default 16: cuBLAS won from 64, 2026-12-06)"
     SPINDLE_SKINNY_MAX_M=256 timeout 200 python3 skinny_gemm.py --m 64 128 256 \
         --shapes qkv_proj gate_up_proj o_proj down_proj --sweep \

@@ -354,33 +354,6 @@ def test_decode_tiles_knob_keeps_the_result(monkeypatch, tiles, source):
     assert not counters.any()
 
 
-@pytest.mark.parametrize("source", ["argument", "environment"])
-@pytest.mark.parametrize("splits", ["several", "one"])
-@pytest.mark.parametrize("block_n", [16, 64])
-def test_decode_prefetch_keeps_the_result(monkeypatch, source, splits, block_n):
-    """The per-KV-head kernel with the next tile loaded ahead into registers
-    (decode_attention's prefetch, or SPINDLE_DECODE_PREFETCH for the engine's launches)
-    attends to the same keys: contexts shorter than a tile, of whole tiles and between,
-    split or not."""
-    from spindle.attention.backends import triton_attn
-    from spindle.attention.backends.triton_attn import decode_attention, split_counters
-
-    use_decode_kernel(monkeypatch, "per_kv_head")
-    if source == "environment":
-        monkeypatch.setattr(triton_attn, "_ENV_PREFETCH", True)
-    if splits == "one":
-        monkeypatch.setattr(triton_attn, "_TARGET_PROGRAMS", 1)
-    context_lens = [1, 2, block_n, block_n + 1, 2 * block_n + 1, 3 * block_n]
-    case = make_case([1] * 6, context_lens, 8, 2, 64, 16, torch.float32, seed=block_n)
-    out, counters = torch.full_like(case["q"], float("nan")), split_counters(DEVICE)
-    decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta_for(case), 0.125,
-                     out, counters, tiles=(block_n, 4, 1),
-                     prefetch=True if source == "argument" else None)
-    ref, _, _ = reference(case, 0.125)
-    assert rel_err(out, ref) < REL_TOL[torch.float32]
-    assert not counters.any()
-
-
 @pytest.mark.parametrize("tiles", [(48, 4, 2), (8, 4, 2), (64, 3, 2), (64, 4, 0)])
 def test_decode_tiles_knob_rejects_what_cannot_launch(monkeypatch, tiles):
     from spindle.attention.backends.triton_attn import decode_attention, split_counters

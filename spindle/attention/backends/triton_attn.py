@@ -64,7 +64,6 @@ from spindle.switches import on_off
 TARGET_PROGRAMS_ENV = "SPINDLE_DECODE_TARGET_PROGRAMS"
 PER_HEAD_ENV = "SPINDLE_DECODE_PER_HEAD"
 TILES_ENV = "SPINDLE_DECODE_TILES"
-PREFETCH_ENV = "SPINDLE_DECODE_PREFETCH"
 _MAX_SPLITS = 32
 # Small decode batches take the per-head kernel (see decode_attention): at most this
 # many requests, split to about this many programs.
@@ -125,14 +124,6 @@ def env_tiles(environ=os.environ) -> tuple[int, int, int] | None:
 _ENV_TILES = env_tiles()
 
 
-def prefetch_enabled(environ=os.environ) -> bool:
-    """SPINDLE_DECODE_PREFETCH=1: the per-KV-head decode kernel loads each next tile
-    into registers before it attends to the current one (_attend_split's PREFETCH); a
-    measuring knob, off until measured on an H200."""
-    return on_off(PREFETCH_ENV, False, environ)
-
-
-_ENV_PREFETCH = prefetch_enabled()
 
 
 class TritonAttentionBackend:
@@ -479,8 +470,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      sinks: torch.Tensor | None = None,
                      alibi_slopes: torch.Tensor | None = None, chunked: bool = False,
                      requests: torch.Tensor | None = None,
-                     tiles: tuple[int, int, int] | None = None,
-                     prefetch: bool | None = None) -> None:
+                     tiles: tuple[int, int, int] | None = None) -> None:
     """One query token per request: q [B, H, D], this step's k/v [B, H_kv, D] -> out
     [B, H, D], in one launch. Stores k/v into the cache slots meta.slot_mapping
     (negative: padding, skipped); applies qk_transform to q and k first when given
@@ -493,9 +483,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     program per query head; more take _decode_kernel, a program per KV head. tiles:
     _decode_kernel's (BLOCK_N, num_warps, num_stages) instead of default_decode_tiles'
     (or SPINDLE_DECODE_TILES'), a measuring knob (benchmarks/decode_attention.py --tiles);
-    the engine never sets it. prefetch: _decode_kernel loads each next tile into
-    registers while it attends to the current one, with num_stages 1 (None: as
-    SPINDLE_DECODE_PREFETCH says, off unless "1"; see _attend_split).
+    the engine never sets it.
 
     requests [R] int32 (a mixed step's requests with one new token, in the order to
     start them): attend for those alone, each request r's token being row
@@ -524,9 +512,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      or default_decode_tiles(num_reqs, num_kv_heads, head_dim,
                                              mixed=requests is not None))
         block_n, warps, stages = _checked_tiles(tiles)
-    prefetch = (_ENV_PREFETCH if prefetch is None else prefetch) and not per_head
-    if prefetch:
-        stages = 1  # (the loop prefetches by itself: see _attend_split)
     if splits > 1 and num_reqs * heads > counters.numel():
         raise ValueError(f"decode with {splits} splits needs {num_reqs * heads} "
                          f"split counters, got {counters.numel()}")
@@ -560,7 +545,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ROPE=rope is not None, HAS_NORM=has_norm, SLIDING=sliding_window is not None,
         CHUNKED=_chunked(sliding_window, chunked), SOFT_CAP=soft_cap is not None,
         SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
-        IEEE=q.dtype == torch.float32, PREFETCH=prefetch, num_warps=warps, num_stages=stages,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
         **pdl.kernel_args(q.device, q.shape[0]))  # (PDL by the step's tokens, as its kernels)
 
 
@@ -577,8 +562,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                    SPLITS: tl.constexpr, ORDERED: tl.constexpr, MIXED: tl.constexpr,
                    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, SLIDING: tl.constexpr,
                    CHUNKED: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
-                   ALIBI: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
-                   PDL: tl.constexpr):
+                   ALIBI: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     # Until pdl.wait (in _attend_split, or below for a split with no context), only
     # what no kernel of the step writes is read: the step's inputs and the cache.
     pdl.release(PDL)
@@ -611,7 +595,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
             k_stride_h, v_stride_t, v_stride_h, bt_stride, c_stride_b, c_stride_t,
             c_stride_h, cs_stride,
             PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, ALIBI, IEEE,
-            PREFETCH, PDL)
+            PDL)
         _store_rows(out_rows, g_valid, d_valid, offs_d,
                     acc / _denominator(l_i, m_i, sinks_ptr, heads, g_valid, SINKS)[:, None])
     else:
@@ -624,7 +608,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                 q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                 bt_stride, c_stride_b, c_stride_t, c_stride_h, cs_stride,
                 PAGE, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ROPE, HAS_NORM, SOFT_CAP, ALIBI,
-                IEEE, PREFETCH, PDL)
+                IEEE, PDL)
             # A partial is stored as (log-sum-exp, normalised output).
             _store_rows(part_out_ptr + part_rows * HEAD_DIM, g_valid, d_valid, offs_d,
                         acc / l_i[:, None])
@@ -652,7 +636,7 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                   PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
                   HAS_NORM: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
-                  IEEE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                  IEEE: tl.constexpr, PDL: tl.constexpr):
     """Softmax state (m, l, acc) of one request's query heads `heads` over context
     positions [start, end); its new token is row `token` of q, k, v, positions and
     slots. Positions before seq_len - 1 come from the cache; the new token (position
@@ -667,11 +651,12 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     adding a round trip to memory after the loop of the split that holds the new
     token.
 
-    Without PREFETCH, the loop's K/V copies get num_stages - 1 shared-memory buffers
-    (its block ids are loaded an iteration ahead): at num_stages 2, one, so a program
-    alternates between loading a tile and computing on it; from 3, the next tiles'
-    copies are in flight while it computes. PREFETCH: each iteration loads the next tile
-    into registers before it attends to the current one instead (num_stages=1)."""
+    The loop's K/V copies get num_stages - 1 shared-memory buffers (its block ids are
+    loaded an iteration ahead): at num_stages 2, one, so a program alternates between
+    loading a tile and computing on it; from 3, the next tiles' copies are in flight
+    while it computes. (Loading each next tile into registers instead, with one stage,
+    was measured slower on an H100 at 128 and 256 requests and not kept:
+    docs/benchmarks.md.)"""
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
     cached_end = tl.minimum(end, seq_len - 1)
@@ -681,7 +666,7 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     k_first, v_first = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_table, offs_first,
                                      first_valid, offs_d, d_valid, kv_head, c_stride_b,
                                      c_stride_t, c_stride_h, PAGE)
-    offs_second = offs_first + BLOCK_N  # (for the loop without PREFETCH)
+    offs_second = offs_first + BLOCK_N
     ids = _block_ids(block_table, offs_second, offs_second < cached_end, PAGE)
     pdl.wait(PDL)
     pos = tl.load(pos_ptr + token)
@@ -709,37 +694,25 @@ def _attend_split(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     if ALIBI:
         slopes = tl.load(alibi_ptr + heads, mask=g_valid, other=0.0)
     query_pos = seq_len - 1
-    if PREFETCH:
-        k, v, offs_n, n_valid = k_first, v_first, offs_first, first_valid
-        for n in range(start, cached_end, BLOCK_N):
-            offs_next = n + BLOCK_N + tl.arange(0, BLOCK_N)
-            next_valid = offs_next < cached_end  # (past the end: no load at all)
-            k_next, v_next = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_table,
-                                           offs_next, next_valid, offs_d, d_valid, kv_head,
-                                           c_stride_b, c_stride_t, c_stride_h, PAGE)
-            m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k, v, offs_n, n_valid, scale,
-                                         soft_cap, slopes, query_pos, SOFT_CAP, ALIBI, IEEE)
-            k, v, offs_n, n_valid = k_next, v_next, offs_next, next_valid
-    else:
-        if start < cached_end:
-            m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_first, v_first, offs_first,
-                                         first_valid, scale, soft_cap, slopes, query_pos,
-                                         SOFT_CAP, ALIBI, IEEE)
-        # Each tile's block ids were loaded an iteration ahead (the second's up front):
-        # with the K/V addresses depending on no load of their own iteration, Triton's
-        # pipeliner gives their copies num_stages - 1 buffers (ids loaded in the same
-        # iteration: one buffer up to num_stages 4, a program waiting for each tile
-        # before computing on it).
-        for n in range(start + BLOCK_N, cached_end, BLOCK_N):
-            offs_n = n + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < cached_end
-            k, v = _load_kv_blocks(key_cache_ptr, value_cache_ptr, ids, offs_n, n_valid,
-                                   offs_d, d_valid, kv_head, c_stride_b, c_stride_t,
-                                   c_stride_h, PAGE)
-            ids = _block_ids(block_table, offs_n + BLOCK_N, offs_n + BLOCK_N < cached_end,
-                             PAGE)
-            m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k, v, offs_n, n_valid, scale,
-                                         soft_cap, slopes, query_pos, SOFT_CAP, ALIBI, IEEE)
+    if start < cached_end:
+        m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_first, v_first, offs_first,
+                                     first_valid, scale, soft_cap, slopes, query_pos,
+                                     SOFT_CAP, ALIBI, IEEE)
+    # Each tile's block ids were loaded an iteration ahead (the second's up front):
+    # with the K/V addresses depending on no load of their own iteration, Triton's
+    # pipeliner gives their copies num_stages - 1 buffers (ids loaded in the same
+    # iteration: one buffer up to num_stages 4, a program waiting for each tile
+    # before computing on it).
+    for n in range(start + BLOCK_N, cached_end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < cached_end
+        k, v = _load_kv_blocks(key_cache_ptr, value_cache_ptr, ids, offs_n, n_valid,
+                               offs_d, d_valid, kv_head, c_stride_b, c_stride_t,
+                               c_stride_h, PAGE)
+        ids = _block_ids(block_table, offs_n + BLOCK_N, offs_n + BLOCK_N < cached_end,
+                         PAGE)
+        m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k, v, offs_n, n_valid, scale,
+                                     soft_cap, slopes, query_pos, SOFT_CAP, ALIBI, IEEE)
 
     if (start < end) & (end == seq_len):  # this split holds the new token
         if slot >= 0:
@@ -813,9 +786,8 @@ def _decode_head_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slo
                         SPLITS: tl.constexpr, ORDERED: tl.constexpr, MIXED: tl.constexpr,
                         ROPE: tl.constexpr, HAS_NORM: tl.constexpr, SLIDING: tl.constexpr,
                         CHUNKED: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
-                        ALIBI: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
-                        PDL: tl.constexpr):
-    """_decode_kernel's work (same arguments; BLOCK_G, BLOCK_D, IEEE and PREFETCH unused) for
+                        ALIBI: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """_decode_kernel's work (same arguments; BLOCK_G, BLOCK_D and IEEE unused) for
     one or two requests: one program per (query head, request, split), two warps,
     CUDA-core arithmetic on [BLOCK_N] scores and [HEAD_DIM] rows instead of tl.dot
     tiles padded to 16 query rows. At that size the kernel's time is latency (layout
