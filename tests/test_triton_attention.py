@@ -425,6 +425,36 @@ def test_default_decode_tiles_by_programs_and_heads(monkeypatch):
     assert seen == [((6, 2, 64), {"mixed": False}), ((6, 2, 64), {"mixed": True})]
 
 
+def test_default_prefill_tiles_by_query_tile_and_heads(monkeypatch):
+    """The prefill kernel's tiles: 32 keys, 4 warps, 3 stages for 64-query tiles of
+    heads up to 128 dims; 64 keys at 2 stages for 16-query tiles and heads of 129-256
+    dims; 16 keys past 256. prefill_attention launches with them where not told others."""
+    from spindle.attention.backends import triton_attn
+    from spindle.attention.backends.triton_attn import default_prefill_tiles, prefill_attention
+
+    assert default_prefill_tiles(64, 128) == (32, 4, 3)
+    assert default_prefill_tiles(64, 64) == (32, 4, 3)
+    assert default_prefill_tiles(16, 128) == (64, 4, 2)
+    assert default_prefill_tiles(64, 256) == (64, 4, 2)
+    assert default_prefill_tiles(16, 576) == (16, 4, 2)
+    launches = []
+
+    class RecordedKernel:  # (records each launch's tiles instead of running it)
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(
+                (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"],
+                 kwargs["num_stages"]))
+
+    monkeypatch.setattr(triton_attn, "_prefill_kernel", RecordedKernel())
+    case = make_case([40, 3], [5, 9], 8, 2, 64, 16, torch.float32, seed=1)
+    out = torch.empty_like(case["q"])
+    prefill_attention(case["q"], case["kv_cache"], meta_for(case), 0.125, out)
+    prefill_attention(case["q"], case["kv_cache"], meta_for(case), 0.125, out, block_m=16)
+    prefill_attention(case["q"], case["kv_cache"], meta_for(case), 0.125, out, block_n=64,
+                      num_stages=2)
+    assert launches == [(64, 32, 4, 3), (16, 64, 4, 2), (64, 64, 4, 2)]
+
+
 @pytest.mark.parametrize("value, expected", [("64x4x3", "(64, 4, 3)"),
                                              ("64x4", "SPINDLE_DECODE_TILES: decode tiles")])
 def test_decode_tiles_are_read_when_the_backend_is_imported(value, expected):

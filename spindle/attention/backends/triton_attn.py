@@ -244,13 +244,34 @@ def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
 
 
 # ---------------------------------------------------------------------- prefill
+# The prefill kernel's (BLOCK_N, num_warps, num_stages) for 64-query tiles of heads up to
+# 128 dims: 32 keys at 3 stages (its loop loads block ids ahead, so 3 stages give the
+# K/V copies two buffers). On an H100 (docs/benchmarks.md, 2026-12-07) a layer's prompts
+# in a mixed step of 8,192 tokens took 140-148 us against 157-167 with the 64 keys at 2
+# stages kept for the rest (16-query tiles: short queries, batch-invariant mode; heads
+# of 129-256 dims, not measured with these). Heads over 256 dims: 16 keys.
+_PREFILL_TILES = (32, 4, 3)
+_PREFILL_OTHER_TILES = (64, 4, 2)
+_PREFILL_WIDEST_TILES = (16, 4, 2)
+
+
+def default_prefill_tiles(block_m: int, head_dim: int) -> tuple[int, int, int]:
+    """The prefill kernel's key tile, warps and stages for block_m-query tiles of
+    head_dim features."""
+    if _wide_heads(head_dim):
+        return _PREFILL_WIDEST_TILES
+    if block_m == 64 and head_dim <= 128:
+        return _PREFILL_TILES
+    return _PREFILL_OTHER_TILES
+
+
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor, sliding_window: int | None = None,
                       block_m: int | None = None, pack_gqa: bool = False,
                       soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                       alibi_slopes: torch.Tensor | None = None, chunked: bool = False,
                       requests: torch.Tensor | None = None, block_n: int | None = None,
-                      num_warps: int = 4, num_stages: int = 2) -> None:
+                      num_warps: int | None = None, num_stages: int | None = None) -> None:
     """Causal attention of every request's new tokens over its context (the new tokens'
     k/v already stored), within sliding_window positions when given, scores soft-capped
     (cap * tanh(score / cap), Gemma 2) with soft_cap; sinks [H]: a logit per query head
@@ -268,12 +289,14 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     requests [R] int32: attend for those requests alone (a mixed step's with more than
     one new token; the other rows of out are left alone): see
     TritonAttentionBackend.forward. block_n, num_warps, num_stages: the key tile and
-    the launch's (a sweep: benchmarks/mixed_attention.py)."""
+    the launch's instead of default_prefill_tiles' (a sweep:
+    benchmarks/mixed_attention.py)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    wide = _wide_heads(head_dim)
-    block_m = block_m or (64 if meta.max_query_len > 32 and not wide else 16)
-    block_n = block_n or (16 if wide else 64)
+    block_m = block_m or (64 if meta.max_query_len > 32 and not _wide_heads(head_dim) else 16)
+    tiles = default_prefill_tiles(block_m, head_dim)
+    block_n, num_warps, num_stages = (block_n or tiles[0], num_warps or tiles[1],
+                                      num_stages or tiles[2])
     gqa = num_heads // num_kv_heads
     num_reqs = meta.num_reqs if requests is None else requests.numel()
     if pack_gqa:
