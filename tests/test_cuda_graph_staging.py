@@ -155,3 +155,107 @@ def test_inputs_in_place_are_neither_staged_nor_fed(make_runner):
     lone = _batch([11], 1, seed=9)
     runner.run(lone)
     assert runner.input_ids[:1].tolist() == lone.input_ids.tolist() and replays[-1] == 1
+
+
+@pytest.fixture
+def overlapping_runner(make_runner, monkeypatch):
+    """A runner whose decode graphs of MAX_BATCH requests run as two halves (the
+    threshold and the skinny GEMM's rows lowered to this test's sizes)."""
+    monkeypatch.setattr(cuda_graph, "OVERLAP_MIN_BATCH", MAX_BATCH)
+    monkeypatch.setattr(cuda_graph, "skinny_max_rows", lambda: 1)
+    return lambda groups: make_runner(groups, overlap=True)
+
+
+def test_overlapped_graphs_start_each_half_longest_first(overlapping_runner):
+    """A graph whose halves run at once stages each half's decode order within the half
+    (the kernel of each half reads its own rows); smaller graphs, one order."""
+    runner = overlapping_runner([CacheGroup(FULL_ATTENTION, 1)])
+    if not runner.longest_first:
+        pytest.skip("SPINDLE_DECODE_LONGEST_FIRST=0 in this environment")
+    assert runner._row_ranges(MAX_BATCH) == [(0, 4), (4, 8)]
+    assert runner._row_ranges(MAX_BATCH, adapters=True) == [(0, MAX_BATCH)]
+    assert runner._row_ranges(4) == [(0, 4)]
+    batch = _batch([9, 4, 40, 22, 17, 3, 30], 1)
+    runner._stage_inputs(batch, MAX_BATCH)
+    order = runner.decode_order.tolist()
+    assert order[:4] == [2, 3, 0, 1]  # (9, 4, 40, 22)
+    assert order[4:] == [2, 0, 1, 3]  # (17, 3, 30, padding 0)
+    batch = _batch([9, 4, 40], 1)
+    runner._stage_inputs(batch, 4)
+    assert runner.decode_order[:4].tolist() == [2, 0, 1, 3]
+
+
+def test_only_paged_caches_overlap(overlapping_runner):
+    """State layers (Mamba, cross-attention) keep one forward per graph."""
+    runner = overlapping_runner([CacheGroup(FULL_ATTENTION, 1), CacheGroup(MAMBA, 3)])
+    assert runner._row_ranges(MAX_BATCH) == [(0, MAX_BATCH)]
+    runner = overlapping_runner([CacheGroup(FULL_ATTENTION, 1),
+                                 CacheGroup(SLIDING_WINDOW, 2, 64)])
+    assert runner._row_ranges(MAX_BATCH) == [(0, 4), (4, 8)]
+
+
+def test_a_halfs_metadata_reads_its_rows_of_the_static_buffers(overlapping_runner):
+    """The second half's metadata is views of rows 4-8 of what the graph reads, in lane
+    1 (its own split counters); the first half's rows 0-4, lane 0."""
+    runner = overlapping_runner([CacheGroup(FULL_ATTENTION, 1),
+                                 CacheGroup(SLIDING_WINDOW, 2, 64)])
+    runner._stage_inputs(_batch([9, 4, 40, 22, 17, 3, 30], 2), MAX_BATCH)
+    for start, lane in ((0, 0), (4, 1)):
+        for g, meta in enumerate(runner._metadata(4, 1, start, lane)):
+            rows = slice(start, start + 4)
+            assert meta.lane == lane and meta.num_reqs == meta.num_tokens == 4
+            for view, whole in ((meta.seq_lens, runner.seq_lens),
+                                (meta.block_tables, runner.block_tables[g]),
+                                (meta.slot_mapping, runner.slot_mappings[g]),
+                                (meta.decode_order, runner.decode_order)):
+                assert view.data_ptr() == whole[rows].data_ptr()
+                assert view.shape[0] == 4
+            assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+
+
+class _FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.name, other.name))
+
+
+def test_the_halves_fork_from_the_step_and_join_it(overlapping_runner, monkeypatch):
+    """The second half's forward runs on the side stream after that stream waited for
+    the step's (the inputs are staged there), the step's stream waits for it before
+    the halves' hidden states are joined in request order, and each half's forward
+    reads its own rows of the inputs."""
+    from spindle.forward_context import get_forward_context
+
+    runner = overlapping_runner([CacheGroup(FULL_ATTENTION, 1)])
+    runner._stage_inputs(_batch([9, 4, 40, 22, 17, 3, 30], 1), MAX_BATCH)
+    log, current = [], []
+    main = _FakeStream("main", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream("side", log))
+
+    class _On:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current.append(self.stream)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", _On)
+    current.append(main)
+
+    def forward(inputs):
+        meta = get_forward_context().attn_metadata
+        log.append(("forward", current[-1].name, meta.lane, inputs["input_ids"].tolist()))
+        return inputs["positions"].float()[:, None]
+
+    runner.state = types.SimpleNamespace(forward=forward)
+    hidden = runner._forward_halves(MAX_BATCH, 4)
+    ids = runner.input_ids[:MAX_BATCH].tolist()
+    assert log == [("wait", "side", "main"), ("forward", "main", 0, ids[:4]),
+                   ("forward", "side", 1, ids[4:]), ("wait", "main", "side")]
+    assert hidden[:, 0].tolist() == runner.positions[:MAX_BATCH].float().tolist()
