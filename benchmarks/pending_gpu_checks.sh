@@ -16,6 +16,21 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
+# Pending (2026-12-07, thirty-sixth session; only an H100 came, four calls): (1)
+# SPINDLE_DECODE_OVERLAP=1 (off): decode graphs of 128+ requests run their halves on two
+# streams (runner/cuda_graph.py). Its GPU test first (`tests`: test_cuda_e2e.py -k
+# overlapped), then nano with it against main on an H200 (`ab`, variant overlap); on if
+# it passes and gains. (2) The prefill kernel's default is now 32 keys at 3 stages for
+# 64-query tiles (H100: 140-148 against 157-167 us a layer): its GPU tests with the new
+# default (`tests`: test_triton_attention.py -k "not decode"), and nano on an H200
+# against the code before it (a variant with PYTHONPATH=/tmp/site:<a copy of a0cb1d7's
+# spindle>). (3) Still: the decode tiles' A/B on an H200 (on the H100 the new default
+# gave nano 0.772 against 0.758 for the former 64x4x2, 3 rounds; tiles_before is
+# in `ab`), and nano_breakdown.py on an H200 (`kernels`): are its full-batch steps
+# host-bound there (on the H100 host the steps waited 1.0-1.4 s on the device)?
+# SPINDLE_DECODE_PREFETCH is gone (slower than the 3-stage tiles on the H100).
+# Passed on the H100 this session: test_triton_attention.py -m gpu -k decode whole (713,
+# the new decode tiles), the engine tests as far as a 330 s call went (36, none failed).
 # Pending (2026-12-07, thirty-fifth session; an H200 came): the decode loop loads its
 # block ids an iteration ahead (num_stages 3: two K/V buffers), and the per-KV-head
 # kernel's default tiles are by size (32x2x3 from 1,025 request x KV-head pairs, 64x4x3
@@ -121,6 +136,11 @@ t0=$(date +%s)
 stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 
 if [[ $what == tests || $what == all ]]; then
+    stamp "new: large decode graphs' halves on two streams; the prefill kernel's new tiles"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \
+        -k overlapped 2>&1 | tail -3
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_attention.py \
+        -k "not decode" 2>&1 | tail -3
     stamp "the new kernel paths first: ALiBi and chunked attention (interpreter-tested only)"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_attention.py \
         -k "alibi or chunk" 2>&1 | tail -3
@@ -169,6 +189,10 @@ if [[ $what == models || $what == all ]]; then
 fi
 
 if [[ $what == ab || $what == all ]]; then
+    stamp "first: the overlapped halves and the decode tiles on nano, three rounds"
+    timeout 600 python3 benchmarks/switch_ab.py --rounds 3 --json "$OUT/overlap_ab.json" \
+        --variant main= --variant overlap=SPINDLE_DECODE_OVERLAP=1 \
+        --variant tiles_before=SPINDLE_DECODE_TILES=64x4x2 2>&1 | tail -8
     stamp "engine A/B (batch 1, graph replays, nano)"
     timeout 600 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/switch_ab.json" \
         --variant main= --variant skinny_one_row=SPINDLE_TMA_GEMV=0 \
@@ -180,7 +204,8 @@ if [[ $what == ab || $what == all ]]; then
         --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 \
         --variant tiles_before=SPINDLE_DECODE_TILES=64x4x2 \
         --variant tiles_32x2x3=SPINDLE_DECODE_TILES=32x2x3 \
-        --variant no_graph_feed=SPINDLE_GRAPH_FEED=0 2>&1 | tail -15
+        --variant no_graph_feed=SPINDLE_GRAPH_FEED=0 \
+        --variant overlap=SPINDLE_DECODE_OVERLAP=1 2>&1 | tail -15
     stamp "streams' wait while prompts prefill beside them: split (default), one kernel"
     for round in 1 2; do
         for split in 1 0; do
@@ -224,6 +249,9 @@ if [[ $what == kernels || $what == all ]]; then
     stamp "decode attention, both orders"
     timeout 120 python3 decode_attention.py --batches 256 192 128 96 64 32 \
         --json "$OUT/decode_attention.json" 2>&1 | tail -14
+    stamp "nano's steps by size, host wait per bucket (host-bound on an H200?)"
+    timeout 150 python3 nano_breakdown.py --json "$OUT/nano_breakdown.json" 2>&1 \
+        | grep -A8 "^steps"
     stamp "decode attention's tiles (on an H200 it reads the KV at 0.88 of copy bandwidth)"
     timeout 200 python3 decode_attention.py --batches 256 192 128 96 64 --tiles 64x4x2 \
         64x4x3 32x4x3 32x2x3 --json "$OUT/decode_tiles.json" 2>&1 | tail -42
