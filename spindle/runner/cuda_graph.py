@@ -56,8 +56,8 @@ import torch
 from spindle.attention.metadata import AttentionMetadata, decode_order, longest_first_enabled
 from spindle.cache.spec import FULL_ATTENTION, CacheGroup
 from spindle.forward_context import forward_context
-from spindle.layers.pdl import max_rows as skinny_max_rows
 from spindle.layers.mamba.metadata import MambaMetadata
+from spindle.layers.pdl import max_rows as skinny_max_rows
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.base import ModelState
 from spindle.runner.sample.sampler import raw_argmax
