@@ -124,8 +124,6 @@ def env_tiles(environ=os.environ) -> tuple[int, int, int] | None:
 _ENV_TILES = env_tiles()
 
 
-
-
 class TritonAttentionBackend:
     # forward() takes q/k un-normalised and un-rotated plus a QKNormRope, and fuses it.
     fuses_qk_transform = True
