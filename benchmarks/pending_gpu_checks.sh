@@ -192,7 +192,8 @@ if [[ $what == ab || $what == all ]]; then
     stamp "first: the overlapped halves and the decode tiles on nano, three rounds"
     timeout 600 python3 benchmarks/switch_ab.py --rounds 3 --json "$OUT/overlap_ab.json" \
         --variant main= --variant overlap=SPINDLE_DECODE_OVERLAP=1 \
-        --variant tiles_before=SPINDLE_DECODE_TILES=64x4x2 2>&1 | tail -8
+        --variant overlap_from64=SPINDLE_DECODE_OVERLAP=1,SPINDLE_DECODE_OVERLAP_FROM=64 \
+        --variant tiles_before=SPINDLE_DECODE_TILES=64x4x2 2>&1 | tail -9
     stamp "engine A/B (batch 1, graph replays, nano)"
     timeout 600 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/switch_ab.json" \
         --variant main= --variant skinny_one_row=SPINDLE_TMA_GEMV=0 \

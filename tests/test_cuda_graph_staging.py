@@ -161,7 +161,7 @@ def test_inputs_in_place_are_neither_staged_nor_fed(make_runner):
 def overlapping_runner(make_runner, monkeypatch):
     """A runner whose decode graphs of MAX_BATCH requests run as two halves (the
     threshold and the skinny GEMM's rows lowered to this test's sizes)."""
-    monkeypatch.setattr(cuda_graph, "OVERLAP_MIN_BATCH", MAX_BATCH)
+    monkeypatch.setenv("SPINDLE_DECODE_OVERLAP_FROM", str(MAX_BATCH))
     monkeypatch.setattr(cuda_graph, "skinny_max_rows", lambda: 1)
     return lambda groups: make_runner(groups, overlap=True)
 
@@ -259,3 +259,13 @@ def test_the_halves_fork_from_the_step_and_join_it(overlapping_runner, monkeypat
     assert log == [("wait", "side", "main"), ("forward", "main", 0, ids[:4]),
                    ("forward", "side", 1, ids[4:]), ("wait", "main", "side")]
     assert hidden[:, 0].tolist() == runner.positions[:MAX_BATCH].float().tolist()
+
+
+@pytest.mark.parametrize("raw, expected", [("", 128), ("96", 96), ("1", None), ("x", None)])
+def test_overlap_threshold_is_read_or_refused_by_name(raw, expected):
+    environ = {"SPINDLE_DECODE_OVERLAP_FROM": raw} if raw else {}
+    if expected is None:
+        with pytest.raises(ValueError, match="SPINDLE_DECODE_OVERLAP_FROM"):
+            cuda_graph.overlap_min_batch(environ)
+    else:
+        assert cuda_graph.overlap_min_batch(environ) == expected

@@ -36,7 +36,8 @@ device nor stages its input ids (run's inputs_in_place), one operation fewer bet
 replays.
 
 With overlap (SPINDLE_DECODE_OVERLAP=1, a measuring knob, off; one GPU, paged caches
-only), a decode graph of at least OVERLAP_MIN_BATCH requests runs the forward of its
+only), a decode graph of at least overlap_min_batch() requests (128;
+SPINDLE_DECODE_OVERLAP_FROM sets it, for measuring) runs the forward of its
 first and second halves on two streams, so that one half's GEMMs (a few microseconds
 each, bound by latency rather than by memory at these sizes) run while the other half's
 decode attention reads the KV cache: on an H200 those GEMMs are about a fifth of a
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -68,9 +70,7 @@ GREEDY_MAX_BATCH = 8
 GRAPH_ARGMAX_ENV = "SPINDLE_GRAPH_ARGMAX"
 GRAPH_FEED_ENV = "SPINDLE_GRAPH_FEED"
 DECODE_OVERLAP_ENV = "SPINDLE_DECODE_OVERLAP"
-# Decode graphs of at least this many requests run their halves on two streams where
-# overlap is on (module docstring).
-OVERLAP_MIN_BATCH = 128
+OVERLAP_FROM_ENV = "SPINDLE_DECODE_OVERLAP_FROM"
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,17 @@ def decode_overlap_enabled() -> bool:
     """Whether large decode graphs run their two halves on two streams (module
     docstring): only with SPINDLE_DECODE_OVERLAP=1 (a measuring knob, off)."""
     return on_off(DECODE_OVERLAP_ENV, False)
+
+
+def overlap_min_batch(environ=os.environ) -> int:
+    """The fewest requests of a decode graph whose halves run on two streams where
+    overlap is on: 128, or SPINDLE_DECODE_OVERLAP_FROM (a measuring knob; halves must
+    still be past the skinny GEMM's rows)."""
+    raw = environ.get(OVERLAP_FROM_ENV, "128")
+    value = int(raw) if raw.strip().isdigit() else 0
+    if value < 2:
+        raise ValueError(f"{OVERLAP_FROM_ENV} must be an integer of at least 2, got {raw!r}")
+    return value
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -185,8 +196,8 @@ class CudaGraphRunner:
         self.groups = list(groups) or [CacheGroup(FULL_ATTENTION, 1)]
         self.num_paged = sum(g.is_paged for g in self.groups)
         # The smallest decode graph whose halves run on two streams (None: none does).
-        self.overlap_from = (OVERLAP_MIN_BATCH if overlap and self.num_paged == len(self.groups)
-                             else None)
+        self.overlap_from = (overlap_min_batch() if overlap
+                             and self.num_paged == len(self.groups) else None)
         self._side_stream = None  # (the second half's, created when first needed)
         # Batch sizes captured per number of tokens per request.
         self.sizes_by_len = sizes_by_len(max_batch, verify_len, verify_max_batch)
