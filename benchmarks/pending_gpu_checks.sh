@@ -139,6 +139,8 @@ if [[ $what == tests || $what == all ]]; then
     stamp "new: large decode graphs' halves on two streams; the prefill kernel's new tiles"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \
         -k overlapped 2>&1 | tail -3
+    SPINDLE_DECODE_OVERLAP_OFFSET=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_cuda_e2e.py -k overlapped 2>&1 | tail -3
     timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_attention.py \
         -k "not decode" 2>&1 | tail -3
     stamp "the new kernel paths first: ALiBi and chunked attention (interpreter-tested only)"
@@ -192,8 +194,9 @@ if [[ $what == ab || $what == all ]]; then
     stamp "first: the overlapped halves and the decode tiles on nano, three rounds"
     timeout 600 python3 benchmarks/switch_ab.py --rounds 3 --json "$OUT/overlap_ab.json" \
         --variant main= --variant overlap=SPINDLE_DECODE_OVERLAP=1 \
+        --variant overlap_offset=SPINDLE_DECODE_OVERLAP=1,SPINDLE_DECODE_OVERLAP_OFFSET=1 \
         --variant overlap_from64=SPINDLE_DECODE_OVERLAP=1,SPINDLE_DECODE_OVERLAP_FROM=64 \
-        --variant tiles_before=SPINDLE_DECODE_TILES=64x4x2 2>&1 | tail -9
+        --variant tiles_before=SPINDLE_DECODE_TILES=64x4x2 2>&1 | tail -10
     stamp "engine A/B (batch 1, graph replays, nano)"
     timeout 600 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/switch_ab.json" \
         --variant main= --variant skinny_one_row=SPINDLE_TMA_GEMV=0 \

@@ -220,15 +220,27 @@ class _FakeStream:
     def wait_stream(self, other):
         self.log.append(("wait", self.name, other.name))
 
+    def record_event(self):
+        self.log.append(("record", self.name))
+        return f"event on {self.name}"
 
-def test_the_halves_fork_from_the_step_and_join_it(overlapping_runner, monkeypatch):
+    def wait_event(self, event):
+        self.log.append(("wait", self.name, event))
+
+
+@pytest.mark.parametrize("offset", [False, True])
+def test_the_halves_fork_from_the_step_and_join_it(overlapping_runner, monkeypatch, offset):
     """The second half's forward runs on the side stream after that stream waited for
     the step's (the inputs are staged there), the step's stream waits for it before
     the halves' hidden states are joined in request order, and each half's forward
-    reads its own rows of the inputs."""
+    reads its own rows of the inputs. With the offset, the side stream also waits for
+    an event the first half records once its first attention layer has run (and only
+    then: the hook is gone afterwards)."""
     from spindle.forward_context import get_forward_context
 
+    monkeypatch.setenv("SPINDLE_DECODE_OVERLAP_OFFSET", "1" if offset else "0")
     runner = overlapping_runner([CacheGroup(FULL_ATTENTION, 1)])
+    assert runner.overlap_offset is offset
     runner._stage_inputs(_batch([9, 4, 40, 22, 17, 3, 30], 1), MAX_BATCH)
     log, current = [], []
     main = _FakeStream("main", log)
@@ -248,17 +260,24 @@ def test_the_halves_fork_from_the_step_and_join_it(overlapping_runner, monkeypat
     monkeypatch.setattr(torch.cuda, "stream", _On)
     current.append(main)
 
+    layers = torch.nn.ModuleList([torch.nn.Identity(), torch.nn.Identity()])
+
     def forward(inputs):
         meta = get_forward_context().attn_metadata
         log.append(("forward", current[-1].name, meta.lane, inputs["input_ids"].tolist()))
+        for layer in layers:
+            layer(inputs)
         return inputs["positions"].float()[:, None]
 
-    runner.state = types.SimpleNamespace(forward=forward)
+    runner.state = types.SimpleNamespace(forward=forward, model=layers)
+    monkeypatch.setattr(cuda_graph, "Attention", torch.nn.Identity)  # (the layers' type)
     hidden = runner._forward_halves(MAX_BATCH, 4)
     ids = runner.input_ids[:MAX_BATCH].tolist()
-    assert log == [("wait", "side", "main"), ("forward", "main", 0, ids[:4]),
+    after_first = [("record", "main"), ("wait", "side", "event on main")] if offset else []
+    assert log == [("wait", "side", "main"), ("forward", "main", 0, ids[:4]), *after_first,
                    ("forward", "side", 1, ids[4:]), ("wait", "main", "side")]
     assert hidden[:, 0].tolist() == runner.positions[:MAX_BATCH].float().tolist()
+    assert not layers[0]._forward_hooks
 
 
 @pytest.mark.parametrize("raw, expected", [("", 128), ("96", 96), ("1", None), ("x", None)])

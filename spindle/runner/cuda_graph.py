@@ -42,7 +42,9 @@ first and second halves on two streams, so that one half's GEMMs (a few microsec
 each, bound by latency rather than by memory at these sizes) run while the other half's
 decode attention reads the KV cache: on an H200 those GEMMs are about a fifth of a
 full-batch step. Each half's requests start longest first among themselves; the LM
-head runs once, on both halves' hidden states.
+head runs once, on both halves' hidden states. Both halves start together; with
+SPINDLE_DECODE_OVERLAP_OFFSET=1 too (a measuring knob, off) the second starts once the
+first has run its first attention layer, half a layer behind it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from spindle.attention.layer import Attention
 from spindle.attention.metadata import AttentionMetadata, decode_order, longest_first_enabled
 from spindle.cache.spec import FULL_ATTENTION, CacheGroup
 from spindle.forward_context import forward_context
@@ -71,6 +74,7 @@ GRAPH_ARGMAX_ENV = "SPINDLE_GRAPH_ARGMAX"
 GRAPH_FEED_ENV = "SPINDLE_GRAPH_FEED"
 DECODE_OVERLAP_ENV = "SPINDLE_DECODE_OVERLAP"
 OVERLAP_FROM_ENV = "SPINDLE_DECODE_OVERLAP_FROM"
+OVERLAP_OFFSET_ENV = "SPINDLE_DECODE_OVERLAP_OFFSET"
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,13 @@ def decode_overlap_enabled() -> bool:
     """Whether large decode graphs run their two halves on two streams (module
     docstring): only with SPINDLE_DECODE_OVERLAP=1 (a measuring knob, off)."""
     return on_off(DECODE_OVERLAP_ENV, False)
+
+
+def overlap_offset_enabled() -> bool:
+    """Whether the second half of an overlapped decode graph starts after the first
+    half's first attention layer (module docstring): only with
+    SPINDLE_DECODE_OVERLAP_OFFSET=1 (a measuring knob, off)."""
+    return on_off(OVERLAP_OFFSET_ENV, False)
 
 
 def overlap_min_batch(environ=os.environ) -> int:
@@ -199,6 +210,7 @@ class CudaGraphRunner:
         self.overlap_from = (overlap_min_batch() if overlap
                              and self.num_paged == len(self.groups) else None)
         self._side_stream = None  # (the second half's, created when first needed)
+        self.overlap_offset = self.overlap_from is not None and overlap_offset_enabled()
         # Batch sizes captured per number of tokens per request.
         self.sizes_by_len = sizes_by_len(max_batch, verify_len, verify_max_batch)
         self.sizes = self.sizes_by_len[1]
@@ -439,14 +451,33 @@ class CudaGraphRunner:
     def _forward_halves(self, size: int, half: int) -> torch.Tensor:
         """A decode forward of size requests as two: [0, half) on the current stream,
         [half, size) on a second one that forks from it and joins it again (in a
-        capture, both become branches of the graph)."""
+        capture, both become branches of the graph). With overlap_offset the second
+        also waits for the first half's first attention layer."""
         main = torch.cuda.current_stream(self.device)
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(self.device)
         side = self._side_stream
         side.wait_stream(main)  # (the step's inputs are staged on main)
-        first = self._forward(half)
+        marks, hook = [], None
+        attention = self._first_attention() if self.overlap_offset else None
+        if attention is not None:
+            hook = attention.register_forward_hook(
+                lambda *_: marks.append(main.record_event()) if not marks else None)
+        try:
+            first = self._forward(half)
+        finally:
+            if hook is not None:
+                hook.remove()
         with torch.cuda.stream(side):
+            if marks:
+                side.wait_event(marks[0])
             second = self._forward(size - half, start=half, lane=1)
         main.wait_stream(side)
         return torch.cat((first, second))
+
+    def _first_attention(self) -> torch.nn.Module | None:
+        """The model's first attention layer (the module order is the layers')."""
+        model = getattr(self.state, "model", None)
+        if model is None:
+            return None
+        return next((m for m in model.modules() if isinstance(m, Attention)), None)
