@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spindle.switches import on_off
+from spindle.switches import integer, on_off
 
 try:  # (Triton 3.4 and later)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -77,13 +77,7 @@ def max_rows() -> int:
 
 @functools.lru_cache(maxsize=8)
 def _parsed_max_rows(raw: str) -> int:
-    if not raw:
-        return DEFAULT_MAX_ROWS
-    value = int(raw) if raw.strip().isdigit() else 0
-    if not 1 <= value <= _KERNEL_MAX_ROWS:
-        raise ValueError(f"{MAX_ROWS_ENV} must be an integer from 1 to {_KERNEL_MAX_ROWS}, "
-                         f"got {raw!r}")
-    return value
+    return integer(MAX_ROWS_ENV, raw, 1, _KERNEL_MAX_ROWS) if raw else DEFAULT_MAX_ROWS
 
 
 def launch_options(device: torch.device) -> Mapping[str, bool]:

@@ -66,7 +66,7 @@ from spindle.layers.pdl import max_rows as skinny_max_rows
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.base import ModelState
 from spindle.runner.sample.sampler import raw_argmax
-from spindle.switches import on_off
+from spindle.switches import integer, on_off
 
 # Decode graphs of at most this many requests take the greedy tokens too (module docstring).
 GREEDY_MAX_BATCH = 8
@@ -108,11 +108,7 @@ def overlap_min_batch(environ=os.environ) -> int:
     """The fewest requests of a decode graph whose halves run on two streams where
     overlap is on: 128, or SPINDLE_DECODE_OVERLAP_FROM (a measuring knob; halves must
     still be past the skinny GEMM's rows)."""
-    raw = environ.get(OVERLAP_FROM_ENV, "128")
-    value = int(raw) if raw.strip().isdigit() else 0
-    if value < 2:
-        raise ValueError(f"{OVERLAP_FROM_ENV} must be an integer of at least 2, got {raw!r}")
-    return value
+    return integer(OVERLAP_FROM_ENV, environ.get(OVERLAP_FROM_ENV, "128"), 2)
 
 
 def capture_sizes(max_batch: int) -> list[int]:

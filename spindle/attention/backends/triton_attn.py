@@ -59,7 +59,7 @@ from spindle.attention.metadata import AttentionMetadata
 from spindle.layers import pdl
 from spindle.layers.fused_kernels import cache_row, norm_rope_rows
 from spindle.layers.rotary import QKNormRope
-from spindle.switches import on_off
+from spindle.switches import integer, on_off
 
 TARGET_PROGRAMS_ENV = "SPINDLE_DECODE_TARGET_PROGRAMS"
 PER_HEAD_ENV = "SPINDLE_DECODE_PER_HEAD"
@@ -75,14 +75,7 @@ def target_programs(environ=os.environ) -> int:
     """The number of decode programs the split planner aims for: 264 (about two waves
     on a 132-SM H100/H200), or SPINDLE_DECODE_TARGET_PROGRAMS, a measuring knob.
     Other targets measured no better on the H200 (docs/benchmarks.md)."""
-    raw = environ.get(TARGET_PROGRAMS_ENV, "264")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{TARGET_PROGRAMS_ENV} must be a positive integer, got {raw!r}")
-    return value
+    return integer(TARGET_PROGRAMS_ENV, environ.get(TARGET_PROGRAMS_ENV, "264"), 1)
 
 
 _TARGET_PROGRAMS = target_programs()
