@@ -185,6 +185,23 @@ def test_overlapped_graphs_start_each_half_longest_first(overlapping_runner):
     assert runner.decode_order[:4].tolist() == [2, 0, 1, 3]
 
 
+def test_warm_up_forwards_order_each_half_within_it(overlapping_runner, monkeypatch):
+    """The eager forward and capture of each shape (no step staged yet) see a decode
+    order that indexes each half's own rows: a half's kernel reading order values of
+    the whole batch read past its rows (an illegal address on an H100)."""
+    runner = overlapping_runner([CacheGroup(FULL_ATTENTION, 1)])
+    if not runner.longest_first:
+        pytest.skip("SPINDLE_DECODE_LONGEST_FIRST=0 in this environment")
+    seen = {}
+    monkeypatch.setattr(runner, "_step", lambda size, query_len, adapters: seen.setdefault(
+        size, runner.decode_order[:size].tolist()))
+    runner.forward_each_size()
+    assert seen[MAX_BATCH] == [0, 1, 2, 3, 0, 1, 2, 3]
+    for size, order in seen.items():
+        for start, end in runner._row_ranges(size):
+            assert sorted(order[start:end]) == list(range(end - start))
+
+
 def test_only_paged_caches_overlap(overlapping_runner):
     """State layers (Mamba, cross-attention) keep one forward per graph."""
     runner = overlapping_runner([CacheGroup(FULL_ATTENTION, 1), CacheGroup(MAMBA, 3)])

@@ -632,7 +632,7 @@ def test_each_metadata_lane_keeps_its_own_split_counters(monkeypatch):
 
     use_decode_kernel(monkeypatch, "per_kv_head")
     backend = TritonAttentionBackend(8, 64, 0.125, 2)
-    device = torch.device(DEVICE)
+    device = torch.empty(0, device=DEVICE).device  # (with its index, as q.device's)
     first, second = backend._split_counters(device, 0), backend._split_counters(device, 1)
     assert first.data_ptr() != second.data_ptr()
     assert backend._split_counters(device, 1) is second

@@ -278,6 +278,7 @@ class CudaGraphRunner:
         for query_len, sizes in self.sizes_by_len.items():
             for size in reversed(sizes):
                 self.seq_lens[:size].fill_(query_len)
+                self._batch_order_by_range(size, query_len)
                 for adapters in self.adapter_variants:
                     self._step(size, query_len, adapters)
                     yield query_len, size, adapters
@@ -371,6 +372,16 @@ class CudaGraphRunner:
             self.block_tables[g][:num, :cols].copy_(tables_t[g, :num * cols].view(num, cols),
                                                     non_blocking=True)
         self._tables_key = tables_key
+
+    def _batch_order_by_range(self, size: int, query_len: int) -> None:
+        """Before a shape's eager forward and capture (no step staged): each row range
+        of a graph of size requests starts its rows in batch order. (The order set at
+        start spans the whole batch: a half's kernel would index rows past its half.)"""
+        if not self._ordered(query_len):
+            return
+        for start, end in self._row_ranges(size, query_len):
+            self.decode_order[start:end].copy_(
+                torch.arange(end - start, dtype=torch.int32, device=self.device))
 
     def _ordered(self, query_len: int) -> bool:
         """Whether graphs of query_len tokens per request hand decode attention the
