@@ -62,27 +62,6 @@ def test_float32_greedy_matches_transformers(tiny_model, arch, enforce_eager):
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
 
 
-def test_overlapped_decode_graphs_match_transformers(tiny_model, monkeypatch):
-    """SPINDLE_DECODE_OVERLAP=1: decode graphs of 128 requests and more run their two
-    halves on two streams (runner/cuda_graph.py). 160 float32 requests together decode
-    transformers' greedy tokens, and the 160-request graph, which splits, replayed."""
-    monkeypatch.setenv("SPINDLE_DECODE_OVERLAP", "1")
-    monkeypatch.delenv("SPINDLE_DECODE_OVERLAP_FROM", raising=False)
-    path = tiny_model(arch="qwen3", max_position_embeddings=2048)
-    rng = random.Random(1)
-    prompts = _prompts(512, [rng.randint(1, 60) for _ in range(160)])
-    expected = _hf_greedy(path, prompts, 12, torch.float32, "cuda")
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with LLM(str(path), dtype="float32", device="cuda", max_model_len=1024,
-             max_num_seqs=160, max_num_batched_tokens=8192) as llm:
-        graphs = llm.engine.core.executor.worker.runner.graph_runner
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    assert graphs.overlap_from == 128
-    assert graphs._halves_at(160) == 80 and graphs.num_replays.get((1, 160, False), 0) >= 5
-    for out, (tokens, _) in zip(outs, expected):
-        assert out.outputs[0].token_ids == tokens
-
-
 @pytest.mark.parametrize("graph_feed", ["1", "0"])
 def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_feed):
     """Greedy requests that want nothing but their tokens (no logprobs) take them from

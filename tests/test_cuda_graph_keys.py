@@ -33,7 +33,7 @@ def _fake_capture(monkeypatch, shapes, with_greedy: bool, feeds_inputs: bool = F
         with_logits=True, with_greedy=with_greedy, feeds_inputs=feeds_inputs,
         input_ids=torch.zeros(256, dtype=torch.int64),
         state=types.SimpleNamespace(compute_logits=lambda h: ("logits", h)),
-        _each_shape=lambda: iter(shapes), _halves_at=lambda *key: None,
+        _each_shape=lambda: iter(shapes),
         _forward=lambda size, query_len=1, adapters=False: calls.append(
             (size, query_len, adapters)) or (size, query_len, adapters))
     fake._step = lambda *key: CudaGraphRunner._step(fake, *key)

@@ -55,8 +55,6 @@ READERS = {
     "SPINDLE_DECODE_PER_HEAD": lambda: triton_attn.per_head_applies(1, 128),
     "SPINDLE_GRAPH_ARGMAX": cuda_graph.graph_argmax_enabled,
     "SPINDLE_GRAPH_FEED": cuda_graph.graph_feed_enabled,
-    "SPINDLE_DECODE_OVERLAP": cuda_graph.decode_overlap_enabled,
-    "SPINDLE_DECODE_OVERLAP_OFFSET": cuda_graph.overlap_offset_enabled,
     "SPINDLE_GREEDY_KERNEL": lambda: sampler.raw_argmax(torch.zeros(1, 4)),
 }
 

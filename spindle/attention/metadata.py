@@ -53,10 +53,6 @@ class AttentionMetadata:
     # mixed_step_requests and TritonAttentionBackend.forward).
     single_token_reqs: torch.Tensor | None = None
     multi_token_reqs: torch.Tensor | None = None
-    # Which of the forwards that may run at once on two streams this metadata is (a
-    # large decode graph's halves, runner/cuda_graph.py): 0 or 1. Scratch a layer keeps
-    # between launches (decode attention's split counters) is kept per lane.
-    lane: int = 0
     # What a backend derives from this metadata once per step for all its layers (the
     # CPU backend's decode gather plan), keyed by the backend; the metadata is built
     # anew every step, so nothing here outlives it.

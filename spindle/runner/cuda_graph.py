@@ -34,47 +34,30 @@ where the next decode step of the same requests in the same order reads its toke
 that step's tokens are that argmax (every request greedy), it neither copies them on the
 device nor stages its input ids (run's inputs_in_place), one operation fewer between two
 replays.
-
-With overlap (SPINDLE_DECODE_OVERLAP=1, a measuring knob, off; one GPU, paged caches
-only), a decode graph of at least overlap_min_batch() requests (128;
-SPINDLE_DECODE_OVERLAP_FROM sets it, for measuring) runs the forward of its
-first and second halves on two streams, so that one half's GEMMs (a few microseconds
-each, bound by latency rather than by memory at these sizes) run while the other half's
-decode attention reads the KV cache: on an H200 those GEMMs are about a fifth of a
-full-batch step. Each half's requests start longest first among themselves; the LM
-head runs once, on both halves' hidden states. Both halves start together; with
-SPINDLE_DECODE_OVERLAP_OFFSET=1 too (a measuring knob, off) the second starts once the
-first has run its first attention layer, half a layer behind it.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import os
 from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from spindle.attention.layer import Attention
 from spindle.attention.metadata import AttentionMetadata, decode_order, longest_first_enabled
 from spindle.cache.spec import FULL_ATTENTION, CacheGroup
 from spindle.forward_context import forward_context
 from spindle.layers.mamba.metadata import MambaMetadata
-from spindle.layers.pdl import max_rows as skinny_max_rows
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.base import ModelState
 from spindle.runner.sample.sampler import raw_argmax
-from spindle.switches import integer, on_off
+from spindle.switches import on_off
 
 # Decode graphs of at most this many requests take the greedy tokens too (module docstring).
 GREEDY_MAX_BATCH = 8
 GRAPH_ARGMAX_ENV = "SPINDLE_GRAPH_ARGMAX"
 GRAPH_FEED_ENV = "SPINDLE_GRAPH_FEED"
-DECODE_OVERLAP_ENV = "SPINDLE_DECODE_OVERLAP"
-OVERLAP_FROM_ENV = "SPINDLE_DECODE_OVERLAP_FROM"
-OVERLAP_OFFSET_ENV = "SPINDLE_DECODE_OVERLAP_OFFSET"
 
 logger = logging.getLogger(__name__)
 
@@ -89,26 +72,6 @@ def graph_feed_enabled() -> bool:
     """Whether decode graphs that take the argmax write it into their input ids too
     (module docstring): unless SPINDLE_GRAPH_FEED=0."""
     return on_off(GRAPH_FEED_ENV, True)
-
-
-def decode_overlap_enabled() -> bool:
-    """Whether large decode graphs run their two halves on two streams (module
-    docstring): only with SPINDLE_DECODE_OVERLAP=1 (a measuring knob, off)."""
-    return on_off(DECODE_OVERLAP_ENV, False)
-
-
-def overlap_offset_enabled() -> bool:
-    """Whether the second half of an overlapped decode graph starts after the first
-    half's first attention layer (module docstring): only with
-    SPINDLE_DECODE_OVERLAP_OFFSET=1 (a measuring knob, off)."""
-    return on_off(OVERLAP_OFFSET_ENV, False)
-
-
-def overlap_min_batch(environ=os.environ) -> int:
-    """The fewest requests of a decode graph whose halves run on two streams where
-    overlap is on: 128, or SPINDLE_DECODE_OVERLAP_FROM (a measuring knob; halves must
-    still be past the skinny GEMM's rows)."""
-    return integer(OVERLAP_FROM_ENV, environ.get(OVERLAP_FROM_ENV, "128"), 2)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -186,12 +149,10 @@ class CudaGraphRunner:
     def __init__(self, state: ModelState, max_batch: int, max_blocks_per_req: int,
                  device: torch.device, groups: Sequence[CacheGroup] = (),
                  verify_len: int = 1, verify_max_batch: int = 0, lora=None,
-                 logits: bool = False, overlap: bool = False) -> None:
+                 logits: bool = False) -> None:
         """lora: the runner's LoRAManager where adapters are served (each token's slot
         is staged like its position; the graphs compute the mask from it). logits: the
-        graphs compute the LM head's logits too; overlap: large decode graphs run their
-        halves on two streams (see the module docstring; the caller checks that one
-        device runs the whole model)."""
+        graphs compute the LM head's logits too (see the module docstring)."""
         self.state = state
         self.with_logits = logits
         self.with_greedy = logits and graph_argmax_enabled()
@@ -202,11 +163,6 @@ class CudaGraphRunner:
         self.device = device
         self.groups = list(groups) or [CacheGroup(FULL_ATTENTION, 1)]
         self.num_paged = sum(g.is_paged for g in self.groups)
-        # The smallest decode graph whose halves run on two streams (None: none does).
-        self.overlap_from = (overlap_min_batch() if overlap
-                             and self.num_paged == len(self.groups) else None)
-        self._side_stream = None  # (the second half's, created when first needed)
-        self.overlap_offset = self.overlap_from is not None and overlap_offset_enabled()
         # Batch sizes captured per number of tokens per request.
         self.sizes_by_len = sizes_by_len(max_batch, verify_len, verify_max_batch)
         self.sizes = self.sizes_by_len[1]
@@ -278,7 +234,6 @@ class CudaGraphRunner:
         for query_len, sizes in self.sizes_by_len.items():
             for size in reversed(sizes):
                 self.seq_lens[:size].fill_(query_len)
-                self._batch_order_by_range(size, query_len)
                 for adapters in self.adapter_variants:
                     self._step(size, query_len, adapters)
                     yield query_len, size, adapters
@@ -351,9 +306,7 @@ class CudaGraphRunner:
             host[_HAS_STATE].view(np.bool_)[:num] = batch.num_computed > 0
         state_slots[num:size] = -1
         if self._ordered(query_len):
-            order = _int32_row(host, _DECODE_ORDER)
-            for start, end in self._row_ranges(size, query_len, adapters):
-                order[start:end] = decode_order(seq_lens[start:end])  # (within the range)
+            _int32_row(host, _DECODE_ORDER)[:size] = decode_order(seq_lens[:size])
         cols = batch.block_tables[0].shape[1] if self.num_paged else 0
         for g in range(self.num_paged):
             host[_FIRST_SLOTS + g, :tokens] = batch.slot_mappings[g]
@@ -373,70 +326,39 @@ class CudaGraphRunner:
                                                     non_blocking=True)
         self._tables_key = tables_key
 
-    def _batch_order_by_range(self, size: int, query_len: int) -> None:
-        """Before a shape's eager forward and capture (no step staged): each row range
-        of a graph of size requests starts its rows in batch order. (The order set at
-        start spans the whole batch: a half's kernel would index rows past its half.)"""
-        if not self._ordered(query_len):
-            return
-        for start, end in self._row_ranges(size, query_len):
-            self.decode_order[start:end].copy_(
-                torch.arange(end - start, dtype=torch.int32, device=self.device))
-
     def _ordered(self, query_len: int) -> bool:
         """Whether graphs of query_len tokens per request hand decode attention the
         longest-first order (verifying graphs run the prefill kernel: no order)."""
         return self.longest_first and query_len == 1
 
-    def _halves_at(self, size: int, query_len: int = 1, adapters: bool = False) -> int | None:
-        """Where a graph of this shape splits its requests between two streams (the
-        first half's end), or None: decode graphs of at least overlap_from requests
-        without adapters, whose halves are past the skinny GEMM's rows (its split-K
-        counters are one set per layer, where decode attention keeps one per lane)."""
-        if (self.overlap_from is None or query_len != 1 or adapters
-                or size < self.overlap_from or size // 2 <= skinny_max_rows()):
-            return None
-        return size // 2
-
-    def _row_ranges(self, size: int, query_len: int = 1,
-                    adapters: bool = False) -> list[tuple[int, int]]:
-        """The request rows [start, end) each forward of this shape's graph serves."""
-        half = self._halves_at(size, query_len, adapters)
-        return [(0, size)] if half is None else [(0, half), (half, size)]
-
-    def _metadata(self, size: int, query_len: int = 1, start: int = 0,
-                  lane: int = 0) -> AttentionMetadata | MambaMetadata | list:
-        """Per cache group, metadata over the static buffers' requests [start, start +
-        size) (padded to size); lane: AttentionMetadata.lane."""
+    def _metadata(self, size: int, query_len: int = 1) -> AttentionMetadata | MambaMetadata | list:
+        """Per cache group, metadata over the static buffers (padded to size)."""
         metadata, table = [], 0
-        end, tokens = start + size, size * query_len
-        rows, token_rows = slice(start, end), slice(start * query_len, start * query_len + tokens)
+        tokens = size * query_len
         for group in self.groups:
             if group.is_paged:
                 metadata.append(AttentionMetadata(
                     num_reqs=size, num_tokens=tokens,
                     query_start_loc=self.query_start_locs[query_len][:size + 1],
-                    seq_lens=self.seq_lens[rows], block_tables=self.block_tables[table][rows],
-                    slot_mapping=self.slot_mappings[table][token_rows],
-                    max_query_len=query_len, max_seq_len=self.block_tables[table].shape[1],
-                    decode_order=self.decode_order[rows] if self._ordered(query_len)
-                    else None, lane=lane))
+                    seq_lens=self.seq_lens[:size], block_tables=self.block_tables[table][:size],
+                    slot_mapping=self.slot_mappings[table][:tokens], max_query_len=query_len,
+                    max_seq_len=self.block_tables[table].shape[1],
+                    decode_order=self.decode_order[:size] if self._ordered(query_len)
+                    else None))
                 table += 1
             else:
                 metadata.append(MambaMetadata(
                     num_reqs=size, num_tokens=size,
                     query_start_loc=self.query_start_locs[1][:size + 1],
-                    state_indices=self.state_slots[rows],
-                    has_initial_state=self.has_initial_state[rows], max_query_len=1))
+                    state_indices=self.state_slots[:size],
+                    has_initial_state=self.has_initial_state[:size], max_query_len=1))
         return metadata[0] if len(metadata) == 1 else metadata
 
     def _step(self, size: int, query_len: int = 1, adapters: bool = False) -> GraphOutputs:
         """What a graph computes: the hidden states and, with logits, the LM head's
         logits (outside the forward context, as an eager step computes them) and, for
         a decode graph of few requests, their argmax (see the module docstring)."""
-        half = self._halves_at(size, query_len, adapters)
-        hidden = (self._forward(size, query_len, adapters) if half is None
-                  else self._forward_halves(size, half))
+        hidden = self._forward(size, query_len, adapters)
         if not self.with_logits:
             return GraphOutputs(hidden)
         logits = self.state.compute_logits(hidden)
@@ -445,46 +367,9 @@ class CudaGraphRunner:
         into = self.input_ids[:size] if self.feeds_inputs else None
         return GraphOutputs(hidden, logits, raw_argmax(logits, into))
 
-    def _forward(self, size: int, query_len: int = 1, adapters: bool = False,
-                 start: int = 0, lane: int = 0) -> torch.Tensor:
-        """The model's forward over the requests [start, start + size), as metadata
-        lane `lane`."""
-        tokens, first = size * query_len, start * query_len
-        lora = self.lora.step(self.lora_slots[first:first + tokens]) if adapters else None
-        with forward_context(self._metadata(size, query_len, start, lane), lora):
-            return self.state.forward({"input_ids": self.input_ids[first:first + tokens],
-                                       "positions": self.positions[first:first + tokens]})
-
-    def _forward_halves(self, size: int, half: int) -> torch.Tensor:
-        """A decode forward of size requests as two: [0, half) on the current stream,
-        [half, size) on a second one that forks from it and joins it again (in a
-        capture, both become branches of the graph). With overlap_offset the second
-        also waits for the first half's first attention layer."""
-        main = torch.cuda.current_stream(self.device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device)
-        side = self._side_stream
-        side.wait_stream(main)  # (the step's inputs are staged on main)
-        marks, hook = [], None
-        attention = self._first_attention() if self.overlap_offset else None
-        if attention is not None:
-            hook = attention.register_forward_hook(
-                lambda *_: marks.append(main.record_event()) if not marks else None)
-        try:
-            first = self._forward(half)
-        finally:
-            if hook is not None:
-                hook.remove()
-        with torch.cuda.stream(side):
-            if marks:
-                side.wait_event(marks[0])
-            second = self._forward(size - half, start=half, lane=1)
-        main.wait_stream(side)
-        return torch.cat((first, second))
-
-    def _first_attention(self) -> torch.nn.Module | None:
-        """The model's first attention layer (the module order is the layers')."""
-        model = getattr(self.state, "model", None)
-        if model is None:
-            return None
-        return next((m for m in model.modules() if isinstance(m, Attention)), None)
+    def _forward(self, size: int, query_len: int = 1, adapters: bool = False) -> torch.Tensor:
+        tokens = size * query_len
+        lora = self.lora.step(self.lora_slots[:tokens]) if adapters else None
+        with forward_context(self._metadata(size, query_len), lora):
+            return self.state.forward({"input_ids": self.input_ids[:tokens],
+                                       "positions": self.positions[:tokens]})

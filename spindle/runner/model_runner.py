@@ -31,7 +31,7 @@ from spindle.outputs import RequestFailure
 from spindle.platforms.interface import Platform
 from spindle.runner import compile_ahead
 from spindle.runner.async_output import PendingOutput
-from spindle.runner.cuda_graph import CudaGraphRunner, decode_overlap_enabled, graph_tokens
+from spindle.runner.cuda_graph import CudaGraphRunner, graph_tokens
 from spindle.runner.input_batch import InputBatch, StepBatch
 from spindle.runner.kernel_plan import KernelPlan, engine_fingerprint
 from spindle.runner.model_states import model_state_class
@@ -476,8 +476,7 @@ class ModelRunner:
             self._require_state(), self.config.device.max_cudagraph_batch_size,
             self.input_batch.max_blocks_per_req, self.device, self.cache_layout.groups,
             verify_len=verify_len, verify_max_batch=verify_max_batch, lora=self.lora,
-            logits=self._graphs_compute_logits(),
-            overlap=decode_overlap_enabled() and self.tp_group.size == 1)
+            logits=self._graphs_compute_logits())
 
     def _captures_graphs(self, eager: bool = False) -> bool:
         """Whether decode steps replay CUDA graphs (eager=True: regardless of

@@ -131,7 +131,7 @@ class TritonAttentionBackend:
         set_score_options(self, num_heads, sliding_window, logits_soft_cap, sinks,
                           alibi_slopes, attention_chunk_size)
         self.gqa = num_heads // num_kv_heads
-        self._counters: dict[int, torch.Tensor] = {}  # by metadata lane
+        self._counters: torch.Tensor | None = None
         # The layer's options, as both kernels' launchers take them.
         self._options = dict(sliding_window=self.sliding_window,
                              soft_cap=self.logits_soft_cap, sinks=self.sinks,
@@ -161,8 +161,7 @@ class TritonAttentionBackend:
         options = self._options
         if attn_metadata.max_query_len == 1:
             decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
-                             self._split_counters(q.device, attn_metadata.lane), qk_transform,
-                             **options)
+                             self._split_counters(q.device), qk_transform, **options)
             return out
         if qk_transform is None:
             store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
@@ -174,8 +173,7 @@ class TritonAttentionBackend:
                           **options)
         if singles is not None:  # (q and k rotated, k and v stored above)
             decode_attention(q, k, v, kv_cache, attn_metadata, self.scale, out,
-                             self._split_counters(q.device, attn_metadata.lane),
-                             requests=singles, **options)
+                             self._split_counters(q.device), requests=singles, **options)
         return out
 
     def _single_token_requests(self, meta: AttentionMetadata) -> torch.Tensor | None:
@@ -192,16 +190,14 @@ class TritonAttentionBackend:
             return None
         return singles
 
-    def _split_counters(self, device: torch.device, lane: int = 0) -> torch.Tensor:
-        """This layer's decode split counters for metadata lane `lane` (forwards that
-        run at once on two streams use one set each), allocated once and kept: captured
-        CUDA graphs hold their address. (The runner's eager warm-up decode allocates
-        them before any capture; were the first allocation captured, the graph would
-        just zero them on every replay, which is still correct.)"""
-        counters = self._counters.get(lane)
-        if counters is None or counters.device != device:
-            counters = self._counters[lane] = split_counters(device)
-        return counters
+    def _split_counters(self, device: torch.device) -> torch.Tensor:
+        """This layer's decode split counters, allocated once and kept: captured CUDA
+        graphs hold their address. (The runner's eager warm-up decode allocates them
+        before any capture; were the first allocation captured, the graph would just
+        zero them on every replay, which is still correct.)"""
+        if self._counters is None or self._counters.device != device:
+            self._counters = split_counters(device)
+        return self._counters
 
 
 # ---------------------------------------------------------------------- store KV
