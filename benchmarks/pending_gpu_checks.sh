@@ -2,10 +2,11 @@
 # What was built without a GPU and waits for one: its tests with the switches on, then
 # the measurements that decide the switches' defaults. Run from the repository root on
 # a CUDA machine (one H200 or H100). Results go to $OUT (default ./gpu_out). Each step
-# is bounded so that one stuck step does not take the rest; the four parts are meant
-# for one device call each (each stays under the 10-minute limit of a call):
+# is bounded so that one stuck step does not take the rest; the parts are meant for one
+# device call each (each stays under the 10-minute limit of a call). On an H200, `h200`
+# first: the measurements issue 16's open targets wait for, in one call.
 #
-#   bash benchmarks/pending_gpu_checks.sh [tests|models|ab|kernels|all]   (default: all)
+#   bash benchmarks/pending_gpu_checks.sh [h200|tests|models|ab|kernels|all]   (default: all)
 #
 # On the lent device machines (transformers 5.17 in the image; the tests' oracle for the
 # newer families needs 5.25): download these wheels into .whl here and install them
@@ -133,6 +134,19 @@ export PYTHONUNBUFFERED=1
 what=${1:-all}
 t0=$(date +%s)
 stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+
+if [[ $what == h200 ]]; then
+    stamp "the decode tiles on nano (main against the former 64x4x2), three rounds"
+    timeout 240 python3 benchmarks/switch_ab.py --rounds 3 --json "$OUT/tiles_ab.json" \
+        --variant main= --variant tiles_before=SPINDLE_DECODE_TILES=64x4x2 2>&1 | tail -6
+    cd benchmarks
+    stamp "batch 1: does the host set the pace? (the 35 us between replays)"
+    timeout 150 python3 batch1_profile.py --json "$OUT/batch1_profile.json" 2>&1 | tail -26
+    stamp "nano's steps by size: host wait per bucket"
+    timeout 150 python3 nano_breakdown.py --json "$OUT/nano_breakdown.json" 2>&1 \
+        | grep -A8 "^steps"
+    cd ..
+fi
 
 if [[ $what == tests || $what == all ]]; then
     stamp "the new kernel paths first: ALiBi and chunked attention (interpreter-tested only)"
