@@ -11,7 +11,8 @@ holds the decode steps only.
 Then the same two runs without the profiler, timing how long the engine's host thread
 waits for each step's tokens (PendingOutput.get's event): a step's wall time less that
 wait is the host's own work per step. Near zero wait means the host, not the device,
-sets the pace (the device then idles between replays). The engine must run in this
+sets the pace (the device then idles between replays): the waits' spread and how many
+were under 20 us tell whether it does so on some steps only. The engine must run in this
 process (one GPU: the uni-process executor).
 
     python benchmarks/batch1_profile.py [--new-tokens 64] [--context 512] [--json out.json]
@@ -46,13 +47,17 @@ def kernel_totals(prof) -> dict[str, tuple[float, int]]:
 
 
 class HostWaits:
-    """Seconds the host spends waiting in PendingOutput.get for a step's tokens, summed
-    while installed (a patch of the class for this process)."""
+    """Seconds the host spends waiting in PendingOutput.get for a step's tokens, each
+    wait, while installed (a patch of the class for this process)."""
 
     def __init__(self) -> None:
         from spindle.runner.async_output import PendingOutput
         self.cls, self.original = PendingOutput, PendingOutput.get
-        self.seconds, self.waits = 0.0, 0
+        self.each: list[float] = []
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.each)
 
     def __enter__(self) -> "HostWaits":
         original, probe = self.original, self
@@ -61,8 +66,7 @@ class HostWaits:
             if pending._result is None and pending._event is not None:
                 start = time.perf_counter()
                 pending._event.synchronize()
-                probe.seconds += time.perf_counter() - start
-                probe.waits += 1
+                probe.each.append(time.perf_counter() - start)
             return original(pending)
 
         self.cls.get = timed_get
@@ -74,18 +78,25 @@ class HostWaits:
 
 def host_pace(llm, prompt, greedy, steps: int) -> dict:
     """Unprofiled: wall time and host wait per decode step (a run of steps + 1 tokens
-    less a run of 1), and the host's own time per step (wall less wait)."""
+    less a run of 1), the host's own time per step (wall less wait), and the long run's
+    waits: quartiles and how many were under 20 us (steps the host was late for)."""
     runs = {}
     for n in (1, steps + 1):
         with HostWaits() as waits:
             start = time.perf_counter()
             llm.generate([prompt], greedy(n), use_tqdm=False)
-            runs[n] = (time.perf_counter() - start, waits.seconds, waits.waits)
-    (short_s, short_wait, short_n), (long_s, long_wait, long_n) = runs[1], runs[steps + 1]
+            runs[n] = (time.perf_counter() - start, waits.seconds, list(waits.each))
+    (short_s, short_wait, short_each), (long_s, long_wait, long_each) = (runs[1],
+                                                                         runs[steps + 1])
     wall_us = (long_s - short_s) * 1e6 / steps
     wait_us = (long_wait - short_wait) * 1e6 / steps
+    each_us = sorted(w * 1e6 for w in long_each)
+    quartiles = ([each_us[len(each_us) * q // 4] for q in (1, 2, 3)] if each_us
+                 else [float("nan")] * 3)
     return {"wall_us": wall_us, "host_wait_us": wait_us, "host_work_us": wall_us - wait_us,
-            "waits_counted": long_n - short_n}
+            "waits_counted": len(long_each) - len(short_each),
+            "wait_quartiles_us": quartiles,
+            "waits_under_20us": sum(w < 20 for w in each_us), "waits_in_long_run": len(each_us)}
 
 
 def decode_kernels(long: dict, short: dict, steps: int, top: int = 12) -> list[dict]:
@@ -163,6 +174,10 @@ def main() -> None:
         print(f"unprofiled: {pace['wall_us']:.1f} us a step, the host waiting "
               f"{pace['host_wait_us']:.1f} us of it for the tokens: its own work "
               f"{pace['host_work_us']:.1f} us a step")
+        q1, q2, q3 = pace["wait_quartiles_us"]
+        print(f"  its waits: quartiles {q1:.1f} / {q2:.1f} / {q3:.1f} us; under 20 us "
+              f"(the host late for the step): {pace['waits_under_20us']} of "
+              f"{pace['waits_in_long_run']}")
     else:
         print("unprofiled: no waits seen in this process (an executor with workers?)")
 
