@@ -17,11 +17,12 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
-# Pending (2026-12-07, thirty-seventh session; an H100 came, eight calls): the decode
-# tiles' A/B on an H200 (on the H100 the default gave nano 0.772 against 0.758 for the
-# former 64x4x2; `ab`, tiles_before), and nano_breakdown.py and batch1_profile.py on an
-# H200 (`kernels`): is the H200 host-bound there (on the H100 the host waited on the
-# device at full batch and at batch 1)? Done on the H100 this session: the prefill
+# Pending (2026-12-07, thirty-seventh session; H100s came, eleven calls): on an H200, the
+# `h200` part: the decode tiles' A/B (on the H100 the default gave nano 0.772 against
+# 0.758 for the former 64x4x2), batch1_profile.py and nano_breakdown.py: is the H200
+# host-bound there (on the H100 the host waited on the device at full batch and at
+# batch 1; batch1_profile.py now counts the steps the host was late for)? Done on the
+# H100 this session: the prefill
 # kernel's new tiles passed test_triton_attention.py -m gpu -k "not decode" (214) and
 # held nano (0.783 against 0.775 with a0cb1d7's spindle, 3 rounds, within the spread);
 # SPINDLE_DECODE_OVERLAP lost (the 256-request replay 1.907 -> 2.217 ms, nano 0.768 ->
