@@ -521,10 +521,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         kernel, heads = _decode_kernel, num_kv_heads
         splits = num_decode_splits(num_reqs, num_kv_heads)
-        if tiles is None:
-            tiles = ((not _wide_heads(head_dim) and _ENV_TILES)
-                     or default_decode_tiles(num_reqs, num_kv_heads, head_dim,
-                                             mixed=requests is not None))
+        if tiles is None and _ENV_TILES and not _wide_heads(head_dim):
+            tiles = _ENV_TILES
+        elif tiles is None:
+            tiles = default_decode_tiles(num_reqs, num_kv_heads, head_dim,
+                                         mixed=requests is not None)
         block_n, warps, stages = _checked_tiles(tiles)
     if splits > 1 and num_reqs * heads > counters.numel():
         raise ValueError(f"decode with {splits} splits needs {num_reqs * heads} "
