@@ -42,6 +42,7 @@ class PendingOutput:
         self._rows = batch.sample_rows if batch is not None else None
         self._sample_row: dict[str, int] | None = None
         self._host: list[torch.Tensor] = []
+        self._slot = None  # (the pinned buffers _host lies in: runner.d2h's)
         self._event = None
         # Whether the sampled tokens also sit in the CUDA graphs' input ids (the runner
         # sets it: runner/cuda_graph.py, feeds_inputs).
@@ -81,12 +82,8 @@ class PendingOutput:
         if device.type == "cpu":
             self._host = tensors
             return
-        for t in tensors:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            self._host.append(host)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        self._slot, self._host = self._runner.d2h.copy(tensors)
+        self._event = self._slot.event
 
     def get(self) -> ModelRunnerOutput:
         if self._result is None:
@@ -96,12 +93,15 @@ class PendingOutput:
             logprobs = None
             if len(self._host) == 4:
                 logprobs = (self._host[1].tolist(), self._host[2].tolist(), self._host[3].tolist())
+            self._host = []
+            if self._slot is not None:  # read: its buffers may take another step's copies
+                self._runner.d2h.release(self._slot)
+                self._slot = self._event = None
             self._result = self._runner._record_and_report(self._batch, token_ids, logprobs)
             self._result.failed_requests = self._failed_requests
             if self._prompt_logprobs:
                 self._result.prompt_logprobs = _prompt_entries(self._prompt_logprobs)
                 self._prompt_logprobs = None
-            self._host = []
             self._runner = self._batch = None  # no cycle keeps the runner (and its memory) alive
         return self._result
 

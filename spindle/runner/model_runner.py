@@ -40,7 +40,7 @@ from spindle.runner.pool import Pooler
 from spindle.runner.sample import Sampler, SamplerOutput
 from spindle.runner.sample.metadata import SamplingMetadata
 from spindle.runner.sample.prompt_logprobs import prompt_rows, score_rows
-from spindle.runner.staging import HostToDevice
+from spindle.runner.staging import DeviceToHost, HostToDevice
 from spindle.step_messages import (ModelRunnerOutput, NewRequestData, SampledLogprobs,
                                    SchedulerOutput)
 from spindle.switches import on_off
@@ -112,6 +112,7 @@ class ModelRunner:
         # learns of the failure from this step's output) until it reports them finished.
         self._dropped: set[str] = set()
         self.h2d = HostToDevice(device)
+        self.d2h = DeviceToHost(device)
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler.max_num_seqs,
             max_model_len=config.model.max_model_len,
