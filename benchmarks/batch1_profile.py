@@ -16,6 +16,11 @@ were under 20 us tell whether it does so on some steps only. The engine must run
 process (one GPU: the uni-process executor).
 
     python benchmarks/batch1_profile.py [--new-tokens 64] [--context 512] [--json out.json]
+                                        [--host-profile 30]
+
+--host-profile N: last, the long run once more under cProfile, and the N functions with
+the most own time per decode step (the prefill's run subtracted): where the host's own
+work goes.
 
 Environment switches (SPINDLE_PDL, SPINDLE_SKINNY_GEMM, ...) apply as in the engine, so
 two runs compare a change kernel by kernel.
@@ -99,6 +104,31 @@ def host_pace(llm, prompt, greedy, steps: int) -> dict:
             "waits_under_20us": sum(w < 20 for w in each_us), "waits_in_long_run": len(each_us)}
 
 
+def host_functions(llm, prompt, greedy, steps: int, top: int) -> list[dict]:
+    """cProfile of a run of steps + 1 tokens less one of 1 token: each function's own and
+    cumulative microseconds per decode step and calls per step, the top by own time."""
+    import cProfile
+    import pstats
+
+    totals = {}
+    for n in (1, steps + 1):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        llm.generate([prompt], greedy(n), use_tqdm=False)
+        profiler.disable()
+        totals[n] = pstats.Stats(profiler).stats  # {func: (cc, nc, tt, ct, callers)}
+    rows = []
+    for func, (_, calls, own, cumulative, _) in totals[steps + 1].items():
+        _, base_calls, base_own, base_cum, _ = totals[1].get(func, (0, 0, 0.0, 0.0, None))
+        filename, line, name = func
+        rows.append(dict(name=f"{Path(filename).name}:{line}({name})",
+                         own_us=(own - base_own) * 1e6 / steps,
+                         cumulative_us=(cumulative - base_cum) * 1e6 / steps,
+                         calls=(calls - base_calls) / steps))
+    rows.sort(key=lambda r: -r["own_us"])
+    return rows[:top]
+
+
 def decode_kernels(long: dict, short: dict, steps: int, top: int = 12) -> list[dict]:
     """Per decode step: the kernels of a run of steps + 1 tokens minus those of a run
     of 1 token (the same prompt's prefill), largest first."""
@@ -122,6 +152,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--context", type=int, default=512, help="prompt tokens")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also the N functions with the most host time per step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("batch1_profile.py needs a CUDA device")
@@ -142,6 +174,8 @@ def main() -> None:
                 out = llm.generate([prompt], greedy(n), use_tqdm=False)
                 runs[n] = (time.perf_counter() - start, prof)
         pace = host_pace(llm, prompt, greedy, args.new_tokens)
+        functions = (host_functions(llm, prompt, greedy, args.new_tokens, args.host_profile)
+                     if args.host_profile else [])
         llm.shutdown()
     steps = args.new_tokens
     (short_s, short_prof), (long_s, long_prof) = runs[1], runs[args.new_tokens + 1]
@@ -154,7 +188,8 @@ def main() -> None:
               "profiled_step_us": step_us, "graph_replay_us_b1": replay.get(
                   "graph_replay_ms_b1", float("nan")) * 1e3,
               "tokens_hash": hash(tuple(out[0].outputs[0].token_ids)),
-              "kernels": kernels, "timeline": timeline, "host_pace": pace}
+              "kernels": kernels, "timeline": timeline, "host_pace": pace,
+              "host_functions": functions}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(f"{result['device']}, torch {result['torch']}; batch 1, {args.context}-token prompt,"
@@ -180,6 +215,11 @@ def main() -> None:
               f"{pace['waits_in_long_run']}")
     else:
         print("unprofiled: no waits seen in this process (an executor with workers?)")
+    if functions:
+        print(f"host under cProfile, per decode step: {'own us':>8} {'cum us':>8} {'calls':>6}")
+        for row in functions:
+            print(f"{row['name'][:62]:<62} {row['own_us']:>8.1f} {row['cumulative_us']:>8.1f} "
+                  f"{row['calls']:>6.1f}")
 
 
 if __name__ == "__main__":
