@@ -8,12 +8,13 @@ which the graphs compute unless SPINDLE_GRAPH_LOGITS=0; no sampling or host work
 of one token (the prompt's prefill) is profiled too and subtracted, so the kernel table
 holds the decode steps only.
 
-Then the same two runs without the profiler, timing how long the engine's host thread
-waits for each step's tokens (PendingOutput.get's event): a step's wall time less that
-wait is the host's own work per step. Near zero wait means the host, not the device,
-sets the pace (the device then idles between replays): the waits' spread and how many
-were under 20 us tell whether it does so on some steps only. The engine must run in this
-process (one GPU: the uni-process executor).
+The same two runs without the profiler (first, before any profiler ran in the process)
+time how long the engine's host thread waits for each step's tokens (PendingOutput.get's
+event): a step's wall time less that wait is the host's own work per step. Near zero
+wait means the host, not the device, sets the pace (the device then idles between
+replays): the waits' spread and how many were under 20 us tell whether it does so on
+some steps only. The engine must run in this process (one GPU: the uni-process
+executor).
 
     python benchmarks/batch1_profile.py [--new-tokens 64] [--context 512] [--json out.json]
                                         [--host-profile 30]
@@ -167,13 +168,14 @@ def main() -> None:
                   max_num_batched_tokens=8192, enable_prefix_caching=False)
         llm.generate([prompt], greedy(8), use_tqdm=False)  # warm-up
         replay = graph_replay_ms(llm)
+        # Unprofiled first: a process that has run torch.profiler may stay slower after.
+        pace = host_pace(llm, prompt, greedy, args.new_tokens)
         runs = {}
         for n in (1, args.new_tokens + 1):  # the prefill alone, then with the decode steps
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 start = time.perf_counter()
                 out = llm.generate([prompt], greedy(n), use_tqdm=False)
                 runs[n] = (time.perf_counter() - start, prof)
-        pace = host_pace(llm, prompt, greedy, args.new_tokens)
         functions = (host_functions(llm, prompt, greedy, args.new_tokens, args.host_profile)
                      if args.host_profile else [])
         llm.shutdown()

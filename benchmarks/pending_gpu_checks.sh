@@ -17,6 +17,13 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
+# Pending (2026-12-07, thirty-eighth session; H100s only): on an H200, the `h200` part,
+# which now also runs host_phases.py (a batch-1 step's host work phase by phase,
+# unprofiled): on four H100 machines the device set the pace at batch 1 (host work
+# 206-408 us a step against a 736-744 us replay) but for batch1_profile.py's unprofiled
+# part on one (16 of 129 steps late, after its profiled runs in the same process). The
+# tokens' copy back now reuses its pinned buffers (8fad198; 9 us a step off the host's
+# work on an H100 host; its GPU test passed).
 # Pending (2026-12-07, thirty-seventh session; H100s came, eleven calls): on an H200, the
 # `h200` part: the decode tiles' A/B (on the H100 the default gave nano 0.772 against
 # 0.758 for the former 64x4x2), batch1_profile.py and nano_breakdown.py: is the H200
@@ -143,8 +150,10 @@ if [[ $what == h200 ]]; then
     cd benchmarks
     stamp "batch 1: does the host set the pace? (the 35 us between replays)"
     timeout 150 python3 batch1_profile.py --json "$OUT/batch1_profile.json" 2>&1 | tail -26
+    stamp "batch 1: the host's work phase by phase, no profiler in the process"
+    timeout 70 python3 host_phases.py --json "$OUT/host_phases.json" 2>&1 | grep -A26 "^phase"
     stamp "nano's steps by size: host wait per bucket"
-    timeout 150 python3 nano_breakdown.py --json "$OUT/nano_breakdown.json" 2>&1 \
+    timeout 120 python3 nano_breakdown.py --json "$OUT/nano_breakdown.json" 2>&1 \
         | grep -A8 "^steps"
     cd ..
 fi
@@ -257,7 +266,7 @@ if [[ $what == kernels || $what == all ]]; then
     timeout 120 python3 decode_attention.py --batches 256 192 128 96 64 32 \
         --json "$OUT/decode_attention.json" 2>&1 | tail -14
     stamp "nano's steps by size, host wait per bucket (host-bound on an H200?)"
-    timeout 150 python3 nano_breakdown.py --json "$OUT/nano_breakdown.json" 2>&1 \
+    timeout 120 python3 nano_breakdown.py --json "$OUT/nano_breakdown.json" 2>&1 \
         | grep -A8 "^steps"
     stamp "decode attention's tiles (on an H200 it reads the KV at 0.88 of copy bandwidth)"
     timeout 200 python3 decode_attention.py --batches 256 192 128 96 64 --tiles 64x4x2 \
