@@ -137,6 +137,7 @@ def main() -> None:
 
     prompt = [random.Random(1).randint(0, 10000) for _ in range(args.context)]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens + 1, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_checkpoint(Path(tmp) / "qwen3-0.6b-shape", QWEN3_06B)
         llm = LLM(str(path), dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
@@ -145,10 +146,22 @@ def main() -> None:
         replay_us = graph_replay_ms(llm).get("graph_replay_ms_b1", float("nan")) * 1e3
         clock = PhaseClock(llm)
         start = time.perf_counter()
+        llm.generate([prompt], one, use_tqdm=False)  # throughput.py's subtrahend
+        short_steps, short_wall = len(clock.steps), time.perf_counter() - start
+        start = time.perf_counter()
         llm.generate([prompt], greedy, use_tqdm=False)
         wall = time.perf_counter() - start
         clock.close()
         llm.shutdown()
+    edges = {"short_run_us": short_wall * 1e6,
+             "short_run_steps_us": [s["total"] * 1e6 for s in clock.steps[:short_steps]],
+             "long_run_us": wall * 1e6,
+             "long_run_steps_sum_us": sum(s["total"] for s in clock.steps[short_steps:]) * 1e6,
+             "long_run_first_steps_us": [s["total"] * 1e6
+                                         for s in clock.steps[short_steps:short_steps + 5]],
+             "long_run_last_steps_us": [s["total"] * 1e6 for s in clock.steps[-3:]],
+             "tok_s_as_throughput_py": args.new_tokens / (wall - short_wall)}
+    clock.steps = clock.steps[short_steps:]
     steps = clock.steps[3:-2]  # decode steps only (the prompt's and the last ones out)
     for s in steps:
         s["host"] = s["total"] - s["wait"]
@@ -158,7 +171,7 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version(),
               "replay_us": replay_us, "wall_us_per_token": wall * 1e6 / (args.new_tokens + 1),
-              "steps": len(steps), "phases_us": table,
+              "steps": len(steps), "phases_us": table, "edges": edges,
               "late_steps": [{k: v * 1e6 if k in PHASES + LAUNCH_PARTS + ("host", "total")
                               else v
                               for k, v in s.items()} for s in late],
@@ -174,6 +187,13 @@ def main() -> None:
         print(f"{label:<10} " + " ".join(f"{q[k]:>8.1f}" for k in
                                          ("q1", "median", "q3", "p90", "max", "mean")))
     print(f"gc passes by generation: {result['gc_passes']}")
+    print(f"a run of 1 token: {edges['short_run_us']:.0f} us, its steps "
+          + " ".join(f"{t:.0f}" for t in edges["short_run_steps_us"]))
+    print(f"the long run: {edges['long_run_us']:.0f} us, its steps' sum "
+          f"{edges['long_run_steps_sum_us']:.0f}; first steps "
+          + " ".join(f"{t:.0f}" for t in edges["long_run_first_steps_us"]) + "; last "
+          + " ".join(f"{t:.0f}" for t in edges["long_run_last_steps_us"])
+          + f"; tok/s as throughput.py counts: {edges['tok_s_as_throughput_py']:.0f}")
     print(f"steps whose host work outlasted the replay: {len(late)} of {len(steps)}")
     for s in late[:12]:
         print("  " + " ".join(f"{p} {s.get(p, 0) * 1e6:.0f}" for p in PHASES + ("host",)))
