@@ -23,7 +23,8 @@
 # 206-408 us a step against a 736-744 us replay) but for batch1_profile.py's unprofiled
 # part on one (16 of 129 steps late, after its profiled runs in the same process). The
 # tokens' copy back now reuses its pinned buffers (8fad198; 9 us a step off the host's
-# work on an H100 host; its GPU test passed).
+# work on an H100 host; its GPU test, the e2e argmax and logprob cases and, with -x, 20
+# of test_spec_decode_gpu.py + test_cuda_e2e.py passed before a 290 s cut).
 # Pending (2026-12-07, thirty-seventh session; H100s came, eleven calls): on an H200, the
 # `h200` part: the decode tiles' A/B (on the H100 the default gave nano 0.772 against
 # 0.758 for the former 64x4x2), batch1_profile.py and nano_breakdown.py: is the H200
