@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batch1_profile import HostWaits  # noqa: E402
 from throughput import QWEN3_06B, graph_replay_ms, write_random_checkpoint  # noqa: E402
 
 PHASES = ("schedule", "launch", "wait", "tokens_in", "update", "outputs", "gc")
@@ -39,6 +40,7 @@ class PhaseClock:
     def __init__(self, llm) -> None:
         self.steps: list[dict[str, float]] = []
         self.current: dict[str, float] = {}
+        clock = self
         core = llm.engine.core
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(core.scheduler, "update_from_output", "update")
@@ -64,24 +66,16 @@ class PhaseClock:
             clock.add("to_host", time.perf_counter() - start)
 
         PendingOutput._copy_to_host = timed_copy
-        self._pending_cls, self._pending_get = PendingOutput, PendingOutput.get
-        clock = self
-
-        def timed_get(pending):
-            if pending._result is None and pending._event is not None:
-                start = time.perf_counter()
-                pending._event.synchronize()
-                clock.add("wait", time.perf_counter() - start)
-            return clock._pending_get(pending)
-
-        PendingOutput.get = timed_get
+        self._waits = HostWaits().__enter__()  # (each wait for a step's tokens)
         original_step = llm.engine.step
 
         def timed_step():
             self.current = dict.fromkeys(PHASES + LAUNCH_PARTS, 0.0)
+            waits_before = len(self._waits.each)
             start = time.perf_counter()
             out = original_step()
             self.current["total"] = time.perf_counter() - start
+            self.current["wait"] = sum(self._waits.each[waits_before:])
             self.steps.append(self.current)
             return out
 
@@ -114,7 +108,7 @@ class PhaseClock:
 
     def close(self) -> None:
         gc.callbacks.remove(self._on_gc)
-        self._pending_cls.get = self._pending_get
+        self._waits.__exit__(None, None, None)
         self._copy_cls._copy_to_host = self._copy
 
 
