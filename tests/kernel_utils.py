@@ -30,7 +30,8 @@ KERNEL_MODULES = ("spindle.layers.fused_kernels", "spindle.layers.skinny_gemm",
                   "spindle.layers.invariant_gemm", "spindle.layers.fused_moe",
                   "spindle.attention.backends.triton_attn", "spindle.layers.mamba.triton_ops",
                   "spindle.layers.mamba.gated_delta_triton", "spindle.attention.cross_triton",
-                  "spindle.lora.kernels", "spindle.runner.sample.argmax_kernel")
+                  "spindle.lora.kernels", "spindle.runner.graph_advance",
+                  "spindle.runner.sample.argmax_kernel")
 
 T = TypeVar("T")
 

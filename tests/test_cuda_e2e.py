@@ -62,8 +62,8 @@ def test_float32_greedy_matches_transformers(tiny_model, arch, enforce_eager):
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
 
 
-@pytest.mark.parametrize("graph_feed", ["1", "0"])
-def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_feed):
+@pytest.mark.parametrize("graph_feed,advance", [("1", "1"), ("1", "0"), ("0", "0")])
+def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_feed, advance):
     """Greedy requests that want nothing but their tokens (no logprobs) take them from
     the decode graphs' argmax (runner/cuda_graph.py; the Triton argmax of
     runner/sample/argmax_kernel.py): float32 tokens equal transformers', for eight
@@ -71,7 +71,9 @@ def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_fee
     when the shorter ends), and the sampler returned the graphs' argmax on every decode
     step of the lone requests. With SPINDLE_GRAPH_FEED the graphs leave that argmax in
     their input ids, and a lone request's decode steps after its first take it from
-    there; a sampled request's never do (its tokens are not the argmax)."""
+    there; a sampled request's never do (its tokens are not the argmax). With
+    SPINDLE_GRAPH_ADVANCE those steps stage nothing either, but where a request enters
+    a new block (16 tokens a block: once or twice in 23 steps)."""
     from spindle.runner.sample import Sampler
 
     taken = []
@@ -83,6 +85,7 @@ def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_fee
 
     monkeypatch.setattr(Sampler, "forward", recording)
     monkeypatch.setenv("SPINDLE_GRAPH_FEED", graph_feed)
+    monkeypatch.setenv("SPINDLE_GRAPH_ADVANCE", advance)
     path = tiny_model(arch="qwen3", max_position_embeddings=2048)
     prompts = _prompts(512)
     expected = _hf_greedy(path, prompts, 24, torch.float32, "cuda")
@@ -92,9 +95,10 @@ def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_fee
         graphs = llm.engine.core.executor.worker.runner.graph_runner
         together = llm.generate(prompts, params, use_tqdm=False)
         taken.clear()
-        in_place = graphs.num_in_place
+        in_place, advanced = graphs.num_in_place, graphs.num_advanced
         alone = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts[1:4]]
         lone_in_place = graphs.num_in_place - in_place
+        lone_advanced = graphs.num_advanced - advanced
         pair = llm.generate(prompts[4:6], [SamplingParams(temperature=0, max_tokens=n,
                                                           ignore_eos=True) for n in (9, 24)],
                             use_tqdm=False)
@@ -109,6 +113,10 @@ def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_fee
         assert 3 * 22 <= lone_in_place <= 3 * 23
     else:
         assert lone_in_place == 0
+    if advance == "1":
+        assert lone_in_place - 3 * 3 <= lone_advanced <= lone_in_place - 3
+    else:
+        assert lone_advanced == 0
     assert sampled_in_place == 0
     for out, (tokens, _) in zip(together + alone, expected + expected[1:4]):
         assert out.outputs[0].token_ids == tokens

@@ -21,27 +21,34 @@ class _FakeGraph:
         return "pool"
 
 
-def _fake_capture(monkeypatch, shapes, with_greedy: bool, feeds_inputs: bool = False):
+def _fake_capture(monkeypatch, shapes, with_greedy: bool, feeds_inputs: bool = False,
+                  advances: bool = False):
     """CudaGraphRunner.capture over shapes with no GPU: each forward returns its shape,
     the LM head ("logits", hidden), the argmax ("argmax", logits, the length of the
-    input ids it also writes, or None); the forwards' shapes."""
+    input ids it also writes, or None, whether it advances the inputs); the forwards'
+    shapes."""
     from spindle.runner import cuda_graph
 
     calls = []
     fake = types.SimpleNamespace(
         pool=None, graphs={}, outputs={}, device=torch.device("cpu"),
         with_logits=True, with_greedy=with_greedy, feeds_inputs=feeds_inputs,
-        input_ids=torch.zeros(256, dtype=torch.int64),
+        advances=advances, input_ids=torch.zeros(256, dtype=torch.int64),
+        positions=torch.zeros(256, dtype=torch.int64), seq_lens=torch.zeros(8, dtype=torch.int32),
+        _staged=torch.zeros(8, 256, dtype=torch.int64), num_paged=1, block_size=16,
+        _tables=torch.zeros(1, 8, 4, dtype=torch.int32),
         state=types.SimpleNamespace(compute_logits=lambda h: ("logits", h)),
         _each_shape=lambda: iter(shapes),
         _forward=lambda size, query_len=1, adapters=False: calls.append(
             (size, query_len, adapters)) or (size, query_len, adapters))
     fake._step = lambda *key: CudaGraphRunner._step(fake, *key)
+    fake._advancing = lambda *shape: CudaGraphRunner._advancing(fake, *shape)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(cuda_graph, "raw_argmax", lambda logits, into: (
-        "argmax", logits, None if into is None else into_rows(into, fake.input_ids)))
+    monkeypatch.setattr(cuda_graph, "raw_argmax", lambda logits, into, next_inputs: (
+        "argmax", logits, None if into is None else into_rows(into, fake.input_ids),
+        next_inputs is not None and next_inputs.positions is fake.positions))
     CudaGraphRunner.capture(fake)
     return fake, calls
 
@@ -56,20 +63,22 @@ def into_rows(into: torch.Tensor, input_ids: torch.Tensor) -> int:
 def test_each_graph_is_captured_from_the_forward_of_its_own_shape(monkeypatch):
     """Each graph's hidden states, logits and (decode graphs of at most GREEDY_MAX_BATCH
     requests) greedy tokens come from its own shape's forward; with feeds_inputs the
-    argmax is written into the first `size` input ids too."""
+    argmax is written into the first `size` input ids too, and with advances its kernel
+    advances the graph's other inputs."""
     from spindle.runner.cuda_graph import GREEDY_MAX_BATCH
 
     shapes = [(4, 8, False), (4, 8, True), (1, 64, False), (1, GREEDY_MAX_BATCH + 1, False),
               (1, GREEDY_MAX_BATCH, True), (1, 2, True), (1, 1, False)]
-    for feeds in (False, True):
-        fake, calls = _fake_capture(monkeypatch, shapes, with_greedy=True, feeds_inputs=feeds)
+    for feeds, advances in ((False, False), (True, False), (True, True)):
+        fake, calls = _fake_capture(monkeypatch, shapes, with_greedy=True, feeds_inputs=feeds,
+                                    advances=advances)
         assert calls == [(size, query_len, adapters) for query_len, size, adapters in shapes]
         assert set(fake.graphs) == set(shapes)
         for (query_len, size, adapters), output in fake.outputs.items():
             assert output.hidden == (size, query_len, adapters)
             assert output.logits == ("logits", output.hidden)
             takes_argmax = query_len == 1 and size <= GREEDY_MAX_BATCH
-            expected = ("argmax", output.logits, size if feeds else None)
+            expected = ("argmax", output.logits, size if feeds else None, advances)
             assert output.greedy == (expected if takes_argmax else None)
     fake, _ = _fake_capture(monkeypatch, shapes, with_greedy=False)
     assert all(output.greedy is None for output in fake.outputs.values())

@@ -34,6 +34,11 @@ where the next decode step of the same requests in the same order reads its toke
 that step's tokens are that argmax (every request greedy), it neither copies them on the
 device nor stages its input ids (run's inputs_in_place), one operation fewer between two
 replays.
+
+Their argmax kernel also advances the other inputs (positions, sequence lengths, slots)
+for that next step, so a greedy step of the same requests, whose inputs the host finds
+equal to its mirror of what the device holds, stages nothing at all
+(runner/graph_advance.py; with SPINDLE_GRAPH_ADVANCE=1, until measured on a GPU).
 """
 
 from __future__ import annotations
@@ -49,9 +54,10 @@ from spindle.attention.metadata import AttentionMetadata, decode_order, longest_
 from spindle.cache.spec import FULL_ATTENTION, CacheGroup
 from spindle.forward_context import forward_context
 from spindle.layers.mamba.metadata import MambaMetadata
+from spindle.runner.graph_advance import NextInputs, advance_mirror, graph_advance_enabled
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.base import ModelState
-from spindle.runner.sample.sampler import raw_argmax
+from spindle.runner.sample.sampler import greedy_kernel_enabled, raw_argmax
 from spindle.switches import on_off
 
 # Decode graphs of at most this many requests take the greedy tokens too (module docstring).
@@ -149,15 +155,20 @@ class CudaGraphRunner:
     def __init__(self, state: ModelState, max_batch: int, max_blocks_per_req: int,
                  device: torch.device, groups: Sequence[CacheGroup] = (),
                  verify_len: int = 1, verify_max_batch: int = 0, lora=None,
-                 logits: bool = False) -> None:
+                 logits: bool = False, block_size: int = 16) -> None:
         """lora: the runner's LoRAManager where adapters are served (each token's slot
         is staged like its position; the graphs compute the mask from it). logits: the
-        graphs compute the LM head's logits too (see the module docstring)."""
+        graphs compute the LM head's logits too (see the module docstring). block_size:
+        the paged cache's tokens per block (the graphs that advance their slots)."""
         self.state = state
         self.with_logits = logits
         self.with_greedy = logits and graph_argmax_enabled()
         # Whether the graphs that take the argmax leave it in the input ids too.
         self.feeds_inputs = self.with_greedy and graph_feed_enabled()
+        # Whether they advance the other inputs too (graph_advance.py; the CUDA kernel's).
+        self.advances = (self.feeds_inputs and graph_advance_enabled()
+                         and greedy_kernel_enabled() and device.type == "cuda")
+        self.block_size = block_size
         self.lora = lora
         self.adapter_variants = (False, True) if lora is not None else (False,)
         self.device = device
@@ -184,8 +195,9 @@ class CudaGraphRunner:
         self.query_start_locs = {q: torch.arange(0, q * (n + 1), q, dtype=torch.int32,
                                                  device=device) for q in self.sizes_by_len}
         self.slot_mappings = [self._staged[_FIRST_SLOTS + g] for g in range(self.num_paged)]
-        self.block_tables = [torch.zeros((n, max_blocks_per_req), dtype=torch.int32,
-                                         device=device) for _ in range(self.num_paged)]
+        self._tables = torch.zeros((max(1, self.num_paged), n, max_blocks_per_req),
+                                   dtype=torch.int32, device=device)
+        self.block_tables = [self._tables[g] for g in range(self.num_paged)]
         self.lora_slots = self._staged[self._lora_row]
         self.state_slots = self._staged[_STATE_SLOTS].view(torch.int32)[:n]
         self.has_initial_state = self._staged[_HAS_STATE].view(torch.bool)[:n]
@@ -204,6 +216,10 @@ class CudaGraphRunner:
         # (tables version, columns, rows) of the block tables the device holds: a step
         # whose tables are those copies none (most decode steps of a small batch).
         self._tables_key: tuple | None = None
+        # What the device's staged array holds, where the host knows it (after a replay
+        # of a graph that advances its inputs: graph_advance.py), else None.
+        self._held: np.ndarray | None = None
+        self.num_advanced = 0  # replays that staged nothing: the last replay's advance
         self.num_replays: dict[tuple[int, int, bool], int] = {}  # by graph key, since capture
         self.num_in_place = 0  # replays whose input ids the replay before left (run)
         # (tokens per request, size, adapters) -> graph, its outputs
@@ -238,6 +254,7 @@ class CudaGraphRunner:
                     self._step(size, query_len, adapters)
                     yield query_len, size, adapters
         self.seq_lens.zero_()
+        self._held = None  # (the eager steps advanced the inputs: graph_advance.py)
 
     @torch.inference_mode()
     def forward_each_size(self) -> None:
@@ -270,30 +287,66 @@ class CudaGraphRunner:
         still being sampled on the device. inputs_in_place: the last replay's argmax,
         already in the input ids (feeds_inputs), is every input id of this batch (a
         decode step of the same requests in the same order, all greedy): neither they
-        are staged nor feed called."""
+        are staged nor feed called; nor the other inputs, where the last replay
+        advanced them to this batch's (graph_advance.py)."""
         num = batch.num_reqs
         query_len = batch.num_tokens // num
         sizes = self.sizes_by_len[query_len]
         size = sizes[bisect.bisect_left(sizes, num)]
         adapters = self.lora is not None and bool((batch.token_lora_slots >= 0).any())
-        self._stage_inputs(batch, size, query_len, adapters, with_ids=not inputs_in_place)
+        staged = self._stage_inputs(batch, size, query_len, adapters,
+                                    with_ids=not inputs_in_place)
         if inputs_in_place:
             self.num_in_place += 1
+            self.num_advanced += staged is None
         elif feed is not None:
             feed(self.input_ids[:batch.num_tokens])
         key = (query_len, size, adapters)
         self.graphs[key].replay()
         self.num_replays[key] = self.num_replays.get(key, 0) + 1
+        self._follow_advance(batch, size, query_len, staged)
         return self.outputs[key].rows(batch.num_tokens)
 
+    def _advancing(self, size: int, query_len: int) -> bool:
+        """Whether the graph of this shape advances its inputs (graph_advance.py)."""
+        return self.advances and query_len == 1 and size <= GREEDY_MAX_BATCH
+
+    def _follow_advance(self, batch: StepBatch, size: int, query_len: int,
+                        staged: np.ndarray | None) -> None:
+        """After a replay: the host's mirror of the staged array, advanced as the graph
+        advanced the device's (None where the graph does not advance). staged: the
+        array this step copied (None: it copied nothing, the mirror holds)."""
+        if not self._advancing(size, query_len):
+            self._held = None
+            return
+        if staged is not None:
+            self._held = staged.copy()
+        held = self._held
+        advance_mirror(held[_POSITIONS, :size], _int32_row(held, _SEQ_LENS)[:size],
+                       held[_FIRST_SLOTS:_FIRST_SLOTS + self.num_paged, :size],
+                       batch.block_tables, self.block_size)
+
     def _stage_inputs(self, batch: StepBatch, size: int, query_len: int = 1,
-                      adapters: bool = False, with_ids: bool = True) -> None:
+                      adapters: bool = False, with_ids: bool = True) -> np.ndarray | None:
         """Write the step's inputs into a pinned mirror and copy it to the static
-        buffers (without the input ids row unless with_ids), then the block tables."""
+        buffers (without the input ids row unless with_ids), then the block tables.
+        Returns the mirror, or None where nothing needed copying: the device holds
+        these inputs already (the last replay advanced them: graph_advance.py)."""
         num, tokens, padded = batch.num_reqs, batch.num_tokens, size * query_len
         self._runs += 1
         host_t, tables_t = self._host_sets[self._runs % 2]
         host = host_t.numpy()
+        cols = batch.block_tables[0].shape[1] if self.num_paged else 0
+        tables_key = ((batch.tables_version, cols, batch.rows.tobytes())
+                      if batch.tables_version >= 0 else None)
+        tables_held = tables_key is not None and tables_key == self._tables_key
+        held = self._held
+        # Only a step whose tables the device holds may find every input there too; its
+        # mirror then starts as the device's array, so that equal means nothing to copy.
+        may_hold = (not with_ids and held is not None and self._advancing(size, query_len)
+                    and (tables_held or not self.num_paged))
+        if may_hold:
+            host[1:] = held[1:]
         if with_ids:
             host[_INPUT_IDS, :tokens] = batch.input_ids
         host[_POSITIONS, :tokens] = batch.model_positions
@@ -307,24 +360,24 @@ class CudaGraphRunner:
         state_slots[num:size] = -1
         if self._ordered(query_len):
             _int32_row(host, _DECODE_ORDER)[:size] = decode_order(seq_lens[:size])
-        cols = batch.block_tables[0].shape[1] if self.num_paged else 0
         for g in range(self.num_paged):
             host[_FIRST_SLOTS + g, :tokens] = batch.slot_mappings[g]
             host[_FIRST_SLOTS + g, tokens:padded] = -1
         if adapters:
             host[self._lora_row, :tokens] = batch.token_lora_slots
             host[self._lora_row, tokens:padded] = -1
+        if may_hold and np.array_equal(host[1:], held[1:]):
+            return None
         first = 0 if with_ids else 1  # (the input ids are the first row)
         self._staged[first:].copy_(host_t[first:], non_blocking=True)
-        tables_key = ((batch.tables_version, cols, batch.rows.tobytes())
-                      if batch.tables_version >= 0 else None)
-        if tables_key is not None and tables_key == self._tables_key:
-            return  # (the device holds these tables already)
+        if tables_held:
+            return host  # (the device holds these tables already)
         for g in range(self.num_paged):
             tables_t.numpy()[g, :num * cols].reshape(num, cols)[:] = batch.block_tables[g]
             self.block_tables[g][:num, :cols].copy_(tables_t[g, :num * cols].view(num, cols),
                                                     non_blocking=True)
         self._tables_key = tables_key
+        return host
 
     def _ordered(self, query_len: int) -> bool:
         """Whether graphs of query_len tokens per request hand decode attention the
@@ -365,7 +418,13 @@ class CudaGraphRunner:
         if not (self.with_greedy and query_len == 1 and size <= GREEDY_MAX_BATCH):
             return GraphOutputs(hidden, logits)
         into = self.input_ids[:size] if self.feeds_inputs else None
-        return GraphOutputs(hidden, logits, raw_argmax(logits, into))
+        next_inputs = None
+        if self._advancing(size, query_len):
+            next_inputs = NextInputs(
+                self.positions, self.seq_lens,
+                self._staged[_FIRST_SLOTS:_FIRST_SLOTS + self.num_paged], self._tables,
+                self.block_size)
+        return GraphOutputs(hidden, logits, raw_argmax(logits, into, next_inputs))
 
     def _forward(self, size: int, query_len: int = 1, adapters: bool = False) -> torch.Tensor:
         tokens = size * query_len

@@ -477,7 +477,7 @@ class ModelRunner:
             self._require_state(), self.config.device.max_cudagraph_batch_size,
             self.input_batch.max_blocks_per_req, self.device, self.cache_layout.groups,
             verify_len=verify_len, verify_max_batch=verify_max_batch, lora=self.lora,
-            logits=self._graphs_compute_logits())
+            logits=self._graphs_compute_logits(), block_size=self.config.cache.block_size)
 
     def _captures_graphs(self, eager: bool = False) -> bool:
         """Whether decode steps replay CUDA graphs (eager=True: regardless of

@@ -18,15 +18,19 @@ import triton
 import triton.language as tl
 
 from spindle.layers import pdl
+from spindle.runner.graph_advance import NextInputs, advance_row
 
 CHUNK = 2048  # ids a program of the first kernel reduces (152k ids: 75 programs a row)
 
 
-def argmax_rows(logits: torch.Tensor, also_into: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, also_into: torch.Tensor | None = None,
+                next_inputs: NextInputs | None = None) -> torch.Tensor:
     """The int64 index of each row's first maximum of logits [rows, vocab] (a CUDA
     tensor, or a CPU one under Triton's interpreter); rows must be unit-strided.
     also_into: a contiguous int64 tensor of [rows] on the same device that receives the
-    indices too (a decode graph's input ids: its next step's inputs)."""
+    indices too (a decode graph's input ids: its next step's inputs). next_inputs: a
+    decode graph's other inputs, which the rows' programs advance for the next step
+    (runner/graph_advance.py), for rows 0 .. rows - 1."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"argmax_rows takes [rows, vocab] logits with unit-strided rows, got "
                          f"shape {tuple(logits.shape)}, strides {logits.stride()}")
@@ -53,9 +57,15 @@ def argmax_rows(logits: torch.Tensor, also_into: torch.Tensor | None = None) -> 
     launch = pdl.kernel_args(logits.device, None)  # (whatever the rows: one variant)
     _chunk_argmax_kernel[(rows, chunks)](logits, best, where, logits.stride(0), vocab,
                                          CHUNKS=chunks, CHUNK=CHUNK, num_warps=4, **launch)
+    if next_inputs is None:
+        advance, groups, block_size = (out, out, out, 0, out, 0, 0, 0), 0, 1
+    else:
+        advance = next_inputs.kernel_args()
+        groups, block_size = next_inputs.slots.shape[0], next_inputs.block_size
     _row_argmax_kernel[(rows,)](best, where, out, also_into if also_into is not None else out,
-                                CHUNKS=chunks, BLOCK=triton.next_power_of_2(chunks),
-                                ALSO=also_into is not None, num_warps=1, **launch)
+                                *advance, CHUNKS=chunks, BLOCK=triton.next_power_of_2(chunks),
+                                ALSO=also_into is not None, ADVANCE=next_inputs is not None,
+                                NUM_GROUPS=groups, BLOCK_SIZE=block_size, num_warps=1, **launch)
     return out
 
 
@@ -87,8 +97,11 @@ def _chunk_argmax_kernel(logits_ptr, best_ptr, where_ptr, row_stride, vocab,
 
 
 @triton.jit
-def _row_argmax_kernel(best_ptr, where_ptr, out_ptr, also_ptr, CHUNKS: tl.constexpr,
-                       BLOCK: tl.constexpr, ALSO: tl.constexpr, PDL: tl.constexpr):
+def _row_argmax_kernel(best_ptr, where_ptr, out_ptr, also_ptr, positions_ptr, seq_lens_ptr,
+                       slots_ptr, slot_stride, tables_ptr, table_group_stride,
+                       table_row_stride, table_cols, CHUNKS: tl.constexpr,
+                       BLOCK: tl.constexpr, ALSO: tl.constexpr, ADVANCE: tl.constexpr,
+                       NUM_GROUPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, BLOCK)
@@ -100,3 +113,6 @@ def _row_argmax_kernel(best_ptr, where_ptr, out_ptr, also_ptr, CHUNKS: tl.conste
     tl.store(out_ptr + row, best_id.to(tl.int64))
     if ALSO:
         tl.store(also_ptr + row, best_id.to(tl.int64))
+    if ADVANCE:
+        advance_row(row, positions_ptr, seq_lens_ptr, slots_ptr, slot_stride, tables_ptr,
+                    table_group_stride, table_row_stride, table_cols, NUM_GROUPS, BLOCK_SIZE)

@@ -153,16 +153,27 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def raw_argmax(logits: torch.Tensor, also_into: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_kernel_enabled() -> bool:
+    """Whether raw_argmax takes CUDA logits to argmax_kernel (unless
+    SPINDLE_GREEDY_KERNEL=0)."""
+    return on_off(GREEDY_KERNEL_ENV, True)
+
+
+def raw_argmax(logits: torch.Tensor, also_into: torch.Tensor | None = None,
+               next_inputs=None) -> torch.Tensor:
     """greedy_sample of the LM head's own logits (the model's dtype), which on CUDA is
     argmax_kernel.argmax_rows unless SPINDLE_GREEDY_KERNEL=0: warm-up's greedy request
     compiles it for that dtype. (Logits the sampler made, float32, keep torch's argmax:
     a kernel variant for them would compile after warm-up.) also_into: an int64 tensor
-    of [rows] that receives the tokens too."""
-    if on_off(GREEDY_KERNEL_ENV, True) and logits.is_cuda:
+    of [rows] that receives the tokens too. next_inputs: a decode graph's inputs that
+    the kernel advances too (runner/graph_advance.py; the kernel's path only)."""
+    if greedy_kernel_enabled() and logits.is_cuda:
         from spindle.runner.sample.argmax_kernel import argmax_rows
 
-        return argmax_rows(logits, also_into)
+        return argmax_rows(logits, also_into, next_inputs)
+    if next_inputs is not None:
+        raise ValueError("raw_argmax: advancing a graph's inputs needs the CUDA argmax "
+                         f"kernel (SPINDLE_GREEDY_KERNEL on, CUDA logits; got {logits.device})")
     tokens = greedy_sample(logits)
     if also_into is not None:
         also_into.copy_(tokens)

@@ -1,0 +1,99 @@
+"""Decode graphs that advance their own inputs for the next step.
+
+A greedy decode step of the same requests as the step before (runner/cuda_graph.py: the
+graph feed) has inputs that follow from the last ones: each request's position and
+sequence length one more, its slot the next one in its blocks. The small decode graphs'
+last kernel (the greedy argmax's, runner/sample/argmax_kernel.py) writes them into the
+graphs' static buffers as it writes the tokens into the input ids, so such a step stages
+nothing: no host-to-device copy between two replays (on an H100 a step was the replay
+plus 12-17 us, much of it the copies and the transitions around them; on an H200 28-35
+us), and none of the copy call's host time. Off until measured on a GPU:
+SPINDLE_GRAPH_ADVANCE=1 turns it on.
+
+The device's guess is checked, never trusted: the host keeps a mirror of what the
+device holds (`advance_mirror` applies the kernel's rule to it) and stages a step
+whenever the inputs it computed differ from that mirror in any value (a new block, a
+request that finished, a changed order). A row whose sequence length is 0 (padding)
+keeps everything; a slot of -1 (no cache write) stays -1; a next position whose block
+is not among the block table's columns gets slot -1 on the device and UNKNOWN_SLOT in
+the mirror, which no staged value equals, so that step is staged.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from spindle.switches import on_off
+
+GRAPH_ADVANCE_ENV = "SPINDLE_GRAPH_ADVANCE"
+# A slot the host cannot predict (staged slots are -1 or a cache slot: never this).
+UNKNOWN_SLOT = -2
+
+
+def graph_advance_enabled() -> bool:
+    """Whether the graphs that feed their argmax advance their inputs too (module
+    docstring): with SPINDLE_GRAPH_ADVANCE=1."""
+    return on_off(GRAPH_ADVANCE_ENV, False)
+
+
+class NextInputs(NamedTuple):
+    """The static buffers a graph's argmax kernel advances: positions (int64 [rows]),
+    sequence lengths (int32 [rows]), each paged group's slots (int64 [groups, cols],
+    a row per group) and block tables (int32 [groups, rows, blocks]); block_size: the
+    cache's tokens per block."""
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    slots: torch.Tensor
+    tables: torch.Tensor
+    block_size: int
+
+    def kernel_args(self) -> tuple:
+        """Pointers and strides in the order advance_row takes them after the row."""
+        return (self.positions, self.seq_lens, self.slots, self.slots.stride(0), self.tables,
+                self.tables.stride(0), self.tables.stride(1), self.tables.shape[2])
+
+
+@triton.jit
+def advance_row(row, positions_ptr, seq_lens_ptr, slots_ptr, slot_stride, tables_ptr,
+                table_group_stride, table_row_stride, table_cols,
+                NUM_GROUPS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Row `row`'s inputs for the next decode step (module docstring): called by one
+    program per row, after every kernel that reads them has finished."""
+    seq_len = tl.load(seq_lens_ptr + row)
+    if seq_len > 0:
+        position = tl.load(positions_ptr + row) + 1
+        tl.store(positions_ptr + row, position)
+        tl.store(seq_lens_ptr + row, seq_len + 1)
+        col = position // BLOCK_SIZE
+        inside = col < table_cols
+        for g in tl.static_range(NUM_GROUPS):
+            slot = tl.load(slots_ptr + g * slot_stride + row)
+            if slot >= 0:
+                block = tl.load(tables_ptr + g * table_group_stride + row * table_row_stride
+                                + col, mask=inside, other=-1).to(tl.int64)
+                tl.store(slots_ptr + g * slot_stride + row,
+                         tl.where(inside, block * BLOCK_SIZE + position % BLOCK_SIZE, -1))
+
+
+def advance_mirror(positions: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
+                   tables: list[np.ndarray], block_size: int) -> None:
+    """advance_row's rule on the host's mirror of one graph's rows, in place: positions
+    (int64 [size]), seq_lens (int32 [size]), slots (int64 [groups, size]); tables: per
+    group the block tables the device holds, [requests, cols] (rows past them padding,
+    columns past them unknown to the host)."""
+    live = seq_lens > 0
+    positions[live] += 1
+    seq_lens[live] += 1
+    rows = np.arange(len(positions))
+    cols = positions // block_size
+    for slot, table in zip(slots, tables):
+        moves = live & (slot >= 0)
+        known = moves & (rows < table.shape[0]) & (cols < table.shape[1])
+        slot[known] = (table[rows[known], cols[known]].astype(np.int64) * block_size
+                       + positions[known] % block_size)
+        slot[moves & ~known] = UNKNOWN_SLOT
