@@ -62,8 +62,10 @@ def test_float32_greedy_matches_transformers(tiny_model, arch, enforce_eager):
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
 
 
-@pytest.mark.parametrize("graph_feed,advance", [("1", "1"), ("1", "0"), ("0", "0")])
-def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_feed, advance):
+@pytest.mark.parametrize("graph_feed,advance,to_host", [
+    ("1", "1", "1"), ("1", "1", "0"), ("1", "0", "0"), ("0", "0", "0")])
+def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_feed, advance,
+                                              to_host):
     """Greedy requests that want nothing but their tokens (no logprobs) take them from
     the decode graphs' argmax (runner/cuda_graph.py; the Triton argmax of
     runner/sample/argmax_kernel.py): float32 tokens equal transformers', for eight
@@ -73,7 +75,9 @@ def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_fee
     their input ids, and a lone request's decode steps after its first take it from
     there; a sampled request's never do (its tokens are not the argmax). With
     SPINDLE_GRAPH_ADVANCE those steps stage nothing either, but where a request enters
-    a new block (16 tokens a block: once or twice in 23 steps)."""
+    a new block (16 tokens a block: once or twice in 23 steps); with
+    SPINDLE_GRAPH_TOKENS_TO_HOST too, every graph step of a lone request leaves its token
+    in the host ring, where the host reads it."""
     from spindle.runner.sample import Sampler
 
     taken = []
@@ -86,6 +90,7 @@ def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_fee
     monkeypatch.setattr(Sampler, "forward", recording)
     monkeypatch.setenv("SPINDLE_GRAPH_FEED", graph_feed)
     monkeypatch.setenv("SPINDLE_GRAPH_ADVANCE", advance)
+    monkeypatch.setenv("SPINDLE_GRAPH_TOKENS_TO_HOST", to_host)
     path = tiny_model(arch="qwen3", max_position_embeddings=2048)
     prompts = _prompts(512)
     expected = _hf_greedy(path, prompts, 24, torch.float32, "cuda")
@@ -96,9 +101,11 @@ def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_fee
         together = llm.generate(prompts, params, use_tqdm=False)
         taken.clear()
         in_place, advanced = graphs.num_in_place, graphs.num_advanced
+        from_ring = graphs.num_read_from_ring
         alone = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts[1:4]]
         lone_in_place = graphs.num_in_place - in_place
         lone_advanced = graphs.num_advanced - advanced
+        lone_from_ring = graphs.num_read_from_ring - from_ring
         pair = llm.generate(prompts[4:6], [SamplingParams(temperature=0, max_tokens=n,
                                                           ignore_eos=True) for n in (9, 24)],
                             use_tqdm=False)
@@ -117,6 +124,7 @@ def test_greedy_tokens_from_the_graphs_argmax(tiny_model, monkeypatch, graph_fee
         assert lone_in_place - 3 * 3 <= lone_advanced <= lone_in_place - 3
     else:
         assert lone_advanced == 0
+    assert (lone_from_ring >= 3 * 23) == (to_host == "1")
     assert sampled_in_place == 0
     for out, (tokens, _) in zip(together + alone, expected + expected[1:4]):
         assert out.outputs[0].token_ids == tokens

@@ -14,7 +14,7 @@ from kernel_utils import DEVICE
 
 from spindle.cache.spec import FULL_ATTENTION, SLIDING_WINDOW, CacheGroup
 from spindle.runner import cuda_graph
-from spindle.runner.graph_advance import UNKNOWN_SLOT, NextInputs, advance_mirror
+from spindle.runner.graph_advance import RING_SLOTS, UNKNOWN_SLOT, NextInputs, advance_mirror
 
 BLOCK = 4
 
@@ -35,11 +35,12 @@ def test_mirror_rule_by_hand():
 
 @pytest.mark.gpu
 @pytest.mark.kernel
-@pytest.mark.parametrize("groups", [1, 2])
-def test_kernel_advances_as_the_mirror_says(groups):
+@pytest.mark.parametrize("groups,to_host", [(1, False), (2, False), (1, True)])
+def test_kernel_advances_as_the_mirror_says(groups, to_host):
     """argmax_rows with next_inputs: the tokens as without, and positions, lengths and
     slots as advance_mirror has them (a slot it cannot know is -1 on the device: the
-    block is past the table's columns); rows past the launch's are not touched."""
+    block is past the table's columns); rows past the launch's are not touched. With a
+    host ring: each row's token in its slot of the (pinned) ring, the slot moved on."""
     from spindle.runner.sample.argmax_kernel import argmax_rows
 
     rng = np.random.default_rng(groups)
@@ -56,11 +57,27 @@ def test_kernel_advances_as_the_mirror_says(groups):
                           + positions[live] % BLOCK)
     slots[groups - 1, 1] = -1  # (a row that writes no cache in that group)
     logits = torch.randn(launched, 3000, generator=torch.Generator().manual_seed(groups))
+    ring_index = np.array([3, 0, 1, 2, 3, 0, 2, 2], dtype=np.int64)
     device = {name: torch.from_numpy(array.copy()).to(DEVICE) for name, array in
-              dict(positions=positions, seq_lens=seq_lens, slots=slots, tables=tables).items()}
+              dict(positions=positions, seq_lens=seq_lens, slots=slots, tables=tables,
+                   ring_index=ring_index).items()}
+    ring = torch.full((RING_SLOTS, rows), -5, dtype=torch.int64,
+                      pin_memory=DEVICE == "cuda") if to_host else None
     got = argmax_rows(logits.to(DEVICE), next_inputs=NextInputs(
-        device["positions"], device["seq_lens"], device["slots"], device["tables"], BLOCK))
+        device["positions"], device["seq_lens"], device["slots"], device["tables"], BLOCK,
+        ring, device["ring_index"] if to_host else None))
     assert got.tolist() == logits.argmax(dim=-1).tolist()
+    if to_host:
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        want_ring = np.full((RING_SLOTS, rows), -5)
+        want_ring[ring_index[:launched], np.arange(launched)] = got.tolist()
+        assert ring.tolist() == want_ring.tolist()
+        moved = ring_index.copy()
+        moved[:launched] = (moved[:launched] + 1) % RING_SLOTS
+        assert device["ring_index"].tolist() == moved.tolist()
+    else:
+        assert device["ring_index"].tolist() == ring_index.tolist()
 
     want_slots = slots.copy()
     head = slice(0, launched)
@@ -100,11 +117,16 @@ def runner(monkeypatch):
         if size > cuda_graph.GREEDY_MAX_BATCH:
             return
         staged = runner._staged.numpy()
+        ring_index = staged[cuda_graph._RING_INDEX, :size]
+        if runner.tokens_to_host:  # (each row's token: its position + 1000)
+            runner._ring.numpy()[ring_index, np.arange(size)] = \
+                staged[cuda_graph._POSITIONS, :size] + 1000
         device_tables = [t.numpy() for t in runner.block_tables]
         cuda_graph.advance_mirror(staged[cuda_graph._POSITIONS, :size],
                                   staged[cuda_graph._SEQ_LENS].view(np.int32)[:size],
                                   staged[cuda_graph._FIRST_SLOTS:cuda_graph._FIRST_SLOTS + 2,
-                                         :size], device_tables, BLOCK)
+                                         :size], device_tables, BLOCK,
+                                  ring_index if runner.tokens_to_host else None)
         # (the kernel writes -1 where the mirror cannot know)
         slots = staged[cuda_graph._FIRST_SLOTS:cuda_graph._FIRST_SLOTS + 2]
         slots[slots == UNKNOWN_SLOT] = -1
@@ -224,3 +246,38 @@ def test_larger_graphs_and_advance_off_always_stage(runner):
         _assert_staged_as(runner, batch, 2)
     assert runner.num_advanced == 0 and runner._held is None
     assert runner.replays == [16] * 3 + [2] * 3
+
+
+def test_tokens_to_the_host_ring(runner):
+    """With tokens_to_host each advancing replay's tokens are in its slot of the ring
+    (greedy_host), the slots taken in turn whether the step staged or not; a slot whose
+    reader has not read it yet is not written again (an error: too many steps in
+    flight), one whose reader is done or gone is."""
+    import gc
+
+    runner.tokens_to_host = True
+    runner._ring = torch.zeros((RING_SLOTS, MAX_BATCH), dtype=torch.int64)
+    tables = [np.array([[3, 7, 15, 0], [5, 1, 16, 0]], dtype=np.int32) for _ in range(2)]
+
+    class Reader:
+        done = False
+
+    readers = []
+    for step in range(6):
+        batch = _decode_batch(np.array([5, 6]) + step, tables, version=1)
+        outputs = runner.run(batch, inputs_in_place=step > 0)
+        assert outputs.greedy_host.tolist() == (batch.model_positions + 1000).tolist()
+        assert outputs.greedy_host.data_ptr() == runner._ring[step % RING_SLOTS].data_ptr()
+        readers.append(Reader())
+        runner.read_ring_by(readers[-1])
+        readers[-1 - min(step, 1)].done = True  # (the step before, as the engine reads)
+    assert runner.num_advanced == 4  # (at 9 tokens the second request's table widens)
+    readers[-1].done = False
+    readers[-RING_SLOTS].done = False  # (the slot the next step writes)
+    with pytest.raises(RuntimeError, match="host ring slot 2 holds tokens nobody has read"):
+        runner.run(_decode_batch(np.array([11, 12]), tables, version=1), inputs_in_place=True)
+    readers[-RING_SLOTS] = None
+    gc.collect()
+    outputs = runner.run(_decode_batch(np.array([11, 12]), tables, version=1),
+                         inputs_in_place=True)
+    assert outputs.greedy_host.tolist() == [1010, 1011]

@@ -27,7 +27,11 @@ class PendingOutput:
     def __init__(self, runner: "ModelRunner | None", batch: "StepBatch | None",
                  sampled: "SamplerOutput | None",
                  failed_requests: dict[str, RequestFailure] | None = None,
-                 prompt_logprobs: dict | None = None) -> None:
+                 prompt_logprobs: dict | None = None,
+                 tokens_on_host: torch.Tensor | None = None) -> None:
+        """tokens_on_host: sampled's tokens in pinned host memory once the step's work
+        is done (a decode graph wrote them there: runner/graph_advance.py), so none are
+        copied; used unless logprobs go back too."""
         self._runner = runner
         # req_id -> (first position, ids, logprobs, ranks) on the device (the step's
         # kernels compute them before its sampling, so the event covers them too).
@@ -48,7 +52,7 @@ class PendingOutput:
         # sets it: runner/cuda_graph.py, feeds_inputs).
         self.in_graph_inputs = False
         if sampled is not None:
-            self._copy_to_host(sampled)
+            self._copy_to_host(sampled, tokens_on_host)
 
     @property
     def sample_row(self) -> dict[str, int]:
@@ -74,7 +78,18 @@ class PendingOutput:
         pending._result = output
         return pending
 
-    def _copy_to_host(self, sampled: "SamplerOutput") -> None:
+    @property
+    def done(self) -> bool:
+        """Whether get() has read the step's results."""
+        return self._result is not None
+
+    def _copy_to_host(self, sampled: "SamplerOutput",
+                      tokens_on_host: torch.Tensor | None = None) -> None:
+        if tokens_on_host is not None and sampled.logprobs is None:
+            # Nothing to copy: the event alone says when the graph has written them.
+            self._slot, _ = self._runner.d2h.copy([])
+            self._host, self._event = [tokens_on_host], self._slot.event
+            return
         tensors = [sampled.sampled_token_ids]
         if sampled.logprobs is not None:
             tensors += [sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks]

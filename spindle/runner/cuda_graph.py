@@ -38,13 +38,16 @@ replays.
 Their argmax kernel also advances the other inputs (positions, sequence lengths, slots)
 for that next step, so a greedy step of the same requests, whose inputs the host finds
 equal to its mirror of what the device holds, stages nothing at all
-(runner/graph_advance.py; with SPINDLE_GRAPH_ADVANCE=1, until measured on a GPU).
+(runner/graph_advance.py; with SPINDLE_GRAPH_ADVANCE=1, until measured on a GPU). With
+SPINDLE_GRAPH_TOKENS_TO_HOST=1 too, the kernel writes the tokens into a pinned ring on the
+host (GraphOutputs.greedy_host), and such a step queues no copy of them either.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import weakref
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -54,7 +57,8 @@ from spindle.attention.metadata import AttentionMetadata, decode_order, longest_
 from spindle.cache.spec import FULL_ATTENTION, CacheGroup
 from spindle.forward_context import forward_context
 from spindle.layers.mamba.metadata import MambaMetadata
-from spindle.runner.graph_advance import NextInputs, advance_mirror, graph_advance_enabled
+from spindle.runner.graph_advance import (RING_SLOTS, NextInputs, advance_mirror,
+                                          graph_advance_enabled, tokens_to_host_enabled)
 from spindle.runner.input_batch import StepBatch
 from spindle.runner.model_states.base import ModelState
 from spindle.runner.sample.sampler import greedy_kernel_enabled, raw_argmax
@@ -112,9 +116,9 @@ def graph_tokens(max_batch: int, verify_len: int = 1, verify_max_batch: int = 0)
 
 # Rows of the array staged each step (then one row per paged group's slots, then the
 # tokens' LoRA slots); SEQ_LENS, STATE_SLOTS and DECODE_ORDER hold int32 values,
-# HAS_STATE bools.
-_INPUT_IDS, _POSITIONS, _SEQ_LENS, _STATE_SLOTS, _HAS_STATE, _DECODE_ORDER, _FIRST_SLOTS = \
-    range(7)
+# HAS_STATE bools; RING_INDEX each row's slot of the host ring (graph_advance.py).
+(_INPUT_IDS, _POSITIONS, _SEQ_LENS, _STATE_SLOTS, _HAS_STATE, _DECODE_ORDER, _RING_INDEX,
+ _FIRST_SLOTS) = range(8)
 
 
 def _int32_row(host: np.ndarray, row: int) -> np.ndarray:
@@ -141,10 +145,12 @@ def _initial_inputs(rows: int, t: int, n: int) -> torch.Tensor:
 class GraphOutputs(NamedTuple):
     """What a graph leaves in its buffers: the hidden states, and where the graphs
     compute them the logits and, for a decode graph of few requests, each row's argmax
-    of them (GREEDY_MAX_BATCH)."""
+    of them (GREEDY_MAX_BATCH); greedy_host: the same argmax in pinned host memory,
+    once the replay is done (a step's view of the ring: graph_advance.py), or None."""
     hidden: torch.Tensor
     logits: torch.Tensor | None = None
     greedy: torch.Tensor | None = None
+    greedy_host: torch.Tensor | None = None
 
     def rows(self, num: int) -> "GraphOutputs":
         """The first num rows of each (views)."""
@@ -168,6 +174,7 @@ class CudaGraphRunner:
         # Whether they advance the other inputs too (graph_advance.py; the CUDA kernel's).
         self.advances = (self.feeds_inputs and graph_advance_enabled()
                          and greedy_kernel_enabled() and device.type == "cuda")
+        self.tokens_to_host = self.advances and tokens_to_host_enabled()
         self.block_size = block_size
         self.lora = lora
         self.adapter_variants = (False, True) if lora is not None else (False,)
@@ -200,6 +207,16 @@ class CudaGraphRunner:
         self.block_tables = [self._tables[g] for g in range(self.num_paged)]
         self.lora_slots = self._staged[self._lora_row]
         self.state_slots = self._staged[_STATE_SLOTS].view(torch.int32)[:n]
+        self.ring_index = self._staged[_RING_INDEX][:n]
+        # The host ring the advancing graphs write their tokens to (tokens_to_host), the
+        # number of advancing replays so far (the next one's slot: that modulo
+        # RING_SLOTS), and per slot the reader of its last tokens (a weak reference).
+        self._ring = _pinned_zeros((RING_SLOTS, n), torch.int64) if self.tokens_to_host \
+            else None
+        self._ring_steps = 0
+        self._ring_slot = 0  # (the last advancing replay's)
+        self.num_read_from_ring = 0  # steps whose tokens the host read from the ring
+        self._ring_readers: list = [None] * RING_SLOTS
         self.has_initial_state = self._staged[_HAS_STATE].view(torch.bool)[:n]
         # Pinned host mirrors of the staged array, two used in turn: with async
         # scheduling a step is staged while the previous step's copy may still be
@@ -288,7 +305,9 @@ class CudaGraphRunner:
         already in the input ids (feeds_inputs), is every input id of this batch (a
         decode step of the same requests in the same order, all greedy): neither they
         are staged nor feed called; nor the other inputs, where the last replay
-        advanced them to this batch's (graph_advance.py)."""
+        advanced them to this batch's (graph_advance.py). With tokens_to_host, an
+        advancing graph's outputs carry greedy_host: the caller hands its reader to
+        read_ring_by."""
         num = batch.num_reqs
         query_len = batch.num_tokens // num
         sizes = self.sizes_by_len[query_len]
@@ -302,10 +321,35 @@ class CudaGraphRunner:
         elif feed is not None:
             feed(self.input_ids[:batch.num_tokens])
         key = (query_len, size, adapters)
+        ring_slot = self._free_ring_slot() if self.tokens_to_host and \
+            self._advancing(size, query_len) else None
         self.graphs[key].replay()
         self.num_replays[key] = self.num_replays.get(key, 0) + 1
         self._follow_advance(batch, size, query_len, staged)
-        return self.outputs[key].rows(batch.num_tokens)
+        outputs = self.outputs[key].rows(batch.num_tokens)
+        if ring_slot is None:
+            return outputs
+        self._ring_slot = ring_slot
+        return outputs._replace(greedy_host=self._ring[ring_slot, :batch.num_tokens])
+
+    def _free_ring_slot(self) -> int:
+        """The host ring's slot the next advancing replay writes, checked to hold no
+        tokens a reader has yet to read."""
+        slot = self._ring_steps % RING_SLOTS
+        reader = self._ring_readers[slot]
+        pending = reader() if reader is not None else None
+        if pending is not None and not pending.done:
+            raise RuntimeError(f"the decode graphs' host ring slot {slot} holds tokens nobody "
+                               f"has read yet: more than {RING_SLOTS - 1} greedy decode steps "
+                               "in flight")
+        self._ring_readers[slot] = None
+        return slot
+
+    def read_ring_by(self, pending) -> None:
+        """pending (a PendingOutput, with done) reads the last replay's greedy_host: its
+        ring slot is not written again before pending is done (or dropped)."""
+        self._ring_readers[self._ring_slot] = weakref.ref(pending)
+        self.num_read_from_ring += 1
 
     def _advancing(self, size: int, query_len: int) -> bool:
         """Whether the graph of this shape advances its inputs (graph_advance.py)."""
@@ -324,7 +368,9 @@ class CudaGraphRunner:
         held = self._held
         advance_mirror(held[_POSITIONS, :size], _int32_row(held, _SEQ_LENS)[:size],
                        held[_FIRST_SLOTS:_FIRST_SLOTS + self.num_paged, :size],
-                       batch.block_tables, self.block_size)
+                       batch.block_tables, self.block_size,
+                       held[_RING_INDEX, :size] if self.tokens_to_host else None)
+        self._ring_steps += 1
 
     def _stage_inputs(self, batch: StepBatch, size: int, query_len: int = 1,
                       adapters: bool = False, with_ids: bool = True) -> np.ndarray | None:
@@ -366,6 +412,8 @@ class CudaGraphRunner:
         if adapters:
             host[self._lora_row, :tokens] = batch.token_lora_slots
             host[self._lora_row, tokens:padded] = -1
+        if self.tokens_to_host and self._advancing(size, query_len):
+            host[_RING_INDEX, :size] = self._ring_steps % RING_SLOTS
         if may_hold and np.array_equal(host[1:], held[1:]):
             return None
         first = 0 if with_ids else 1  # (the input ids are the first row)
@@ -423,7 +471,7 @@ class CudaGraphRunner:
             next_inputs = NextInputs(
                 self.positions, self.seq_lens,
                 self._staged[_FIRST_SLOTS:_FIRST_SLOTS + self.num_paged], self._tables,
-                self.block_size)
+                self.block_size, self._ring, self.ring_index if self.tokens_to_host else None)
         return GraphOutputs(hidden, logits, raw_argmax(logits, into, next_inputs))
 
     def _forward(self, size: int, query_len: int = 1, adapters: bool = False) -> torch.Tensor:

@@ -10,6 +10,11 @@ plus 12-17 us, much of it the copies and the transitions around them; on an H200
 us), and none of the copy call's host time. Off until measured on a GPU:
 SPINDLE_GRAPH_ADVANCE=1 turns it on.
 
+With SPINDLE_GRAPH_TOKENS_TO_HOST=1 as well (off until measured) the same programs write
+each row's token into pinned host memory (a ring of RING_SLOTS steps, its slot an input
+the graph advances like the others), so a greedy step queues no copy of its tokens
+either: between two replays the device then runs nothing at all.
+
 The device's guess is checked, never trusted: the host keeps a mirror of what the
 device holds (`advance_mirror` applies the kernel's rule to it) and stages a step
 whenever the inputs it computed differ from that mirror in any value (a new block, a
@@ -31,6 +36,10 @@ import triton.language as tl
 from spindle.switches import on_off
 
 GRAPH_ADVANCE_ENV = "SPINDLE_GRAPH_ADVANCE"
+TOKENS_TO_HOST_ENV = "SPINDLE_GRAPH_TOKENS_TO_HOST"
+# Steps of tokens the host ring holds: a slot is written again RING_SLOTS advancing replays
+# later, by when the host has long read it (at most two steps are in flight).
+RING_SLOTS = 4
 # A slot the host cannot predict (staged slots are -1 or a cache slot: never this).
 UNKNOWN_SLOT = -2
 
@@ -41,29 +50,46 @@ def graph_advance_enabled() -> bool:
     return on_off(GRAPH_ADVANCE_ENV, False)
 
 
+def tokens_to_host_enabled() -> bool:
+    """Whether the graphs that advance their inputs write their tokens to the host ring
+    too (module docstring): with SPINDLE_GRAPH_TOKENS_TO_HOST=1."""
+    return on_off(TOKENS_TO_HOST_ENV, False)
+
+
 class NextInputs(NamedTuple):
     """The static buffers a graph's argmax kernel advances: positions (int64 [rows]),
     sequence lengths (int32 [rows]), each paged group's slots (int64 [groups, cols],
     a row per group) and block tables (int32 [groups, rows, blocks]); block_size: the
-    cache's tokens per block."""
+    cache's tokens per block. ring: where the tokens go on the host too, pinned int64
+    [RING_SLOTS, rows], at each row's slot in ring_index (int64 [rows]); or None."""
     positions: torch.Tensor
     seq_lens: torch.Tensor
     slots: torch.Tensor
     tables: torch.Tensor
     block_size: int
+    ring: torch.Tensor | None = None
+    ring_index: torch.Tensor | None = None
 
     def kernel_args(self) -> tuple:
-        """Pointers and strides in the order advance_row takes them after the row."""
+        """Pointers and strides in the order advance_row takes them after the token."""
+        ring = (self.ring, self.ring.stride(0), self.ring_index) if self.ring is not None \
+            else (self.positions, 0, self.positions)
         return (self.positions, self.seq_lens, self.slots, self.slots.stride(0), self.tables,
-                self.tables.stride(0), self.tables.stride(1), self.tables.shape[2])
+                self.tables.stride(0), self.tables.stride(1), self.tables.shape[2], *ring)
 
 
 @triton.jit
-def advance_row(row, positions_ptr, seq_lens_ptr, slots_ptr, slot_stride, tables_ptr,
-                table_group_stride, table_row_stride, table_cols,
-                NUM_GROUPS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Row `row`'s inputs for the next decode step (module docstring): called by one
-    program per row, after every kernel that reads them has finished."""
+def advance_row(row, token, positions_ptr, seq_lens_ptr, slots_ptr, slot_stride, tables_ptr,
+                table_group_stride, table_row_stride, table_cols, ring_ptr, ring_stride,
+                ring_index_ptr, NUM_GROUPS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                TO_HOST: tl.constexpr):
+    """Row `row`'s inputs for the next decode step (module docstring), and with TO_HOST
+    its token (int64) into the host ring: called by one program per row, after every
+    kernel that reads them has finished."""
+    if TO_HOST:
+        index = tl.load(ring_index_ptr + row)
+        tl.store(ring_ptr + index * ring_stride + row, token)
+        tl.store(ring_index_ptr + row, (index + 1) % RING_SLOTS)
     seq_len = tl.load(seq_lens_ptr + row)
     if seq_len > 0:
         position = tl.load(positions_ptr + row) + 1
@@ -81,11 +107,15 @@ def advance_row(row, positions_ptr, seq_lens_ptr, slots_ptr, slot_stride, tables
 
 
 def advance_mirror(positions: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
-                   tables: list[np.ndarray], block_size: int) -> None:
+                   tables: list[np.ndarray], block_size: int,
+                   ring_index: np.ndarray | None = None) -> None:
     """advance_row's rule on the host's mirror of one graph's rows, in place: positions
     (int64 [size]), seq_lens (int32 [size]), slots (int64 [groups, size]); tables: per
     group the block tables the device holds, [requests, cols] (rows past them padding,
-    columns past them unknown to the host)."""
+    columns past them unknown to the host); ring_index (int64 [size]) where the tokens
+    go to the host."""
+    if ring_index is not None:
+        ring_index[:] = (ring_index + 1) % RING_SLOTS
     live = seq_lens > 0
     positions[live] += 1
     seq_lens[live] += 1

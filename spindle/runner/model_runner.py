@@ -649,9 +649,12 @@ class ModelRunner:
         batch = self.input_batch.prepare(scheduled, sched.spec_token_ids or None)
         feed, inputs_in_place = self._inflight_feed(batch)
         self._copy_state_slots(sched.state_copies_before)
-        logits = greedy = None  # (the LM head's and their argmax, where the graph has them)
+        # (The LM head's logits and their argmax, where the graph has them; the argmax on
+        # the host too, where the graph wrote it there: cuda_graph.py's tokens_to_host.)
+        logits = greedy = greedy_host = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            hidden, logits, greedy = self.graph_runner.run(batch, feed, inputs_in_place)
+            hidden, logits, greedy, greedy_host = self.graph_runner.run(batch, feed,
+                                                                        inputs_in_place)
         else:
             inputs = state.prepare_inputs(batch)
             if feed is not None:
@@ -677,7 +680,11 @@ class ModelRunner:
             return PendingOutput.ready(output)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampled = self._sample(batch, hidden, logits, greedy)
-        pending = PendingOutput(self, batch, sampled, failures, prompt_logprobs)
+        tokens_on_host = greedy_host if (greedy_host is not None and sampled is not None
+                                         and sampled.sampled_token_ids is greedy) else None
+        pending = PendingOutput(self, batch, sampled, failures, prompt_logprobs, tokens_on_host)
+        if tokens_on_host is not None:
+            self.graph_runner.read_ring_by(pending)
         # Its tokens are the graph's argmax, which the graph left in its input ids too.
         pending.in_graph_inputs = (greedy is not None and self.graph_runner.feeds_inputs
                                    and sampled is not None

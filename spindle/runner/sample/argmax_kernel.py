@@ -58,14 +58,16 @@ def argmax_rows(logits: torch.Tensor, also_into: torch.Tensor | None = None,
     _chunk_argmax_kernel[(rows, chunks)](logits, best, where, logits.stride(0), vocab,
                                          CHUNKS=chunks, CHUNK=CHUNK, num_warps=4, **launch)
     if next_inputs is None:
-        advance, groups, block_size = (out, out, out, 0, out, 0, 0, 0), 0, 1
+        advance, groups, block_size = (out, out, out, 0, out, 0, 0, 0, out, 0, out), 0, 1
     else:
         advance = next_inputs.kernel_args()
         groups, block_size = next_inputs.slots.shape[0], next_inputs.block_size
+    to_host = next_inputs is not None and next_inputs.ring is not None
     _row_argmax_kernel[(rows,)](best, where, out, also_into if also_into is not None else out,
                                 *advance, CHUNKS=chunks, BLOCK=triton.next_power_of_2(chunks),
                                 ALSO=also_into is not None, ADVANCE=next_inputs is not None,
-                                NUM_GROUPS=groups, BLOCK_SIZE=block_size, num_warps=1, **launch)
+                                NUM_GROUPS=groups, BLOCK_SIZE=block_size, TO_HOST=to_host,
+                                num_warps=1, **launch)
     return out
 
 
@@ -99,9 +101,10 @@ def _chunk_argmax_kernel(logits_ptr, best_ptr, where_ptr, row_stride, vocab,
 @triton.jit
 def _row_argmax_kernel(best_ptr, where_ptr, out_ptr, also_ptr, positions_ptr, seq_lens_ptr,
                        slots_ptr, slot_stride, tables_ptr, table_group_stride,
-                       table_row_stride, table_cols, CHUNKS: tl.constexpr,
-                       BLOCK: tl.constexpr, ALSO: tl.constexpr, ADVANCE: tl.constexpr,
-                       NUM_GROUPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+                       table_row_stride, table_cols, ring_ptr, ring_stride, ring_index_ptr,
+                       CHUNKS: tl.constexpr, BLOCK: tl.constexpr, ALSO: tl.constexpr,
+                       ADVANCE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, TO_HOST: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, BLOCK)
@@ -114,5 +117,6 @@ def _row_argmax_kernel(best_ptr, where_ptr, out_ptr, also_ptr, positions_ptr, se
     if ALSO:
         tl.store(also_ptr + row, best_id.to(tl.int64))
     if ADVANCE:
-        advance_row(row, positions_ptr, seq_lens_ptr, slots_ptr, slot_stride, tables_ptr,
-                    table_group_stride, table_row_stride, table_cols, NUM_GROUPS, BLOCK_SIZE)
+        advance_row(row, best_id.to(tl.int64), positions_ptr, seq_lens_ptr, slots_ptr,
+                    slot_stride, tables_ptr, table_group_stride, table_row_stride, table_cols,
+                    ring_ptr, ring_stride, ring_index_ptr, NUM_GROUPS, BLOCK_SIZE, TO_HOST)
