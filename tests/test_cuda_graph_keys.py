@@ -33,7 +33,8 @@ def _fake_capture(monkeypatch, shapes, with_greedy: bool, feeds_inputs: bool = F
     fake = types.SimpleNamespace(
         pool=None, graphs={}, outputs={}, device=torch.device("cpu"),
         with_logits=True, with_greedy=with_greedy, feeds_inputs=feeds_inputs,
-        advances=advances, input_ids=torch.zeros(256, dtype=torch.int64),
+        advances=advances, tokens_to_host=False, _ring=None,
+        input_ids=torch.zeros(256, dtype=torch.int64),
         positions=torch.zeros(256, dtype=torch.int64), seq_lens=torch.zeros(8, dtype=torch.int32),
         _staged=torch.zeros(8, 256, dtype=torch.int64), num_paged=1, block_size=16,
         _tables=torch.zeros(1, 8, 4, dtype=torch.int32),

@@ -40,6 +40,7 @@ TOKENS_TO_HOST_ENV = "SPINDLE_GRAPH_TOKENS_TO_HOST"
 # Steps of tokens the host ring holds: a slot is written again RING_SLOTS advancing replays
 # later, by when the host has long read it (at most two steps are in flight).
 RING_SLOTS = 4
+_RING_SLOTS = tl.constexpr(RING_SLOTS)  # (what a kernel may read of a module's globals)
 # A slot the host cannot predict (staged slots are -1 or a cache slot: never this).
 UNKNOWN_SLOT = -2
 
@@ -89,7 +90,7 @@ def advance_row(row, token, positions_ptr, seq_lens_ptr, slots_ptr, slot_stride,
     if TO_HOST:
         index = tl.load(ring_index_ptr + row)
         tl.store(ring_ptr + index * ring_stride + row, token)
-        tl.store(ring_index_ptr + row, (index + 1) % RING_SLOTS)
+        tl.store(ring_index_ptr + row, (index + 1) % _RING_SLOTS)
     seq_len = tl.load(seq_lens_ptr + row)
     if seq_len > 0:
         position = tl.load(positions_ptr + row) + 1
