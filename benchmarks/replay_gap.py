@@ -150,10 +150,12 @@ def main() -> None:
             result["steps"] = dict(in_place=runner.num_in_place, staged_nothing=runner.num_advanced)
             print(f"the request's decode steps: {runner.num_in_place} with the input ids in "
                   f"place, {runner.num_advanced} of them staging nothing (graph_advance.py)")
-            each = variants(runner)
-            for _ in range(args.rounds):  # (the variants alternate round by round)
-                for name, iteration in each.items():
-                    result["us"].setdefault(name, []).append(timed_us(iteration, args.steps))
+            with torch.inference_mode():  # (the runner's buffers are inference tensors)
+                each = variants(runner)
+                for _ in range(args.rounds):  # (the variants alternate round by round)
+                    for name, iteration in each.items():
+                        result["us"].setdefault(name, []).append(
+                            timed_us(iteration, args.steps))
         finally:
             llm.shutdown()
     base = statistics.median(result["us"]["replay"])
