@@ -281,3 +281,17 @@ def test_tokens_to_the_host_ring(runner):
     outputs = runner.run(_decode_batch(np.array([11, 12]), tables, version=1),
                          inputs_in_place=True)
     assert outputs.greedy_host.tolist() == [1010, 1011]
+
+
+def test_replays_outside_run_make_the_next_step_stage(runner):
+    """A graph replayed outside run() (a benchmark's timing loop) moves the device's
+    inputs on without the mirror: after forget_device_inputs the next step in place
+    stages everything, and its graph reads that step's inputs."""
+    tables = [np.array([[3, 7, 15, 0], [5, 1, 16, 0]], dtype=np.int32) for _ in range(2)]
+    runner.run(_decode_batch([5, 6], tables, version=1))
+    runner.graphs[(1, 2, False)].replay()  # (the device is now a step further)
+    runner.forget_device_inputs()
+    batch = _decode_batch([6, 7], tables, version=1)
+    runner.run(batch, inputs_in_place=True)
+    assert runner.num_advanced == 0
+    _assert_staged_as(runner, batch, 2)

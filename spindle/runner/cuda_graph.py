@@ -351,6 +351,12 @@ class CudaGraphRunner:
         self._ring_readers[self._ring_slot] = weakref.ref(pending)
         self.num_read_from_ring += 1
 
+    def forget_device_inputs(self) -> None:
+        """The device's staged inputs are no longer what the host's mirror says (graphs
+        replayed outside run(), as benchmarks do: an advancing graph moves them on each
+        replay): the next step stages them all."""
+        self._held = None
+
     def _advancing(self, size: int, query_len: int) -> bool:
         """Whether the graph of this shape advances its inputs (graph_advance.py)."""
         return self.advances and query_len == 1 and size <= GREEDY_MAX_BATCH

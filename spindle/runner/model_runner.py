@@ -596,6 +596,8 @@ class ModelRunner:
         if KV_CACHE in woken:
             for cache in flatten_cache_entries(self.kv_caches):
                 cache.zero_()
+        if self.graph_runner is not None:  # (what the graphs' inputs hold is not known)
+            self.graph_runner.forget_device_inputs()
         if all_awake and self._recapture_on_wake:
             self._recapture_on_wake = False
             self._capture_cuda_graphs(self._new_graph_runner())
