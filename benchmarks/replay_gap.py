@@ -21,6 +21,10 @@ iteration only enqueues), in microseconds an iteration:
   then the copy and event.
 
     python benchmarks/replay_gap.py [--steps 300] [--rounds 3] [--json out.json]
+
+Run it without SPINDLE_GRAPH_ADVANCE: graphs that advance their own inputs move the
+sequence on at every replay, so the variants that stage nothing would time ever longer
+contexts (its first two runs, with the switch on, were void for that: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -147,9 +151,10 @@ def main() -> None:
             params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
             llm.generate([prompt], params, use_tqdm=False)
             runner = llm.engine.core.executor.worker.runner.graph_runner
-            result["steps"] = dict(in_place=runner.num_in_place, staged_nothing=runner.num_advanced)
-            print(f"the request's decode steps: {runner.num_in_place} with the input ids in "
-                  f"place, {runner.num_advanced} of them staging nothing (graph_advance.py)")
+            if runner.advances:
+                raise SystemExit("replay_gap.py times the graphs as captured without "
+                                 "SPINDLE_GRAPH_ADVANCE: with it each replay moves the "
+                                 "sequence on, and the replays slow as the context grows")
             with torch.inference_mode():  # (the runner's buffers are inference tensors)
                 each = variants(runner)
                 for _ in range(args.rounds):  # (the variants alternate round by round)
