@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gpu_timing import replay_ms
 from nano_breakdown import device_timeline
-from throughput import checkpoint
+from throughput import checkpoint, engine_after_one_request
 
 
 def replay_gaps(graph, replays: int) -> dict:
@@ -81,17 +81,12 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("graph_gaps.py needs a CUDA device")
-    from spindle import LLM, SamplingParams
+    from spindle import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(args.checkpoint or Path(tmp) / "qwen3-0.6b-shape")
-        llm = LLM(str(path), dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
-                  max_num_batched_tokens=8192, enable_prefix_caching=False)
+        llm, runner = engine_after_one_request(path)
         try:
-            prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
-            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-            llm.generate([prompt], params, use_tqdm=False)
-            runner = llm.engine.core.executor.worker.runner.graph_runner
             missing = [s for s in args.sizes if (1, s, False) not in runner.graphs]
             if missing:
                 raise SystemExit(f"no captured graph of sizes {missing}; captured: "
@@ -101,7 +96,9 @@ def main() -> None:
             print(format_rows("as started", result["as_started"]))
             if args.recapture:
                 runner.capture()
-                llm.generate([prompt], params, use_tqdm=False)
+                prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
+                llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
+                                                      ignore_eos=True), use_tqdm=False)
                 result["recaptured"] = measure(runner, args.sizes, args.replays)
                 print(format_rows("every graph captured again", result["recaptured"]))
         finally:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
 import tempfile
 from pathlib import Path
@@ -41,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from throughput import checkpoint
+from throughput import checkpoint, engine_after_one_request
 
 
 @triton.jit
@@ -138,19 +137,11 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("replay_gap.py needs a CUDA device")
-    from spindle import LLM, SamplingParams
-
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "host": platform.processor(), "us": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        path = checkpoint(Path(tmp) / "qwen3-0.6b-shape")
-        llm = LLM(str(path), dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
-                  max_num_batched_tokens=8192, enable_prefix_caching=False)
+        llm, runner = engine_after_one_request(checkpoint(Path(tmp) / "qwen3-0.6b-shape"))
         try:
-            prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
-            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-            llm.generate([prompt], params, use_tqdm=False)
-            runner = llm.engine.core.executor.worker.runner.graph_runner
             if runner.advances:
                 raise SystemExit("replay_gap.py times the graphs as captured without "
                                  "SPINDLE_GRAPH_ADVANCE: with it each replay moves the "

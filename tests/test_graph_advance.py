@@ -295,3 +295,18 @@ def test_replays_outside_run_make_the_next_step_stage(runner):
     runner.run(batch, inputs_in_place=True)
     assert runner.num_advanced == 0
     _assert_staged_as(runner, batch, 2)
+
+
+def test_tokens_to_host_needs_the_advance(monkeypatch):
+    """SPINDLE_GRAPH_TOKENS_TO_HOST=1 alone is refused by name, not ignored."""
+    from spindle.runner.graph_advance import tokens_to_host_enabled
+
+    monkeypatch.setenv("SPINDLE_GRAPH_TOKENS_TO_HOST", "1")
+    monkeypatch.delenv("SPINDLE_GRAPH_ADVANCE", raising=False)
+    with pytest.raises(ValueError, match="SPINDLE_GRAPH_TOKENS_TO_HOST=1 needs "
+                                         "SPINDLE_GRAPH_ADVANCE=1"):
+        tokens_to_host_enabled()
+    monkeypatch.setenv("SPINDLE_GRAPH_ADVANCE", "1")
+    assert tokens_to_host_enabled()
+    monkeypatch.setenv("SPINDLE_GRAPH_TOKENS_TO_HOST", "0")
+    assert not tokens_to_host_enabled()

@@ -174,7 +174,7 @@ class CudaGraphRunner:
         # Whether they advance the other inputs too (graph_advance.py; the CUDA kernel's).
         self.advances = (self.feeds_inputs and graph_advance_enabled()
                          and greedy_kernel_enabled() and device.type == "cuda")
-        self.tokens_to_host = self.advances and tokens_to_host_enabled()
+        self.tokens_to_host = tokens_to_host_enabled() and self.advances
         self.block_size = block_size
         self.lora = lora
         self.adapter_variants = (False, True) if lora is not None else (False,)

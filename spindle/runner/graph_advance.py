@@ -53,8 +53,14 @@ def graph_advance_enabled() -> bool:
 
 def tokens_to_host_enabled() -> bool:
     """Whether the graphs that advance their inputs write their tokens to the host ring
-    too (module docstring): with SPINDLE_GRAPH_TOKENS_TO_HOST=1."""
-    return on_off(TOKENS_TO_HOST_ENV, False)
+    too (module docstring): with SPINDLE_GRAPH_TOKENS_TO_HOST=1, which needs
+    SPINDLE_GRAPH_ADVANCE=1 (the ring's slot is an input the graphs advance)."""
+    if not on_off(TOKENS_TO_HOST_ENV, False):
+        return False
+    if not graph_advance_enabled():
+        raise ValueError(f"{TOKENS_TO_HOST_ENV}=1 needs {GRAPH_ADVANCE_ENV}=1: the host ring's "
+                         "slot is an input that only advancing graphs move on")
+    return True
 
 
 class NextInputs(NamedTuple):
