@@ -28,3 +28,20 @@ def on_off(name: str, default: bool, environ: Mapping[str, str] = os.environ) ->
     if raw not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+# SPINDLE_* variables that choose no kernel variant (secrets, paths, logging, serving):
+# a kernel plan's fingerprint leaves them out (kernel_switch_settings).
+NO_KERNEL_EFFECT = frozenset({
+    "SPINDLE_API_KEY", "SPINDLE_LOG_LEVEL", "SPINDLE_SERVER_DEV_MODE", "SPINDLE_START_CACHE",
+    "SPINDLE_START_CACHE_DIR", "SPINDLE_CPU_KERNELS_DIR", "SPINDLE_GGUF_CACHE",
+    "SPINDLE_COMPILE_AHEAD", "SPINDLE_CUDA_EARLY_START"})
+
+
+def kernel_switch_settings(environ: Mapping[str, str] = os.environ) -> str:
+    """The SPINDLE_* settings of this process that may change which kernel variants an
+    engine launches (every one not in NO_KERNEL_EFFECT, unknown ones included), as one
+    line: part of a kernel plan's fingerprint (runner/kernel_plan.py), so that a start
+    under other switches does not load a plan made without them."""
+    return ";".join(f"{name}={value}" for name, value in sorted(environ.items())
+                    if name.startswith("SPINDLE_") and name not in NO_KERNEL_EFFECT)

@@ -215,3 +215,25 @@ def test_triton_is_hashed_once_on_a_background_thread():
     assert triton_key.cache_info().currsize == 1
     hash_triton_in_background()  # done: nothing started
     assert not [t for t in threading.enumerate() if t.name == "spindle-triton-key"]
+
+
+def test_an_engines_plan_depends_on_its_kernel_switches(tiny_model, monkeypatch, tmp_path):
+    """A CPU engine's plan path (its fingerprint) changes with a kernel switch set in the
+    environment, not with a path or the API key: a start under other switches does not
+    load a plan made without them."""
+    from spindle import LLM
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    with LLM(str(tiny_model()), device="cpu", max_model_len=64) as llm:
+        runner = llm.engine.core.executor.worker.runner
+
+        def plan_file():
+            return type(runner).kernel_plan.func(runner).path
+
+        first = plan_file()
+        assert first is not None and first.parent == tmp_path / kernel_plan.PLAN_DIR
+        monkeypatch.setenv("SPINDLE_API_KEY", "secret")
+        monkeypatch.setenv("SPINDLE_LOG_LEVEL", "DEBUG")
+        assert plan_file() == first
+        monkeypatch.setenv("SPINDLE_PDL", "0")
+        assert plan_file() != first

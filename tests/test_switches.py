@@ -16,7 +16,7 @@ from spindle.attention import metadata
 from spindle.attention.backends import triton_attn
 from spindle.layers import cpu_kernels, int8_head, norm, pdl, skinny_gemm
 from spindle import start_cache
-from spindle.runner import compile_ahead, cuda_graph
+from spindle.runner import compile_ahead, cuda_graph, graph_advance
 from spindle.runner.sample import sampler
 
 
@@ -37,6 +37,14 @@ def _bf16_cpu_hidden():
     return torch.zeros(2, 16, dtype=torch.bfloat16)
 
 
+def _tokens_to_host():
+    """The ring switch's reader, with the advance it needs on."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"SPINDLE_GRAPH_ADVANCE": "1"}):
+        return graph_advance.tokens_to_host_enabled()
+
+
 def _skinny_applies():
     x = torch.zeros(2, 16, dtype=torch.bfloat16)
     return skinny_gemm.skinny_gemm_applies(x, torch.zeros(8, 16, dtype=torch.bfloat16))
@@ -55,6 +63,8 @@ READERS = {
     "SPINDLE_DECODE_PER_HEAD": lambda: triton_attn.per_head_applies(1, 128),
     "SPINDLE_GRAPH_ARGMAX": cuda_graph.graph_argmax_enabled,
     "SPINDLE_GRAPH_FEED": cuda_graph.graph_feed_enabled,
+    "SPINDLE_GRAPH_ADVANCE": graph_advance.graph_advance_enabled,
+    "SPINDLE_GRAPH_TOKENS_TO_HOST": _tokens_to_host,
     "SPINDLE_GREEDY_KERNEL": lambda: sampler.raw_argmax(torch.zeros(1, 4)),
 }
 
@@ -86,3 +96,15 @@ def test_the_fused_cpu_kernels_switches_refuse_a_word(name, call):
                           env={**os.environ, name: "no"}, timeout=120)
     assert done.returncode != 0
     assert f"{name} must be 0 or 1, got 'no'" in done.stderr, done.stderr[-2000:]
+
+
+def test_kernel_switch_settings_name_the_switches_but_not_secrets_or_paths():
+    """What a kernel plan's fingerprint takes from the environment: every SPINDLE_*
+    setting that may choose kernels (an unknown one too), sorted, without the API key,
+    paths and logging."""
+    environ = {"SPINDLE_PDL": "0", "SPINDLE_GRAPH_ADVANCE": "1", "SPINDLE_NEW_KNOB": "3",
+               "SPINDLE_API_KEY": "secret", "SPINDLE_START_CACHE_DIR": "/tmp/x",
+               "SPINDLE_LOG_LEVEL": "DEBUG", "PATH": "/bin"}
+    assert switches.kernel_switch_settings(environ) == \
+        "SPINDLE_GRAPH_ADVANCE=1;SPINDLE_NEW_KNOB=3;SPINDLE_PDL=0"
+    assert switches.kernel_switch_settings({"SPINDLE_LOG_LEVEL": "INFO"}) == ""

@@ -11,7 +11,8 @@ passes.
 
 A plan is a JSON file `<Triton cache dir>/spindle_plans/<fingerprint>.json`. The
 fingerprint hashes everything that decides which variants the warm-up launches: the
-engine configuration, the checkpoint's config, this worker's rank and world size, the
+engine configuration, the checkpoint's config, the SPINDLE_* switches set in the
+environment (switches.kernel_switch_settings), this worker's rank and world size, the
 device, and the torch and Triton versions. Each entry names its kernel (module and
 name) and the kernel's source hash (JITFunction.cache_key): a kernel whose source has
 changed since makes the plan stale, and it is not used. Since the plan lives in the

@@ -43,7 +43,7 @@ from spindle.runner.sample.prompt_logprobs import prompt_rows, score_rows
 from spindle.runner.staging import DeviceToHost, HostToDevice
 from spindle.step_messages import (ModelRunnerOutput, NewRequestData, SampledLogprobs,
                                    SchedulerOutput)
-from spindle.switches import on_off
+from spindle.switches import kernel_switch_settings, on_off
 
 logger = logging.getLogger(__name__)
 
@@ -376,11 +376,13 @@ class ModelRunner:
     @functools.cached_property
     def kernel_plan(self) -> KernelPlan:
         """This engine's kernel plan (runner/kernel_plan.py): its fingerprint covers the
-        configuration, the checkpoint's config, this rank and the device."""
+        configuration, the checkpoint's config, the kernel switches set in the
+        environment, this rank and the device."""
         hf_config = self.config.model.hf_config
         to_json = getattr(hf_config, "to_json_string", None)
         return KernelPlan(engine_fingerprint(
             repr(self.config), to_json() if to_json else repr(hf_config),
+            f"switches {kernel_switch_settings()}",
             f"tp rank {self.tp_group.rank} of {self.tp_group.size}",
             f"stage {self.stage.rank} of {self.stage.size}",
             self.platform.device_model(self.device)))
