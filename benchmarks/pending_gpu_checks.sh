@@ -22,7 +22,9 @@
 # SPINDLE_GRAPH_TOKENS_TO_HOST=1 their tokens written to a pinned host ring), both off.
 # First (`tests`): test_compile_gpu.py's mixed-steps case with and without them; with
 # them it failed once on the H100 and the call ended before its message (the other
-# compile cases, the kernel tests and test_cuda_e2e.py -k argmax passed with them). If
+# compile cases, the kernel tests and test_cuda_e2e.py -k argmax passed with them; the
+# kernel plan's fingerprint now covers the switches, d92561e: that case had loaded the
+# first case's plan, made without its SPINDLE_DECODE_TARGET_PROGRAMS=16). If
 # it passes with them, or fails without them too: on an H200 the batch-1 A/B (`h200`,
 # first; the H100 gave +1.2% for either, 7 rounds), the rest of the engine tests with
 # them (`tests`), and turn them on if they gain there.
