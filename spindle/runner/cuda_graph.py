@@ -84,6 +84,12 @@ def graph_feed_enabled() -> bool:
     return on_off(GRAPH_FEED_ENV, True)
 
 
+def _takes_argmax(size: int, query_len: int) -> bool:
+    """Whether a graph of this shape takes its rows' argmax, where the graphs take it at
+    all (with_greedy): a decode graph of at most GREEDY_MAX_BATCH requests."""
+    return query_len == 1 and size <= GREEDY_MAX_BATCH
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, then steps of 32 up to 256 and of 64 beyond,
     ending at max_batch: at most about a third of padding, and few enough graphs that
@@ -359,7 +365,7 @@ class CudaGraphRunner:
 
     def _advancing(self, size: int, query_len: int) -> bool:
         """Whether the graph of this shape advances its inputs (graph_advance.py)."""
-        return self.advances and query_len == 1 and size <= GREEDY_MAX_BATCH
+        return self.advances and _takes_argmax(size, query_len)
 
     def _follow_advance(self, batch: StepBatch, size: int, query_len: int,
                         staged: np.ndarray | None) -> None:
@@ -469,7 +475,7 @@ class CudaGraphRunner:
         if not self.with_logits:
             return GraphOutputs(hidden)
         logits = self.state.compute_logits(hidden)
-        if not (self.with_greedy and query_len == 1 and size <= GREEDY_MAX_BATCH):
+        if not (self.with_greedy and _takes_argmax(size, query_len)):
             return GraphOutputs(hidden, logits)
         into = self.input_ids[:size] if self.feeds_inputs else None
         next_inputs = None

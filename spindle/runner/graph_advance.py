@@ -85,6 +85,20 @@ class NextInputs(NamedTuple):
                 self.tables.stride(0), self.tables.stride(1), self.tables.shape[2], *ring)
 
 
+def advance_launch(next_inputs: NextInputs | None, placeholder: torch.Tensor
+                   ) -> tuple[tuple, dict]:
+    """(advance_row's pointer and stride arguments, its constexprs ADVANCE, NUM_GROUPS,
+    BLOCK_SIZE and TO_HOST) for a kernel that calls it: without next_inputs,
+    placeholder's pointer and zeros, which a kernel compiled with ADVANCE off never
+    reads."""
+    if next_inputs is None:
+        args = (placeholder,) * 3 + (0, placeholder, 0, 0, 0, placeholder, 0, placeholder)
+        return args, dict(ADVANCE=False, NUM_GROUPS=0, BLOCK_SIZE=1, TO_HOST=False)
+    return next_inputs.kernel_args(), dict(
+        ADVANCE=True, NUM_GROUPS=next_inputs.slots.shape[0],
+        BLOCK_SIZE=next_inputs.block_size, TO_HOST=next_inputs.ring is not None)
+
+
 @triton.jit
 def advance_row(row, token, positions_ptr, seq_lens_ptr, slots_ptr, slot_stride, tables_ptr,
                 table_group_stride, table_row_stride, table_cols, ring_ptr, ring_stride,

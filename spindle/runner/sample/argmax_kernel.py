@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from spindle.layers import pdl
-from spindle.runner.graph_advance import NextInputs, advance_row
+from spindle.runner.graph_advance import NextInputs, advance_launch, advance_row
 
 CHUNK = 2048  # ids a program of the first kernel reduces (152k ids: 75 programs a row)
 
@@ -57,17 +57,11 @@ def argmax_rows(logits: torch.Tensor, also_into: torch.Tensor | None = None,
     launch = pdl.kernel_args(logits.device, None)  # (whatever the rows: one variant)
     _chunk_argmax_kernel[(rows, chunks)](logits, best, where, logits.stride(0), vocab,
                                          CHUNKS=chunks, CHUNK=CHUNK, num_warps=4, **launch)
-    if next_inputs is None:
-        advance, groups, block_size = (out, out, out, 0, out, 0, 0, 0, out, 0, out), 0, 1
-    else:
-        advance = next_inputs.kernel_args()
-        groups, block_size = next_inputs.slots.shape[0], next_inputs.block_size
-    to_host = next_inputs is not None and next_inputs.ring is not None
+    advance, advance_constants = advance_launch(next_inputs, out)
     _row_argmax_kernel[(rows,)](best, where, out, also_into if also_into is not None else out,
                                 *advance, CHUNKS=chunks, BLOCK=triton.next_power_of_2(chunks),
-                                ALSO=also_into is not None, ADVANCE=next_inputs is not None,
-                                NUM_GROUPS=groups, BLOCK_SIZE=block_size, TO_HOST=to_host,
-                                num_warps=1, **launch)
+                                ALSO=also_into is not None, num_warps=1, **advance_constants,
+                                **launch)
     return out
 
 
