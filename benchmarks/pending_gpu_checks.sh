@@ -17,6 +17,10 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
+# Pending (2026-12-07, fortieth session): test_compile_gpu.py whole passed on an H100 with
+# both graph switches on (6, the mixed-steps case among them: its failure was the shared
+# kernel plan, d92561e). Still to run with them: `tests`'s engine tests (first), and on
+# an H200 the batch-1 A/B (`h200`, first); then turn SPINDLE_GRAPH_ADVANCE on if it gains.
 # Pending (2026-12-07, thirty-ninth session; one H100 after four failed starts): the
 # decode graphs that advance their own inputs (SPINDLE_GRAPH_ADVANCE=1, with
 # SPINDLE_GRAPH_TOKENS_TO_HOST=1 their tokens written to a pinned host ring), both off.
@@ -173,11 +177,6 @@ if [[ $what == h200 ]]; then
 fi
 
 if [[ $what == tests || $what == all ]]; then
-    stamp "the mixed-steps compile case with the graph switches on, then off"
-    SPINDLE_GRAPH_ADVANCE=1 SPINDLE_GRAPH_TOKENS_TO_HOST=1 timeout 150 python3 -m pytest -q \
-        -p no:cacheprovider -m gpu tests/test_compile_gpu.py -k mixed_steps 2>&1 | tail -30
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_compile_gpu.py \
-        -k mixed_steps 2>&1 | tail -30
     stamp "the graphs that advance their inputs: kernels, then the engine tests with them"
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graph_advance.py \
         tests/test_argmax_kernel.py 2>&1 | tail -3
