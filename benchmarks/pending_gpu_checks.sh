@@ -18,8 +18,8 @@
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
 # Pending (2026-12-07, fortieth session): test_compile_gpu.py whole passed on an H100 with
-# both graph switches on (6, the mixed-steps case among them: its failure was the shared
-# kernel plan, d92561e). Still to run with them: `tests`'s engine tests (first), and on
+# both graph switches on (6, the mixed-steps case among them: its failure was likely the
+# shared kernel plan, d92561e). Still to run with them: `tests`'s engine tests (first); on
 # an H200 the batch-1 A/B (`h200`, first); then turn SPINDLE_GRAPH_ADVANCE on if it gains.
 # Pending (2026-12-07, thirty-ninth session; one H100 after four failed starts): the
 # decode graphs that advance their own inputs (SPINDLE_GRAPH_ADVANCE=1, with
