@@ -262,6 +262,61 @@ def test_no_hit_without_a_snapshot_at_the_boundary():
     assert m.get_computed_blocks(b)[1] == 0  # block 0 is cached, but no state at 4
 
 
+def _manager_state(m: KVCacheManager, rid: str) -> tuple:
+    """Everything a step's allocation may change, and the state copies it asked for."""
+    return (m.num_free_blocks, m.state_pool.num_free_blocks if m.stateful else 0,
+            dict(m._num_hashed), m.get_block_ids(rid), m.take_state_copies(),
+            m.block_pool.num_cached_blocks)
+
+
+def _decoding_request(kind: str) -> tuple[KVCacheManager, Request]:
+    """A manager of kind and a request past its prompt, about to decode."""
+    if kind == "hybrid":
+        m = caching_hybrid_manager(slots=8, num_blocks=64)
+    else:
+        m = sliding_manager(window=6, caching=kind != "sliding")
+    prompt, hits = list(range(20)) + [99, 98], NO_HIT
+    if kind == "sliding_hit":  # admitted with a prefix hit: the window's first blocks None
+        schedule(m, make_request("first", range(21)), 21)
+        hits = m.get_computed_blocks(make_request("a", prompt))[0]
+        assert hits.num_tokens == 20 and hits.blocks[1][0] is None
+    r = make_request("a", prompt)
+    schedule(m, r, len(prompt) - hits.num_tokens, hits)
+    m.take_state_copies()
+    return m, r
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+@pytest.mark.parametrize("kind", ["hybrid", "sliding", "sliding_cached", "sliding_hit"])
+def test_decode_steps_skip_allocation_only_where_it_would_change_nothing(kind, in_flight):
+    """The scheduler skips allocate_slots for a decode step where holds_next_token says
+    so. Twin managers take the same steps, one always allocating, the other skipping as
+    the scheduler does: they stay equal (blocks, the blocks windows leave behind, state
+    snapshots at block boundaries, hashes), and both kinds of step occur. in_flight:
+    async scheduling, each step's input token still being sampled when it is scheduled."""
+    (always, a), (skipping, s) = _decoding_request(kind), _decoding_request(kind)
+    skipped = []
+    for step in range(14):
+        for m, r in ((always, a), (skipping, s)):
+            m.release_held_snapshots()  # (the start of a schedule())
+            if in_flight:
+                r.num_output_placeholders = 1
+            else:
+                r.append_output_token_ids([100 + step])
+        skipped.append(skipping.holds_next_token(s))
+        schedule(always, a, 1)
+        if skipped[-1]:
+            s.num_computed_tokens += 1
+        else:
+            schedule(skipping, s, 1)
+        assert _manager_state(always, "a") == _manager_state(skipping, "a"), (step, skipped)
+        if in_flight:
+            for r in (a, s):
+                r.num_output_placeholders = 0
+                r.append_output_token_ids([100 + step])
+    assert any(skipped) and not all(skipped), skipped
+
+
 def test_a_request_preempted_in_its_snapshot_step_leaves_no_snapshot():
     m = caching_hybrid_manager()
     a = make_request("a", range(9))

@@ -28,14 +28,17 @@ def test_a_cache_smaller_than_one_sequence_serves_long_generations(tiny_model):
         assert core.kv_config.num_blocks == 8  # a 150-token sequence would need 38
         manager = core.scheduler.kv_cache_manager
         held = []
-        original = manager.allocate_slots
 
-        def recording(request, *args, **kwargs):
-            new = original(request, *args, **kwargs)
-            held.append(manager.get_num_blocks(request.request_id))
-            return new
+        def recording(method):  # the blocks a request holds at each step it is scheduled
+            def call(request, *args, **kwargs):
+                result = method(request, *args, **kwargs)
+                held.append(manager.get_num_blocks(request.request_id))
+                return result
+            return call
 
-        manager.allocate_slots = recording
+        # (A decode step that would change nothing skips allocate_slots: holds_next_token.)
+        manager.allocate_slots = recording(manager.allocate_slots)
+        manager.holds_next_token = recording(manager.holds_next_token)
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [t for t, _ in expected]
     # Prefill chunks of 8 tokens after 7 window positions straddle at most 5 blocks;

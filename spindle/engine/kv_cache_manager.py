@@ -172,9 +172,9 @@ class KVCacheManager:
         self._held_snapshots: list[KVCacheBlock] = []  # until the next schedule()
         self.prefix_cache_stats = PrefixCacheStats()
         self._max_fit_tokens = self._largest_fitting_sequence()
-        # A decode step of a request that holds its blocks still has work here when
-        # windows free blocks or state snapshots are kept (see holds_next_token).
-        self._decode_has_work = bool(self._windowed) or (bool(self.stateful) and enable_caching)
+        # (A decode step ending at a block boundary keeps a state snapshot when this
+        # is set: see holds_next_token.)
+        self._snapshots_kept = bool(self.stateful) and enable_caching
 
     @property
     def num_blocks(self) -> int:
@@ -195,15 +195,19 @@ class KVCacheManager:
     def holds_next_token(self, request: Request) -> bool:
         """Whether a step computing one more token of request (no lookahead) needs
         nothing of allocate_slots: the request holds the blocks, no block becomes
-        full unhashed, and no window or state snapshot has work. Most requests of most
-        decode steps; the scheduler then skips allocate_slots (which would return no
-        new blocks and change nothing)."""
-        if self._decode_has_work:
+        full unhashed, no window leaves a block behind (windows move on a block at a
+        time) and no state snapshot is due (only where the step ends at a block
+        boundary, as _snapshot_state says). Most requests of most decode steps; the
+        scheduler then skips allocate_slots (which would return no new blocks and
+        change nothing)."""
+        total = request.num_computed_tokens + 1
+        if self._snapshots_kept and total % self.block_size == 0:
             return False
         held = self._req_blocks.get(request.request_id)
         if held is None:
             return False
-        total = request.num_computed_tokens + 1
+        if self._windowed and self._window_left_a_block(held, request.num_computed_tokens):
+            return False
         needed = -(-total // self.block_size)
         for blocks in held:
             if needed > len(blocks):
@@ -455,6 +459,18 @@ class KVCacheManager:
                 for j in range(first_needed):
                     blocks[j] = None
                 self.block_pool.free_blocks(reversed(freed))
+
+    def _window_left_a_block(self, held: GroupBlocks, position: int) -> bool:
+        """Whether _free_outside_windows(position) would free a block. It frees all
+        the blocks before a window's first needed one, and prefix hits leave those
+        out, so the freed blocks of a group are a prefix: the last one before the
+        first needed tells."""
+        for i in self._windowed:
+            blocks = held[i]
+            first_needed = min(self._first_needed_block(self.paged[i], position), len(blocks))
+            if first_needed and blocks[first_needed - 1] is not None:
+                return True
+        return False
 
     def _holds_enough(self, rid: str, held: GroupBlocks, total: int, known: int) -> bool:
         """Whether held blocks cover total tokens and no block newly became full."""
