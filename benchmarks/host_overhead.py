@@ -7,9 +7,10 @@ recording the sampled tokens, stop checks and output processing. On a GPU this i
 work async scheduling must hide behind each step's kernels; per sequence, it bounds
 how many sequences one step can serve before the host becomes the limit.
 
-    python benchmarks/host_overhead.py [--batch 64 256] [--arch llama|bamba] [--json out.json]
+    python benchmarks/host_overhead.py [--batch 64 256] [--arch llama|bamba|mistral] [--json out.json]
 
 --arch bamba: a hybrid (Mamba2 + attention) model, whose steps also carry state slots.
+--arch mistral: attention in a sliding window of 32 tokens, which the sequences pass.
 
 Run it on the machine whose host you want to know (the GPU host is slower than a
 desktop core); it uses one thread.
@@ -69,7 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--arch", default="llama", choices=["llama", "bamba"])
+    parser.add_argument("--arch", default="llama", choices=["llama", "bamba", "mistral"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -81,6 +82,8 @@ def main() -> None:
                      intermediate_size=64)
         if args.arch == "bamba":  # one Mamba2 layer and one attention layer
             shape.update(num_layers=2)
+        if args.arch == "mistral":
+            shape.update(sliding_window=32)
         path = make_tiny_model(Path(tmp) / "tiny", arch=args.arch, vocab_size=VOCAB,
                                max_position_embeddings=4096, **shape)
         for batch in args.batch:
