@@ -7,7 +7,8 @@ recording the sampled tokens, stop checks and output processing. On a GPU this i
 work async scheduling must hide behind each step's kernels; per sequence, it bounds
 how many sequences one step can serve before the host becomes the limit.
 
-    python benchmarks/host_overhead.py [--batch 64 256] [--arch llama|bamba|mistral] [--json out.json]
+    python benchmarks/host_overhead.py [--batch 64 256] [--arch llama|bamba|mistral]
+        [--json out.json]
 
 --arch bamba: a hybrid (Mamba2 + attention) model, whose steps also carry state slots.
 --arch mistral: attention in a sliding window of 32 tokens, which the sequences pass.
