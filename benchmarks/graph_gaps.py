@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import tempfile
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gpu_timing import replay_ms
 from nano_breakdown import device_timeline
-from throughput import checkpoint, engine_after_one_request
+from throughput import checkpoint, engine_after_one_request, one_request
 
 
 def replay_gaps(graph, replays: int) -> dict:
@@ -81,8 +80,6 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("graph_gaps.py needs a CUDA device")
-    from spindle import SamplingParams
-
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(args.checkpoint or Path(tmp) / "qwen3-0.6b-shape")
         llm, runner = engine_after_one_request(path)
@@ -96,9 +93,7 @@ def main() -> None:
             print(format_rows("as started", result["as_started"]))
             if args.recapture:
                 runner.capture()
-                prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
-                llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
-                                                      ignore_eos=True), use_tqdm=False)
+                one_request(llm)
                 result["recaptured"] = measure(runner, args.sizes, args.replays)
                 print(format_rows("every graph captured again", result["recaptured"]))
         finally:

@@ -452,16 +452,23 @@ def nano_run(llm, args, weight_bytes: int, kv_per_token: int, bandwidth: float,
 
 def engine_after_one_request(path: Path):
     """(llm, its CUDA graph runner): an engine on the checkpoint at path with this
-    script's settings, after one greedy request of 8 tokens on a 512-token prompt (its
-    graphs captured and replayed). The caller shuts the engine down."""
-    from spindle import LLM, SamplingParams
+    script's settings, after one_request (its graphs captured and replayed). The caller
+    shuts the engine down."""
+    from spindle import LLM
 
     llm = LLM(str(path), dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
               max_num_batched_tokens=8192, enable_prefix_caching=False)
+    one_request(llm)
+    return llm, llm.engine.core.executor.worker.runner.graph_runner
+
+
+def one_request(llm) -> None:
+    """One greedy request of 8 tokens on a 512-token prompt (the same every call)."""
+    from spindle import SamplingParams
+
     prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
-    return llm, llm.engine.core.executor.worker.runner.graph_runner
 
 
 def checkpoint(path: Path) -> Path:
