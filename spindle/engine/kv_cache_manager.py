@@ -451,9 +451,8 @@ class KVCacheManager:
     def _free_outside_windows(self, rid: str, held: GroupBlocks, position: int) -> None:
         """Free the sliding-window blocks no token from position on will read."""
         for i in self._windowed:
-            g = self.paged[i]
             blocks = held[i]
-            first_needed = min(self._first_needed_block(g, position), len(blocks))
+            first_needed = self._window_cut(i, blocks, position)
             freed = [b for b in blocks[:first_needed] if b is not None]
             if freed:
                 for j in range(first_needed):
@@ -467,10 +466,15 @@ class KVCacheManager:
         first needed tells."""
         for i in self._windowed:
             blocks = held[i]
-            first_needed = min(self._first_needed_block(self.paged[i], position), len(blocks))
+            first_needed = self._window_cut(i, blocks, position)
             if first_needed and blocks[first_needed - 1] is not None:
                 return True
         return False
+
+    def _window_cut(self, i: int, blocks: list, position: int) -> int:
+        """How many of blocks (paged group i's, a request's) no token from position on
+        reads: those before the window's first needed block."""
+        return min(self._first_needed_block(self.paged[i], position), len(blocks))
 
     def _holds_enough(self, rid: str, held: GroupBlocks, total: int, known: int) -> bool:
         """Whether held blocks cover total tokens and no block newly became full."""
