@@ -1,8 +1,8 @@
 """What a batch-1 decode step costs the device between two replays of its graph, and
 what it would cost if the graph advanced its own inputs and wrote its token to the host.
 
-With SPINDLE_GRAPH_ADVANCE off (the default), a steady greedy batch-1 step (the graph
-feed on: its input id already in place) runs, on the device: the staged inputs'
+With SPINDLE_GRAPH_ADVANCE=0, a steady greedy batch-1 step (the graph feed on: its input
+id already in place) runs, on the device: the staged inputs'
 host-to-device copy (positions, sequence lengths, slots), the graph, the token's
 device-to-host copy and an event. On an H100 a step was the replay plus 12-17 us
 (docs/benchmarks.md), on an H200 plus 28-35. This script builds
@@ -23,15 +23,17 @@ iteration only enqueues), in microseconds an iteration:
 
     python benchmarks/replay_gap.py [--steps 300] [--rounds 3] [--json out.json]
 
-Run it without SPINDLE_GRAPH_ADVANCE: graphs that advance their own inputs move the
-sequence on at every replay, so the variants that stage nothing would time ever longer
-contexts (its first two runs, with the switch on, were void for that: docs/benchmarks.md).
+It builds its engine with SPINDLE_GRAPH_ADVANCE=0 (unless that is set otherwise, which
+it refuses): graphs that advance their own inputs move the sequence on at every replay,
+so the variants that stage nothing would time ever longer contexts (its first two runs,
+with the advance on, were void for that: docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -136,6 +138,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    os.environ.setdefault("SPINDLE_GRAPH_ADVANCE", "0")  # (see the module docstring)
     if not torch.cuda.is_available():
         raise SystemExit("replay_gap.py needs a CUDA device")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -144,9 +147,10 @@ def main() -> None:
         llm, runner = engine_after_one_request(checkpoint(Path(tmp) / "qwen3-0.6b-shape"))
         try:
             if runner.advances:
-                raise SystemExit("replay_gap.py times the graphs as captured without "
-                                 "SPINDLE_GRAPH_ADVANCE: with it each replay moves the "
-                                 "sequence on, and the replays slow as the context grows")
+                raise SystemExit("replay_gap.py times the graphs as captured without the "
+                                 "advance (SPINDLE_GRAPH_ADVANCE=0): with it each replay "
+                                 "moves the sequence on, and the replays slow as the "
+                                 "context grows")
             with torch.inference_mode():  # (the runner's buffers are inference tensors)
                 each = variants(runner)
                 for _ in range(args.rounds):  # (the variants alternate round by round)

@@ -298,14 +298,18 @@ def test_replays_outside_run_make_the_next_step_stage(runner):
 
 
 def test_tokens_to_host_needs_the_advance(monkeypatch):
-    """SPINDLE_GRAPH_TOKENS_TO_HOST=1 alone is refused by name, not ignored."""
-    from spindle.runner.graph_advance import tokens_to_host_enabled
+    """SPINDLE_GRAPH_TOKENS_TO_HOST=1 with the advance turned off is refused by name,
+    not ignored; with the advance on (the default) it holds."""
+    from spindle.runner.graph_advance import graph_advance_enabled, tokens_to_host_enabled
 
     monkeypatch.setenv("SPINDLE_GRAPH_TOKENS_TO_HOST", "1")
-    monkeypatch.delenv("SPINDLE_GRAPH_ADVANCE", raising=False)
-    with pytest.raises(ValueError, match="SPINDLE_GRAPH_TOKENS_TO_HOST=1 needs "
-                                         "SPINDLE_GRAPH_ADVANCE=1"):
+    monkeypatch.setenv("SPINDLE_GRAPH_ADVANCE", "0")
+    with pytest.raises(ValueError, match="SPINDLE_GRAPH_TOKENS_TO_HOST=1 needs the graph "
+                                         "advance, which SPINDLE_GRAPH_ADVANCE=0 turns off"):
         tokens_to_host_enabled()
+    monkeypatch.delenv("SPINDLE_GRAPH_ADVANCE")
+    assert graph_advance_enabled()
+    assert tokens_to_host_enabled()
     monkeypatch.setenv("SPINDLE_GRAPH_ADVANCE", "1")
     assert tokens_to_host_enabled()
     monkeypatch.setenv("SPINDLE_GRAPH_TOKENS_TO_HOST", "0")

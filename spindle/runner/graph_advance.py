@@ -7,10 +7,11 @@ last kernel (the greedy argmax's, runner/sample/argmax_kernel.py) writes them in
 graphs' static buffers as it writes the tokens into the input ids, so such a step stages
 nothing: no host-to-device copy between two replays (on an H100 a step was the replay
 plus 12-17 us, much of it the copies and the transitions around them; on an H200 28-35
-us), and none of the copy call's host time. Off until measured on a GPU:
-SPINDLE_GRAPH_ADVANCE=1 turns it on.
+us), and none of the copy call's host time. On by default (batch-1 decode +1.2% on an
+H100, docs/benchmarks.md); SPINDLE_GRAPH_ADVANCE=0 turns it off.
 
-With SPINDLE_GRAPH_TOKENS_TO_HOST=1 as well (off until measured) the same programs write
+With SPINDLE_GRAPH_TOKENS_TO_HOST=1 as well (off: it gained nothing beyond the advance on
+an H100) the same programs write
 each row's token into pinned host memory (a ring of RING_SLOTS steps, its slot an input
 the graph advances like the others), so a greedy step queues no copy of its tokens
 either: between two replays the device then runs nothing at all.
@@ -47,19 +48,20 @@ UNKNOWN_SLOT = -2
 
 def graph_advance_enabled() -> bool:
     """Whether the graphs that feed their argmax advance their inputs too (module
-    docstring): with SPINDLE_GRAPH_ADVANCE=1."""
-    return on_off(GRAPH_ADVANCE_ENV, False)
+    docstring): unless SPINDLE_GRAPH_ADVANCE=0."""
+    return on_off(GRAPH_ADVANCE_ENV, True)
 
 
 def tokens_to_host_enabled() -> bool:
     """Whether the graphs that advance their inputs write their tokens to the host ring
     too (module docstring): with SPINDLE_GRAPH_TOKENS_TO_HOST=1, which needs
-    SPINDLE_GRAPH_ADVANCE=1 (the ring's slot is an input the graphs advance)."""
+    the advance (the ring's slot is an input the graphs advance)."""
     if not on_off(TOKENS_TO_HOST_ENV, False):
         return False
     if not graph_advance_enabled():
-        raise ValueError(f"{TOKENS_TO_HOST_ENV}=1 needs {GRAPH_ADVANCE_ENV}=1: the host ring's "
-                         "slot is an input that only advancing graphs move on")
+        raise ValueError(f"{TOKENS_TO_HOST_ENV}=1 needs the graph advance, which "
+                         f"{GRAPH_ADVANCE_ENV}=0 turns off: the host ring's slot is an input "
+                         "that only advancing graphs move on")
     return True
 
 
