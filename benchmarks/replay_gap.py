@@ -2,9 +2,9 @@
 what it would cost if the graph advanced its own inputs and wrote its token to the host.
 
 With SPINDLE_GRAPH_ADVANCE=0, a steady greedy batch-1 step (the graph feed on: its input
-id already in place) runs, on the device: the staged inputs'
-host-to-device copy (positions, sequence lengths, slots), the graph, the token's
-device-to-host copy and an event. On an H100 a step was the replay plus 12-17 us
+id already in place) runs, on the device: the staged inputs' host-to-device copy
+(positions, sequence lengths, slots), the graph, the token's device-to-host copy and an
+event. On an H100 a step was the replay plus 12-17 us
 (docs/benchmarks.md), on an H200 plus 28-35. This script builds
 the engine as throughput.py does (Qwen3-0.6B shape, bf16), runs one request, then times
 `--steps` iterations of each variant by events around them (the host runs ahead: each

@@ -39,8 +39,8 @@ Their argmax kernel also advances the other inputs (positions, sequence lengths,
 for that next step, so a greedy step of the same requests, whose inputs the host finds
 equal to its mirror of what the device holds, stages nothing at all
 (runner/graph_advance.py; SPINDLE_GRAPH_ADVANCE=0: not). With
-SPINDLE_GRAPH_TOKENS_TO_HOST=1 too (off), the kernel writes the tokens into a pinned ring on the
-host (GraphOutputs.greedy_host), and such a step queues no copy of them either.
+SPINDLE_GRAPH_TOKENS_TO_HOST=1 too (off), the kernel writes the tokens into a pinned ring
+on the host (GraphOutputs.greedy_host), and such a step queues no copy of them either.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ us), and none of the copy call's host time. On by default (batch-1 decode +1.2% 
 H100, docs/benchmarks.md); SPINDLE_GRAPH_ADVANCE=0 turns it off.
 
 With SPINDLE_GRAPH_TOKENS_TO_HOST=1 as well (off: it gained nothing beyond the advance on
-an H100) the same programs write
-each row's token into pinned host memory (a ring of RING_SLOTS steps, its slot an input
-the graph advances like the others), so a greedy step queues no copy of its tokens
-either: between two replays the device then runs nothing at all.
+an H100) the same programs write each row's token into pinned host memory (a ring of
+RING_SLOTS steps, its slot an input the graph advances like the others), so a greedy
+step queues no copy of its tokens either: between two replays the device then runs
+nothing at all.
 
 The device's guess is checked, never trusted: the host keeps a mirror of what the
 device holds (`advance_mirror` applies the kernel's rule to it) and stages a step
