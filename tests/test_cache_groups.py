@@ -362,3 +362,43 @@ def test_a_page_whose_values_are_its_keys_holds_one_plane():
     seen[1, 2, 3, 0, 4] = 7.0  # a value written lands on the key
     assert pages[0, 2, 3, 0, 4] == 7.0 and seen[0, 2, 3, 0, 4] == 7.0
     assert both.layer_view(pages) is pages
+
+
+@pytest.mark.parametrize("values_are_keys", [False, True])
+def test_head_major_pages_keep_a_heads_tokens_together(values_are_keys):
+    """With head_major a page is allocated [kv heads, block_size, head dim] (one head's
+    tokens one run), at the same bytes; the layer still sees [2, blocks, block_size, kv
+    heads, head dim], and what it writes there lands in its head's run."""
+    token_major = AttentionCacheSpec(4, 8, torch.float32, values_are_keys=values_are_keys)
+    spec = AttentionCacheSpec(4, 8, torch.float32, values_are_keys=values_are_keys,
+                              head_major=True)
+    planes = 1 if values_are_keys else 2
+    assert spec.shape(5, 16) == (planes, 5, 4, 16, 8)
+    assert spec.block_bytes(16) == token_major.block_bytes(16)
+    assert spec.page_key != token_major.page_key  # (never one tensor for the two)
+    pages = torch.zeros(spec.shape(5, 16))
+    seen = spec.layer_view(pages)
+    assert seen.shape == (2, 5, 16, 4, 8)
+    seen[planes - 1, 2, 3, 1, 6] = 7.0  # block 2, token 3, head 1, feature 6
+    assert pages[planes - 1, 2, 1, 3, 6] == 7.0 and int(pages.count_nonzero()) == 1
+    assert seen.data_ptr() == pages.data_ptr()
+
+
+def test_only_a_backend_that_reads_by_strides_gets_head_major_pages(monkeypatch):
+    """SPINDLE_KV_HEAD_MAJOR=1 reaches the cache spec of a layer on the Triton backend
+    (whose kernels read the cache through its strides), not one on torch_sdpa (which
+    flattens the pages); anything but 0 or 1 is refused by name."""
+    triton = pytest.importorskip("triton")  # noqa: F841 (the backend's module needs it)
+    from spindle.attention.layer import Attention
+
+    def spec(backend: str) -> AttentionCacheSpec:
+        layer = Attention(4, 8, 8 ** -0.5, num_kv_heads=2, backend=backend)
+        return layer.cache_spec(torch.float32)
+
+    assert not spec("triton").head_major
+    monkeypatch.setenv("SPINDLE_KV_HEAD_MAJOR", "1")
+    assert spec("triton").head_major
+    assert not spec("torch_sdpa").head_major
+    monkeypatch.setenv("SPINDLE_KV_HEAD_MAJOR", "yes")
+    with pytest.raises(ValueError, match="SPINDLE_KV_HEAD_MAJOR must be 0 or 1"):
+        spec("triton")

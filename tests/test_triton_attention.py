@@ -622,6 +622,115 @@ def test_prefill_with_fused_qk_norm_rope_store(num_heads, num_kv_heads, head_dim
     assert rel_err(cache_k[case["slot_mapping"]], ref_case["k"].double()) < REL_TOL[dtype]
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache values in pages that keep each KV head's tokens together
+    (AttentionCacheSpec.head_major): allocated [2, blocks, kv heads, block_size, D],
+    seen as [2, blocks, block_size, kv heads, D] through its strides."""
+    view = cache.transpose(2, 3).contiguous().transpose(2, 3)
+    assert view.stride(3) == view.shape[2] * view.shape[4] and view.stride(2) == view.shape[4]
+    return view
+
+
+def _both_layouts(case):
+    """(the case, a copy whose cache holds the same values in head-major pages)."""
+    return case, {**case, "kv_cache": head_major(case["kv_cache"]),
+                  "q": case["q"].clone(), "k": case["k"].clone()}
+
+
+# (kernel, num_heads, num_kv_heads, head_dim, block_size, batch, lengths or None); more
+# than one KV head each (with one, both layouts are the same).
+HEAD_MAJOR_CASES = [("prefill", 8, 2, 64, 16, None, ([1, 7, 70, 20], [0, 40, 17, 100])),
+                    ("prefill", 4, 2, 128, 32, None, ([1, 20, 3], [30, 0, 90])),
+                    ("per_head", 8, 2, 128, 16, 3, None),
+                    ("per_kv_head", 8, 2, 128, 16, 3, None),
+                    ("per_kv_head", 8, 4, 64, 32, 9, None)]
+
+
+@pytest.mark.parametrize("kernel,num_heads,num_kv_heads,head_dim,block_size,batch,lengths",
+                         HEAD_MAJOR_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_major_pages(monkeypatch, kernel, num_heads, num_kv_heads, head_dim, block_size,
+                          batch, lengths, dtype):
+    """Pages allocated heads first (SPINDLE_KV_HEAD_MAJOR=1), seen through their
+    strides: store + prefill, and decode in both kernels, give the reference's output,
+    the very output and cache of token-major pages, and write the new keys and values
+    in the head-major pages (their strides unchanged)."""
+    if kernel == "prefill":
+        query_lens, context_lens = lengths
+    else:
+        use_decode_kernel(monkeypatch, kernel)
+        query_lens = [1] * batch
+        gen = torch.Generator().manual_seed(batch + head_dim)
+        context_lens = torch.randint(0, MAX_CONTEXT, (batch,), generator=gen).tolist()
+    case = make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     dtype, seed=block_size + head_dim)
+    token_case, head_case = _both_layouts(case)
+    strides = head_case["kv_cache"].stride()
+    out, scale = run_backend(head_case, num_heads, num_kv_heads, head_dim)
+    ref, flat_k, flat_v = reference(head_case, scale)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    token_out, _ = run_backend(token_case, num_heads, num_kv_heads, head_dim)
+    assert torch.equal(out, token_out)
+    assert head_case["kv_cache"].stride() == strides
+    assert torch.equal(head_case["kv_cache"], token_case["kv_cache"])
+    assert torch.equal(head_case["kv_cache"][0].reshape(flat_k.shape)[case["slot_mapping"]],
+                       case["k"])
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([5, 1, 40], [0, 33, 16]),
+                                                    ([1, 1, 1], [0, 150, 64])])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_major_pages_with_the_fused_qk_norm_rope(query_lens, context_lens, dtype):
+    """The backend with Qwen3's q/k norm + rotary, on head-major pages: the prefill
+    path's rotary kernel and the decode kernel store the rotated keys where token-major
+    pages would hold them, and attend as the reference does."""
+    from spindle.attention.backends.triton_attn import TritonAttentionBackend
+
+    num_heads, num_kv_heads, head_dim = 8, 2, 128
+    case, transform, ref_case, ref = _qwen3_like_step(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype, seed=5,
+        transform_seed=3)
+    backend = TritonAttentionBackend(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
+    token_case, head_case = _both_layouts(case)
+    outs = [backend.forward(c["q"], c["k"], c["v"], c["kv_cache"], meta_for(c),
+                            qk_transform=transform) for c in (head_case, token_case)]
+    assert not outs[0].isnan().any()
+    assert rel_err(outs[0], ref) < REL_TOL[dtype]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(head_case["kv_cache"], token_case["kv_cache"])
+    cache_k = head_case["kv_cache"][0].reshape(-1, num_kv_heads, head_dim)
+    assert rel_err(cache_k[case["slot_mapping"]], ref_case["k"].double()) < REL_TOL[dtype]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="on a GPU: test_cuda_e2e.py's head-major case")
+@pytest.mark.parametrize("arch", ["qwen3", "bloom", "gemma2"])
+def test_engine_on_head_major_pages_matches_transformers(tiny_model, monkeypatch, arch):
+    """The engine on the Triton backend (interpreted) with SPINDLE_KV_HEAD_MAJOR=1
+    allocates head-major pages, and its float32 greedy tokens and logprobs equal
+    transformers' through chunked prefill and decode (Qwen3's fused q/k norm + rotary,
+    BLOOM's ALiBi with the separate KV store, Gemma 2's soft cap and window)."""
+    from spindle import LLM, SamplingParams
+    from test_generate_vs_hf import hf_greedy
+
+    monkeypatch.setenv("SPINDLE_KV_HEAD_MAJOR", "1")
+    path = tiny_model(arch=arch)
+    prompts = [[(7 * i + 3) % 500 for i in range(n)] for n in (1, 9, 40)]
+    expected = hf_greedy(path, prompts, 6, attn_implementation="eager")
+    with LLM(str(path), dtype="float32", device="cpu", attention_backend="triton",
+             max_model_len=128, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6,
+                                                    ignore_eos=True, logprobs=0),
+                            use_tqdm=False)
+        runner = llm.engine.core.executor.worker.runner
+        assert runner.cache_layout.attention_page.head_major
+        assert runner.kv_caches[0].shape[2] == runner.cache_layout.attention_page.num_kv_heads
+    for out, (tokens, logprobs) in zip(outs, expected):
+        assert out.outputs[0].token_ids == tokens
+        got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
+        assert max(abs(a - b) for a, b in zip(got, logprobs)) < 1e-4
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("batch", [1, 8])
 def test_fused_decode_graph_replays_with_new_lengths(batch):

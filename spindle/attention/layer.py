@@ -23,7 +23,8 @@ class Attention(nn.Module):
     forward(q [T, H*D], k [T, H_kv*D], v [T, H_kv*D], qk_transform=None) -> [T, H*D],
     for the flat batch of tokens described by the forward context's AttentionMetadata.
 
-    ``self.kv_cache`` is this layer's cache [2, num_blocks, block_size, H_kv, D],
+    ``self.kv_cache`` is this layer's cache [2, num_blocks, block_size, H_kv, D] (a
+    strided view where its backend asked for head-major pages: cache/spec.py),
     assigned by the model runner once the cache is allocated. While it is None (the
     memory-profiling forward) attention runs among each request's new tokens only and
     nothing is stored.
@@ -80,10 +81,12 @@ class Attention(nn.Module):
                                     **extra)
 
     def cache_spec(self, dtype: torch.dtype) -> AttentionCacheSpec:
-        """What this layer caches: paged keys and values (spindle/cache/spec.py)."""
+        """What this layer caches: paged keys and values (spindle/cache/spec.py), in
+        the page layout its backend asks for (token-major unless it says otherwise)."""
         window = self.sliding_window or self.attention_chunk_size  # (chunked.py)
         return AttentionCacheSpec(self.num_kv_heads, self.head_dim, dtype, window,
-                                  self.values_are_keys)
+                                  self.values_are_keys,
+                                  getattr(self.impl, "pages_head_major", False))
 
     def use_backend(self, name: str) -> None:
         """Switch the math to another registered backend (the runner picks the

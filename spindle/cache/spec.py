@@ -7,7 +7,11 @@ A layer that caches something has a ``cache_spec()`` method returning one of:
   included), so blocks wholly before the window can be freed as decoding moves on.
   With ``values_are_keys`` the layer's values are its keys (multi-head latent
   attention: both are the latent), so a page holds the keys only and the layer sees
-  them twice (a stride-0 view), at half the memory.
+  them twice (a stride-0 view), at half the memory. With ``head_major`` a page keeps
+  each KV head's tokens together ([kv heads, block_size, head dim] instead of
+  [block_size, kv heads, head dim]); the layer still sees [2, blocks, block_size, kv
+  heads, head dim], as a strided view, so only a backend that reads the cache through
+  its strides may ask for it (the Triton one, under SPINDLE_KV_HEAD_MAJOR=1).
 * ``MambaCacheSpec``: a fixed-size state per sequence (a state-space layer's conv
   and SSM states): one state slot per running sequence, whatever its length.
 * ``CrossAttentionCacheSpec``: an encoder-decoder's cross-attention keys and values,
@@ -54,6 +58,7 @@ class AttentionCacheSpec:
     dtype: torch.dtype
     sliding_window: int | None = None
     values_are_keys: bool = False
+    head_major: bool = False
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -65,19 +70,25 @@ class AttentionCacheSpec:
 
     @property
     def page_key(self) -> tuple:
-        """Layers whose pages have one shape can share a tensor."""
-        return (self.num_kv_heads, self.head_dim, self.dtype, self.values_are_keys)
+        """Layers whose pages have one shape and layout can share a tensor."""
+        return (self.num_kv_heads, self.head_dim, self.dtype, self.values_are_keys,
+                self.head_major)
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """The tensor to allocate: keys and values, or keys only (values_are_keys)."""
+        """The tensor to allocate: keys and values, or keys only (values_are_keys);
+        a page's tokens before its heads, or its heads first (head_major)."""
         planes = 1 if self.values_are_keys else 2
+        if self.head_major:
+            return (planes, num_blocks, self.num_kv_heads, block_size, self.head_dim)
         return (planes, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def layer_view(self, pages: torch.Tensor) -> torch.Tensor:
         """What the layer reads as its kv_cache, [2, blocks, block_size, kv heads, head
-        dim] either way: with values_are_keys, the one plane seen as both (writes of
-        the values then land on the keys, which the layer makes equal)."""
-        return pages.expand(2, *pages.shape[1:]) if self.values_are_keys else pages
+        dim] whatever the allocation: with values_are_keys, the one plane seen as both
+        (writes of the values then land on the keys, which the layer makes equal); with
+        head_major, the heads and tokens of a page swapped back (a strided view)."""
+        view = pages.expand(2, *pages.shape[1:]) if self.values_are_keys else pages
+        return view.transpose(2, 3) if self.head_major else view
 
     def block_bytes(self, block_size: int) -> int:
         return math.prod(self.shape(1, block_size)) * _itemsize(self.dtype)
@@ -209,7 +220,8 @@ def build_cache_layout(layers: Sequence[Any], block_size: int, dtype: torch.dtyp
         page_keys = {spec.page_key for spec in attention}
         if len(page_keys) > 1:
             raise ValueError("attention layers whose KV pages differ in shape (kv heads, head "
-                             f"dim or dtype: {sorted(map(str, page_keys))}) are not supported")
+                             "dim, dtype, values as keys or head-major layout: "
+                             f"{sorted(map(str, page_keys))}) are not supported")
         layout.group_size = min(len(ls) for ls in attention.values())
         layout.attention_page = next(iter(attention))
         for spec, ls in attention.items():

@@ -42,7 +42,10 @@ argument, the grid unchanged (CUDA-graph safe); without one (SLIDING=False) the
 kernels compile exactly as before.
 
 Cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (see
-AttentionMetadata). Float32 models use IEEE dot products (not TF32), so that a
+AttentionMetadata), read through its strides: with SPINDLE_KV_HEAD_MAJOR=1 (a
+measuring knob, off) the pages are allocated heads first ([kv heads, block_size,
+head_dim] a page) and the kernels see them as a strided view of that shape, so that a
+program's reads of one head's page are one contiguous run (cache/spec.py). Float32 models use IEEE dot products (not TF32), so that a
 float32 run stays comparable with transformers.
 """
 
@@ -64,6 +67,7 @@ from spindle.switches import integer, on_off
 TARGET_PROGRAMS_ENV = "SPINDLE_DECODE_TARGET_PROGRAMS"
 PER_HEAD_ENV = "SPINDLE_DECODE_PER_HEAD"
 TILES_ENV = "SPINDLE_DECODE_TILES"
+HEAD_MAJOR_ENV = "SPINDLE_KV_HEAD_MAJOR"
 _MAX_SPLITS = 32
 # Small decode batches take the per-head kernel (see decode_attention): at most this
 # many requests, split to about this many programs.
@@ -79,6 +83,16 @@ def target_programs(environ=os.environ) -> int:
 
 
 _TARGET_PROGRAMS = target_programs()
+
+
+def head_major_pages(environ=os.environ) -> bool:
+    """SPINDLE_KV_HEAD_MAJOR=1: ask for KV pages that keep each head's tokens together
+    (AttentionCacheSpec.head_major), a measuring knob, off until measured. On the
+    H200 decode attention's reads went from 0.90 to 0.95 of copy bandwidth when a
+    request's KV heads became neighbouring programs (docs/benchmarks.md): where their
+    reads land in DRAM matters there, and with heads first one program reads a page
+    of its head as one run instead of 256-byte pieces 2 KiB apart."""
+    return on_off(HEAD_MAJOR_ENV, False, environ)
 
 
 def _checked_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -120,6 +134,8 @@ _ENV_TILES = env_tiles()
 class TritonAttentionBackend:
     # forward() takes q/k un-normalised and un-rotated plus a QKNormRope, and fuses it.
     fuses_qk_transform = True
+    # Every kernel reads and writes the cache through its strides: any page layout.
+    pages_head_major = False
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None,
@@ -131,6 +147,7 @@ class TritonAttentionBackend:
         set_score_options(self, num_heads, sliding_window, logits_soft_cap, sinks,
                           alibi_slopes, attention_chunk_size)
         self.gqa = num_heads // num_kv_heads
+        self.pages_head_major = head_major_pages()
         self._counters: torch.Tensor | None = None
         # The layer's options, as both kernels' launchers take them.
         self._options = dict(sliding_window=self.sliding_window,
@@ -212,13 +229,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     _store_kv_kernel[(num_tokens,)](
         k, v, key_cache, value_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        HEAD_DIM=head_dim, ROW=row, BLOCK=triton.next_power_of_2(row))
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        HEAD_DIM=head_dim, ROW=row, BLOCK=triton.next_power_of_2(row),
+        PAGE=key_cache.shape[1])
 
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                      k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-                     HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+                     c_stride_b, c_stride_t, c_stride_h,
+                     HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                     PAGE: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -229,9 +250,10 @@ def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     dim = offs % HEAD_DIM
     key = tl.load(k_ptr + token * k_stride_t + head * k_stride_h + dim, mask=mask)
     value = tl.load(v_ptr + token * v_stride_t + head * v_stride_h + dim, mask=mask)
-    # A cache row (one slot, all KV heads) is contiguous: slot * ROW + head * D + d.
-    tl.store(key_cache_ptr + slot * ROW + offs, key, mask=mask)
-    tl.store(value_cache_ptr + slot * ROW + offs, value, mask=mask)
+    # (The cache's strides: its pages may hold their heads first, cache/spec.py.)
+    dst = cache_row(slot, c_stride_b, c_stride_t, PAGE) + head * c_stride_h + dim
+    tl.store(key_cache_ptr + dst, key, mask=mask)
+    tl.store(value_cache_ptr + dst, value, mask=mask)
 
 
 # ---------------------------------------------------------------------- prefill
