@@ -8,6 +8,7 @@ churn). The bytes counted are the keys and values of every context token, read o
 
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
         [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3]
+        [--pages token head]
 
 Each case runs with the requests started in batch order and longest context first
 (meta.decode_order, what the runner hands the kernel on a GPU).
@@ -18,6 +19,10 @@ largest difference from the first setting's.
 
 --tiles: the same for the per-KV-head kernel's BLOCK_N x num_warps x num_stages (rows
 marked "default" use the engine's own), each against every target.
+
+--pages: the same for the cache's page layout: "token" (a page [block_size, kv heads,
+head dim], the default) and "head" (heads first, SPINDLE_KV_HEAD_MAJOR=1's layout: the
+same values, read through the strides of a transposed view).
 """
 
 from __future__ import annotations
@@ -60,6 +65,12 @@ def decode_case(num_reqs: int, shuffled: bool, seed: int = 0):
     return q, k, v, cache, meta, int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values in pages allocated heads first, seen as [2, blocks, block_size,
+    kv heads, head dim] (AttentionCacheSpec.head_major's layer view)."""
+    return cache.transpose(2, 3).contiguous().transpose(2, 3)
+
+
 def parse_tiles(text: str) -> tuple[int, int, int]:
     """"64x4x2" -> (64, 4, 2): BLOCK_N, num_warps, num_stages (triton_attn's parser)."""
     from spindle.attention.backends.triton_attn import parse_tiles as parse
@@ -78,6 +89,8 @@ def main() -> None:
                         help="split-planner targets to compare (default: the module's)")
     parser.add_argument("--tiles", type=parse_tiles, nargs="+", default=[None],
                         help="BLOCKNxWARPSxSTAGES of the per-KV-head kernel (default: its own)")
+    parser.add_argument("--pages", nargs="+", choices=("token", "head"), default=["token"],
+                        help="cache page layouts to compare (head: heads first)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_attention.py needs a CUDA device")
@@ -94,12 +107,15 @@ def main() -> None:
     try:
         for num_reqs in args.batches:
             for shuffled in (False, True):
-                q, k, v, cache, meta, nbytes = decode_case(num_reqs, shuffled)
+                q, k, v, token_cache, meta, nbytes = decode_case(num_reqs, shuffled)
+                caches = {"token": token_cache,
+                          "head": head_major(token_cache) if "head" in args.pages else None}
                 longest_first = torch.from_numpy(
                     decode_order(meta.seq_lens.cpu().numpy())).cuda()
                 first = None
-                for tiles, target, ordered in itertools.product(
-                        args.tiles, targets, (False, True)):
+                for pages, tiles, target, ordered in itertools.product(
+                        args.pages, args.tiles, targets, (False, True)):
+                    cache = caches[pages]
                     triton_attn._TARGET_PROGRAMS = target
                     meta.decode_order = longest_first if ordered else None
                     out, counters = torch.empty_like(q), split_counters("cuda")
@@ -111,7 +127,7 @@ def main() -> None:
                     first = out.clone() if first is None else first
                     name = "x".join(map(str, tiles)) if tiles else "default"
                     rows.append({"requests": num_reqs, "target_programs": target,
-                                 "tiles": name,
+                                 "tiles": name, "pages": pages,
                                  "order": "longest first" if ordered else "batch",
                                  "splits": num_decode_splits(num_reqs, KV_HEADS),
                                  "block_tables": "shuffled" if shuffled else "in order",
@@ -122,10 +138,12 @@ def main() -> None:
         triton_attn._TARGET_PROGRAMS = default_target
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'requests':>8} {'tiles':>10} {'target':>6} {'splits':>6}  {'block tables':<12} "
-          f"{'order':<13} {'us':>8} {'TB/s':>6} {'x copy':>7} {'max diff':>9}")
+    print(f"{'requests':>8} {'pages':>5} {'tiles':>10} {'target':>6} {'splits':>6}  "
+          f"{'block tables':<12} {'order':<13} {'us':>8} {'TB/s':>6} {'x copy':>7} "
+          f"{'max diff':>9}")
     for r in rows:
-        print(f"{r['requests']:>8} {r['tiles']:>10} {r['target_programs']:>6} {r['splits']:>6}  "
+        print(f"{r['requests']:>8} {r['pages']:>5} {r['tiles']:>10} {r['target_programs']:>6} "
+              f"{r['splits']:>6}  "
               f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
               f"{r['of_copy']:>7.3f} "
               f"{r['max_diff']:>9.2e}")

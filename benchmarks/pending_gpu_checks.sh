@@ -6,7 +6,8 @@
 # device call each (each stays under the 10-minute limit of a call). On an H200, `h200`
 # first: the measurements issue 16's open targets wait for, in one call.
 #
-#   bash benchmarks/pending_gpu_checks.sh [h200|tests|models|ab|kernels|all]   (default: all)
+#   bash benchmarks/pending_gpu_checks.sh [h200|pages|tests|models|ab|kernels|all]
+#   (default: all)
 #
 # On the lent device machines (transformers 5.17 in the image; the tests' oracle for the
 # newer families needs 5.25): download these wheels into .whl here and install them
@@ -20,6 +21,11 @@
 # Pending (2026-12-07, forty-second session; one H100 after an H200's failed start): every
 # GPU test file has now run with the advance on (the first step of `tests`: 31, 28 hybrid,
 # 57 more; none failed). Still: on an H200, `h200` first (its batch-1 A/B).
+# New, written after the session's device time: SPINDLE_KV_HEAD_MAJOR=1 (off), KV pages
+# allocated heads first (one head's page one run of 4 KiB instead of 16 pieces 2 KiB
+# apart), for decode attention's 0.88 of copy bandwidth on the H200. Interpreter-tested
+# only. On any GPU, `pages` (its GPU tests, the kernel alone in both layouts, nano A/B);
+# on an H200 `h200` measures it too. On by default if it gains on the H200's nano.
 # Pending (2026-12-07, forty-first session; one H100 after two failed starts):
 # SPINDLE_GRAPH_ADVANCE is on by default now. With it and the ring on, test_cuda_e2e.py's
 # first 50 cases (every CUDA-graph case among them), test_spec_decode_gpu.py and
@@ -175,12 +181,27 @@ if [[ $what == h200 ]]; then
         --json "$OUT/advance_ab.json" --variant main= \
         --variant no_advance=SPINDLE_GRAPH_ADVANCE=0 \
         --variant to_host=SPINDLE_GRAPH_TOKENS_TO_HOST=1 2>&1 | tail -5
-    stamp "the decode tiles on nano (main against the former 64x4x2), two rounds"
-    timeout 170 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/tiles_ab.json" \
-        --variant main= --variant tiles_before=SPINDLE_DECODE_TILES=64x4x2 2>&1 | tail -6
+fi
+
+if [[ $what == pages ]]; then
+    stamp "head-major KV pages: the kernels' tests and the engine against transformers"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_attention.py \
+        tests/test_cache_groups.py -k head_major 2>&1 | tail -3
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_e2e.py \
+        -k head_major 2>&1 | tail -3
+fi
+
+if [[ $what == h200 || $what == pages ]]; then
+    stamp "head-major KV pages: decode attention alone, both layouts (same outputs)"
+    (cd benchmarks && timeout 90 python3 decode_attention.py --batches 256 128 64 \
+        --pages token head --json "$OUT/pages_kernel.json" 2>&1 | tail -26)
+    stamp "head-major KV pages on nano, two rounds"
+    timeout 170 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/pages_ab.json" \
+        --variant main= --variant head_major=SPINDLE_KV_HEAD_MAJOR=1 2>&1 | tail -6
+fi
+
+if [[ $what == h200 ]]; then
     cd benchmarks
-    stamp "batch 1: does the host set the pace? (the 35 us between replays)"
-    timeout 150 python3 batch1_profile.py --json "$OUT/batch1_profile.json" 2>&1 | tail -26
     stamp "batch 1: the host's work phase by phase, no profiler in the process"
     timeout 70 python3 host_phases.py --json "$OUT/host_phases.json" 2>&1 | grep -A26 "^phase"
     cd ..
