@@ -198,7 +198,7 @@ def test_head_major_pages_greedy_matches_transformers(tiny_model, monkeypatch, a
     kernels read them through their strides (Qwen3's fused q/k norm, Llama's rotary,
     Gemma 2's soft cap and window, BLOOM's ALiBi with the separate KV store,
     DeepSeek-V3's latent cached once): float32 greedy tokens and logprobs equal
-    transformers', prompts and decoding in CUDA graphs, with chunked prefill."""
+    transformers', prompts in chunks of 256 tokens, decoding in CUDA graphs."""
     monkeypatch.setenv("SPINDLE_KV_HEAD_MAJOR", "1")
     from spindle.runner import model_runner
 

@@ -45,8 +45,9 @@ Cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (see
 AttentionMetadata), read through its strides: with SPINDLE_KV_HEAD_MAJOR=1 (a
 measuring knob, off) the pages are allocated heads first ([kv heads, block_size,
 head_dim] a page) and the kernels see them as a strided view of that shape, so that a
-program's reads of one head's page are one contiguous run (cache/spec.py). Float32 models use IEEE dot products (not TF32), so that a
-float32 run stays comparable with transformers.
+program reads one head's page as one contiguous run (cache/spec.py). Float32 models
+use IEEE dot products (not TF32), so that a float32 run stays comparable with
+transformers.
 """
 
 from __future__ import annotations
@@ -134,8 +135,6 @@ _ENV_TILES = env_tiles()
 class TritonAttentionBackend:
     # forward() takes q/k un-normalised and un-rotated plus a QKNormRope, and fuses it.
     fuses_qk_transform = True
-    # Every kernel reads and writes the cache through its strides: any page layout.
-    pages_head_major = False
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None,
@@ -147,6 +146,8 @@ class TritonAttentionBackend:
         set_score_options(self, num_heads, sliding_window, logits_soft_cap, sinks,
                           alibi_slopes, attention_chunk_size)
         self.gqa = num_heads // num_kv_heads
+        # Its kernels address the cache through its strides, so any page layout serves:
+        # this asks for head-major pages (Attention.cache_spec) under the switch.
         self.pages_head_major = head_major_pages()
         self._counters: torch.Tensor | None = None
         # The layer's options, as both kernels' launchers take them.
