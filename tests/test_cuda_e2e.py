@@ -192,13 +192,14 @@ def _assert_float32_greedy_equals_eager_transformers(path, prompts, max_new, **e
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma2", "bloom", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma2", "bloom"])
 def test_head_major_pages_greedy_matches_transformers(tiny_model, monkeypatch, arch):
     """SPINDLE_KV_HEAD_MAJOR=1: the engine allocates its pages heads first and the Triton
     kernels read them through their strides (Qwen3's fused q/k norm, Llama's rotary,
-    Gemma 2's soft cap and window, BLOOM's ALiBi with the separate KV store,
-    DeepSeek-V3's latent cached once): float32 greedy tokens and logprobs equal
-    transformers', prompts in chunks of 256 tokens, decoding in CUDA graphs."""
+    Gemma 2's soft cap and window, BLOOM's ALiBi with the separate KV store): float32
+    greedy tokens and logprobs equal transformers', prompts in chunks of 256 tokens,
+    decoding in CUDA graphs. (A model of one KV head, latent attention's, has the same
+    pages either way.)"""
     monkeypatch.setenv("SPINDLE_KV_HEAD_MAJOR", "1")
     from spindle.runner import model_runner
 
