@@ -66,9 +66,14 @@ def decode_case(num_reqs: int, shuffled: bool, seed: int = 0):
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same values in pages allocated heads first, seen as [2, blocks, block_size,
-    kv heads, head dim] (AttentionCacheSpec.head_major's layer view)."""
-    return cache.transpose(2, 3).contiguous().transpose(2, 3)
+    """The same values in pages allocated heads first, as the engine allocates and
+    views them under SPINDLE_KV_HEAD_MAJOR=1 (AttentionCacheSpec with head_major)."""
+    from spindle.cache.spec import AttentionCacheSpec
+
+    _, blocks, block_size, kv_heads, head_dim = cache.shape
+    spec = AttentionCacheSpec(kv_heads, head_dim, cache.dtype, head_major=True)
+    pages = torch.empty(spec.shape(blocks, block_size), dtype=cache.dtype, device=cache.device)
+    return spec.layer_view(pages).copy_(cache)
 
 
 def parse_tiles(text: str) -> tuple[int, int, int]:

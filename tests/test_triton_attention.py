@@ -623,10 +623,15 @@ def test_prefill_with_fused_qk_norm_rope_store(num_heads, num_kv_heads, head_dim
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same cache values in pages that keep each KV head's tokens together
-    (AttentionCacheSpec.head_major): allocated [2, blocks, kv heads, block_size, D],
-    seen as [2, blocks, block_size, kv heads, D] through its strides."""
-    view = cache.transpose(2, 3).contiguous().transpose(2, 3)
+    """The same cache values in pages that keep each KV head's tokens together, as the
+    engine allocates and views them (AttentionCacheSpec with head_major): [2, blocks,
+    kv heads, block_size, D], seen as [2, blocks, block_size, kv heads, D]."""
+    from spindle.cache.spec import AttentionCacheSpec
+
+    _, blocks, block_size, kv_heads, head_dim = cache.shape
+    spec = AttentionCacheSpec(kv_heads, head_dim, cache.dtype, head_major=True)
+    pages = torch.empty(spec.shape(blocks, block_size), dtype=cache.dtype, device=cache.device)
+    view = spec.layer_view(pages).copy_(cache)
     assert view.stride(3) == view.shape[2] * view.shape[4] and view.stride(2) == view.shape[4]
     return view
 
