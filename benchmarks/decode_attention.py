@@ -8,7 +8,7 @@ churn). The bytes counted are the keys and values of every context token, read o
 
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
         [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3]
-        [--pages token head]
+        [--pages token head] [--page-sizes 16 32]
 
 Each case runs with the requests started in batch order and longest context first
 (meta.decode_order, what the runner hands the kernel on a GPU).
@@ -23,6 +23,9 @@ marked "default" use the engine's own), each against every target.
 --pages: the same for the cache's page layout: "token" (a page [block_size, kv heads,
 head dim], the default) and "head" (heads first, SPINDLE_KV_HEAD_MAJOR=1's layout: the
 same values, read through the strides of a transposed view).
+
+--page-sizes: tokens per page (the engine's --block-size; default 16). Each size draws
+its own cache, so outputs are compared only within a size.
 """
 
 from __future__ import annotations
@@ -34,26 +37,27 @@ from pathlib import Path
 import torch
 from gpu_timing import copy_bandwidth, graph_us, write_rows
 
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
+HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
-def decode_case(num_reqs: int, shuffled: bool, seed: int = 0):
-    """(q, k, v, kv_cache, metadata, bytes of context K/V) for one decode step."""
+def decode_case(num_reqs: int, shuffled: bool, page: int, seed: int = 0):
+    """(q, k, v, kv_cache, metadata, bytes of context K/V) for one decode step on
+    pages of `page` tokens."""
     from spindle.attention.metadata import AttentionMetadata
 
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(100, 2049, (num_reqs,), generator=gen)
-    blocks = [(int(n) + PAGE - 1) // PAGE for n in lens]
+    blocks = [(int(n) + page - 1) // page for n in lens]
     order = torch.randperm(sum(blocks), generator=gen) if shuffled else torch.arange(sum(blocks))
     tables = torch.zeros(num_reqs, max(blocks), dtype=torch.int32)
     start = 0
     for i, n in enumerate(blocks):
         tables[i, :n] = order[start:start + n]
         start += n
-    cache = torch.randn(2, sum(blocks), PAGE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
+    cache = torch.randn(2, sum(blocks), page, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
                         device="cuda")
     last = lens - 1
-    slots = tables[torch.arange(num_reqs), last // PAGE].long() * PAGE + last % PAGE
+    slots = tables[torch.arange(num_reqs), last // page].long() * page + last % page
     meta = AttentionMetadata(
         num_reqs=num_reqs, num_tokens=num_reqs,
         query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32, device="cuda"),
@@ -96,6 +100,8 @@ def main() -> None:
                         help="BLOCKNxWARPSxSTAGES of the per-KV-head kernel (default: its own)")
     parser.add_argument("--pages", nargs="+", choices=("token", "head"), default=["token"],
                         help="cache page layouts to compare (head: heads first)")
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[16],
+                        help="tokens per page (the engine's --block-size) to compare")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_attention.py needs a CUDA device")
@@ -110,44 +116,45 @@ def main() -> None:
     rows = []
     default_target = triton_attn._TARGET_PROGRAMS
     try:
-        for num_reqs in args.batches:
-            for shuffled in (False, True):
-                q, k, v, token_cache, meta, nbytes = decode_case(num_reqs, shuffled)
-                caches = {"token": token_cache,
-                          "head": head_major(token_cache) if "head" in args.pages else None}
-                longest_first = torch.from_numpy(
-                    decode_order(meta.seq_lens.cpu().numpy())).cuda()
-                first = None
-                for pages, tiles, target, ordered in itertools.product(
-                        args.pages, args.tiles, targets, (False, True)):
-                    cache = caches[pages]
-                    triton_attn._TARGET_PROGRAMS = target
-                    meta.decode_order = longest_first if ordered else None
-                    out, counters = torch.empty_like(q), split_counters("cuda")
-                    # In a CUDA graph: launched from Python one at a time, the host's
-                    # launches take longer than the kernel at 32 requests.
-                    t = graph_us(lambda _: decode_attention(
-                        q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters, tiles=tiles),
-                        5) / 1e6
-                    first = out.clone() if first is None else first
-                    name = "x".join(map(str, tiles)) if tiles else "default"
-                    rows.append({"requests": num_reqs, "target_programs": target,
-                                 "tiles": name, "pages": pages,
-                                 "order": "longest first" if ordered else "batch",
-                                 "splits": num_decode_splits(num_reqs, KV_HEADS),
-                                 "block_tables": "shuffled" if shuffled else "in order",
-                                 "us": t * 1e6, "tb_s": nbytes / t / 1e12,
-                                 "of_copy": nbytes / t / copy_bw,
-                                 "max_diff": (out.float() - first.float()).abs().max().item()})
+        for page, num_reqs, shuffled in itertools.product(
+                args.page_sizes, args.batches, (False, True)):
+            q, k, v, token_cache, meta, nbytes = decode_case(num_reqs, shuffled, page)
+            caches = {"token": token_cache,
+                      "head": head_major(token_cache) if "head" in args.pages else None}
+            longest_first = torch.from_numpy(
+                decode_order(meta.seq_lens.cpu().numpy())).cuda()
+            first = None
+            for pages, tiles, target, ordered in itertools.product(
+                    args.pages, args.tiles, targets, (False, True)):
+                cache = caches[pages]
+                triton_attn._TARGET_PROGRAMS = target
+                meta.decode_order = longest_first if ordered else None
+                out, counters = torch.empty_like(q), split_counters("cuda")
+                # In a CUDA graph: launched from Python one at a time, the host's
+                # launches take longer than the kernel at 32 requests.
+                t = graph_us(lambda _: decode_attention(
+                    q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters, tiles=tiles),
+                    5) / 1e6
+                first = out.clone() if first is None else first
+                name = "x".join(map(str, tiles)) if tiles else "default"
+                rows.append({"requests": num_reqs, "target_programs": target,
+                             "tiles": name, "pages": pages, "page_size": page,
+                             "order": "longest first" if ordered else "batch",
+                             "splits": num_decode_splits(num_reqs, KV_HEADS),
+                             "block_tables": "shuffled" if shuffled else "in order",
+                             "us": t * 1e6, "tb_s": nbytes / t / 1e12,
+                             "of_copy": nbytes / t / copy_bw,
+                             "max_diff": (out.float() - first.float()).abs().max().item()})
     finally:
         triton_attn._TARGET_PROGRAMS = default_target
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'requests':>8} {'pages':>5} {'tiles':>10} {'target':>6} {'splits':>6}  "
+    print(f"{'requests':>8} {'pages':>5} {'page':>4} {'tiles':>10} {'target':>6} {'splits':>6}  "
           f"{'block tables':<12} {'order':<13} {'us':>8} {'TB/s':>6} {'x copy':>7} "
           f"{'max diff':>9}")
     for r in rows:
-        print(f"{r['requests']:>8} {r['pages']:>5} {r['tiles']:>10} {r['target_programs']:>6} "
+        print(f"{r['requests']:>8} {r['pages']:>5} {r['page_size']:>4} {r['tiles']:>10} "
+              f"{r['target_programs']:>6} "
               f"{r['splits']:>6}  "
               f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
               f"{r['of_copy']:>7.3f} "

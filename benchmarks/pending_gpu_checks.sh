@@ -175,14 +175,6 @@ what=${1:-all}
 t0=$(date +%s)
 stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 
-if [[ $what == h200 ]]; then
-    stamp "batch 1: graphs that advance their inputs (the default), without, tokens to host"
-    timeout 170 python3 benchmarks/switch_ab.py --skip-nano --rounds 5 \
-        --json "$OUT/advance_ab.json" --variant main= \
-        --variant no_advance=SPINDLE_GRAPH_ADVANCE=0 \
-        --variant to_host=SPINDLE_GRAPH_TOKENS_TO_HOST=1 2>&1 | tail -5
-fi
-
 if [[ $what == pages ]]; then
     stamp "head-major KV pages: the kernels' tests and the engine against transformers"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_attention.py \
@@ -192,15 +184,21 @@ if [[ $what == pages ]]; then
 fi
 
 if [[ $what == h200 || $what == pages ]]; then
-    stamp "head-major KV pages: decode attention alone, both layouts (same outputs)"
-    (cd benchmarks && timeout 90 python3 decode_attention.py --batches 256 128 64 \
-        --pages token head --json "$OUT/pages_kernel.json" 2>&1 | tail -26)
-    stamp "head-major KV pages on nano, two rounds"
-    timeout 170 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/pages_ab.json" \
-        --variant main= --variant head_major=SPINDLE_KV_HEAD_MAJOR=1 2>&1 | tail -6
+    stamp "head-major KV pages: decode attention alone, both layouts, 16- and 32-token pages"
+    (cd benchmarks && timeout 120 python3 decode_attention.py --batches 256 128 \
+        --pages token head --page-sizes 16 32 --json "$OUT/pages_kernel.json" 2>&1 | tail -34)
+    stamp "head-major KV pages on nano (16-token pages, then 32), two rounds"
+    timeout 250 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/pages_ab.json" \
+        --variant main= --variant head_major=SPINDLE_KV_HEAD_MAJOR=1 \
+        --variant head_major_32=SPINDLE_KV_HEAD_MAJOR=1,--block-size=32 2>&1 | tail -7
 fi
 
 if [[ $what == h200 ]]; then
+    stamp "batch 1: graphs that advance their inputs (the default), without, tokens to host"
+    timeout 170 python3 benchmarks/switch_ab.py --skip-nano --rounds 5 \
+        --json "$OUT/advance_ab.json" --variant main= \
+        --variant no_advance=SPINDLE_GRAPH_ADVANCE=0 \
+        --variant to_host=SPINDLE_GRAPH_TOKENS_TO_HOST=1 2>&1 | tail -5
     cd benchmarks
     stamp "batch 1: the host's work phase by phase, no profiler in the process"
     timeout 70 python3 host_phases.py --json "$OUT/host_phases.json" 2>&1 | grep -A26 "^phase"

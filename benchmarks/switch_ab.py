@@ -2,11 +2,13 @@
 and round, the variants alternating (a process's batch-1 speed moves by up to 20% from
 one process to the next on the same machine, so one run per variant says little).
 
-A variant is a name and the environment variables it sets; "main=" sets none:
+A variant is a name and the environment variables it sets; "main=" sets none. An item
+that starts with "--" is an option of throughput.py instead (--block-size=32):
 
     python benchmarks/switch_ab.py --variant main= \\
         --variant batch_order=SPINDLE_DECODE_LONGEST_FIRST=0 \\
         --variant both_off=SPINDLE_DECODE_LONGEST_FIRST=0,SPINDLE_PDL=0 \\
+        --variant pages32=--block-size=32 \\
         [--rounds 2] [--skip-nano] [--json out.json] [--out-dir DIR]
 
 Every run uses one random checkpoint (written by the first). Prints per variant the
@@ -50,13 +52,15 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def one_run(env: dict[str, str], checkpoint: Path, skip_nano: bool, out: Path) -> dict:
+def one_run(variant: dict[str, str], checkpoint: Path, skip_nano: bool, out: Path) -> dict:
+    options = [f"{key}={value}" for key, value in variant.items() if key.startswith("--")]
+    env = {key: value for key, value in variant.items() if not key.startswith("--")}
     cmd = [sys.executable, str(HERE / "throughput.py"), "--json", str(out),
-           "--checkpoint", str(checkpoint)] + (["--skip-nano"] if skip_nano else [])
+           "--checkpoint", str(checkpoint), *options] + (["--skip-nano"] if skip_nano else [])
     proc = subprocess.run(cmd, env={**os.environ, **env}, cwd=HERE, capture_output=True,
                           text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"throughput.py failed ({env}):\n{proc.stdout[-2000:]}"
+        raise SystemExit(f"throughput.py failed ({variant}):\n{proc.stdout[-2000:]}"
                          f"\n{proc.stderr[-4000:]}")
     result = json.loads(out.read_text())
     # (throughput.py names the replay sizes it found: b1, b64 and its largest.)

@@ -501,7 +501,7 @@ def run(args) -> dict:
                   max_num_seqs=args.num_seqs, max_num_batched_tokens=args.batched_tokens,
                   enforce_eager=args.enforce_eager, enable_prefix_caching=False,
                   batch_invariant=args.batch_invariant,
-                  quantization=args.quantization)
+                  quantization=args.quantization, block_size=args.block_size)
         result["startup_s"] = time.perf_counter() - start
         result["startup_table"] = llm.engine.core.startup_table
         weight_bytes = sum(p.numel() * p.element_size()
@@ -548,6 +548,8 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per KV cache page (the engine's block_size)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the engine's batch_invariant mode (fixed-order numerics)")
     parser.add_argument("--quantization", choices=["fp8"],
