@@ -192,14 +192,16 @@ def _assert_float32_greedy_equals_eager_transformers(path, prompts, max_new, **e
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma2", "bloom"])
-def test_head_major_pages_greedy_matches_transformers(tiny_model, monkeypatch, arch):
+@pytest.mark.parametrize("arch,block_size", [("qwen3", 16), ("llama", 16), ("gemma2", 16),
+                                             ("bloom", 16), ("qwen3", 32)])
+def test_head_major_pages_greedy_matches_transformers(tiny_model, monkeypatch, arch,
+                                                       block_size):
     """SPINDLE_KV_HEAD_MAJOR=1: the engine allocates its pages heads first and the Triton
     kernels read them through their strides (Qwen3's fused q/k norm, Llama's rotary,
-    Gemma 2's soft cap and window, BLOOM's ALiBi with the separate KV store): float32
-    greedy tokens and logprobs equal transformers', prompts in chunks of 256 tokens,
-    decoding in CUDA graphs. (A model of one KV head, latent attention's, has the same
-    pages either way.)"""
+    Gemma 2's soft cap and window, BLOOM's ALiBi with the separate KV store), on 16- and
+    32-token pages: float32 greedy tokens and logprobs equal transformers', prompts in
+    chunks of 256 tokens, decoding in CUDA graphs. (A model of one KV head, latent
+    attention's, has the same pages either way.)"""
     monkeypatch.setenv("SPINDLE_KV_HEAD_MAJOR", "1")
     from spindle.runner import model_runner
 
@@ -208,15 +210,17 @@ def test_head_major_pages_greedy_matches_transformers(tiny_model, monkeypatch, a
 
     def recording(self, config):
         result = allocate(self, config)
-        allocated.append(self.cache_layout.attention_page)
+        allocated.append(self.cache_layout)
         return result
 
     monkeypatch.setattr(model_runner.ModelRunner, "allocate_kv_cache", recording)
     path = tiny_model(arch=arch, max_position_embeddings=2048)
     _assert_float32_greedy_equals_eager_transformers(path, _prompts(512), 16,
                                                      max_model_len=1024,
-                                                     max_num_batched_tokens=256)
-    assert [page.head_major for page in allocated] == [True]
+                                                     max_num_batched_tokens=256,
+                                                     block_size=block_size)
+    assert [(layout.attention_page.head_major, layout.block_size)
+            for layout in allocated] == [(True, block_size)]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma2", "bloom"])
