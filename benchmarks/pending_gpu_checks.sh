@@ -188,7 +188,8 @@ if [[ $what == h200 || $what == pages ]]; then
     (cd benchmarks && timeout 120 python3 decode_attention.py --batches 256 128 \
         --pages token head --page-sizes 16 32 --json "$OUT/pages_kernel.json" 2>&1 | tail -34)
     stamp "head-major KV pages on nano (16-token pages, then 32), two rounds"
-    timeout 250 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/pages_ab.json" \
+    timeout 270 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/pages_ab.json" \
+        --out-dir "$OUT/pages_runs" \
         --variant main= --variant head_major=SPINDLE_KV_HEAD_MAJOR=1 \
         --variant head_major_32=SPINDLE_KV_HEAD_MAJOR=1,--block-size=32 2>&1 | tail -7
 fi
