@@ -8,7 +8,7 @@ churn). The bytes counted are the keys and values of every context token, read o
 
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
         [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3]
-        [--pages token head] [--page-sizes 16 32]
+        [--pages token head] [--page-sizes 16 32] [--longest 1200 2048]
 
 Each case runs with the requests started in batch order and longest context first
 (meta.decode_order, what the runner hands the kernel on a GPU).
@@ -26,6 +26,10 @@ same values, read through the strides of a transposed view).
 
 --page-sizes: tokens per page (the engine's --block-size; default 16). Each size draws
 its own cache, so outputs are compared only within a size.
+
+--longest: the longest context of a case (default 2048; contexts are drawn from 100 to
+it). Inside the engine nano's full-batch steps average about 640 tokens: 1200 is
+closer to them.
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ from gpu_timing import copy_bandwidth, graph_us, write_rows
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
-def decode_case(num_reqs: int, shuffled: bool, page: int, seed: int = 0):
+def decode_case(num_reqs: int, shuffled: bool, page: int, longest: int = 2048,
+                seed: int = 0):
     """(q, k, v, kv_cache, metadata, bytes of context K/V) for one decode step on
-    pages of `page` tokens."""
+    pages of `page` tokens, contexts drawn from 100 to `longest` tokens."""
     from spindle.attention.metadata import AttentionMetadata
 
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(100, 2049, (num_reqs,), generator=gen)
+    lens = torch.randint(100, longest + 1, (num_reqs,), generator=gen)
     blocks = [(int(n) + page - 1) // page for n in lens]
     order = torch.randperm(sum(blocks), generator=gen) if shuffled else torch.arange(sum(blocks))
     tables = torch.zeros(num_reqs, max(blocks), dtype=torch.int32)
@@ -100,6 +105,8 @@ def main() -> None:
                         help="BLOCKNxWARPSxSTAGES of the per-KV-head kernel (default: its own)")
     parser.add_argument("--pages", nargs="+", choices=("token", "head"), default=["token"],
                         help="cache page layouts to compare (head: heads first)")
+    parser.add_argument("--longest", type=int, nargs="+", default=[2048],
+                        help="longest context of a case (drawn from 100 to this)")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[16],
                         help="tokens per page (the engine's --block-size) to compare")
     args = parser.parse_args()
@@ -116,9 +123,10 @@ def main() -> None:
     rows = []
     default_target = triton_attn._TARGET_PROGRAMS
     try:
-        for page, num_reqs, shuffled in itertools.product(
-                args.page_sizes, args.batches, (False, True)):
-            q, k, v, token_cache, meta, nbytes = decode_case(num_reqs, shuffled, page)
+        for page, longest, num_reqs, shuffled in itertools.product(
+                args.page_sizes, args.longest, args.batches, (False, True)):
+            q, k, v, token_cache, meta, nbytes = decode_case(num_reqs, shuffled, page,
+                                                             longest)
             caches = {"token": token_cache,
                       "head": head_major(token_cache) if "head" in args.pages else None}
             longest_first = torch.from_numpy(
@@ -139,6 +147,7 @@ def main() -> None:
                 name = "x".join(map(str, tiles)) if tiles else "default"
                 rows.append({"requests": num_reqs, "target_programs": target,
                              "tiles": name, "pages": pages, "page_size": page,
+                             "longest": longest,
                              "order": "longest first" if ordered else "batch",
                              "splits": num_decode_splits(num_reqs, KV_HEADS),
                              "block_tables": "shuffled" if shuffled else "in order",
@@ -149,16 +158,14 @@ def main() -> None:
         triton_attn._TARGET_PROGRAMS = default_target
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'requests':>8} {'pages':>5} {'page':>4} {'tiles':>10} {'target':>6} {'splits':>6}  "
-          f"{'block tables':<12} {'order':<13} {'us':>8} {'TB/s':>6} {'x copy':>7} "
-          f"{'max diff':>9}")
+    print(f"{'requests':>8} {'longest':>7} {'pages':>5} {'page':>4} {'tiles':>10} "
+          f"{'target':>6} {'splits':>6}  {'block tables':<12} {'order':<13} {'us':>8} "
+          f"{'TB/s':>6} {'x copy':>7} {'max diff':>9}")
     for r in rows:
-        print(f"{r['requests']:>8} {r['pages']:>5} {r['page_size']:>4} {r['tiles']:>10} "
-              f"{r['target_programs']:>6} "
-              f"{r['splits']:>6}  "
+        print(f"{r['requests']:>8} {r['longest']:>7} {r['pages']:>5} {r['page_size']:>4} "
+              f"{r['tiles']:>10} {r['target_programs']:>6} {r['splits']:>6}  "
               f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
-              f"{r['of_copy']:>7.3f} "
-              f"{r['max_diff']:>9.2e}")
+              f"{r['of_copy']:>7.3f} {r['max_diff']:>9.2e}")
     if args.json:
         write_rows(args.json, rows, copy_bw)
 

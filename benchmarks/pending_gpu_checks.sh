@@ -189,9 +189,10 @@ if [[ $what == pages ]]; then
 fi
 
 if [[ $what == h200 || $what == pages ]]; then
-    stamp "head-major KV pages: decode attention alone, both layouts, 16- and 32-token pages"
-    (cd benchmarks && timeout 120 python3 decode_attention.py --batches 256 128 \
-        --pages token head --page-sizes 16 32 --json "$OUT/pages_kernel.json" 2>&1 | tail -34)
+    stamp "head-major KV pages: decode attention alone, both layouts and page sizes, two context ranges"
+    (cd benchmarks && timeout 150 python3 decode_attention.py --batches 256 128 \
+        --pages token head --page-sizes 16 32 --longest 1200 2048 \
+        --json "$OUT/pages_kernel.json" 2>&1 | tail -66)
     stamp "head-major KV pages on nano (16-token pages, then 32), two rounds"
     timeout 270 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/pages_ab.json" \
         --out-dir "$OUT/pages_runs" \
