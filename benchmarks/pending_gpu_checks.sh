@@ -189,7 +189,7 @@ if [[ $what == pages ]]; then
 fi
 
 if [[ $what == h200 || $what == pages ]]; then
-    stamp "head-major KV pages: decode attention alone, both layouts and page sizes, two context ranges"
+    stamp "head-major KV pages: decode attention alone, both layouts, page sizes, context ranges"
     (cd benchmarks && timeout 150 python3 decode_attention.py --batches 256 128 \
         --pages token head --page-sizes 16 32 --longest 1200 2048 \
         --json "$OUT/pages_kernel.json" 2>&1 | tail -66)
