@@ -193,6 +193,10 @@ if [[ $what == h200 || $what == pages ]]; then
     (cd benchmarks && timeout 150 python3 decode_attention.py --batches 256 128 \
         --pages token head --page-sizes 16 32 --longest 1200 2048 \
         --json "$OUT/pages_kernel.json" 2>&1 | tail -66)
+    stamp "decode tiles at nano-like contexts: fewer keys or warps, more programs an SM"
+    (cd benchmarks && timeout 90 python3 decode_attention.py --batches 256 --longest 1200 \
+        --tiles 32x2x3 32x1x3 16x1x3 16x2x3 64x4x3 --json "$OUT/short_tiles.json" 2>&1 \
+        | tail -22)
     stamp "head-major KV pages on nano (16-token pages, then 32), two rounds"
     timeout 270 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/pages_ab.json" \
         --out-dir "$OUT/pages_runs" \
