@@ -709,12 +709,15 @@ def test_head_major_pages_with_the_fused_qk_norm_rope(query_lens, context_lens, 
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="on a GPU: test_cuda_e2e.py's head-major case")
-@pytest.mark.parametrize("arch", ["qwen3", "bloom", "gemma2"])
-def test_engine_on_head_major_pages_matches_transformers(tiny_model, monkeypatch, arch):
+@pytest.mark.parametrize("arch,block_size", [("qwen3", 16), ("bloom", 16), ("gemma2", 16),
+                                             ("qwen3", 32)])
+def test_engine_on_head_major_pages_matches_transformers(tiny_model, monkeypatch, arch,
+                                                         block_size):
     """The engine on the Triton backend (interpreted) with SPINDLE_KV_HEAD_MAJOR=1
     allocates head-major pages, and its float32 greedy tokens and logprobs equal
     transformers' through chunked prefill and decode (Qwen3's fused q/k norm + rotary,
-    BLOOM's ALiBi with the separate KV store, Gemma 2's soft cap and window)."""
+    BLOOM's ALiBi with the separate KV store, Gemma 2's soft cap and window), on 16-
+    and 32-token pages."""
     from spindle import LLM, SamplingParams
     from test_generate_vs_hf import hf_greedy
 
@@ -723,13 +726,14 @@ def test_engine_on_head_major_pages_matches_transformers(tiny_model, monkeypatch
     prompts = [[(7 * i + 3) % 500 for i in range(n)] for n in (1, 9, 40)]
     expected = hf_greedy(path, prompts, 6, attn_implementation="eager")
     with LLM(str(path), dtype="float32", device="cpu", attention_backend="triton",
-             max_model_len=128, max_num_batched_tokens=16) as llm:
+             max_model_len=128, max_num_batched_tokens=16, block_size=block_size) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6,
                                                     ignore_eos=True, logprobs=0),
                             use_tqdm=False)
         runner = llm.engine.core.executor.worker.runner
         assert runner.cache_layout.attention_page.head_major
-        assert runner.kv_caches[0].shape[2] == runner.cache_layout.attention_page.num_kv_heads
+        assert runner.kv_caches[0].shape[2:4] == (runner.cache_layout.attention_page.num_kv_heads,
+                                                  block_size)
     for out, (tokens, logprobs) in zip(outs, expected):
         assert out.outputs[0].token_ids == tokens
         got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
