@@ -12,13 +12,19 @@ Attention is left out, so this is the part the GEMM kernels decide.
 --context N: each layer runs the engine's Triton decode attention between qkv_proj and
 o_proj (Qwen3's q/k norms and rotary fused in, 16 query heads over 8 KV heads, 16-token
 pages), each row a request with N tokens of context before its new one; the difference
-from a run without it is what attention costs the chain.
+from a run without it (context 0, when asked for too) is what attention costs the chain,
+and the KV it reads in that time is its bandwidth, to hold against
+`decode_attention.py`'s kernel alone. --drawn: each row's context drawn uniformly from
+100 to 2N - 100 tokens instead (about N on average; N >= 100), the requests started
+longest first as the runner starts them: `--rows 256 --context 0 640 --drawn` is close
+to a full-batch decode step of the nano workload (its contexts average about 640).
 
 Switches apply as in the engine (SPINDLE_TMA_GEMV=0: the skinny GEMM at one row, the
 norms as their own kernels; SPINDLE_DECODE_PER_HEAD=0; SPINDLE_PDL=0; ...), so runs with
 and without one compare the chains:
 
     python benchmarks/layer_chain.py [--rows 1 2 4] [--layers 28] [--context 0 640 2048]
+        [--drawn]
     SPINDLE_TMA_GEMV=0 python benchmarks/layer_chain.py
 """
 
@@ -59,32 +65,49 @@ def make_layers(count: int, dtype: torch.dtype) -> list[dict]:
     return layers
 
 
-def add_attention(layers: list[dict], rows: int, context: int, dtype: torch.dtype) -> dict:
+def context_lengths(rows: int, context: int, drawn: bool) -> torch.Tensor:
+    """Each row's tokens of context before its new one: context for every row, or with
+    drawn uniformly from 100 to 2 * context - 100 (a fixed seed)."""
+    if not drawn:
+        return torch.full((rows,), context, dtype=torch.int32)
+    if context < 100:
+        raise SystemExit(f"--drawn needs contexts of at least 100 tokens, got {context}")
+    gen = torch.Generator().manual_seed(rows)
+    return torch.randint(100, 2 * context - 100 + 1, (rows,), generator=gen,
+                         dtype=torch.int32)
+
+
+def add_attention(layers: list[dict], contexts: torch.Tensor, dtype: torch.dtype) -> dict:
     """Give each layer a decode-attention backend, q/k norm weights and a paged cache of
-    rows requests with context tokens each before the new one; returns the step's
-    attention metadata and rotary tables."""
+    one request a row with contexts[row] tokens before its new one (pages in order);
+    returns the step's attention metadata (requests longest first) and rotary tables."""
     from spindle.attention.backends.triton_attn import TritonAttentionBackend
-    from spindle.attention.metadata import AttentionMetadata
+    from spindle.attention.metadata import AttentionMetadata, decode_order
     from spindle.layers.rotary import RotaryEmbedding
 
-    seq_len = context + 1
-    per_row = -(-seq_len // PAGE)
-    tables = torch.arange(rows * per_row, dtype=torch.int32, device="cuda").view(rows, per_row)
+    rows = contexts.numel()
+    seq_lens = contexts + 1
+    pages = (seq_lens + PAGE - 1) // PAGE
+    first_page = torch.cumsum(pages, 0) - pages
+    tables = first_page[:, None] + torch.arange(int(pages.max()), dtype=torch.int32)
+    tables = torch.where(tables < (first_page + pages)[:, None], tables, 0).to(torch.int32)
     for layer in layers:
         layer["attn"] = TritonAttentionBackend(HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS)
-        layer["cache"] = torch.randn(2, rows * per_row, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype,
-                                     device="cuda")
+        layer["cache"] = torch.randn(2, int(pages.sum()), PAGE, KV_HEADS, HEAD_DIM,
+                                     dtype=dtype, device="cuda")
         layer["q_norm"], layer["k_norm"] = (
             1 + 0.1 * torch.randn(HEAD_DIM, dtype=dtype, device="cuda") for _ in range(2))
-    rope = RotaryEmbedding(HEAD_DIM, seq_len, {"rope_type": "default", "rope_theta": 1e6})
-    slots = tables[:, context // PAGE].long() * PAGE + context % PAGE
+    rope = RotaryEmbedding(HEAD_DIM, int(seq_lens.max()),
+                           {"rope_type": "default", "rope_theta": 1e6})
+    slots = tables[torch.arange(rows), contexts // PAGE].long() * PAGE + contexts % PAGE
     meta = AttentionMetadata(
         num_reqs=rows, num_tokens=rows,
         query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.full((rows,), seq_len, dtype=torch.int32, device="cuda"),
-        block_tables=tables, slot_mapping=slots, max_query_len=1, max_seq_len=seq_len)
+        seq_lens=seq_lens.cuda(), block_tables=tables.cuda(), slot_mapping=slots.cuda(),
+        max_query_len=1, max_seq_len=int(seq_lens.max()),
+        decode_order=torch.from_numpy(decode_order(seq_lens.numpy())).cuda())
     return dict(meta=meta, cos=rope.cos_cache.to("cuda"), sin=rope.sin_cache.to("cuda"),
-                positions=torch.full((rows,), context, device="cuda"))
+                positions=contexts.long().cuda())
 
 
 def attend(layer: dict, qkv: torch.Tensor, step: dict) -> torch.Tensor:
@@ -123,25 +146,45 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--context", type=int, nargs="+", default=[0],
                         help="tokens of context per row for decode attention (0: none)")
+    parser.add_argument("--drawn", action="store_true",
+                        help="draw each row's context from 100 to 2N - 100 (mean about N)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
     torch.manual_seed(0)
     layers = make_layers(args.layers, torch.bfloat16)
     switches = {k: v for k, v in os.environ.items() if k.startswith("SPINDLE_")}
-    print(f"{torch.cuda.get_device_name()}, copy {copy_bandwidth() / 1e12:.2f} TB/s, "
-          f"switches {switches or 'none'}")
+    copy_bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, copy {copy_bw / 1e12:.2f} TB/s, "
+          f"switches {switches or 'none'}{', contexts drawn' if args.drawn else ''}")
     weights = sum(p.numel() * p.element_size() for layer in layers
                   for module in layer.values() for p in module.parameters()) / args.layers
-    print(f"{'rows':>4} | {'context':>7} | {'us a layer':>10} | {'weights GB/s':>12}")
+    print(f"{'rows':>4} | {'context':>7} | {'us a layer':>10} | {'weights GB/s':>12} | "
+          f"{'attention us':>12} | {'KV TB/s':>7} | {'x copy':>6}")
     for rows in args.rows:
-        for context in args.context:
-            step = add_attention(layers, rows, context, torch.bfloat16) if context else None
+        without = None  # us a layer with no attention, once measured
+        for context in sorted(args.context):  # (0 first: the others subtract it)
+            contexts = context_lengths(rows, context, args.drawn) if context else None
+            step = (add_attention(layers, contexts, torch.bfloat16) if context else None)
             hidden = torch.randn(rows, HIDDEN, dtype=torch.bfloat16, device="cuda")
             residual = torch.randn_like(hidden)
             us = graph_us(lambda i: forward(layers, hidden, residual, step), args.iters, calls=1)
             us /= args.layers
-            print(f"{rows:>4} | {context:>7} | {us:>10.2f} | {weights / us / 1e3:>12.0f}")
+            line = f"{rows:>4} | {context:>7} | {us:>10.2f} | {weights / us / 1e3:>12.0f}"
+            if context == 0:
+                without = us
+            elif without is not None:
+                print(line + attention_columns(us - without, contexts, copy_bw))
+                continue
+            print(line + f" | {'':>12} | {'':>7} | {'':>6}")
+
+
+def attention_columns(us: float, contexts: torch.Tensor, copy_bw: float) -> str:
+    """What attention adds to a layer (us) and the bandwidth of its KV reads: every
+    row's context keys and values, once."""
+    kv_bytes = int(contexts.sum()) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+    rate = kv_bytes / (us / 1e6)
+    return f" | {us:>12.2f} | {rate / 1e12:>7.2f} | {rate / copy_bw:>6.3f}"
 
 
 if __name__ == "__main__":
