@@ -8,7 +8,7 @@ churn). The bytes counted are the keys and values of every context token, read o
 
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
         [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3]
-        [--pages token head] [--page-sizes 16 32] [--longest 1200 2048]
+        [--pages token head] [--page-sizes 16 32] [--longest 1200 2048] [--rope off on]
 
 Each case runs with the requests started in batch order and longest context first
 (meta.decode_order, what the runner hands the kernel on a GPU).
@@ -30,6 +30,11 @@ its own cache, so outputs are compared only within a size.
 --longest: the longest context of a case (default 2048; contexts are drawn from 100 to
 it). Inside the engine nano's full-batch steps average about 640 tokens: 1200 is
 closer to them.
+
+--rope: "on" calls the kernel as the engine calls it for Qwen3: q, k and v views of one
+qkv projection's rows, with the q/k RMSNorms and the rotary embedding fused into the
+kernel (a program's work before its first tile grows). Outputs are compared only within
+a setting.
 """
 
 from __future__ import annotations
@@ -74,6 +79,25 @@ def decode_case(num_reqs: int, shuffled: bool, page: int, longest: int = 2048,
     return q, k, v, cache, meta, int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
 
 
+def engine_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
+                  longest: int):
+    """(q, k, v, qk_transform) as Qwen3's attention hands them to the kernel: views of
+    one [B, (H + 2 H_kv) D] qkv row each, the new token at position seq_len - 1 with
+    its q/k norms and rotary to apply."""
+    from spindle.layers.rotary import QKNormRope, RotaryEmbedding
+
+    qkv = torch.cat([t.flatten(1) for t in (q, k, v)], dim=1)
+    q_width, kv_width = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    views = (qkv[:, :q_width].view_as(q), qkv[:, q_width:q_width + kv_width].view_as(k),
+             qkv[:, q_width + kv_width:].view_as(v))
+    rope = RotaryEmbedding(HEAD_DIM, longest + 1, {"rope_type": "default", "rope_theta": 1e6})
+    gen = torch.Generator().manual_seed(1)
+    q_norm, k_norm = (1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) for _ in range(2))
+    transform = QKNormRope((seq_lens - 1).long(), rope.cos_cache.cuda(), rope.sin_cache.cuda(),
+                           q_norm.to(q.dtype).cuda(), k_norm.to(q.dtype).cuda(), 1e-6)
+    return (*views, transform)
+
+
 def head_major(cache: torch.Tensor) -> torch.Tensor:
     """The same values in pages allocated heads first, as the engine allocates and
     views them under SPINDLE_KV_HEAD_MAJOR=1 (AttentionCacheSpec with head_major)."""
@@ -109,6 +133,8 @@ def main() -> None:
                         help="longest context of a case (drawn from 100 to this)")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[16],
                         help="tokens per page (the engine's --block-size) to compare")
+    parser.add_argument("--rope", nargs="+", choices=("off", "on"), default=["off"],
+                        help="on: q/k norms and rotary fused in, q/k/v views of qkv rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_attention.py needs a CUDA device")
@@ -131,38 +157,43 @@ def main() -> None:
                       "head": head_major(token_cache) if "head" in args.pages else None}
             longest_first = torch.from_numpy(
                 decode_order(meta.seq_lens.cpu().numpy())).cuda()
-            first = None
-            for pages, tiles, target, ordered in itertools.product(
-                    args.pages, args.tiles, targets, (False, True)):
+            inputs = {"off": (q, k, v, None)}
+            if "on" in args.rope:
+                inputs["on"] = engine_inputs(q, k, v, meta.seq_lens, longest)
+            first = {}  # each rope setting's first output
+            for rope, pages, tiles, target, ordered in itertools.product(
+                    args.rope, args.pages, args.tiles, targets, (False, True)):
                 cache = caches[pages]
+                q_in, k_in, v_in, transform = inputs[rope]
                 triton_attn._TARGET_PROGRAMS = target
                 meta.decode_order = longest_first if ordered else None
                 out, counters = torch.empty_like(q), split_counters("cuda")
                 # In a CUDA graph: launched from Python one at a time, the host's
                 # launches take longer than the kernel at 32 requests.
                 t = graph_us(lambda _: decode_attention(
-                    q, k, v, cache, meta, HEAD_DIM ** -0.5, out, counters, tiles=tiles),
-                    5) / 1e6
-                first = out.clone() if first is None else first
+                    q_in, k_in, v_in, cache, meta, HEAD_DIM ** -0.5, out, counters,
+                    qk_transform=transform, tiles=tiles), 5) / 1e6
+                reference = first.setdefault(rope, out.clone())
                 name = "x".join(map(str, tiles)) if tiles else "default"
                 rows.append({"requests": num_reqs, "target_programs": target,
                              "tiles": name, "pages": pages, "page_size": page,
-                             "longest": longest,
+                             "longest": longest, "rope": rope,
                              "order": "longest first" if ordered else "batch",
                              "splits": num_decode_splits(num_reqs, KV_HEADS),
                              "block_tables": "shuffled" if shuffled else "in order",
                              "us": t * 1e6, "tb_s": nbytes / t / 1e12,
                              "of_copy": nbytes / t / copy_bw,
-                             "max_diff": (out.float() - first.float()).abs().max().item()})
+                             "max_diff": (out.float() - reference.float()).abs().max().item()})
     finally:
         triton_attn._TARGET_PROGRAMS = default_target
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'requests':>8} {'longest':>7} {'pages':>5} {'page':>4} {'tiles':>10} "
+    print(f"{'requests':>8} {'longest':>7} {'rope':>4} {'pages':>5} {'page':>4} {'tiles':>10} "
           f"{'target':>6} {'splits':>6}  {'block tables':<12} {'order':<13} {'us':>8} "
           f"{'TB/s':>6} {'x copy':>7} {'max diff':>9}")
     for r in rows:
-        print(f"{r['requests']:>8} {r['longest']:>7} {r['pages']:>5} {r['page_size']:>4} "
+        print(f"{r['requests']:>8} {r['longest']:>7} {r['rope']:>4} {r['pages']:>5} "
+              f"{r['page_size']:>4} "
               f"{r['tiles']:>10} {r['target_programs']:>6} {r['splits']:>6}  "
               f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
               f"{r['of_copy']:>7.3f} {r['max_diff']:>9.2e}")
