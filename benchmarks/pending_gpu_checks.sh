@@ -4,9 +4,9 @@
 # a CUDA machine (one H200 or H100). Results go to $OUT (default ./gpu_out). Each step
 # is bounded so that one stuck step does not take the rest; the parts are meant for one
 # device call each (each stays under the 10-minute limit of a call). On an H200, `h200`
-# first: the measurements issue 16's open targets wait for, in one call.
+# then `h200ab` first: the measurements issue 16's open targets wait for, in two calls.
 #
-#   bash benchmarks/pending_gpu_checks.sh [h200|pages|tests|models|ab|kernels|all]
+#   bash benchmarks/pending_gpu_checks.sh [h200|h200ab|pages|tests|models|ab|kernels|all]
 #   (default: all)
 #
 # On the lent device machines (transformers 5.17 in the image; the tests' oracle for the
@@ -18,17 +18,21 @@
 # then: pip install --no-index --no-deps --target /tmp/site .whl/*.whl and
 # PYTHONPATH=/tmp/site:$PWD before this script.
 #
-# What each part waits for (2026-12-07, forty-third session; each session's results, and
+# What each part waits for (2026-12-07, forty-fourth session; each session's results, and
 # the history these notes used to keep, are in docs/benchmarks.md):
-#   h200     On an H200, first: what issue 16's open targets (nano 0.75 x roofline, batch
-#            1 1,500 tok/s) wait for, about 480 s. Decode attention alone on token- and
-#            head-major pages (SPINDLE_KV_HEAD_MAJOR, off), 16- and 32-token pages,
-#            contexts up to 1,200 and 2,048 tokens (nano's full-batch steps average about
-#            640 inside the engine, where the kernel reads 0.88 x copy, against 1.05 alone
-#            at 2,048); smaller tiles at the shorter contexts; nano with head-major pages
-#            (on by default if they gain there); the batch-1 A/B of the graph advance
-#            (SPINDLE_GRAPH_ADVANCE, on by default since the 41st session: +1.2% on an
-#            H100; back off if it loses on an H200); host_phases.py.
+#   h200     On an H200, first: where nano's decode attention loses its bandwidth (0.88 x
+#            copy inside the engine's full-batch steps, 1.05 alone at contexts of
+#            100-2,048). The kernel alone on token- and head-major pages
+#            (SPINDLE_KV_HEAD_MAJOR, off), 16- and 32-token pages, contexts up to 1,200
+#            and 2,048 tokens (nano's full-batch steps average about 640); smaller tiles
+#            at the shorter contexts; the kernel alone with the engine's inputs (q/k norms
+#            and rotary fused in); the kernel inside 28 layers of GEMMs and norms at
+#            nano-like contexts (layer_chain.py --drawn), PDL on and off. Whichever of
+#            these first reads near 0.88 says where the loss is. About 330 s.
+#   h200ab   On an H200, next: nano with head-major pages (on by default if they gain
+#            there); the batch-1 A/B of the graph advance (SPINDLE_GRAPH_ADVANCE, on by
+#            default since the 41st session: +1.2% on an H100; back off if it loses on an
+#            H200); host_phases.py. About 400 s.
 #   pages    Any GPU: the head-major pages' GPU tests, the kernel on both layouts, a nano
 #            A/B. Done on an H100 (43rd session: tests passed, no change in speed there).
 #   tests    Any GPU: the GPU test files, a regression sweep after kernel or graph changes
@@ -63,10 +67,24 @@ if [[ $what == h200 || $what == pages ]]; then
     (cd benchmarks && timeout 150 python3 decode_attention.py --batches 256 128 \
         --pages token head --page-sizes 16 32 --longest 1200 2048 \
         --json "$OUT/pages_kernel.json" 2>&1 | tail -66)
+fi
+
+if [[ $what == h200 ]]; then
     stamp "decode tiles at nano-like contexts: fewer keys or warps, more programs an SM"
     (cd benchmarks && timeout 90 python3 decode_attention.py --batches 256 --longest 1200 \
         --tiles 32x2x3 32x1x3 16x1x3 16x2x3 64x4x3 --json "$OUT/short_tiles.json" 2>&1 \
         | tail -22)
+    stamp "decode attention alone on the engine's inputs: q/k norms and rotary fused in"
+    (cd benchmarks && timeout 90 python3 decode_attention.py --batches 256 128 --longest 1200 \
+        --rope off on --json "$OUT/rope_kernel.json" 2>&1 | tail -18)
+    stamp "decode attention inside 28 layers at nano-like contexts (drawn, mean 640): PDL on, off"
+    (cd benchmarks && for pdl in 1 0; do
+        SPINDLE_PDL=$pdl timeout 120 python3 layer_chain.py --rows 256 128 --context 0 640 \
+            --drawn 2>&1 | tail -6
+    done)
+fi
+
+if [[ $what == h200ab || $what == pages ]]; then
     stamp "head-major KV pages on nano (16-token pages, then 32), two rounds"
     timeout 270 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/pages_ab.json" \
         --out-dir "$OUT/pages_runs" \
@@ -74,7 +92,7 @@ if [[ $what == h200 || $what == pages ]]; then
         --variant head_major_32=SPINDLE_KV_HEAD_MAJOR=1,--block-size=32 2>&1 | tail -7
 fi
 
-if [[ $what == h200 ]]; then
+if [[ $what == h200ab ]]; then
     stamp "batch 1: graphs that advance their inputs (the default), then without"
     timeout 170 python3 benchmarks/switch_ab.py --skip-nano --rounds 5 \
         --json "$OUT/advance_ab.json" --variant main= \
