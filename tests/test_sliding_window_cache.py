@@ -29,16 +29,21 @@ def test_a_cache_smaller_than_one_sequence_serves_long_generations(tiny_model):
         manager = core.scheduler.kv_cache_manager
         held = []
 
-        def recording(method):  # the blocks a request holds at each step it is scheduled
+        def recording(method, scheduled=lambda result: True):
+            """The blocks a request holds at each step it is scheduled: once per step."""
             def call(request, *args, **kwargs):
                 result = method(request, *args, **kwargs)
-                held.append(manager.get_num_blocks(request.request_id))
+                if scheduled(result):
+                    held.append(manager.get_num_blocks(request.request_id))
                 return result
             return call
 
-        # (A decode step that would change nothing skips allocate_slots: holds_next_token.)
-        manager.allocate_slots = recording(manager.allocate_slots)
-        manager.holds_next_token = recording(manager.holds_next_token)
+        # A decode step that would change nothing skips allocate_slots (holds_next_token
+        # says yes); when it says no, allocate_slots runs and records the step (unless
+        # the cache has no room for it: None).
+        manager.allocate_slots = recording(manager.allocate_slots,
+                                           scheduled=lambda blocks: blocks is not None)
+        manager.holds_next_token = recording(manager.holds_next_token, scheduled=bool)
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [t for t, _ in expected]
     # Prefill chunks of 8 tokens after 7 window positions straddle at most 5 blocks;
