@@ -9,6 +9,7 @@ churn). The bytes counted are the keys and values of every context token, read o
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
         [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3]
         [--pages token head] [--page-sizes 16 32] [--longest 1200 2048] [--rope off on]
+        [--uniform]
 
 Each case runs with the requests started in batch order and longest context first
 (meta.decode_order, what the runner hands the kernel on a GPU).
@@ -29,7 +30,9 @@ its own cache, so outputs are compared only within a size.
 
 --longest: the longest context of a case (default 2048; contexts are drawn from 100 to
 it). Inside the engine nano's full-batch steps average about 640 tokens: 1200 is
-closer to them.
+closer to them. --uniform: every context exactly --longest tokens instead, so that a
+sweep of --longest shows how the read rate falls with the tiles a program reads (what
+a program pays before its first tile weighs more the fewer it reads).
 
 --rope: "on" calls the kernel as the engine calls it for Qwen3: q, k and v views of one
 qkv projection's rows, with the q/k RMSNorms and the rotary embedding fused into the
@@ -50,13 +53,17 @@ HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
 def decode_case(num_reqs: int, shuffled: bool, page: int, longest: int = 2048,
-                seed: int = 0):
+                seed: int = 0, uniform: bool = False):
     """(q, k, v, kv_cache, metadata, bytes of context K/V) for one decode step on
-    pages of `page` tokens, contexts drawn from 100 to `longest` tokens."""
+    pages of `page` tokens, contexts drawn from 100 to `longest` tokens (uniform:
+    all `longest`)."""
     from spindle.attention.metadata import AttentionMetadata
 
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(100, longest + 1, (num_reqs,), generator=gen)
+    if uniform:
+        lens = torch.full((num_reqs,), longest)
+    else:
+        lens = torch.randint(100, longest + 1, (num_reqs,), generator=gen)
     blocks = [(int(n) + page - 1) // page for n in lens]
     order = torch.randperm(sum(blocks), generator=gen) if shuffled else torch.arange(sum(blocks))
     tables = torch.zeros(num_reqs, max(blocks), dtype=torch.int32)
@@ -131,6 +138,8 @@ def main() -> None:
                         help="cache page layouts to compare (head: heads first)")
     parser.add_argument("--longest", type=int, nargs="+", default=[2048],
                         help="longest context of a case (drawn from 100 to this)")
+    parser.add_argument("--uniform", action="store_true",
+                        help="every context exactly --longest tokens")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[16],
                         help="tokens per page (the engine's --block-size) to compare")
     parser.add_argument("--rope", nargs="+", choices=("off", "on"), default=["off"],
@@ -152,7 +161,7 @@ def main() -> None:
         for page, longest, num_reqs, shuffled in itertools.product(
                 args.page_sizes, args.longest, args.batches, (False, True)):
             q, k, v, token_cache, meta, nbytes = decode_case(num_reqs, shuffled, page,
-                                                             longest)
+                                                             longest, uniform=args.uniform)
             caches = {"token": token_cache,
                       "head": head_major(token_cache) if "head" in args.pages else None}
             longest_first = torch.from_numpy(
@@ -177,7 +186,7 @@ def main() -> None:
                 name = "x".join(map(str, tiles)) if tiles else "default"
                 rows.append({"requests": num_reqs, "target_programs": target,
                              "tiles": name, "pages": pages, "page_size": page,
-                             "longest": longest, "rope": rope,
+                             "longest": longest, "uniform": args.uniform, "rope": rope,
                              "order": "longest first" if ordered else "batch",
                              "splits": num_decode_splits(num_reqs, KV_HEADS),
                              "block_tables": "shuffled" if shuffled else "in order",

@@ -24,11 +24,12 @@
 #            copy inside the engine's full-batch steps, 1.05 alone at contexts of
 #            100-2,048). The kernel alone on token- and head-major pages
 #            (SPINDLE_KV_HEAD_MAJOR, off), 16- and 32-token pages, contexts up to 1,200
-#            and 2,048 tokens (nano's full-batch steps average about 640); smaller tiles
-#            at the shorter contexts; the kernel alone with the engine's inputs (q/k norms
-#            and rotary fused in); the kernel inside 28 layers of GEMMs and norms at
-#            nano-like contexts (layer_chain.py --drawn), PDL on and off. Whichever of
-#            these first reads near 0.88 says where the loss is. About 330 s.
+#            and 2,048 tokens (nano's full-batch steps average about 640), and every
+#            context one length from 128 to 2,048; smaller tiles at the shorter
+#            contexts; the kernel alone with the engine's inputs (q/k norms and rotary
+#            fused in); the kernel inside 28 layers of GEMMs and norms at nano-like
+#            contexts (layer_chain.py --drawn), PDL on and off. Whichever of these first
+#            reads near 0.88 says where the loss is. About 360 s.
 #   h200ab   On an H200, next: nano with head-major pages (on by default if they gain
 #            there); the batch-1 A/B of the graph advance (SPINDLE_GRAPH_ADVANCE, on by
 #            default since the 41st session: +1.2% on an H100; back off if it loses on an
@@ -70,6 +71,9 @@ if [[ $what == h200 || $what == pages ]]; then
 fi
 
 if [[ $what == h200 ]]; then
+    stamp "decode attention alone, every context the same length: the read rate by length"
+    (cd benchmarks && timeout 90 python3 decode_attention.py --batches 256 --uniform \
+        --longest 128 256 640 1200 2048 --json "$OUT/uniform_kernel.json" 2>&1 | tail -22)
     stamp "decode tiles at nano-like contexts: fewer keys or warps, more programs an SM"
     (cd benchmarks && timeout 90 python3 decode_attention.py --batches 256 --longest 1200 \
         --tiles 32x2x3 32x1x3 16x1x3 16x2x3 64x4x3 --json "$OUT/short_tiles.json" 2>&1 \
