@@ -28,8 +28,8 @@
 #            context one length from 128 to 2,048; smaller tiles at the shorter
 #            contexts; the kernel alone with the engine's inputs (q/k norms and rotary
 #            fused in); the kernel inside 28 layers of GEMMs and norms at nano-like
-#            contexts (layer_chain.py --drawn), PDL on and off. Whichever of these first
-#            reads near 0.88 says where the loss is. About 360 s.
+#            contexts (layer_chain.py --drawn). Whichever of these first reads near 0.88
+#            says where the loss is. About 330 s.
 #   h200ab   On an H200, next: nano with head-major pages (on by default if they gain
 #            there); the batch-1 A/B of the graph advance (SPINDLE_GRAPH_ADVANCE, on by
 #            default since the 41st session: +1.2% on an H100; back off if it loses on an
@@ -81,11 +81,9 @@ if [[ $what == h200 ]]; then
     stamp "decode attention alone on the engine's inputs: q/k norms and rotary fused in"
     (cd benchmarks && timeout 90 python3 decode_attention.py --batches 256 128 --longest 1200 \
         --rope off on --json "$OUT/rope_kernel.json" 2>&1 | tail -18)
-    stamp "decode attention inside 28 layers at nano-like contexts (drawn, mean 640): PDL on, off"
-    (cd benchmarks && for pdl in 1 0; do
-        SPINDLE_PDL=$pdl timeout 120 python3 layer_chain.py --rows 256 128 --context 0 640 \
-            --drawn 2>&1 | tail -6
-    done)
+    stamp "decode attention inside 28 layers at nano-like contexts (drawn, mean 640)"
+    (cd benchmarks && timeout 120 python3 layer_chain.py --rows 256 128 --context 0 640 \
+        --drawn 2>&1 | tail -6)
 fi
 
 if [[ $what == h200ab || $what == pages ]]; then
