@@ -588,6 +588,87 @@ def test_fused_decode_with_qk_norm_rope(monkeypatch, kernel, num_heads, num_kv_h
     assert torch.equal(cache_v[untouched], before[1, untouched])
 
 
+# SPINDLE_DECODE_ITEMS: (num_heads, num_kv_heads, head_dim, block_size, batch, items);
+# batches that leave a group short, GQA 1, 2 and 4 (4 x 4 rows: BLOCK_G 16 exactly).
+ITEMS_CASES = pick(
+    [(16, 8, 128, 16, 37, 4), (8, 8, 64, 32, 9, 2), (16, 4, 64, 16, 11, 4),
+     (16, 8, 128, 16, 19, 8)],
+    [(8, 4, 64, 16, 7, 4), (4, 4, 64, 32, 5, 2), (8, 2, 64, 16, 9, 4), (8, 4, 64, 16, 6, 8)])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,batch,items", ITEMS_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ordered", [False, True], ids=["batch_order", "longest_first"])
+@pytest.mark.parametrize("options", ["plain", "qk_norm_rope", "soft_cap_sinks"])
+def test_decode_items_kernel(monkeypatch, num_heads, num_kv_heads, head_dim, block_size, batch,
+                             items, dtype, ordered, options):
+    """SPINDLE_DECODE_ITEMS: several requests a program, in one loop over their tiles;
+    equal to the reference with the q/k transform, soft cap and sinks, requests of no
+    cached context and a CUDA-graph padding row, and the cache changed at the real
+    tokens' slots only."""
+    from spindle.attention.backends import triton_attn
+    from spindle.attention.backends.triton_attn import decode_attention, split_counters
+    from spindle.attention.metadata import decode_order
+
+    monkeypatch.setenv(triton_attn.ITEMS_ENV, str(items))
+    monkeypatch.setenv(triton_attn.PER_HEAD_ENV, "0")
+    monkeypatch.setattr(triton_attn, "_TARGET_PROGRAMS", 1)  # (no context split)
+    launches = []
+    real_launch = triton_attn._decode_items
+    monkeypatch.setattr(triton_attn, "_decode_items",
+                        lambda *a, **kw: launches.append(a[-4]) or real_launch(*a, **kw))
+    gen = torch.Generator().manual_seed(batch * 13 + items + head_dim)
+    context_lens = torch.randint(1, MAX_CONTEXT, (batch,), generator=gen).tolist()
+    context_lens[0] = 0  # a context of just the new token
+    context_lens[2] = block_size  # its new token opens a block
+    case = make_case([1] * batch, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                     dtype, seed=batch + items)
+    transform, ref_case = None, case
+    if options == "qk_norm_rope":
+        transform, rope = _qwen3_like_transform(torch.tensor(context_lens), head_dim, True, gen)
+        ref_case = _transformed_reference_case(case, transform, rope, dtype)
+    soft_cap, sinks = (30.0, torch.randn(num_heads, generator=gen).to(DEVICE)) \
+        if options == "soft_cap_sinks" else (None, None)
+    scale = head_dim ** -0.5
+    ref, _, _ = reference(ref_case, scale, soft_cap=soft_cap, sinks=sinks)
+    padding = batch - 2
+    case["slot_mapping"][padding] = -1
+    case["seq_lens"][padding] = 0
+    meta = meta_for(case)
+    if ordered:
+        meta.decode_order = torch.from_numpy(
+            decode_order(case["seq_lens"].cpu().numpy())).to(DEVICE)
+    kv_before = case["kv_cache"].clone()
+    out = torch.full_like(case["q"], float("nan"))
+    decode_attention(case["q"], case["k"], case["v"], case["kv_cache"], meta, scale, out,
+                     split_counters(DEVICE), qk_transform=transform, soft_cap=soft_cap,
+                     sinks=sinks)
+    assert launches == [items], "the items kernel must have served the step"
+    real = [i for i in range(batch) if i != padding]
+    assert not out.isnan().any()
+    assert rel_err(out[real], ref[real]) < REL_TOL[dtype]
+    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+    cache_k = case["kv_cache"][0].reshape(-1, num_kv_heads, head_dim)
+    cache_v = case["kv_cache"][1].reshape(-1, num_kv_heads, head_dim)
+    slots = case["slot_mapping"][real]
+    assert rel_err(cache_k[slots], ref_case["k"][real].double()) < REL_TOL[dtype]
+    assert torch.equal(cache_v[slots], case["v"][real])
+    untouched = torch.ones(cache_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    before = kv_before.reshape(2, -1, num_kv_heads, head_dim)
+    assert torch.equal(cache_k[untouched], before[0, untouched])
+    assert torch.equal(cache_v[untouched], before[1, untouched])
+
+
+@pytest.mark.parametrize("raw", ["3", "0", "32", "four"])
+def test_decode_items_knob_refuses_what_it_cannot_take(monkeypatch, raw):
+    from spindle.attention.backends import triton_attn
+
+    with pytest.raises(ValueError, match=triton_attn.ITEMS_ENV):
+        triton_attn.decode_items({triton_attn.ITEMS_ENV: raw})
+    assert triton_attn.decode_items({}) == 1
+
+
 def _qwen3_like_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype,
                      seed, transform_seed):
     """A step's case (16-token pages) with Qwen3's q/k norm and rotary still to apply:
