@@ -44,6 +44,7 @@ def make_layers(count: int, dtype: torch.dtype) -> list[dict]:
     from spindle.distributed.parallel_state import TensorParallelGroup
     from spindle.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                        RowParallelLinear)
+    from spindle.layers.activation import SiluAndMul
     from spindle.layers.norm import RMSNorm
 
     group = TensorParallelGroup(rank=0, size=1)
@@ -55,7 +56,8 @@ def make_layers(count: int, dtype: torch.dtype) -> list[dict]:
                 qkv=ColumnParallelLinear(HIDDEN, QKV_WIDTH, tp_group=group),
                 o=RowParallelLinear(Q_WIDTH, HIDDEN, tp_group=group),
                 gate_up=MergedColumnParallelLinear(HIDDEN, [INTERMEDIATE] * 2, tp_group=group),
-                down=RowParallelLinear(INTERMEDIATE, HIDDEN, tp_group=group))
+                down=RowParallelLinear(INTERMEDIATE, HIDDEN, tp_group=group),
+                act=SiluAndMul())
             for module in layer.values():
                 module.to(dtype)
                 for p in module.parameters():
@@ -136,6 +138,8 @@ def forward(layers: list[dict], hidden: torch.Tensor, residual: torch.Tensor,
         normed, residual = layer["post_norm"](out, residual, defer=True)
         gate_up = layer["gate_up"](normed)
         hidden = layer["down"].silu_and_mul_forward(gate_up, defer_merge=True)
+        if hidden is None:  # (rows past the skinny GEMM's: LlamaMLP's separate activation)
+            hidden = layer["down"](layer["act"](gate_up), defer_merge=True)
     return layers[0]["input_norm"](hidden, residual)[0]
 
 
