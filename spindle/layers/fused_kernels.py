@@ -193,7 +193,7 @@ def norm_rope_rows(rows, row_valid, w_ptr, cos_row, sin_row, eps, HEAD_DIM: tl.c
     """Heads [R, BLOCK_D] of q or k, row r starting at pointer rows[r] (activation
     dtype; rows with row_valid False read as zeros) -> RMSNorm(head) * w (HAS_NORM),
     then the neox rotary embedding with the float32 table rows cos_row/sin_row of the
-    token's position (pointers, or [R, 1] of them: each row's own position).
+    token's position.
 
     Rounds to the activation dtype wherever the torch layers (RMSNorm, apply_rotary)
     round, so results match them up to float32 summation order. Shared with the
@@ -217,9 +217,8 @@ def norm_rope_rows(rows, row_valid, w_ptr, cos_row, sin_row, eps, HEAD_DIM: tl.c
         x = (w * (h * inv).to(dtype).to(tl.float32)).to(dtype)
         xp = (wp * (xp.to(tl.float32) * inv).to(dtype).to(tl.float32)).to(dtype)
     # The cos/sin tables are float32; torch casts them to the activation dtype first.
-    cos = tl.load(cos_row + offs[None, :], mask=d_valid[None, :], other=0.0)
-    sin = tl.load(sin_row + offs[None, :], mask=d_valid[None, :], other=0.0)
-    cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
+    cos = tl.load(cos_row + offs, mask=d_valid, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(sin_row + offs, mask=d_valid, other=0.0).to(dtype).to(tl.float32)[None, :]
     # x * cos + rotate_half(x) * sin, each product rounded like the torch version.
     return ((x.to(tl.float32) * cos).to(dtype).to(tl.float32)
             + (sign * xp.to(tl.float32) * sin).to(dtype).to(tl.float32)).to(dtype)

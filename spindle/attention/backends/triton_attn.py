@@ -68,7 +68,6 @@ from spindle.switches import integer, on_off
 TARGET_PROGRAMS_ENV = "SPINDLE_DECODE_TARGET_PROGRAMS"
 PER_HEAD_ENV = "SPINDLE_DECODE_PER_HEAD"
 TILES_ENV = "SPINDLE_DECODE_TILES"
-ITEMS_ENV = "SPINDLE_DECODE_ITEMS"
 HEAD_MAJOR_ENV = "SPINDLE_KV_HEAD_MAJOR"
 _MAX_SPLITS = 32
 # Small decode batches take the per-head kernel (see decode_attention): at most this
@@ -131,19 +130,6 @@ def env_tiles(environ=os.environ) -> tuple[int, int, int] | None:
 
 
 _ENV_TILES = env_tiles()
-
-
-def decode_items(environ=os.environ) -> int:
-    """SPINDLE_DECODE_ITEMS (1, 2, 4, 8 or 16; default 1, off): requests a decode
-    program serves one after another for its KV head, in one pipelined loop
-    (_decode_items_kernel), where the per-KV-head kernel would run one program per
-    (request, KV head) without splitting contexts. A measuring knob, off until
-    measured (docs/benchmarks.md)."""
-    raw = environ.get(ITEMS_ENV, "")
-    items = integer(ITEMS_ENV, raw, 1, 16) if raw else 1
-    if items & (items - 1):
-        raise ValueError(f"{ITEMS_ENV} must be 1, 2, 4, 8 or 16, got {raw!r}")
-    return items
 
 
 class TritonAttentionBackend:
@@ -564,12 +550,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             tiles = default_decode_tiles(num_reqs, num_kv_heads, head_dim,
                                          mixed=requests is not None)
         block_n, warps, stages = _checked_tiles(tiles)
-    items = 1 if per_head else decode_items()
-    if (items > 1 and splits == 1 and requests is None and sliding_window is None
-            and not chunked and alibi_slopes is None):
-        _decode_items(q, k, v, kv_cache, meta, scale, out, qk_transform, soft_cap, sinks,
-                      items, block_n, warps, stages)
-        return
     if splits > 1 and num_reqs * heads > counters.numel():
         raise ValueError(f"decode with {splits} splits needs {num_reqs * heads} "
                          f"split counters, got {counters.numel()}")
@@ -683,167 +663,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr
                           num_reqs, num_heads, used_splits, o_stride_t, o_stride_h,
                           GQA, HEAD_DIM, BLOCK_D, SPLITS, SINKS)
             tl.store(counter, 0)  # ready for the next launch
-
-
-def _decode_items(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                  rope: QKNormRope | None, soft_cap: float | None,
-                  sinks: torch.Tensor | None, items: int, block_n: int, warps: int,
-                  stages: int) -> None:
-    """decode_attention with `items` requests a program (SPINDLE_DECODE_ITEMS): one
-    program per (KV head, group of requests); full attention with no context split, in
-    batch order or meta.decode_order, q/k norm + rotary, soft cap and sinks as there."""
-    num_reqs, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    gqa = num_heads // num_kv_heads
-    has_norm = rope is not None and rope.q_weight is not None
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    order = meta.decode_order
-    _decode_items_kernel[(num_kv_heads, triton.cdiv(num_reqs, items))](
-        q, k, v, key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-        order if order is not None else meta.seq_lens,
-        rope.positions if rope else meta.seq_lens, rope.cos_cache if rope else q,
-        rope.sin_cache if rope else q, rope.q_weight if has_norm else q,
-        rope.k_weight if has_norm else q, rope.eps if rope else 0.0,
-        out, q if sinks is None else sinks, scale, soft_cap or 0.0, num_reqs,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        rope.cos_cache.stride(0) if rope else 0,
-        GQA=gqa, ITEMS=items, BLOCK_G=max(16, triton.next_power_of_2(gqa * items)),
-        PAGE=block_size, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n, ORDERED=order is not None, ROPE=rope is not None,
-        HAS_NORM=has_norm, SOFT_CAP=soft_cap is not None, SINKS=sinks is not None,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
-        **pdl.kernel_args(q.device, num_reqs))
-
-
-@triton.jit(do_not_specialize=["bt_stride"])  # (as _prefill_kernel's)
-def _decode_items_kernel(q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                         block_tables_ptr, seq_lens_ptr, order_ptr, pos_ptr, cos_ptr, sin_ptr,
-                         qw_ptr, kw_ptr, eps, out_ptr, sinks_ptr, scale, soft_cap, num_reqs,
-                         q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t,
-                         v_stride_h, o_stride_t, o_stride_h, bt_stride, c_stride_b,
-                         c_stride_t, c_stride_h, cs_stride,
-                         GQA: tl.constexpr, ITEMS: tl.constexpr, BLOCK_G: tl.constexpr,
-                         PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, ORDERED: tl.constexpr, ROPE: tl.constexpr,
-                         HAS_NORM: tl.constexpr, SOFT_CAP: tl.constexpr,
-                         SINKS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """ITEMS requests for one KV head in one program, their context tiles in one loop,
-    so that the next request's first tiles are in flight while the current one's last
-    are computed (a program of the per-KV-head kernel starts with a chain of dependent
-    loads: its request, length, block ids, then its first K/V tile).
-
-    The query heads of item i are rows i * GQA .. i * GQA + GQA - 1 of the BLOCK_G rows
-    that the per-KV-head kernel pads GQA to anyway: each tile updates its item's rows,
-    the others' scores being -inf. Group g's items are the requests at (decode order)
-    rows g, 2G - 1 - g, 2G + g, ... (G groups): longest with shortest, so that the
-    programs' loops come out about equally long."""
-    pdl.enter(PDL)
-    kv_head = tl.program_id(0)
-    group = tl.program_id(1)
-    num_groups = tl.num_programs(1)
-    # Per item: its request, cached context (all but the new token) and tiles.
-    offs_i = tl.arange(0, ITEMS)
-    reqs, item_valid = _group_requests(offs_i, group, num_groups, num_reqs, order_ptr,
-                                       ORDERED)
-    seq = tl.load(seq_lens_ptr + reqs, mask=item_valid, other=0)
-    cached = tl.maximum(seq - 1, 0)
-    tiles = tl.cdiv(cached, BLOCK_N)
-    total = tl.sum(tiles, 0)
-    # Per row: its item's request (the rows' copies of the per-item values).
-    offs_g = tl.arange(0, BLOCK_G)
-    row_item = offs_g // GQA
-    row_req, row_exists = _group_requests(row_item, group, num_groups, num_reqs, order_ptr,
-                                          ORDERED)
-    row_exists = row_exists & (row_item < ITEMS)
-    row_seq = tl.load(seq_lens_ptr + row_req, mask=row_exists, other=0)
-    row_valid = row_exists & (row_seq > 0)  # (a padding row: zeros, cache untouched)
-    heads = kv_head * GQA + offs_g % GQA
-    token = row_req.to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM
-
-    # The first tile's block ids before anything else (the loop loads each tile's an
-    # iteration ahead, as _attend_split's).
-    item, offs_n, n_valid, table = _items_tile(0, tiles, reqs, cached, offs_i,
-                                               block_tables_ptr, bt_stride, BLOCK_N)
-    ids = _block_ids(table, offs_n, n_valid, PAGE)
-    q_rows = q_ptr + token * q_stride_t + heads * q_stride_h
-    k_rows = k_ptr + token * k_stride_t + kv_head * k_stride_h
-    if ROPE:
-        pos = tl.load(pos_ptr + token, mask=row_valid, other=0)
-        cos_rows = (cos_ptr + pos * cs_stride)[:, None]
-        sin_rows = (sin_ptr + pos * cs_stride)[:, None]
-        q = norm_rope_rows(q_rows, row_valid, qw_ptr, cos_rows, sin_rows, eps, HEAD_DIM,
-                           BLOCK_D, HAS_NORM)
-        k_new = norm_rope_rows(k_rows, row_valid, kw_ptr, cos_rows, sin_rows, eps, HEAD_DIM,
-                               BLOCK_D, HAS_NORM)
-    else:
-        mask = row_valid[:, None] & d_valid[None, :]
-        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        k_new = tl.load(k_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    v_new = tl.load(v_ptr + token[:, None] * v_stride_t + kv_head * v_stride_h
-                    + offs_d[None, :], mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for t in range(0, total):
-        k, v = _load_kv_blocks(key_cache_ptr, value_cache_ptr, ids, offs_n, n_valid, offs_d,
-                               d_valid, kv_head, c_stride_b, c_stride_t, c_stride_h, PAGE)
-        tile_item, tile_valid = item, n_valid
-        item, offs_n, n_valid, table = _items_tile(t + 1, tiles, reqs, cached, offs_i,
-                                                   block_tables_ptr, bt_stride, BLOCK_N)
-        ids = _block_ids(table, offs_n, n_valid, PAGE)
-        scores = _capped(_dot(q, tl.trans(k), IEEE) * scale, soft_cap, SOFT_CAP)
-        mine = (row_item == tile_item) & row_valid
-        scores = tl.where(mine[:, None] & tile_valid[None, :], scores, float("-inf"))
-        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, IEEE, EMPTY_ROWS=True)
-
-    # Each item's new token: written to its slot once (by its first row), attended from
-    # registers by all its rows.
-    slot = tl.load(slot_ptr + token, mask=row_valid, other=-1)
-    writer = row_valid & (offs_g % GQA == 0) & (slot >= 0)
-    dst = cache_row(slot, c_stride_b, c_stride_t, PAGE)[:, None] + kv_head * c_stride_h \
-        + offs_d[None, :]
-    tl.store(key_cache_ptr + dst, k_new, mask=writer[:, None] & d_valid[None, :])
-    tl.store(value_cache_ptr + dst, v_new, mask=writer[:, None] & d_valid[None, :])
-    score = _capped(tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale, soft_cap,
-                    SOFT_CAP)
-    m_i, l_i, acc = _softmax_add_key(m_i, l_i, acc, score, v_new.to(tl.float32))
-    values = acc / _denominator(l_i, m_i, sinks_ptr, heads, row_valid, SINKS)[:, None]
-    _store_rows(out_ptr + token * o_stride_t + heads * o_stride_h, row_exists, d_valid,
-                offs_d, tl.where(row_valid[:, None], values, 0.0))  # (padding rows: zeros)
-
-
-@triton.jit
-def _group_requests(item, group, num_groups, num_reqs, order_ptr, ORDERED: tl.constexpr):
-    """(request, valid) of items `item` of program group `group`: decode-order rows
-    g, 2G - 1 - g, 2G + g, 4G - 1 - g, ... (invalid past num_reqs)."""
-    row = item * num_groups + tl.where(item % 2 == 0, group, num_groups - 1 - group)
-    valid = row < num_reqs
-    req = row
-    if ORDERED:
-        req = tl.load(order_ptr + row, mask=valid, other=0)
-    return req, valid
-
-
-@triton.jit
-def _items_tile(t, tiles, reqs, cached, offs_i, block_tables_ptr, bt_stride,
-                BLOCK_N: tl.constexpr):
-    """Tile t of a program's loop over its items' tiles (item 0's, then item 1's, ...):
-    (its item, context positions, valid positions, its request's block table). Past
-    the last tile: no valid position."""
-    ends = tl.cumsum(tiles, 0)
-    item = tl.sum((ends <= t).to(tl.int32), 0)
-    this = offs_i == item
-    first = tl.sum(tl.where(this, ends - tiles, 0), 0)
-    req = tl.sum(tl.where(this, reqs, 0), 0)
-    cached_end = tl.sum(tl.where(this, cached, 0), 0)
-    offs_n = (t - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return item, offs_n, offs_n < cached_end, block_tables_ptr + req.to(tl.int64) * bt_stride
 
 
 @triton.jit
