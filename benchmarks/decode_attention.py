@@ -9,7 +9,7 @@ churn). The bytes counted are the keys and values of every context token, read o
     python benchmarks/decode_attention.py [--batches 256 128 32] [--json out.json]
         [--target-programs 264 528 1056] [--tiles 64x4x2 128x4x2 64x4x3]
         [--pages token head] [--page-sizes 16 32] [--longest 1200 2048] [--rope off on]
-        [--uniform] [--items 1 4]
+        [--uniform]
 
 Each case runs with the requests started in batch order and longest context first
 (meta.decode_order, what the runner hands the kernel on a GPU).
@@ -34,9 +34,6 @@ closer to them. --uniform: every context exactly --longest tokens instead, so th
 sweep of --longest shows how the read rate falls with the tiles a program reads (what
 a program pays before its first tile weighs more the fewer it reads).
 
---items: the same for SPINDLE_DECODE_ITEMS (requests a program of the per-KV-head
-kernel serves in one loop; 1: one each, the default).
-
 --rope: "on" calls the kernel as the engine calls it for Qwen3: q, k and v views of one
 qkv projection's rows, with the q/k RMSNorms and the rotary embedding fused into the
 kernel (a program's work before its first tile grows). Outputs are compared only within
@@ -47,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 from pathlib import Path
 
 import torch
@@ -142,8 +138,6 @@ def main() -> None:
                         help="cache page layouts to compare (head: heads first)")
     parser.add_argument("--longest", type=int, nargs="+", default=[2048],
                         help="longest context of a case (drawn from 100 to this)")
-    parser.add_argument("--items", type=int, nargs="+", default=[1],
-                        help="SPINDLE_DECODE_ITEMS values to compare (1: off)")
     parser.add_argument("--uniform", action="store_true",
                         help="every context exactly --longest tokens")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[16],
@@ -176,10 +170,9 @@ def main() -> None:
             if "on" in args.rope:
                 inputs["on"] = engine_inputs(q, k, v, meta.seq_lens, longest)
             first = {}  # each rope setting's first output
-            for rope, pages, tiles, items, target, ordered in itertools.product(
-                    args.rope, args.pages, args.tiles, args.items, targets, (False, True)):
+            for rope, pages, tiles, target, ordered in itertools.product(
+                    args.rope, args.pages, args.tiles, targets, (False, True)):
                 cache = caches[pages]
-                os.environ[triton_attn.ITEMS_ENV] = str(items)
                 q_in, k_in, v_in, transform = inputs[rope]
                 triton_attn._TARGET_PROGRAMS = target
                 meta.decode_order = longest_first if ordered else None
@@ -192,8 +185,7 @@ def main() -> None:
                 reference = first.setdefault(rope, out.clone())
                 name = "x".join(map(str, tiles)) if tiles else "default"
                 rows.append({"requests": num_reqs, "target_programs": target,
-                             "tiles": name, "items": items, "pages": pages,
-                             "page_size": page,
+                             "tiles": name, "pages": pages, "page_size": page,
                              "longest": longest, "uniform": args.uniform, "rope": rope,
                              "order": "longest first" if ordered else "batch",
                              "splits": num_decode_splits(num_reqs, KV_HEADS),
@@ -203,17 +195,15 @@ def main() -> None:
                              "max_diff": (out.float() - reference.float()).abs().max().item()})
     finally:
         triton_attn._TARGET_PROGRAMS = default_target
-        os.environ.pop(triton_attn.ITEMS_ENV, None)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     print(f"{'requests':>8} {'longest':>7} {'rope':>4} {'pages':>5} {'page':>4} {'tiles':>10} "
-          f"{'items':>5} {'target':>6} {'splits':>6}  {'block tables':<12} {'order':<13} "
-          f"{'us':>8} "
+          f"{'target':>6} {'splits':>6}  {'block tables':<12} {'order':<13} {'us':>8} "
           f"{'TB/s':>6} {'x copy':>7} {'max diff':>9}")
     for r in rows:
         print(f"{r['requests']:>8} {r['longest']:>7} {r['rope']:>4} {r['pages']:>5} "
-              f"{r['page_size']:>4} {r['tiles']:>10} {r['items']:>5} "
-              f"{r['target_programs']:>6} {r['splits']:>6}  "
+              f"{r['page_size']:>4} "
+              f"{r['tiles']:>10} {r['target_programs']:>6} {r['splits']:>6}  "
               f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
               f"{r['of_copy']:>7.3f} {r['max_diff']:>9.2e}")
     if args.json:
