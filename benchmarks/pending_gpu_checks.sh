@@ -40,10 +40,10 @@
 #            (every file passed on an H100 with the advance on, 41st-42nd sessions).
 #   models   Any GPU: the model families' GPU files, likewise.
 #   ab       The tiles A/B and the engine A/B of every switch (on an H200 last in the
-#            32nd and 35th sessions; the defaults follow them); then, never run yet,
-#            mixed_step_latency.py (what decoding streams wait while prompts prefill,
-#            SPINDLE_MIXED_DECODE_KERNEL on and off) and lora_overhead.py with
-#            SPINDLE_LORA_KERNEL on and off (its default, off, waits on it; any GPU).
+#            32nd and 35th sessions; the defaults follow them); then mixed_step_latency.py
+#            (what decoding streams wait while prompts prefill, SPINDLE_MIXED_DECODE_KERNEL
+#            on and off) and lora_overhead.py with SPINDLE_LORA_KERNEL on and off (both
+#            first run on an H100 in the 44th session: the defaults held).
 #   kernels  Profiles and kernel sweeps behind the figures in docs/benchmarks.md; rerun
 #            on an H200 after a kernel changes.
 set -uo pipefail

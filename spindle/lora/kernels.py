@@ -14,9 +14,11 @@ rounded before it is added, the sum rounded. Steps of more tokens than MAX_TOKEN
 (prefills) take the masked GEMMs, which use tensor cores.
 
 Off by default (SPINDLE_LORA_KERNEL=1 turns it on): it equals the masked form under
-Triton's interpreter and on an H100 (tests/test_lora_kernel.py, test_lora.py -m gpu);
-its cost in CUDA graphs waits for a device session (benchmarks/pending_gpu_checks.sh),
-which decides the default.
+Triton's interpreter and on an H100 (tests/test_lora_kernel.py, test_lora.py -m gpu),
+but in CUDA graphs on an H100 it was slower than the two GEMMs (64 requests on one
+adapter: 0.46 of the base model's speed against 0.66; one request: 0.30 against 0.42;
+docs/benchmarks.md): each program reads its slot's A and B for its one token, where a
+GEMM reads them once a step.
 """
 
 from __future__ import annotations
