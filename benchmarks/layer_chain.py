@@ -42,9 +42,9 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 
 def make_layers(count: int, dtype: torch.dtype) -> list[dict]:
     from spindle.distributed.parallel_state import TensorParallelGroup
+    from spindle.layers.activation import SiluAndMul
     from spindle.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                        RowParallelLinear)
-    from spindle.layers.activation import SiluAndMul
     from spindle.layers.norm import RMSNorm
 
     group = TensorParallelGroup(rank=0, size=1)
@@ -68,8 +68,8 @@ def make_layers(count: int, dtype: torch.dtype) -> list[dict]:
 
 
 def context_lengths(rows: int, context: int, drawn: bool) -> torch.Tensor:
-    """Each row's tokens of context before its new one: context for every row, or with
-    drawn uniformly from 100 to 2 * context - 100 (a fixed seed)."""
+    """Each row's tokens of context before its new one: context for every row, or (with
+    drawn) uniformly from 100 to 2 * context - 100 (a fixed seed)."""
     if not drawn:
         return torch.full((rows,), context, dtype=torch.int32)
     if context < 100:
@@ -169,7 +169,7 @@ def main() -> None:
         without = None  # us a layer with no attention, once measured
         for context in sorted(args.context):  # (0 first: the others subtract it)
             contexts = context_lengths(rows, context, args.drawn) if context else None
-            step = (add_attention(layers, contexts, torch.bfloat16) if context else None)
+            step = add_attention(layers, contexts, torch.bfloat16) if context else None
             hidden = torch.randn(rows, HIDDEN, dtype=torch.bfloat16, device="cuda")
             residual = torch.randn_like(hidden)
             us = graph_us(lambda i: forward(layers, hidden, residual, step), args.iters, calls=1)
