@@ -202,8 +202,7 @@ def main() -> None:
           f"{'TB/s':>6} {'x copy':>7} {'max diff':>9}")
     for r in rows:
         print(f"{r['requests']:>8} {r['longest']:>7} {r['rope']:>4} {r['pages']:>5} "
-              f"{r['page_size']:>4} "
-              f"{r['tiles']:>10} {r['target_programs']:>6} {r['splits']:>6}  "
+              f"{r['page_size']:>4} {r['tiles']:>10} {r['target_programs']:>6} {r['splits']:>6}  "
               f"{r['block_tables']:<12} {r['order']:<13} {r['us']:>8.1f} {r['tb_s']:>6.2f} "
               f"{r['of_copy']:>7.3f} {r['max_diff']:>9.2e}")
     if args.json:
