@@ -30,7 +30,7 @@
 #            fused in); the kernel inside 28 layers of GEMMs and norms at nano-like
 #            contexts (layer_chain.py --drawn). Whichever of these first reads near 0.88
 #            says where the loss is. About 60 s on an H100. (There, 44th session: the kernel
-#            reads in the chain as alone on the engine's inputs, about 16 us a launch
+#            reads in the chain as alone on the engine's inputs, 10-18 us a launch
 #            plus the KV at 1.07 x copy; see docs/benchmarks.md.)
 #   h200ab   On an H200, next: nano with head-major pages (on by default if they gain
 #            there); the batch-1 A/B of the graph advance (SPINDLE_GRAPH_ADVANCE, on by
