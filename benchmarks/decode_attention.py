@@ -57,33 +57,45 @@ def decode_case(num_reqs: int, shuffled: bool, page: int, longest: int = 2048,
     """(q, k, v, kv_cache, metadata, bytes of context K/V) for one decode step on
     pages of `page` tokens, contexts drawn from 100 to `longest` tokens (uniform:
     all `longest`)."""
-    from spindle.attention.metadata import AttentionMetadata
-
     gen = torch.Generator().manual_seed(seed)
     if uniform:
         lens = torch.full((num_reqs,), longest)
     else:
         lens = torch.randint(100, longest + 1, (num_reqs,), generator=gen)
-    blocks = [(int(n) + page - 1) // page for n in lens]
-    order = torch.randperm(sum(blocks), generator=gen) if shuffled else torch.arange(sum(blocks))
+    meta, num_pages = decode_step(lens, page, shuffle=gen if shuffled else None)
+    cache = torch.randn(2, num_pages, page, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
+                        device="cuda")
+    q = torch.randn(num_reqs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(num_reqs, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    return q, k, v, cache, meta, int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
+
+
+def decode_step(seq_lens: torch.Tensor, page: int, shuffle: torch.Generator | None = None):
+    """(metadata on CUDA, pages in all) of a decode step: request i has seq_lens[i]
+    tokens, its new one last, on pages of `page` tokens that follow one another in the
+    cache, or with shuffle lie in an order drawn from it (a cache after churn).
+    Shared with layer_chain.py."""
+    from spindle.attention.metadata import AttentionMetadata
+
+    num_reqs = seq_lens.numel()
+    blocks = [(int(n) + page - 1) // page for n in seq_lens]
+    total = sum(blocks)
+    order = (torch.randperm(total, generator=shuffle) if shuffle is not None
+             else torch.arange(total))
     tables = torch.zeros(num_reqs, max(blocks), dtype=torch.int32)
     start = 0
     for i, n in enumerate(blocks):
         tables[i, :n] = order[start:start + n]
         start += n
-    cache = torch.randn(2, sum(blocks), page, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
-                        device="cuda")
-    last = lens - 1
+    last = seq_lens - 1
     slots = tables[torch.arange(num_reqs), last // page].long() * page + last % page
     meta = AttentionMetadata(
         num_reqs=num_reqs, num_tokens=num_reqs,
         query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=lens.to(torch.int32).cuda(), block_tables=tables.cuda(),
-        slot_mapping=slots.cuda(), max_query_len=1, max_seq_len=int(lens.max()))
-    q = torch.randn(num_reqs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(num_reqs, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn_like(k)
-    return q, k, v, cache, meta, int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
+        seq_lens=seq_lens.to(torch.int32).cuda(), block_tables=tables.cuda(),
+        slot_mapping=slots.cuda(), max_query_len=1, max_seq_len=int(seq_lens.max()))
+    return meta, total
 
 
 def engine_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,

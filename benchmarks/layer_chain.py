@@ -34,6 +34,7 @@ import argparse
 import os
 
 import torch
+from decode_attention import decode_step
 from gpu_timing import copy_bandwidth, graph_us
 
 HIDDEN, INTERMEDIATE, Q_WIDTH, QKV_WIDTH = 1024, 3072, 2048, 4096  # Qwen3-0.6B
@@ -84,30 +85,20 @@ def add_attention(layers: list[dict], contexts: torch.Tensor, dtype: torch.dtype
     one request a row with contexts[row] tokens before its new one (pages in order);
     returns the step's attention metadata (requests longest first) and rotary tables."""
     from spindle.attention.backends.triton_attn import TritonAttentionBackend
-    from spindle.attention.metadata import AttentionMetadata, decode_order
+    from spindle.attention.metadata import decode_order
     from spindle.layers.rotary import RotaryEmbedding
 
-    rows = contexts.numel()
     seq_lens = contexts + 1
-    pages = (seq_lens + PAGE - 1) // PAGE
-    first_page = torch.cumsum(pages, 0) - pages
-    tables = first_page[:, None] + torch.arange(int(pages.max()), dtype=torch.int32)
-    tables = torch.where(tables < (first_page + pages)[:, None], tables, 0).to(torch.int32)
+    meta, num_pages = decode_step(seq_lens, PAGE)
+    meta.decode_order = torch.from_numpy(decode_order(seq_lens.numpy())).cuda()
     for layer in layers:
         layer["attn"] = TritonAttentionBackend(HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS)
-        layer["cache"] = torch.randn(2, int(pages.sum()), PAGE, KV_HEADS, HEAD_DIM,
-                                     dtype=dtype, device="cuda")
+        layer["cache"] = torch.randn(2, num_pages, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype,
+                                     device="cuda")
         layer["q_norm"], layer["k_norm"] = (
             1 + 0.1 * torch.randn(HEAD_DIM, dtype=dtype, device="cuda") for _ in range(2))
     rope = RotaryEmbedding(HEAD_DIM, int(seq_lens.max()),
                            {"rope_type": "default", "rope_theta": 1e6})
-    slots = tables[torch.arange(rows), contexts // PAGE].long() * PAGE + contexts % PAGE
-    meta = AttentionMetadata(
-        num_reqs=rows, num_tokens=rows,
-        query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=seq_lens.cuda(), block_tables=tables.cuda(), slot_mapping=slots.cuda(),
-        max_query_len=1, max_seq_len=int(seq_lens.max()),
-        decode_order=torch.from_numpy(decode_order(seq_lens.numpy())).cuda())
     return dict(meta=meta, cos=rope.cos_cache.to("cuda"), sin=rope.sin_cache.to("cuda"),
                 positions=contexts.long().cuda())
 
