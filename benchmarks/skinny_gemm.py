@@ -39,16 +39,18 @@ SWEEP_TILES = ((32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), 
 
 
 def sweep_configs(n: int, k: int, num_sms: int, tiles=SWEEP_TILES, m: int = 1,
-                  stages=(3, 4)):
-    """Tiles x warps x stages, each with its default split for m rows, half and twice
-    that."""
+                  stages=(3, 4), block_ms=(None,)):
+    """Tiles x warps x stages (x row blocks: None is the engine's block_m(m)), each with
+    its default split for m rows, half and twice that."""
     from spindle.layers.skinny_gemm import SkinnyConfig, pick_config, row_blocks
 
-    for (block_n, block_k), warps, stage in itertools.product(tiles, (4, 8), stages):
+    for (block_n, block_k), warps, stage, rows_block in itertools.product(
+            tiles, (4, 8), stages, block_ms):
         if k % block_k:
             continue
-        auto = pick_config(n, k, num_sms, SkinnyConfig(block_n, block_k, 1, warps, stage),
-                           **row_blocks(m))
+        auto = pick_config(n, k, num_sms,
+                           SkinnyConfig(block_n, block_k, 1, warps, stage, rows_block),
+                           **row_blocks(m, rows_block))
         for split in sorted({auto.split_k // 2, auto.split_k, auto.split_k * 2} - {0}):
             if k % (split * block_k) == 0:
                 yield replace(auto, split_k=split)
@@ -68,6 +70,9 @@ def main() -> None:
                         "program's whole weight before waiting for the kernel before)")
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4],
                         help="with --sweep: the pipeline depths tried")
+    parser.add_argument("--block-m", type=int, nargs="+", metavar="ROWS",
+                        help="with --sweep: also these row blocks (rows of x a program "
+                        "multiplies; default only the engine's, block_m(M))")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -95,6 +100,10 @@ def main() -> None:
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
                    for _ in range(copies)]
         counters = new_split_counters(n, "cuda")  # as a layer's own buffer
+        # (Row blocks below the engine's make more output tiles than a layer's counters
+        # cover, and skinny_linear would not split K for them.)
+        sweep_counters = torch.zeros(max(counters.numel(), 4 * n), dtype=torch.int32,
+                                     device="cuda")
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = (x.float() @ weights[0].float().T)
@@ -114,10 +123,11 @@ def main() -> None:
                    if tma_gemv_applies(x, weights[0]) else None)
             best, best_cfg = skinny, auto
             if args.sweep:
-                for cfg in sweep_configs(n, k, num_sms, tiles, m, args.stages):
+                for cfg in sweep_configs(n, k, num_sms, tiles, m, args.stages,
+                                         [None, *(args.block_m or [])]):
                     try:
                         t = graph_us(lambda i: skinny_linear(x, weights[i % copies], config=cfg,
-                                                            counters=counters),
+                                                            counters=sweep_counters),
                                     max(50, args.iters // 4))
                     except Exception as exc:  # (a config that does not compile: skip it)
                         print(f"  {name} M={m} {cfg}: {type(exc).__name__}")
@@ -142,12 +152,12 @@ def main() -> None:
               f"{auto.num_stages}")
     if args.sweep:
         print(f"\n{'shape':>13} {'M':>3} | {'default us':>10} | {'best us':>7} {'TB/s':>5} | "
-              f"best tiles (n, k, split, warps, stages)")
+              f"best tiles (n, k, split, warps, stages, rows)")
         for (name, n, k, m, _, _, skinny, _, _, _, _, best, cfg) in rows:
             moved = (n * k + m * k + m * n) * dtype.itemsize
             print(f"{name:>13} {m:>3} | {skinny:>10.2f} | {best:>7.2f} {moved / best / 1e6:>5.2f}"
                   f" | {cfg.block_n}, {cfg.block_k}, {cfg.split_k}, {cfg.num_warps}, "
-                  f"{cfg.num_stages}")
+                  f"{cfg.num_stages}, {cfg.block_m or 'block_m(M)'}")
     if any(t is not None for _, _, t in tma_rows):
         print(f"\n{'shape':>13} {'M':>3} | {'TMA GEMV us':>11} (tma_gemv.py, one row)")
         for name, m, t in tma_rows:

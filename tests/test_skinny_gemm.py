@@ -82,6 +82,43 @@ def test_block_m_follows_the_rows():
         16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
 
 
+@pytest.mark.parametrize("rows_block,split", [(16, 2), (64, 1), (256, 1), (256, 2)])
+def test_a_configs_row_block_replaces_the_engines(monkeypatch, rows_block, split):
+    """SkinnyConfig.block_m (a measuring knob): 100 rows in blocks of 16 (seven, the
+    last partly masked), 64 or one block of 256, K split or not; each output tile's
+    counter left at zero."""
+    from spindle.layers import skinny_gemm
+    from spindle.layers.skinny_gemm import SkinnyConfig, row_blocks
+
+    m_tiles = -(-100 // rows_block)
+    assert row_blocks(100, rows_block) == {"rows_block": rows_block, "m_tiles": m_tiles}
+    launches = []
+    kernel = skinny_gemm._skinny_gemm_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(skinny_gemm, "_skinny_gemm_kernel", Recorder())
+    x, w, b = _inputs(100, 192, 256, HALF, True, seed=rows_block + split)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    cfg = SkinnyConfig(block_n=64, block_k=64, split_k=split, num_warps=4, num_stages=2,
+                       block_m=rows_block)
+    _check(_run(x, w, b, config=cfg, counters=counters), _reference(x, w, b), HALF)
+    assert launches == [(m_tiles, 3, split)]
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("rows_block", [0, 8, 48, 512])
+def test_a_row_block_must_be_a_power_of_two_within_the_kernels(rows_block):
+    from spindle.layers.skinny_gemm import SkinnyConfig
+
+    x, w, b = _inputs(4, 64, 64, HALF, False, seed=0)
+    with pytest.raises(ValueError, match="row block must be a power of two from 16 to 256"):
+        _run(x, w, b, config=SkinnyConfig(block_m=rows_block))
+
+
 @pytest.mark.skipif(INTERPRETED, reason="too slow for the interpreter: the small shapes "
                     "take the same paths there")
 @pytest.mark.parametrize("n,k", QWEN_SHAPES)

@@ -75,19 +75,28 @@ def block_m(m: int) -> int:
     return min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, triton.next_power_of_2(m)))
 
 
-def row_blocks(m: int) -> dict[str, int]:
-    """pick_config's row arguments for M rows: the block (block_m) and how many."""
-    rows_block = block_m(m)
+def row_blocks(m: int, rows_block: int | None = None) -> dict[str, int]:
+    """pick_config's row arguments for M rows: the block (block_m(), or rows_block
+    where given) and how many."""
+    if rows_block is None:
+        rows_block = block_m(m)
+    elif not (_MIN_BLOCK_M <= rows_block <= MAX_M and rows_block & (rows_block - 1) == 0):
+        raise ValueError(f"a row block must be a power of two from {_MIN_BLOCK_M} to "
+                         f"{MAX_M}, got {rows_block}")
     return {"rows_block": rows_block, "m_tiles": triton.cdiv(m, rows_block)}
 
 
 @dataclass(frozen=True)
 class SkinnyConfig:
+    """A launch's tiles. block_m: the rows of x a program multiplies, a power of two
+    from 16 to MAX_M (None: block_m(M), which the engine always takes; a measuring
+    knob, benchmarks/skinny_gemm.py --block-m)."""
     block_n: int = 64
     block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    block_m: int | None = None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -138,7 +147,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out.reshape(*lead, n)
     if config is None and m == 1 and tma_gemv_applies(x, weight, silu_and_mul, weight_scale):
         return tma_gemv(x, weight, bias, out, silu_and_mul).reshape(*lead, n)
-    rows = row_blocks(m)
+    rows = row_blocks(m, config.block_m if config is not None else None)
     rows_block, m_tiles = rows["rows_block"], rows["m_tiles"]
     cfg = config or _default_config(n, k, rows_block, m_tiles, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
