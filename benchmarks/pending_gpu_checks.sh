@@ -31,7 +31,8 @@
 #            contexts (layer_chain.py --drawn). Whichever of these first reads near 0.88
 #            says where the loss is. About 60 s on an H100. (There, 44th session: the kernel
 #            reads in the chain as alone on the engine's inputs, 10-18 us a launch
-#            plus the KV at 1.07 x copy; see docs/benchmarks.md.)
+#            plus the KV at 1.07 x copy; 45th: PDL through the whole chain, skinny GEMMs
+#            at every size, hides about 2 us of it at 256 rows; see docs/benchmarks.md.)
 #   h200ab   On an H200, next: nano with head-major pages (on by default if they gain
 #            there); the batch-1 A/B of the graph advance (SPINDLE_GRAPH_ADVANCE, on by
 #            default since the 41st session: +1.2% on an H100; back off if it loses on an
