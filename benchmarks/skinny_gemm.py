@@ -13,6 +13,8 @@ reference first. The device-to-device copy rate is printed as the bandwidth ceil
     python benchmarks/skinny_gemm.py --sweep --m 1 8  # also the best tile configs
     python benchmarks/skinny_gemm.py --sweep --tiles 16x1024 32x512  # only these tiles,
                                                       # every config's time printed
+    python benchmarks/skinny_gemm.py --sweep --m 256 --block-m 64 256  # also row blocks
+                                                      # other than the engine's block_m(M)
 """
 
 from __future__ import annotations
