@@ -4,9 +4,11 @@
 # a CUDA machine (one H200 or H100). Results go to $OUT (default ./gpu_out). Each step
 # is bounded so that one stuck step does not take the rest; the parts are meant for one
 # device call each (each stays under the 10-minute limit of a call). On an H200, `h200`
-# then `h200ab` first: the measurements issue 16's open targets wait for, in two calls.
+# then `h200ab` first: the measurements issue 16's open targets wait for, in two calls;
+# or, where H200s are scarce, `h200one`: what matters most of both in one call.
 #
-#   bash benchmarks/pending_gpu_checks.sh [h200|h200ab|pages|tests|models|ab|kernels|all]
+#   bash benchmarks/pending_gpu_checks.sh
+#       [h200|h200ab|h200one|pages|tests|models|ab|kernels|all]
 #   (default: all)
 #
 # On the lent device machines (transformers 5.17 in the image; the tests' oracle for the
@@ -37,6 +39,9 @@
 #            there); the batch-1 A/B of the graph advance (SPINDLE_GRAPH_ADVANCE, on by
 #            default since the 41st session: +1.2% on an H100; back off if it loses on an
 #            H200); host_phases.py. About 400 s.
+#   h200one  On an H200 that may not come twice: h200's kernel diagnostics, the
+#            batch-1 A/B, then the head-major nano A/B (h200ab without host_phases.py).
+#            About 530 s: give the call its whole 600.
 #   pages    Any GPU: the head-major pages' GPU tests, the kernel on both layouts, a nano
 #            A/B. Done on an H100 (43rd session: tests passed, no change in speed there).
 #   tests    Any GPU: the GPU test files, a regression sweep after kernel or graph changes
@@ -55,6 +60,11 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 what=${1:-all}
+case $what in
+    h200|h200ab|h200one|pages|tests|models|ab|kernels|all) ;;
+    *) echo "unknown part '$what': h200, h200ab, h200one, pages, tests, models, ab," \
+           "kernels or all" >&2; exit 2 ;;
+esac
 t0=$(date +%s)
 stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 
@@ -66,14 +76,14 @@ if [[ $what == pages ]]; then
         -k head_major 2>&1 | tail -3
 fi
 
-if [[ $what == h200 || $what == pages ]]; then
+if [[ $what == h200 || $what == h200one || $what == pages ]]; then
     stamp "head-major KV pages: decode attention alone, both layouts, page sizes, context ranges"
     (cd benchmarks && timeout 150 python3 decode_attention.py --batches 256 128 \
         --pages token head --page-sizes 16 32 --longest 1200 2048 \
         --json "$OUT/pages_kernel.json" 2>&1 | tail -66)
 fi
 
-if [[ $what == h200 ]]; then
+if [[ $what == h200 || $what == h200one ]]; then
     stamp "decode attention alone, every context the same length: the read rate by length"
     (cd benchmarks && timeout 90 python3 decode_attention.py --batches 256 --uniform \
         --longest 128 256 640 1200 2048 --json "$OUT/uniform_kernel.json" 2>&1 | tail -22)
@@ -89,7 +99,14 @@ if [[ $what == h200 ]]; then
         --drawn 2>&1 | tail -6)
 fi
 
-if [[ $what == h200ab || $what == pages ]]; then
+if [[ $what == h200ab || $what == h200one ]]; then
+    stamp "batch 1: graphs that advance their inputs (the default), then without"
+    timeout 170 python3 benchmarks/switch_ab.py --skip-nano --rounds 5 \
+        --json "$OUT/advance_ab.json" --variant main= \
+        --variant no_advance=SPINDLE_GRAPH_ADVANCE=0 2>&1 | tail -4
+fi
+
+if [[ $what == h200ab || $what == h200one || $what == pages ]]; then
     stamp "head-major KV pages on nano (16-token pages, then 32), two rounds"
     timeout 270 python3 benchmarks/switch_ab.py --rounds 2 --json "$OUT/pages_ab.json" \
         --out-dir "$OUT/pages_runs" \
@@ -98,10 +115,6 @@ if [[ $what == h200ab || $what == pages ]]; then
 fi
 
 if [[ $what == h200ab ]]; then
-    stamp "batch 1: graphs that advance their inputs (the default), then without"
-    timeout 170 python3 benchmarks/switch_ab.py --skip-nano --rounds 5 \
-        --json "$OUT/advance_ab.json" --variant main= \
-        --variant no_advance=SPINDLE_GRAPH_ADVANCE=0 2>&1 | tail -4
     cd benchmarks
     stamp "batch 1: the host's work phase by phase, no profiler in the process"
     timeout 70 python3 host_phases.py --json "$OUT/host_phases.json" 2>&1 | grep -A26 "^phase"
