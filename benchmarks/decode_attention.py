@@ -68,7 +68,13 @@ def decode_case(num_reqs: int, shuffled: bool, page: int, longest: int = 2048,
     q = torch.randn(num_reqs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(num_reqs, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
-    return q, k, v, cache, meta, int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
+    return q, k, v, cache, meta, kv_bytes(lens)
+
+
+def kv_bytes(tokens: torch.Tensor) -> int:
+    """Bytes of the bf16 keys and values of sum(tokens) positions, every KV head: what
+    a decode step reads of its contexts. Shared with layer_chain.py."""
+    return int(tokens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
 
 
 def decode_step(seq_lens: torch.Tensor, page: int, shuffle: torch.Generator | None = None):

@@ -34,11 +34,11 @@ import argparse
 import os
 
 import torch
-from decode_attention import decode_step
+from decode_attention import HEAD_DIM, HEADS, KV_HEADS, decode_step, kv_bytes
 from gpu_timing import copy_bandwidth, graph_us
 
 HIDDEN, INTERMEDIATE, Q_WIDTH, QKV_WIDTH = 1024, 3072, 2048, 4096  # Qwen3-0.6B
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
+PAGE = 16
 
 
 def make_layers(count: int, dtype: torch.dtype) -> list[dict]:
@@ -177,8 +177,7 @@ def main() -> None:
 def attention_columns(us: float, contexts: torch.Tensor, copy_bw: float) -> str:
     """What attention adds to a layer (us) and the bandwidth of its KV reads: every
     row's context keys and values, once."""
-    kv_bytes = int(contexts.sum()) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
-    rate = kv_bytes / (us / 1e6)
+    rate = kv_bytes(contexts) / (us / 1e6)
     return f" | {us:>12.2f} | {rate / 1e12:>7.2f} | {rate / copy_bw:>6.3f}"
 
 
