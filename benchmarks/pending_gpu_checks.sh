@@ -35,10 +35,10 @@
 #            reads in the chain as alone on the engine's inputs, 10-18 us a launch
 #            plus the KV at 1.07 x copy; 45th: PDL through the whole chain, skinny GEMMs
 #            at every size, hides about 2 us of it at 256 rows; see docs/benchmarks.md.)
-#   h200ab   On an H200, next: nano with head-major pages (on by default if they gain
-#            there); the batch-1 A/B of the graph advance (SPINDLE_GRAPH_ADVANCE, on by
-#            default since the 41st session: +1.2% on an H100; back off if it loses on an
-#            H200); host_phases.py. About 400 s.
+#   h200ab   On an H200, next: the batch-1 A/B of the graph advance (SPINDLE_GRAPH_ADVANCE,
+#            on by default since the 41st session: +1.2% on an H100; back off if it loses
+#            on an H200); nano with head-major pages (on by default if they gain there);
+#            host_phases.py. About 400 s.
 #   h200one  On an H200 that may not come twice: h200's kernel diagnostics, the
 #            batch-1 A/B, then the head-major nano A/B (h200ab without host_phases.py).
 #            About 530 s: give the call its whole 600.
