@@ -128,10 +128,9 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
     views them under SPINDLE_KV_HEAD_MAJOR=1 (AttentionCacheSpec with head_major)."""
     from spindle.cache.spec import AttentionCacheSpec
 
-    _, blocks, block_size, kv_heads, head_dim = cache.shape
-    spec = AttentionCacheSpec(kv_heads, head_dim, cache.dtype, head_major=True)
-    pages = torch.empty(spec.shape(blocks, block_size), dtype=cache.dtype, device=cache.device)
-    return spec.layer_view(pages).copy_(cache)
+    kv_heads, head_dim = cache.shape[3:]
+    return AttentionCacheSpec(kv_heads, head_dim, cache.dtype,
+                              head_major=True).pages_holding(cache)
 
 
 def parse_tiles(text: str) -> tuple[int, int, int]:

@@ -384,6 +384,20 @@ def test_head_major_pages_keep_a_heads_tokens_together(values_are_keys):
     assert seen.data_ptr() == pages.data_ptr()
 
 
+def test_pages_holding_copies_a_cache_into_another_layout():
+    """pages_holding gives new head-major pages with every value of a token-major cache
+    where the layer sees it, and refuses a one-plane spec (the values would be lost)."""
+    cache = torch.randn(AttentionCacheSpec(3, 8, torch.float32).shape(4, 16))
+    spec = AttentionCacheSpec(3, 8, torch.float32, head_major=True)
+    seen = spec.pages_holding(cache)
+    assert seen.shape == cache.shape and torch.equal(seen, cache)
+    assert seen.data_ptr() != cache.data_ptr()
+    assert seen.stride(3) == 16 * 8 and seen.stride(2) == 8  # heads first in a page
+    keys_only = AttentionCacheSpec(3, 8, torch.float32, values_are_keys=True)
+    with pytest.raises(ValueError, match="values_are_keys"):
+        keys_only.pages_holding(cache)
+
+
 def test_only_a_backend_that_reads_by_strides_gets_head_major_pages(monkeypatch):
     """SPINDLE_KV_HEAD_MAJOR=1 reaches the cache spec of a layer on the Triton backend
     (whose kernels read the cache through its strides), not one on torch_sdpa (which

@@ -628,10 +628,9 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
     kv heads, block_size, D], seen as [2, blocks, block_size, kv heads, D]."""
     from spindle.cache.spec import AttentionCacheSpec
 
-    _, blocks, block_size, kv_heads, head_dim = cache.shape
+    _, _, _, kv_heads, head_dim = cache.shape
     spec = AttentionCacheSpec(kv_heads, head_dim, cache.dtype, head_major=True)
-    pages = torch.empty(spec.shape(blocks, block_size), dtype=cache.dtype, device=cache.device)
-    view = spec.layer_view(pages).copy_(cache)
+    view = spec.pages_holding(cache)
     assert view.stride(3) == view.shape[2] * view.shape[4] and view.stride(2) == view.shape[4]
     return view
 

@@ -93,6 +93,18 @@ class AttentionCacheSpec:
     def block_bytes(self, block_size: int) -> int:
         return math.prod(self.shape(1, block_size)) * _itemsize(self.dtype)
 
+    def pages_holding(self, view: torch.Tensor) -> torch.Tensor:
+        """New pages in this spec's layout holding the values of a layer view [2, blocks,
+        block_size, kv heads, head dim], returned as their own layer view: one cache in
+        another layout, for comparing layouts (tests, benchmarks)."""
+        if self.values_are_keys:
+            raise ValueError("pages_holding: a values_are_keys spec keeps one plane; "
+                             "copying two into it would lose the values")
+        _, blocks, block_size = view.shape[:3]
+        pages = torch.empty(self.shape(blocks, block_size), dtype=self.dtype,
+                            device=view.device)
+        return self.layer_view(pages).copy_(view)
+
 
 @dataclass(frozen=True)
 class MambaCacheSpec:
