@@ -41,6 +41,23 @@ def pick(gpu: T, interpreted: T) -> T:
     return interpreted if INTERPRETED else gpu
 
 
+class KernelStub:
+    """Stands in for a Triton kernel (monkeypatched over the module's name): records
+    each launch's grid and keyword arguments in ``launches``, then runs ``kernel`` (the
+    real one) or, without it, nothing."""
+
+    def __init__(self, kernel=None) -> None:
+        self.kernel = kernel
+        self.launches: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            if self.kernel is not None:
+                return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 def import_kernels_interpreted() -> None:
     """Import the kernel modules under Triton's interpreter (idempotent).
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_utils import DEVICE, HALF, INTERPRETED
+from kernel_utils import DEVICE, HALF, INTERPRETED, KernelStub
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
 
@@ -135,10 +135,6 @@ def test_the_row_kernel_after_a_skipped_chunk_kernel_gives_id_zero(monkeypatch):
     full of ids past the vocabulary); the row kernel that runs after it must give 0."""
     from spindle.runner.sample import argmax_kernel
 
-    class SkippedLaunch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
     class UnwrittenMemory:
         def __getattr__(self, name):
             return getattr(torch, name)
@@ -148,6 +144,6 @@ def test_the_row_kernel_after_a_skipped_chunk_kernel_gives_id_zero(monkeypatch):
             return torch.full(*shape, 1 << 30, dtype=dtype, device=device)
 
     logits = torch.randn(3, 2 * _chunk() + 5, generator=torch.Generator().manual_seed(4))
-    monkeypatch.setattr(argmax_kernel, "_chunk_argmax_kernel", SkippedLaunch())
+    monkeypatch.setattr(argmax_kernel, "_chunk_argmax_kernel", KernelStub())
     monkeypatch.setattr(argmax_kernel, "torch", UnwrittenMemory())
     assert argmax_kernel.argmax_rows(logits.to(DEVICE)).tolist() == [0, 0, 0]

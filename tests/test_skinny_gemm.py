@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_utils import DEVICE, HALF, INTERPRETED, pick
+from kernel_utils import DEVICE, HALF, INTERPRETED, KernelStub, pick
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
 # (The interpreter gives the kernel float32 dot operands: see skinny_linear. Its bf16
@@ -92,21 +92,14 @@ def test_a_configs_row_block_replaces_the_engines(monkeypatch, rows_block, split
 
     m_tiles = -(-100 // rows_block)
     assert row_blocks(100, rows_block) == {"rows_block": rows_block, "m_tiles": m_tiles}
-    launches = []
-    kernel = skinny_gemm._skinny_gemm_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(skinny_gemm, "_skinny_gemm_kernel", Recorder())
+    stub = KernelStub(skinny_gemm._skinny_gemm_kernel)
+    monkeypatch.setattr(skinny_gemm, "_skinny_gemm_kernel", stub)
     x, w, b = _inputs(100, 192, 256, HALF, True, seed=rows_block + split)
     counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     cfg = SkinnyConfig(block_n=64, block_k=64, split_k=split, num_warps=4, num_stages=2,
                        block_m=rows_block)
     _check(_run(x, w, b, config=cfg, counters=counters), _reference(x, w, b), HALF)
-    assert launches == [(m_tiles, 3, split)]
+    assert [grid for grid, _ in stub.launches] == [(m_tiles, 3, split)]
     assert not counters.any()
 
 

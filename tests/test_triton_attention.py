@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from kernel_utils import DEVICE, HALF, INTERPRETED, pick
+from kernel_utils import DEVICE, HALF, INTERPRETED, KernelStub, pick
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel]
 
@@ -437,22 +437,17 @@ def test_default_prefill_tiles_by_query_tile_and_heads(monkeypatch):
     assert default_prefill_tiles(16, 128) == (64, 4, 2)
     assert default_prefill_tiles(64, 256) == (64, 4, 2)
     assert default_prefill_tiles(16, 576) == (16, 4, 2)
-    launches = []
-
-    class RecordedKernel:  # (records each launch's tiles instead of running it)
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(
-                (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"],
-                 kwargs["num_stages"]))
-
-    monkeypatch.setattr(triton_attn, "_prefill_kernel", RecordedKernel())
+    stub = KernelStub()  # (records each launch's tiles instead of running it)
+    monkeypatch.setattr(triton_attn, "_prefill_kernel", stub)
     case = make_case([40, 3], [5, 9], 8, 2, 64, 16, torch.float32, seed=1)
     out = torch.empty_like(case["q"])
     prefill_attention(case["q"], case["kv_cache"], meta_for(case), 0.125, out)
     prefill_attention(case["q"], case["kv_cache"], meta_for(case), 0.125, out, block_m=16)
     prefill_attention(case["q"], case["kv_cache"], meta_for(case), 0.125, out, block_n=64,
                       num_stages=2)
-    assert launches == [(64, 32, 4, 3), (16, 64, 4, 2), (64, 64, 4, 2)]
+    tiles = [tuple(kw[name] for name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+             for _, kw in stub.launches]
+    assert tiles == [(64, 32, 4, 3), (16, 64, 4, 2), (64, 64, 4, 2)]
 
 
 @pytest.mark.parametrize("value, expected", [("64x4x3", "(64, 4, 3)"),
