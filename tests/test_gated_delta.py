@@ -137,6 +137,67 @@ def test_decode_equals_the_token_by_token_rule(beta_scale):
         assert torch.equal(state[untouched], before[untouched])
 
 
+def _feature_inputs(tokens, heads, key_dim, value_dim, seed):
+    """Kimi delta attention's: a and dt_bias per key feature."""
+    x = _inputs(tokens, heads, heads, key_dim, value_dim, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x["a"] = torch.randn(tokens, heads, key_dim, generator=g)
+    x["dt_bias"] = torch.randn(heads, key_dim, generator=g)
+    return x
+
+
+def _feature_reference(x, rows, initial):
+    """transformers' recurrent Kimi delta attention over rows, float64."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import (
+        recurrent_kimi_delta_attention)
+
+    d = {k: v.double() for k, v in x.items()}
+    g = -d["A_log"].exp()[:, None] * F.softplus(d["a"][rows] + d["dt_bias"])
+    beta = torch.sigmoid(x["b"][rows]).double()
+    out, state = recurrent_kimi_delta_attention(
+        d["q"][rows][None], d["k"][rows][None], d["v"][rows][None], g[None], beta[None],
+        initial_state=initial.double()[None], output_final_state=True,
+        use_qk_l2norm_in_kernel=True)
+    return out[0], state[0]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("heads,key_dim,value_dim,chunk", [(2, 16, 8, 8), (3, 8, 16, 5)])
+def test_a_decay_per_key_feature_equals_kimi_delta_attention(heads, key_dim, value_dim,
+                                                            chunk, batched):
+    """a [T, H, Dk] and dt_bias [H, Dk] (KimiLinear's KDA): the prefill, both ways, and
+    the decode step against transformers' token-by-token rule."""
+    lens, slots, has_init = [1, 4, 19, 7], [3, 0, 5, -1], [True, False, True, False]
+    x = _feature_inputs(sum(lens), heads, key_dim, value_dim, seed=chunk)
+    state = torch.randn(NUM_SLOTS, heads, key_dim, value_dim)
+    before = state.clone()
+    out = gated_delta.gated_delta_prefill(**x, state=state, md=_metadata(lens, slots, has_init),
+                                          chunk_size=chunk, batched=batched)
+    start = 0
+    for n, slot, init in zip(lens, slots, has_init):
+        rows = slice(start, start + n)
+        ref_out, ref_state = _feature_reference(
+            x, rows, before[slot] if init else torch.zeros_like(before[0]))
+        _close(out[rows], ref_out, f"output of the request at slot {slot}")
+        if slot >= 0:
+            _close(state[slot], ref_state, f"state of slot {slot}")
+        start += n
+    assert all(torch.equal(state[i], before[i]) for i in (1, 2, 4))
+
+    step = {**x, "a": x["a"][:3], "b": x["b"][:3], "q": x["q"][:3], "k": x["k"][:3],
+            "v": x["v"][:3]}
+    decode_slots = [4, -1, 0]
+    before = state.clone()
+    out = gated_delta.gated_delta_decode(
+        **step, state=state, state_indices=torch.tensor(decode_slots, dtype=torch.int32))
+    for row, slot in enumerate(decode_slots):
+        ref_out, ref_state = _feature_reference(
+            step, slice(row, row + 1), before[slot] if slot >= 0 else torch.zeros_like(before[0]))
+        _close(out[row], ref_out[0], f"decode row {row}")
+        if slot >= 0:
+            _close(state[slot], ref_state, f"decode state of slot {slot}")
+
+
 def test_bad_shapes_are_refused():
     x = _inputs(3, 2, 3, 8, 8, seed=0)  # 3 value heads for 2 key heads
     with pytest.raises(ValueError, match="Hk dividing"):
@@ -147,6 +208,24 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="a/b"):
         gated_delta.gated_delta_decode(**x, state=torch.zeros(2, 2, 8, 8),
                                        state_indices=torch.zeros(3, dtype=torch.int32))
+    x = _feature_inputs(3, 2, 8, 8, seed=0)
+    x["dt_bias"] = x["dt_bias"][:, :4]  # (a per key feature, dt_bias not)
+    with pytest.raises(ValueError, match=r"dt_bias \[Hv, Dk\]"):
+        gated_delta.gated_delta_decode(**x, state=torch.zeros(2, 2, 8, 8),
+                                       state_indices=torch.zeros(3, dtype=torch.int32))
+
+
+def test_the_triton_kernels_refuse_a_decay_per_key_feature():
+    """They read one decay per token and head: a [T, Hv, Dk] would be misread."""
+    pytest.importorskip("triton")
+    from spindle.layers.mamba import gated_delta_triton
+
+    x = _feature_inputs(3, 2, 16, 16, seed=0)
+    with pytest.raises(ValueError, match=r"decay per head \(a \[T, Hv\]\), got a \(3, 2, 16\)"):
+        gated_delta_triton.gated_delta_decode(**x, state=torch.zeros(2, 2, 16, 16),
+                                              state_indices=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="decay per head"):
+        gated_delta_triton.triton_prefill(**x, state=None, md=_metadata([3], [-1], [False]))
 
 
 @pytest.mark.gpu

@@ -29,6 +29,14 @@ a unit lower-triangular system for the L writes. Then
     S_end = exp(G_L) S0 + sum_s exp(G_L - G_s) k_s (outer) u_s
 
 Every exponent is <= 0: nothing overflows, whatever the chunk length.
+
+Kimi delta attention (KimiLinear's KDA) is the same rule with a decay per key feature:
+a is [T, Hv, Dk] and dt_bias [Hv, Dk], so g_t is a vector and S_t = diag(exp(g_t)) S_{t-1}
+before the write. The algebra above holds feature by feature: k_t . k_s and q_t . k_s
+become sums over the features c of k_t[c] k_s[c] exp(G_t[c] - G_s[c]) (an [L, L, Dk]
+product per chunk and head, as transformers' chunked form computes it), and exp(G_t) S0
+becomes diag(exp(G_t)) S0. The code carries g as [..., 1] for a decay per head and
+[..., Dk] per feature, and takes the cheaper matrix products for the former.
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: to
                         chunk_size: int = 64, batched: bool | None = None,
                         beta_scale: float = 1.0) -> torch.Tensor:
     """Each request's tokens: q/k [T, Hk, Dk], v [T, Hv, Dv], a/b [T, Hv] (raw, before
-    the decay and beta), A_log/dt_bias [Hv] -> o [T, Hv, Dv]. The initial state is
+    the decay and beta), A_log/dt_bias [Hv] -> o [T, Hv, Dv]; for a decay per key feature
+    (KDA), a [T, Hv, Dk] and dt_bias [Hv, Dk]. The initial state is
     state[slot] ([Hv, Dk, Dv]) when has_initial_state[i], else zeros; the final state
     is written back to the slot (state None: zeros, nothing stored). Rows past the last
     request are 0. beta_scale: a factor on beta (OLMo's 2, which lets a step reverse
@@ -65,12 +74,14 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: to
       systems are solved before any state is known, for the writes as values minus
       keys times the entering state; only the state's passage from one chunk to the
       next loops, once per chunk position, over all requests at once: a few dozen
-      launches a layer instead of a few dozen per chunk."""
+      launches a layer instead of a few dozen per chunk. A decay per key feature
+      multiplies its score matrices by Dk ([chunks, H, L, L, Dk] at once), so such a
+      prefill goes by request unless batched is asked for."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     _check_shapes(q, k, v, a, b, A_log, dt_bias)
     if batched is None:
-        batched = v.is_cuda
+        batched = v.is_cuda and a.dim() == 2
     run = _prefill_batched if batched else _prefill_by_request
     return run(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size, beta_scale)
 
@@ -108,28 +119,27 @@ def _prefill_batched(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size, beta_
     g, beta = _decay_and_beta(a, b, A_log, dt_bias, beta_scale)
     # [chunks, H, L, ...]: the chunks' tokens, head-major.
     qc, kc, vc = (plan.gather(x).permute(0, 2, 1, 3) for x in (qf, kf, v.float()))
-    gc, bc = (plan.gather(x).transpose(1, 2) for x in (g, beta))
-    G = torch.cumsum(gc, dim=-1)
+    gc, bc = (plan.gather(x).transpose(1, 2) for x in (g, beta))  # g: [chunks, H, L, 1|Dk]
+    G = torch.cumsum(gc, dim=-2)
     rows = torch.arange(plan.length, device=v.device)
-    decay = torch.exp((G[..., :, None] - G[..., None, :])
-                      .masked_fill(rows[:, None] < rows[None, :], float("-inf")))
-    system = (bc[..., None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(
-        rows[:, None] <= rows[None, :], 0.0) + torch.eye(plan.length, device=v.device)
+    causal = rows[:, None] >= rows[None, :]
+    system = (bc[..., None] * _decayed_products(kc, kc, G, causal)).tril(-1) \
+        + torch.eye(plan.length, device=v.device)  # (s < t: the strictly lower triangle)
     # A chunk's writes are u = values - keys @ S0 for the state S0 entering it.
     solved = torch.linalg.solve_triangular(
-        system, torch.cat([bc[..., None] * vc, (bc * torch.exp(G))[..., None] * kc], dim=-1),
+        system, torch.cat([bc[..., None] * vc, bc[..., None] * (torch.exp(G) * kc)], dim=-1),
         upper=False, unitriangular=True)
     values, keys = solved.split([vc.shape[-1], kc.shape[-1]], dim=-1)
-    scores = (qc @ kc.transpose(-1, -2)) * decay  # (the diagonal included)
-    q_decayed = torch.exp(G)[..., None] * qc
-    k_to_end = (torch.exp(G[..., -1:] - G)[..., None] * kc).transpose(-1, -2)
+    scores = _decayed_products(qc, kc, G, causal)  # (the diagonal included)
+    q_decayed = torch.exp(G) * qc
+    k_to_end = (torch.exp(G[..., -1:, :] - G) * kc).transpose(-1, -2)
     s = plan.initial_states(state, qf.shape[1], kf.shape[2], vc.shape[-1])
     outputs = torch.empty_like(vc)
     for chunks, reqs in plan.by_position():
         s_in = s[reqs]
         u = values[chunks] - keys[chunks] @ s_in
         outputs[chunks] = q_decayed[chunks] @ s_in + scores[chunks] @ u
-        s[reqs] = torch.exp(G[chunks, :, -1])[..., None, None] * s_in + k_to_end[chunks] @ u
+        s[reqs] = torch.exp(G[chunks, :, -1]).unsqueeze(-1) * s_in + k_to_end[chunks] @ u
     plan.scatter(outputs.permute(0, 2, 1, 3), out)
     plan.store_states(s, state)
     return out
@@ -139,7 +149,8 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
                        b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                        state: torch.Tensor, state_indices: torch.Tensor,
                        beta_scale: float = 1.0) -> torch.Tensor:
-    """One step per request: q/k [B, Hk, Dk], v [B, Hv, Dv], a/b [B, Hv] -> o [B, Hv, Dv];
+    """One step per request: q/k [B, Hk, Dk], v [B, Hv, Dv], a/b [B, Hv] (a [B, Hv, Dk]
+    for a decay per key feature, as gated_delta_prefill's) -> o [B, Hv, Dv];
     state [S, Hv, Dk, Dv] updated in place at state_indices [B] (a negative index:
     padding, zero state, no write). beta_scale: as gated_delta_prefill's."""
     _check_shapes(q, k, v, a, b, A_log, dt_bias)
@@ -149,7 +160,7 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     valid, slots = _slots(state_indices)
     s = state.index_select(0, slots).float()
     s = torch.where(valid[:, None, None, None], s, 0.0)  # [B, Hv, Dk, Dv]
-    s = s * torch.exp(g)[..., None, None]
+    s = s * torch.exp(g).unsqueeze(-1)  # ([B, Hv, 1|Dk, 1])
     error = v.float() - torch.einsum("bhkv,bhk->bhv", s, kf)
     s = s + kf.unsqueeze(-1) * (beta.unsqueeze(-1) * error).unsqueeze(-2)
     _write_rows(state, slots, valid, s)
@@ -250,24 +261,41 @@ class _ChunkPlan:
 def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
            beta: torch.Tensor, s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of one request, float32: q/k [L, H, Dk] (per value head, normalised,
-    q scaled), v [L, H, Dv], g/beta [L, H], s0 [H, Dk, Dv] -> (o [L, H, Dv], the state
-    leaving the chunk). See the module docstring for the algebra."""
+    q scaled), v [L, H, Dv], g [L, H, 1|Dk], beta [L, H], s0 [H, Dk, Dv] -> (o [L, H, Dv],
+    the state leaving the chunk). See the module docstring for the algebra."""
     length = q.shape[0]
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
-    G = torch.cumsum(g.t(), dim=1)  # [H, L]
+    G = torch.cumsum(g.transpose(0, 1), dim=1)  # [H, L, 1|Dk]
     rows = torch.arange(length, device=q.device)
     causal = rows[:, None] >= rows[None, :]
-    decay = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~causal, float("-inf")))
     b = beta.t().unsqueeze(-1)  # [H, L, 1]
-    earlier = rows[:, None] > rows[None, :]  # s < t: the strictly lower triangle
-    system = (b * (k @ k.transpose(1, 2)) * decay).masked_fill(~earlier, 0.0)
+    # (s < t only: the strictly lower triangle)
+    system = (b * _decayed_products(k, k, G, causal)).tril(-1)
     system = system + torch.eye(length, device=q.device)
-    rhs = b * (v - torch.exp(G).unsqueeze(-1) * (k @ s0))
+    rhs = b * (v - _decayed_rows(k, G, s0))
     u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    o = torch.exp(G).unsqueeze(-1) * (q @ s0) + ((q @ k.transpose(1, 2)) * decay) @ u
-    to_end = torch.exp(G[:, -1:] - G).unsqueeze(-1)  # [H, L, 1]
-    s = torch.exp(G[:, -1])[:, None, None] * s0 + (k * to_end).transpose(1, 2) @ u
+    o = _decayed_rows(q, G, s0) + _decayed_products(q, k, G, causal) @ u
+    to_end = torch.exp(G[:, -1:] - G)  # [H, L, 1|Dk]
+    s = torch.exp(G[:, -1]).unsqueeze(-1) * s0 + (k * to_end).transpose(1, 2) @ u
     return o.transpose(0, 1), s
+
+
+def _decayed_products(x: torch.Tensor, y: torch.Tensor, G: torch.Tensor,
+                      causal: torch.Tensor) -> torch.Tensor:
+    """[..., t, s] = sum_c x_t[c] y_s[c] exp(G_t[c] - G_s[c]) where causal[t, s], else 0:
+    x, y [..., L, D], G [..., L, 1|D] (the cumulative decay from the chunk's start)."""
+    if G.shape[-1] == 1:
+        decay = torch.exp((G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")))
+        return (x @ y.transpose(-1, -2)) * decay
+    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
+    return torch.einsum("...tc,...sc,...tsc->...ts", x, y, torch.exp(diff))
+
+
+def _decayed_rows(x: torch.Tensor, G: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Row t of x [..., L, D] decayed by exp(G_t) (G [..., L, 1|D]), times s [..., D, E]."""
+    if G.shape[-1] == 1:
+        return torch.exp(G) * (x @ s)
+    return (torch.exp(G) * x) @ s
 
 
 def _expanded_unit_qk(q: torch.Tensor, k: torch.Tensor, value_heads: int
@@ -286,10 +314,13 @@ def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
 def _decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                     dt_bias: torch.Tensor, beta_scale: float = 1.0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g, beta) in float32. beta is the sigmoid in b's own dtype, as transformers
-    computes it, before the rest goes to float32 (the scale is exact either way)."""
-    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
-    return g, torch.sigmoid(b).float() * beta_scale
+    """(g [T, H, 1|Dk], beta [T, H]) in float32: a decay per head, or per key feature
+    where a is [T, H, Dk]. beta is the sigmoid in b's own dtype, as transformers computes
+    it, before the rest goes to float32 (the scale is exact either way)."""
+    per_feature = a.dim() == 3
+    rate = torch.exp(A_log.float())
+    g = -(rate[:, None] if per_feature else rate) * F.softplus(a.float() + dt_bias.float())
+    return (g if per_feature else g.unsqueeze(-1)), torch.sigmoid(b).float() * beta_scale
 
 
 def _check_shapes(q, k, v, a, b, A_log, dt_bias) -> None:
@@ -298,8 +329,11 @@ def _check_shapes(q, k, v, a, b, A_log, dt_bias) -> None:
         raise ValueError(f"gated delta: q and k must be [T, Hk, Dk] with Hk dividing v's "
                          f"{value_heads} heads; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
-    if a.shape != (tokens, value_heads) or b.shape != a.shape \
-            or A_log.shape != (value_heads,) or dt_bias.shape != (value_heads,):
+    per_head = (tokens, value_heads)
+    per_feature = (tokens, value_heads, q.shape[2])
+    if tuple(a.shape) not in (per_head, per_feature) or b.shape != per_head \
+            or A_log.shape != (value_heads,) or dt_bias.shape != a.shape[1:]:
         raise ValueError(f"gated delta: v {tuple(v.shape)} needs a/b [T, Hv] and A_log, "
-                         f"dt_bias [Hv]; got a {tuple(a.shape)}, b {tuple(b.shape)}, A_log "
-                         f"{tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)}")
+                         f"dt_bias [Hv] (or, for a decay per key feature, a [T, Hv, Dk] and "
+                         f"dt_bias [Hv, Dk]); got a {tuple(a.shape)}, b {tuple(b.shape)}, "
+                         f"A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)}")

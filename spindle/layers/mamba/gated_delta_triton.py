@@ -52,7 +52,7 @@ def triton_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
     """The prefill in one launch (see the module docstring); chunk and block_v: the
     kernel's tile sizes (powers of two from 16); num_warps: per program (the benchmark
     sweeps these)."""
-    gated_delta._check_shapes(q, k, v, a, b, A_log, dt_bias)
+    _check_decay_per_head(q, k, v, a, b, A_log, dt_bias)
     tokens, value_heads, value_dim = v.shape
     key_heads, key_dim = q.shape[1], q.shape[2]
     if state is not None and state.shape[1:] != (value_heads, key_dim, value_dim):
@@ -86,7 +86,7 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     state [S, Hv, Dk, Dv] updated in place at state_indices [B] (a negative index:
     padding, state neither read nor written); beta_scale: a factor on beta. One launch,
     CUDA-graph safe."""
-    gated_delta._check_shapes(q, k, v, a, b, A_log, dt_bias)
+    _check_decay_per_head(q, k, v, a, b, A_log, dt_bias)
     gated_delta._check_rows(v, state_indices)
     num_reqs, value_heads, value_dim = v.shape
     key_heads, key_dim = q.shape[1], q.shape[2]
@@ -105,6 +105,16 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
         BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v, num_warps=4,
         **pdl.kernel_args(v.device, num_reqs))
     return out
+
+
+def _check_decay_per_head(q, k, v, a, b, A_log, dt_bias) -> None:
+    """gated_delta's shape checks, and a decay per head: these kernels read one a per
+    token and head (a decay per key feature, Kimi delta attention's, has none yet)."""
+    gated_delta._check_shapes(q, k, v, a, b, A_log, dt_bias)
+    if a.dim() != 2:
+        raise ValueError(f"the Triton gated delta kernels take a decay per head (a [T, Hv]), "
+                         f"got a {tuple(a.shape)}: a decay per key feature runs in "
+                         "gated_delta.py's torch code")
 
 
 @triton.jit
