@@ -2,7 +2,8 @@
 layers beside attention; NemotronH: Mamba2, attention and MLP layers each on its own;
 FalconH1: attention and Mamba2 side by side in every layer; LFM2 and LFM2-MoE: gated short
 convolutions beside attention; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet beside
-gated attention; OLMo Hybrid: Gated DeltaNet beside OLMo 3 attention; Jamba: Mamba1
+gated attention; OLMo Hybrid: Gated DeltaNet beside OLMo 3 attention; KimiLinear: Kimi
+delta attention (a decay per key feature) beside latent attention; Jamba: Mamba1
 beside attention; Zamba2: Mamba2 layers, some after a shared transformer block; Mamba,
 FalconMamba (Mamba1) and Mamba2: nothing but state-space layers,
 so a cache of state slots and no paged blocks) end to
@@ -131,6 +132,19 @@ SHAPES = {
                           layer_types=("full_attention", "linear_attention",
                                        "linear_attention", "full_attention"),
                           rope_parameters={"rope_type": "default", "rope_theta": None}),
+    },
+    # KimiLinear: Kimi delta attention (the gated delta rule, a decay per key feature,
+    # low-rank decay and output gate), latent attention without positions, a dense first
+    # layer then experts in groups; low-rank queries and two shared experts in groups2;
+    # in odd-heads, latent attention first and last, experts everywhere, one group of 3.
+    "kimi_linear": {
+        "default": {},
+        "groups2": dict(num_layers=3, q_lora_rank=24, n_shared_experts=2),
+        "odd-heads": dict(hidden_size=48, num_layers=4, num_heads=3, linear_head_dim=8,
+                          linear_conv_kernel_dim=3,
+                          layer_types=("full_attention", "linear_attention",
+                                       "linear_attention", "full_attention"),
+                          mlp_layer_types=("sparse",) * 4, n_group=1, num_local_experts=3),
     },
     # Jamba: Mamba1 layers (a state per channel, its own decay per state element; norms on
     # dt, B and C), attention without positions, experts in every other layer.
@@ -299,7 +313,8 @@ def test_tensor_parallel_equals_transformers(reference, arch):
                                         ("granite_hybrid", 1), ("falcon_h1", 2),
                                         ("lfm2", 1), ("lfm2_moe", 2), ("qwen3_next", 1),
                                         ("qwen3_5", 2), ("qwen3_5_moe", 1), ("jamba", 1),
-                                        ("olmo_hybrid", 2), ("mamba", 1),
+                                        ("olmo_hybrid", 2), ("kimi_linear", 1),
+                                        ("kimi_linear", 2), ("mamba", 1),
                                         ("falcon_mamba", 2), ("mamba2", 2),
                                         ("zamba2", 2)])
 def test_sleep_and_wake_keep_the_output(reference, arch, level):

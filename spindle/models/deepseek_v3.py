@@ -92,10 +92,13 @@ def deinterleaved(x: torch.Tensor) -> torch.Tensor:
 
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, hf_config: Any, tp_group: TensorParallelGroup,
-                 interleaved: bool | None = None) -> None:
+                 interleaved: bool | None = None, rotary: bool = True) -> None:
         """interleaved: whether the rotary pairs are interleaved (default: the config's
-        rope_interleave, True where it names none, as DeepSeek's)."""
+        rope_interleave, True where it names none, as DeepSeek's); rotary False: no
+        positional encoding at all, the "rotary" features taken as they are and scores
+        scaled by qk_head_dim ** -0.5 (KimiLinear's)."""
         super().__init__()
+        self.rotary = rotary
         hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
         self.nope_dim, self.rope_dim = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim
         self.v_dim, self.lora_rank = hf_config.v_head_dim, hf_config.kv_lora_rank
@@ -120,8 +123,9 @@ class MultiHeadLatentAttention(nn.Module):
                                               bias=False, tp_group=tp_group)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias, tp_group=tp_group)
         self.num_heads = heads // tp_group.size  # rank-local (the column splits' divide)
-        self.attn = Attention(self.num_heads, self.lora_rank + self.rope_dim,
-                              softmax_scale(hf_config), num_kv_heads=1, values_are_keys=True)
+        scale = softmax_scale(hf_config) if rotary else (self.nope_dim + self.rope_dim) ** -0.5
+        self.attn = Attention(self.num_heads, self.lora_rank + self.rope_dim, scale,
+                              num_kv_heads=1, values_are_keys=True)
 
     def _queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
@@ -129,6 +133,8 @@ class MultiHeadLatentAttention(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
 
     def _rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not self.rotary:
+            return x
         return apply_rotary(deinterleaved(x) if self.interleaved else x, cos, sin)
 
     def _expansion(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,6 +84,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Olmo2ForCausalLM": "spindle.models.olmo_hybrid:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "spindle.models.olmo_hybrid:Olmo3ForCausalLM",
     "OlmoHybridForCausalLM": "spindle.models.olmo_hybrid:OlmoHybridForCausalLM",
+    "KimiLinearForCausalLM": "spindle.models.kimi_linear:KimiLinearForCausalLM",
     "Qwen3NextForCausalLM": "spindle.models.qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM": "spindle.models.qwen3_next:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "spindle.models.qwen3_next:Qwen3_5MoeForCausalLM",

@@ -77,6 +77,7 @@ ARCHITECTURES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "jamba": "JambaForCausalLM",
     "olmo_hybrid": "OlmoHybridForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
@@ -140,6 +141,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen
                   "lfm2": "Lfm2Config", "lfm2_moe": "Lfm2MoeConfig",
                   "qwen3_next": "Qwen3NextConfig", "qwen3_5": "Qwen3_5TextConfig",
                   "jamba": "JambaConfig", "olmo_hybrid": "OlmoHybridConfig",
+                  "kimi_linear": "KimiLinearConfig",
                   "olmo2": "Olmo2Config", "olmo3": "Olmo3Config",
                   "qwen3_5_moe": "Qwen3_5MoeTextConfig",
                   "qwen3_moe": "Qwen3MoeConfig",
@@ -292,6 +294,19 @@ def default_config_extra(arch: str, num_layers: int, num_heads: int = 4,
         return {"layer_types": kinds, "linear_num_key_heads": 2,
                 "linear_num_value_heads": num_heads, "linear_key_head_dim": 16,
                 "linear_value_head_dim": hidden_size // num_heads, "linear_conv_kernel_dim": 4}
+    if arch == "kimi_linear":  # Kimi delta attention layers (heads of 16), latent
+        # attention without positions in the middle layer (a latent of 32, heads of 16 + 8
+        # shared features, values of 16); a dense first layer, then 4 experts of 32 in 2
+        # groups, 2 per token, and a shared one
+        kinds = ["linear_attention"] * num_layers
+        kinds[num_layers // 2] = "full_attention"
+        return {"layer_types": kinds, "mlp_layer_types": ["dense"] + ["sparse"] * (num_layers - 1),
+                "linear_num_heads": num_heads, "linear_head_dim": 16, "linear_conv_kernel_dim": 4,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+                "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": None,
+                "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                "v_head_dim": 16, "num_key_value_heads": num_heads}
     if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet layers,
         # attention in the middle layer; (but Qwen3.5's dense MLP) 4 experts of 32, 2 per
         # token, and a shared one of 48 in every layer
@@ -767,6 +782,12 @@ def checkpoint_tensors(model: torch.nn.Module):
     of an MoE model written one expert at a time under the hub's names."""
     arch = next((a for a, cls in ARCHITECTURES.items()
                  if cls == model.config.architectures[0]), None)
+    if arch == "kimi_linear":  # (transformers' own mapping back to the hub's names: the
+        # forget gate's tensors on the layer, q/k/v convs apart, experts one by one)
+        from transformers.core_model_loading import revert_weight_conversion
+
+        yield from revert_weight_conversion(model, model.state_dict()).items()
+        return
     for name, tensor in model.state_dict().items():
         if arch in ("granite_hybrid", "granite_moe", "granite_moe_shared"):
             yield _granite_hub_name(name), tensor

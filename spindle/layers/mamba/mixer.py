@@ -203,16 +203,20 @@ class RowPiecesLinear(nn.Module):
 
 class DepthwiseConvWeights(nn.Module):
     """The conv1d's weight [C, K] and bias [C] (this rank's channels); checkpoints store
-    the weight as nn.Conv1d's [C, 1, K]."""
+    the weight as nn.Conv1d's [C, 1, K]. rows may map shard ids to pieces, as
+    RowPiecesLinear's: the channels of several checkpoint convs one after the other
+    (KimiLinear's q_conv1d, k_conv1d and v_conv1d)."""
 
-    def __init__(self, rows: Sequence[RowPiece], kernel: int, bias: bool) -> None:
+    def __init__(self, rows: Sequence[RowPiece] | Mapping[Any, Sequence[RowPiece]],
+                 kernel: int, bias: bool) -> None:
         super().__init__()
-        channels = sum(n for _, n in rows)
+        sources = dict(rows) if isinstance(rows, Mapping) else {None: rows}
+        channels = sum(n for pieces in sources.values() for _, n in pieces)
         self.weight = nn.Parameter(torch.empty(channels, kernel), requires_grad=False)
-        set_weight_loader(self.weight, rows_loader(rows, squeeze_dim=1))
+        set_weight_loader(self.weight, sources_loader(sources, squeeze_dim=1), list(sources))
         if bias:
             self.bias = nn.Parameter(torch.empty(channels), requires_grad=False)
-            set_weight_loader(self.bias, rows_loader(rows))
+            set_weight_loader(self.bias, sources_loader(sources), list(sources))
         else:
             self.register_parameter("bias", None)
 
@@ -227,15 +231,20 @@ class SiluGate(nn.Module):
 class GatedRMSNorm(nn.Module):
     """y = weight * rmsnorm(x * silu(gate)) (Mamba2's norm with the gate applied first),
     or with norm_first weight * rmsnorm(x) * silu(gate) (FalconH1's norm_before_gate),
-    in float32. The mean square is over groups of ``group_size`` consecutive features
-    (intermediate / n_groups: see norm_group_size), or with group_size None over the
-    full width of all ranks. A group never straddles two ranks: each rank holds whole
+    in float32; sigmoid_gate: sigmoid(gate) in place of silu(gate), with norm_first only
+    (KimiLinear's output norm; computed in torch on every device). The mean square is
+    over groups of ``group_size`` consecutive features (intermediate / n_groups: see
+    norm_group_size), or with group_size None over the full width of all ranks. A group never straddles two ranks: each rank holds whole
     groups, so only the full-width norm all-reduces."""
 
     def __init__(self, local_size: int, full_size: int, eps: float,
                  tp_group: TensorParallelGroup, rows: Sequence[RowPiece],
-                 group_size: int | None = None, norm_first: bool = False) -> None:
+                 group_size: int | None = None, norm_first: bool = False,
+                 sigmoid_gate: bool = False) -> None:
         super().__init__()
+        if sigmoid_gate and not norm_first:
+            raise ValueError("a sigmoid gate is applied after the norm (norm_first)")
+        self.gate_activation = torch.sigmoid if sigmoid_gate else F.silu
         if group_size is not None and (group_size <= 0 or local_size % group_size != 0):
             raise ValueError(f"the gated norm's group size ({group_size}) must divide this "
                              f"rank's width ({local_size} of {full_size}): n_groups must be "
@@ -249,7 +258,8 @@ class GatedRMSNorm(nn.Module):
         set_weight_loader(self.weight, rows_loader(rows))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and (self.tp_group.size == 1 or self.group_size is not None):
+        if x.is_cuda and self.gate_activation is F.silu and (
+                self.tp_group.size == 1 or self.group_size is not None):
             from spindle.layers.mamba import triton_ops
 
             return triton_ops.gated_rms_norm(x, gate, self.weight, self.variance_epsilon,
@@ -265,7 +275,7 @@ class GatedRMSNorm(nn.Module):
             h = h * torch.rsqrt(square_sum / self.full_size + self.variance_epsilon)
         h = self.weight.float() * h
         if self.norm_first:
-            h = h * F.silu(gate.float())
+            h = h * self.gate_activation(gate.float())
         return h.to(x.dtype)
 
 
@@ -374,12 +384,13 @@ def rows_loader(rows: Sequence[RowPiece], squeeze_dim: int | None = None) -> Cal
     return load
 
 
-def sources_loader(sources: Mapping[Any, Sequence[RowPiece]]) -> Callable:
+def sources_loader(sources: Mapping[Any, Sequence[RowPiece]],
+                   squeeze_dim: int | None = None) -> Callable:
     """A weight_loader taking, for each shard id, the given rows of that checkpoint
     tensor into the parameter's rows after the earlier shard ids' (one source under
-    shard id None: rows_loader)."""
+    shard id None: rows_loader); squeeze_dim as rows_loader's."""
     if list(sources) == [None]:
-        return rows_loader(sources[None])
+        return rows_loader(sources[None], squeeze_dim)
     starts, start = {}, 0
     for shard_id, pieces in sources.items():
         starts[shard_id] = (start, sum(n for _, n in pieces))
@@ -389,7 +400,8 @@ def sources_loader(sources: Mapping[Any, Sequence[RowPiece]]) -> Callable:
         if shard_id not in sources:
             raise ValueError(f"shard id {shard_id!r} is none of {list(sources)}")
         first, count = starts[shard_id]
-        rows_loader(sources[shard_id])(param.data.narrow(0, first, count), loaded)
+        rows_loader(sources[shard_id], squeeze_dim)(param.data.narrow(0, first, count),
+                                                    loaded)
 
     return load
 

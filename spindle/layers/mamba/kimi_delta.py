@@ -1,0 +1,136 @@
+"""Kimi delta attention (KDA, the linear-attention layers of Moonshot's KimiLinear):
+q_proj, k_proj and v_proj -> a causal conv1d over each (SiLU) -> the gated delta rule
+with a decay per key feature (layers/mamba/gated_delta.py) -> an RMSNorm of each head
+times sigmoid of a low-rank output gate -> o_proj, over per-sequence state slots.
+
+Against Gated DeltaNet (gated_delta_net.py): as many key heads as value heads, each of
+head_dim features; the decay's input a is a low-rank projection of the layer's input
+(f_a_proj, then f_b_proj to heads x head_dim), so a token decays each key feature of
+the state on its own; the output gate is low-rank too (g_a_proj, g_b_proj) and meets
+the norm through a sigmoid, not SiLU.
+
+Checkpoints keep q, k and v, and their convolutions, apart (``q_conv1d`` ...); they load
+under the shard ids "q", "k" and "v" into one projection and one conv weight, rows
+[q | k | v], so the conv input is one matmul's output. ``A_log`` is stored [1, 1, H, 1]
+and ``dt_bias`` [H * head_dim].
+
+Tensor parallelism splits the heads across ranks, and with them q, k, v, the conv
+channels, f_b_proj's and g_b_proj's rows, dt_bias, A_log and the states; f_a_proj and
+g_a_proj (head_dim outputs) are replicated, o_proj is row parallel.
+
+The layer runs on the CPU only for now: the decay per key feature has no CUDA kernels
+yet, and it refuses a CUDA tensor rather than run untested GPU code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from spindle.cache.spec import MambaCacheSpec
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.linear import RowParallelLinear, divide, set_weight_loader
+from spindle.layers.mamba import gated_delta
+from spindle.layers.mamba import ops as conv_ops
+from spindle.layers.mamba.gated_delta_net import tiled_loader
+from spindle.layers.mamba.metadata import MambaMetadata
+from spindle.layers.mamba.mixer import (DepthwiseConvWeights, GatedRMSNorm, RowPiecesLinear,
+                                        _sharded_parameter, by_step_kind, rows_loader,
+                                        step_metadata)
+
+
+class KimiDeltaAttention(nn.Module):
+    """forward(hidden_states [T, hidden]) -> [T, hidden] for the step's flat batch.
+
+    ``kv_cache`` is None (the memory-profiling forward) or [conv_state [S, 3 * H * D,
+    K-1], recurrent_state [S, H, D, D]] with this rank's heads, assigned by the runner;
+    the recurrent state is float32 (see GatedDeltaNet)."""
+
+    def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int,
+                 eps: float, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        if conv_kernel < 2:
+            raise ValueError(f"short_conv_kernel_size must be >= 2, got {conv_kernel}")
+        rank = tp_group.rank
+        self.num_heads = divide(num_heads, tp_group.size, "linear_attn_config num_heads")
+        self.head_dim, self.conv_kernel = head_dim, conv_kernel
+        self.width = self.num_heads * head_dim  # rank-local q (or k, or v) features
+        heads = [(rank * self.num_heads, self.num_heads)]
+        features = [(rank * self.width, self.width)]
+        per_part = {"q": features, "k": features, "v": features}
+        self.qkv_proj = RowPiecesLinear(hidden_size, per_part, bias=False)
+        self.conv1d = DepthwiseConvWeights(per_part, conv_kernel, bias=False)
+        self.b_proj = RowPiecesLinear(hidden_size, heads, bias=False)
+        self.f_a_proj = RowPiecesLinear(hidden_size, [(0, head_dim)], bias=False)
+        self.f_b_proj = RowPiecesLinear(head_dim, features, bias=False)
+        self.g_a_proj = RowPiecesLinear(hidden_size, [(0, head_dim)], bias=False)
+        self.g_b_proj = RowPiecesLinear(head_dim, features, bias=False)
+        self.dt_bias = _sharded_parameter(features)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        set_weight_loader(self.A_log, flat_rows_loader(heads))
+        # One weight [D] for every head, stored tiled (as GatedDeltaNet's).
+        self.o_norm = GatedRMSNorm(self.width, self.width, eps, tp_group, [],
+                                   group_size=head_dim, norm_first=True, sigmoid_gate=True)
+        set_weight_loader(self.o_norm.weight, tiled_loader(self.num_heads))
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=False,
+                                        tp_group=tp_group)
+        self.kv_cache: list[torch.Tensor] | None = None
+        self.cache_group = 0  # which cache group's metadata this layer reads (the runner sets it)
+
+    def cache_spec(self, dtype: torch.dtype) -> MambaCacheSpec:
+        """Per sequence: the conv state [3 * H * D, K-1] in the model's dtype and the
+        recurrent state [H, D, D] in float32."""
+        return MambaCacheSpec(
+            shapes=((3 * self.width, self.conv_kernel - 1),
+                    (self.num_heads, self.head_dim, self.head_dim)),
+            dtypes=(dtype, torch.float32))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.is_cuda:
+            raise RuntimeError("Kimi delta attention (KimiLinear's linear layers) runs on the "
+                               "CPU only for now: its decay per key feature has no CUDA "
+                               "kernels yet; start the engine with device='cpu'")
+        num_tokens = hidden_states.shape[0]
+        md = step_metadata(self, num_tokens, hidden_states.device)
+        qkv = self.qkv_proj(hidden_states)
+        b = self.b_proj(hidden_states)
+        a = self.f_b_proj(self.f_a_proj(hidden_states)).view(num_tokens, self.num_heads,
+                                                              self.head_dim)
+        dt_bias = self.dt_bias.view(self.num_heads, self.head_dim)
+        states = self.kv_cache if self.kv_cache is not None else (None, None)
+
+        def decode(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+            qkv = conv_ops.causal_conv1d_decode(qkv, self.conv1d.weight, None, states[0], slots)
+            return gated_delta.gated_delta_decode(*self._split_qkv(qkv), a, b, self.A_log,
+                                                  dt_bias, states[1], slots)
+
+        def prefill(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    md: MambaMetadata) -> torch.Tensor:
+            qkv = conv_ops.causal_conv1d_prefill(qkv, self.conv1d.weight, None, states[0], md)
+            return gated_delta.gated_delta_prefill(*self._split_qkv(qkv), a, b, self.A_log,
+                                                   dt_bias, states[1], md)
+
+        y = by_step_kind(md, self.kv_cache is not None, (qkv, a, b), decode, prefill)
+        gate = self.g_b_proj(self.g_a_proj(hidden_states))
+        return self.o_proj(self.o_norm(y.reshape(num_tokens, self.width), gate))
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        shape = (qkv.shape[0], self.num_heads, self.head_dim)
+        return tuple(part.reshape(shape) for part in qkv.split(self.width, dim=-1))
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, head_dim={self.head_dim}, conv={self.conv_kernel} "
+                "(per rank)")
+
+
+def flat_rows_loader(rows) -> Any:
+    """rows_loader of the checkpoint tensor flattened (A_log, stored [1, 1, H, 1])."""
+    load_rows = rows_loader(rows)
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        load_rows(param, loaded.reshape(-1), shard_id)
+
+    return load

@@ -1,0 +1,145 @@
+"""KimiLinearForCausalLM: Moonshot's Kimi Linear, Kimi delta attention layers
+(``linear_attention``: layers/mamba/kimi_delta.py) with multi-head latent attention
+layers (``full_attention``) among them, DeepSeek-V3's feed-forward after each.
+
+Built on the hybrid base (models/bamba.py), as OLMo Hybrid is:
+- every layer is pre-norm (Llama's RMSNorm): x + mixer(norm(x)), then x + MLP(norm(x));
+- the attention layers are DeepSeek's latent attention (models/deepseek_v3.py) without
+  any positional encoding: the config's qk_rope_head_dim features of each key are shared
+  by the heads, as DeepSeek's rotated ones, but nothing rotates them;
+- ``mlp_layer_types`` says which layers have a dense SwiGLU MLP ("dense") and which
+  routed experts with shared experts ("sparse"), routed as DeepSeek-V3 routes
+  (nemotron_h.NemotronHRouter: sigmoid scores, a correction bias for the choice, groups,
+  renormalised, scaled).
+
+Checkpoint names are the released ones: the experts ``block_sparse_moe.experts.E.w1``
+(gate), ``w3`` (up) and ``w2`` (down), the dense MLPs under ``mlp`` or
+``block_sparse_moe``; the linear layers' projections and convs as kimi_delta.py says.
+Runs on the CPU only for now (see kimi_delta.py).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from spindle.distributed.parallel_state import TensorParallelGroup
+from spindle.layers.mamba.kimi_delta import KimiDeltaAttention
+from spindle.layers.norm import RMSNorm
+from spindle.models.bamba import (BambaForCausalLM, FeedForwardFactory, HybridLayout,
+                                  check_layer_types, check_silu)
+from spindle.models.deepseek_v3 import MultiHeadLatentAttention
+from spindle.models.glm4_moe import Glm4MoeBlock
+from spindle.models.llama import LlamaMLP, _to_param_name
+from spindle.models.moe import _MIXTRAL_EXPERT_PARTS, _expert_param
+from spindle.models.nemotron_h import check_routing
+
+ATTENTION, LINEAR = "full_attention", "linear_attention"
+DENSE, SPARSE = "dense", "sparse"
+
+
+def routing_fields(hf_config: Any) -> SimpleNamespace:
+    """The fields DeepSeek-V3's expert block reads, under its names (KimiLinearConfig
+    calls the expert count num_local_experts and has no mlp_bias)."""
+    return SimpleNamespace(
+        n_routed_experts=hf_config.num_local_experts, hidden_size=hf_config.hidden_size,
+        moe_intermediate_size=hf_config.moe_intermediate_size,
+        n_shared_experts=getattr(hf_config, "n_shared_experts", 1) or 0,
+        num_experts_per_tok=hf_config.num_experts_per_tok,
+        n_group=getattr(hf_config, "n_group", 1), topk_group=getattr(hf_config, "topk_group", 1),
+        norm_topk_prob=getattr(hf_config, "norm_topk_prob", True),
+        routed_scaling_factor=getattr(hf_config, "routed_scaling_factor", 1.0), mlp_bias=False)
+
+
+def check_supported_config(hf_config: Any) -> None:
+    """Reject config features this implementation would silently get wrong."""
+    check_silu(hf_config)
+    layers = hf_config.num_hidden_layers
+    check_layer_types(list(hf_config.layer_types), layers, {ATTENTION, LINEAR})
+    kinds = list(hf_config.mlp_layer_types)
+    if len(kinds) != layers or set(kinds) - {DENSE, SPARSE}:
+        raise ValueError(f"mlp_layer_types must name {DENSE!r} or {SPARSE!r} for each of the "
+                         f"{layers} layers, got {kinds}")
+    if SPARSE in kinds:
+        check_routing(routing_fields(hf_config))
+
+
+def kimi_linear_layout(hf_config: Any) -> HybridLayout:
+    """No rotary anywhere; the latent attention scales its own scores."""
+    return HybridLayout(
+        attention_layers=frozenset(i for i, kind in enumerate(hf_config.layer_types)
+                                   if kind == ATTENTION),
+        rotary_dim=0, attention_scale=1.0)
+
+
+def kimi_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGroup
+                      ) -> nn.Module:
+    if hf_config.mlp_layer_types[layer_idx] == SPARSE:
+        return Glm4MoeBlock(routing_fields(hf_config), tp_group)
+    return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, False, tp_group)
+
+
+def kimi_delta_attention(hf_config: Any, tp_group: TensorParallelGroup) -> KimiDeltaAttention:
+    return KimiDeltaAttention(
+        hidden_size=hf_config.hidden_size, num_heads=hf_config.linear_num_heads,
+        head_dim=hf_config.linear_head_dim, conv_kernel=hf_config.linear_conv_kernel_dim,
+        eps=hf_config.rms_norm_eps, tp_group=tp_group)
+
+
+class KimiLinearDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
+                 feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        eps, size = hf_config.rms_norm_eps, hf_config.hidden_size
+        self.is_attention = layer_idx in layout.attention_layers
+        self.self_attn = (MultiHeadLatentAttention(hf_config, tp_group, rotary=False)
+                          if self.is_attention else kimi_delta_attention(hf_config, tp_group))
+        self.mlp = feed_forward(hf_config, layer_idx, tp_group)
+        self.input_layernorm = RMSNorm(size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(size, eps=eps)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual is carried separately (the next norm adds it)."""
+        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
+        if self.is_attention:
+            hidden_states = self.self_attn(hidden_states, cos, sin)
+        else:
+            hidden_states = self.self_attn(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class KimiLinearForCausalLM(BambaForCausalLM):
+    check_config = staticmethod(check_supported_config)
+    layout = staticmethod(kimi_linear_layout)
+    feed_forward = staticmethod(kimi_feed_forward)
+    decoder_layer = KimiLinearDecoderLayer
+    checkpoint_final_norm = "norm"
+
+    def build_lm_head(self, hf_config: Any, tp_group: TensorParallelGroup,
+                      tie: bool | None = None, bias: bool = False) -> None:
+        """Never tied: transformers' KimiLinear keeps a head of its own whatever
+        tie_word_embeddings says (the released configs say false)."""
+        super().build_lm_head(hf_config, tp_group, tie=False, bias=bias)
+
+    def param_name(self, hf_name: str) -> tuple[str, Any]:
+        """Experts onto the fused ones; a linear layer's q/k/v projections and convs onto
+        its merged ones by shard id; the latent attention's names as they are."""
+        hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")
+        expert = _expert_param(hf_name, _MIXTRAL_EXPERT_PARTS)
+        if expert is not None:
+            return expert
+        stem, found, leaf = hf_name.partition(".self_attn.")
+        if not found:
+            return _to_param_name(hf_name)
+        if self.config.layer_types[int(stem.rsplit(".", 1)[-1])] == ATTENTION:
+            return hf_name, None
+        for part in ("q", "k", "v"):
+            if leaf == f"{part}_conv1d.weight":
+                return f"{stem}.self_attn.conv1d.weight", part
+        return _to_param_name(hf_name)
