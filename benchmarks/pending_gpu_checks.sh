@@ -46,7 +46,8 @@
 #            A/B. Done on an H100 (43rd session: tests passed, no change in speed there).
 #   tests    Any GPU: the GPU test files, a regression sweep after kernel or graph changes
 #            (every file passed on an H100 with the advance on, 41st-42nd sessions).
-#   models   Any GPU: the model families' GPU files, likewise.
+#   models   Any GPU: the model families' GPU files, likewise; KimiLinear first (48th
+#            session: written without a GPU, its kernels tested under the interpreter).
 #   ab       The tiles A/B and the engine A/B of every switch (on an H200 last in the
 #            32nd and 35th sessions; the defaults follow them); then mixed_step_latency.py
 #            (what decoding streams wait while prompts prefill, SPINDLE_MIXED_DECODE_KERNEL
@@ -157,6 +158,9 @@ if [[ $what == tests || $what == all ]]; then
 fi
 
 if [[ $what == models || $what == all ]]; then
+    stamp "KimiLinear on CUDA (new, 48th session: its kernels interpreter-tested only)"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid_gpu.py \
+        tests/test_kimi_linear.py tests/test_gated_delta.py -k "kimi or per_key" 2>&1 | tail -4
     stamp "DeepSeek-V3 (latent attention), gpt-oss (sinks, biased experts), Qwen2-MoE on CUDA"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_moe_models.py \
         -k "deepseek or gpt_oss or qwen2_moe or hunyuan or phimoe" 2>&1 | tail -4

@@ -215,17 +215,50 @@ def test_bad_shapes_are_refused():
                                        state_indices=torch.zeros(3, dtype=torch.int32))
 
 
-def test_the_triton_kernels_refuse_a_decay_per_key_feature():
-    """They read one decay per token and head: a [T, Hv, Dk] would be misread."""
+def test_the_triton_prefill_refuses_a_decay_per_key_feature(monkeypatch):
+    """It reads one decay per token and head: a [T, Hv, Dk] would be misread."""
     pytest.importorskip("triton")
     from spindle.layers.mamba import gated_delta_triton
 
     x = _feature_inputs(3, 2, 16, 16, seed=0)
+    md = _metadata([3], [-1], [False])
     with pytest.raises(ValueError, match=r"decay per head \(a \[T, Hv\]\), got a \(3, 2, 16\)"):
-        gated_delta_triton.gated_delta_decode(**x, state=torch.zeros(2, 2, 16, 16),
-                                              state_indices=torch.zeros(3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="decay per head"):
-        gated_delta_triton.triton_prefill(**x, state=None, md=_metadata([3], [-1], [False]))
+        gated_delta_triton.triton_prefill(**x, state=None, md=md)
+    monkeypatch.setenv(gated_delta_triton.TRITON_PREFILL_ENV, "1")
+    with pytest.raises(ValueError, match="SPINDLE_GDN_TRITON_PREFILL=1: the Triton prefill "
+                                         "has no decay per key feature"):
+        gated_delta_triton.gated_delta_prefill(**x, state=None, md=md)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("heads,key_dim,value_dim", pick(
+    [(32, 128, 128), (3, 96, 40)], [(3, 8, 40), (2, 16, 8)]))
+def test_triton_decode_with_a_decay_per_key_feature_equals_torch(dtype, heads, key_dim,
+                                                                 value_dim):
+    """Kimi delta attention's step: a [B, H, Dk] and dt_bias [H, Dk], as strided views
+    (a of a wider projection's rows, as f_b_proj's output is not; dt_bias a view of the
+    checkpoint's [H * Dk])."""
+    from spindle.layers.mamba import gated_delta_triton
+
+    slots = [4, -1, 0, 2, 5]
+    x = {k: v.to(dtype) if v.dtype.is_floating_point and k not in ("A_log", "dt_bias") else v
+         for k, v in _feature_inputs(len(slots), heads, key_dim, value_dim, seed=9).items()}
+    x["a"] = torch.cat([x["a"], x["a"]], dim=2)[:, :, :key_dim]  # (strided rows)
+    x["dt_bias"] = x["dt_bias"].flatten().view(heads, key_dim)
+    state = torch.randn(NUM_SLOTS, heads, key_dim, value_dim)
+    indices = torch.tensor(slots, dtype=torch.int32)
+    expected_state = state.clone()
+    expected = gated_delta.gated_delta_decode(**x, state=expected_state, state_indices=indices)
+    got_state = state.to(DEVICE)
+    got = gated_delta_triton.gated_delta_decode(**{k: v.to(DEVICE) for k, v in x.items()},
+                                                state=got_state,
+                                                state_indices=indices.to(DEVICE))
+    tol = TOL if dtype == torch.float32 else 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(got.float().cpu(), expected.float(), atol=tol * scale, rtol=tol)
+    torch.testing.assert_close(got_state.cpu(), expected_state, atol=TOL, rtol=TOL)
 
 
 @pytest.mark.gpu

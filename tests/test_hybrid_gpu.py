@@ -1,5 +1,5 @@
 """Hybrid (Bamba, NemotronH, GraniteMoeHybrid, FalconH1, LFM2, LFM2-MoE, Qwen3-Next, Qwen3.5,
-OLMo Hybrid, Jamba) models
+OLMo Hybrid, KimiLinear, Jamba) models
 on CUDA: the Triton Mamba2, gated delta and selective scan kernels, CUDA graphs for decode,
 state snapshots, against transformers on the CPU in float32 (the oracle the CPU tests
 use: spindle's CUDA run must give the same greedy tokens)."""
@@ -58,7 +58,9 @@ def test_cuda_greedy_equals_cpu_transformers(tiny_model, shape, enforce_eager):
                                         ("qwen3_5", "odd-heads"),
                                         ("qwen3_5_moe", "groups2"),
                                         ("jamba", "default"), ("jamba", "odd-heads"),
-                                        ("olmo_hybrid", "default"), ("mamba", "odd-heads"),
+                                        ("olmo_hybrid", "default"),
+                                        ("kimi_linear", "default"),
+                                        ("kimi_linear", "odd-heads"), ("mamba", "odd-heads"),
                                         ("falcon_mamba", "default"), ("zamba2", "default"),
                                         ("zamba2", "odd-heads")])
 def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape):
@@ -70,7 +72,9 @@ def test_cuda_more_hybrids_greedy_equal_cpu_transformers(tiny_model, arch, shape
     kernels without activation, attention with per-head q/k norms; LFM2-MoE's experts
     through the fused MoE kernels) and Qwen3-Next (the gated delta rule's Triton decode
     step and torch prefill, the conv kernels with SiLU, the per-head gated norm kernel,
-    gated attention, experts with a shared expert) and Jamba (the selective scan's Triton
+    gated attention, experts with a shared expert) and KimiLinear (the decode kernel with
+    a decay per key feature, the torch prefill, latent attention without positions,
+    DeepSeek-V3's experts) and Jamba (the selective scan's Triton
     prefill and decode, attention without positions) and Mamba / FalconMamba (the same
     kernels on a float32 state, no attention) and Zamba2 (shared transformer blocks with
     adapters, each hybrid layer's own KV cache; dt unclamped in the decode kernel),

@@ -15,7 +15,6 @@ Built on the hybrid base (models/bamba.py), as OLMo Hybrid is:
 Checkpoint names are the released ones: the experts ``block_sparse_moe.experts.E.w1``
 (gate), ``w3`` (up) and ``w2`` (down), the dense MLPs under ``mlp`` or
 ``block_sparse_moe``; the linear layers' projections and convs as kimi_delta.py says.
-Runs on the CPU only for now (see kimi_delta.py).
 """
 
 from __future__ import annotations

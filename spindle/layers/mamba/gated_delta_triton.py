@@ -1,8 +1,9 @@
 """The gated delta rule as Triton kernels (CUDA), same signatures and results as
-gated_delta.py's torch code, against which they are tested: the decode step, and the
-prefill in chunks (SPINDLE_GDN_TRITON_PREFILL=1; by default the prefill on CUDA is
+gated_delta.py's torch code, against which they are tested: the decode step (a decay
+per head, or per key feature: Kimi delta attention's), and the prefill in chunks
+(SPINDLE_GDN_TRITON_PREFILL=1, a decay per head only; by default the prefill on CUDA is
 gated_delta.gated_delta_prefill, torch with every chunk of the step batched, a few
-dozen launches a layer).
+dozen launches a layer, or request by request for a decay per key feature).
 
 The Triton prefill is one launch: a program per (request, value head, block of value
 features) walks its request's chunks in order, the state block [Dk, BLOCK_V] in
@@ -37,10 +38,14 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: to
                         beta_scale: float = 1.0) -> torch.Tensor:
     """gated_delta.gated_delta_prefill's contract. With SPINDLE_GDN_TRITON_PREFILL=1 the
     Triton kernel evaluates it (in chunks of PREFILL_CHUNK tokens: chunk_size and
-    batched, which choose among the torch evaluations, do not apply to it)."""
+    batched, which choose among the torch evaluations, do not apply to it); it has no
+    decay per key feature, and refuses one."""
     if not on_off(TRITON_PREFILL_ENV, False):
         return gated_delta.gated_delta_prefill(q, k, v, a, b, A_log, dt_bias, state, md,
                                                chunk_size, batched, beta_scale)
+    if a.dim() == 3:
+        raise ValueError(f"{TRITON_PREFILL_ENV}=1: the Triton prefill has no decay per key "
+                         "feature (Kimi delta attention's); unset it for this model")
     return triton_prefill(q, k, v, a, b, A_log, dt_bias, state, md, beta_scale)
 
 
@@ -82,12 +87,13 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
                        b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                        state: torch.Tensor, state_indices: torch.Tensor,
                        beta_scale: float = 1.0) -> torch.Tensor:
-    """One step per request: q/k [B, Hk, Dk], v [B, Hv, Dv], a/b [B, Hv] -> o [B, Hv, Dv];
-    state [S, Hv, Dk, Dv] updated in place at state_indices [B] (a negative index:
-    padding, state neither read nor written); beta_scale: a factor on beta. One launch,
-    CUDA-graph safe."""
-    _check_decay_per_head(q, k, v, a, b, A_log, dt_bias)
+    """One step per request: q/k [B, Hk, Dk], v [B, Hv, Dv], a/b [B, Hv] (or a [B, Hv, Dk]
+    and dt_bias [Hv, Dk]: a decay per key feature) -> o [B, Hv, Dv]; state [S, Hv, Dk, Dv]
+    updated in place at state_indices [B] (a negative index: padding, state neither read
+    nor written); beta_scale: a factor on beta. One launch, CUDA-graph safe."""
+    gated_delta._check_shapes(q, k, v, a, b, A_log, dt_bias)
     gated_delta._check_rows(v, state_indices)
+    per_key = a.dim() == 3
     num_reqs, value_heads, value_dim = v.shape
     key_heads, key_dim = q.shape[1], q.shape[2]
     if state.shape[1:] != (value_heads, key_dim, value_dim):
@@ -99,20 +105,22 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     block_v = min(triton.next_power_of_2(value_dim), 32)
     _decode_kernel[(num_reqs, value_heads, triton.cdiv(value_dim, block_v))](
         q, k, v, a, b, A_log, dt_bias, state, state_indices, out, key_dim, value_dim,
-        *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *state.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *a.stride()[:2],
+        a.stride(2) if per_key else 0, *b.stride(),
+        *(dt_bias.stride() if per_key else (dt_bias.stride(0), 0)), *state.stride(),
         *out.stride(), L2_EPS, key_dim ** -0.5, float(beta_scale),
-        VALUES_PER_KEY=value_heads // key_heads,
+        VALUES_PER_KEY=value_heads // key_heads, DECAY_PER_KEY=per_key,
         BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v, num_warps=4,
         **pdl.kernel_args(v.device, num_reqs))
     return out
 
 
 def _check_decay_per_head(q, k, v, a, b, A_log, dt_bias) -> None:
-    """gated_delta's shape checks, and a decay per head: these kernels read one a per
-    token and head (a decay per key feature, Kimi delta attention's, has none yet)."""
+    """gated_delta's shape checks, and a decay per head: the prefill kernel reads one a
+    per token and head."""
     gated_delta._check_shapes(q, k, v, a, b, A_log, dt_bias)
     if a.dim() != 2:
-        raise ValueError(f"the Triton gated delta kernels take a decay per head (a [T, Hv]), "
+        raise ValueError(f"the Triton gated delta prefill takes a decay per head (a [T, Hv]), "
                          f"got a {tuple(a.shape)}: a decay per key feature runs in "
                          "gated_delta.py's torch code")
 
@@ -121,14 +129,16 @@ def _check_decay_per_head(q, k, v, a, b, A_log, dt_bias) -> None:
 def _decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
                    state_idx_ptr, out_ptr, key_dim, value_dim,
                    q_stride_b, q_stride_h, q_stride_d, k_stride_b, k_stride_h, k_stride_d,
-                   v_stride_b, v_stride_h, v_stride_d, a_stride_b, a_stride_h,
-                   b_stride_b, b_stride_h, s_stride_s, s_stride_h, s_stride_k, s_stride_v,
+                   v_stride_b, v_stride_h, v_stride_d, a_stride_b, a_stride_h, a_stride_d,
+                   b_stride_b, b_stride_h, dt_stride_h, dt_stride_d,
+                   s_stride_s, s_stride_h, s_stride_k, s_stride_v,
                    o_stride_b, o_stride_h, o_stride_d, l2_eps, q_scale, beta_scale,
-                   VALUES_PER_KEY: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                   VALUES_PER_KEY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """One program per (request, value head, block of value features): the state
-    columns [Dk, BLOCK_V] are decayed, corrected by the delta rule, written back and
-    read out through q. Each program normalises its q and k itself (Dk is small)."""
+    columns [Dk, BLOCK_V] are decayed (by one factor, or DECAY_PER_KEY one per key
+    feature, a row of the state), corrected by the delta rule, written back and read
+    out through q. Each program normalises its q and k itself (Dk is small)."""
     pdl.enter(PDL)
     req = tl.program_id(0).to(tl.int64)
     head, key_head, offs_k, offs_v, k_valid, v_valid = _head_block(
@@ -147,14 +157,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, st
     k = k / tl.sqrt(tl.sum(k * k, 0) + l2_eps)
     v = tl.load(v_ptr + req * v_stride_b + head * v_stride_h + offs_v * v_stride_d,
                 mask=v_valid, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + req * a_stride_b + head * a_stride_h).to(tl.float32)
     # beta = sigmoid(b) in b's own dtype, as the torch op (and transformers) computes it.
     b_raw = tl.load(b_ptr + req * b_stride_b + head * b_stride_h)
     beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32) * beta_scale
-    step = softplus(a + tl.load(dt_bias_ptr + head).to(tl.float32))
-    g = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32)) * step
-
-    state = state * tl.exp(g)
+    rate = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
+    if DECAY_PER_KEY:
+        a = tl.load(a_ptr + req * a_stride_b + head * a_stride_h + offs_k * a_stride_d,
+                    mask=k_valid, other=0.0).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + head * dt_stride_h + offs_k * dt_stride_d,
+                          mask=k_valid, other=0.0).to(tl.float32)
+        state = state * tl.exp(rate * softplus(a + dt_bias))[:, None]
+    else:
+        a = tl.load(a_ptr + req * a_stride_b + head * a_stride_h).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+        state = state * tl.exp(rate * softplus(a + dt_bias))
     error = v - tl.sum(state * k[:, None], 0)
     state = state + k[:, None] * (beta * error)[None, :]
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=state_mask)

@@ -18,8 +18,9 @@ Tensor parallelism splits the heads across ranks, and with them q, k, v, the con
 channels, f_b_proj's and g_b_proj's rows, dt_bias, A_log and the states; f_a_proj and
 g_a_proj (head_dim outputs) are replicated, o_proj is row parallel.
 
-The layer runs on the CPU only for now: the decay per key feature has no CUDA kernels
-yet, and it refuses a CUDA tensor rather than run untested GPU code.
+On CUDA the convolutions and the decode step are Triton kernels (the conv kernels of
+triton_ops.py, gated_delta_triton's decode with a decay per key feature), the prefill
+gated_delta.py's torch code request by request, and the output norm torch.
 """
 
 from __future__ import annotations
@@ -32,13 +33,11 @@ from torch import nn
 from spindle.cache.spec import MambaCacheSpec
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import RowParallelLinear, divide, set_weight_loader
-from spindle.layers.mamba import gated_delta
-from spindle.layers.mamba import ops as conv_ops
-from spindle.layers.mamba.gated_delta_net import tiled_loader
+from spindle.layers.mamba.gated_delta_net import delta_ops_for, tiled_loader
 from spindle.layers.mamba.metadata import MambaMetadata
 from spindle.layers.mamba.mixer import (DepthwiseConvWeights, GatedRMSNorm, RowPiecesLinear,
-                                        _sharded_parameter, by_step_kind, rows_loader,
-                                        step_metadata)
+                                        _ops_for, _sharded_parameter, by_step_kind,
+                                        rows_loader, step_metadata)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -88,10 +87,6 @@ class KimiDeltaAttention(nn.Module):
             dtypes=(dtype, torch.float32))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.is_cuda:
-            raise RuntimeError("Kimi delta attention (KimiLinear's linear layers) runs on the "
-                               "CPU only for now: its decay per key feature has no CUDA "
-                               "kernels yet; start the engine with device='cpu'")
         num_tokens = hidden_states.shape[0]
         md = step_metadata(self, num_tokens, hidden_states.device)
         qkv = self.qkv_proj(hidden_states)
@@ -99,19 +94,20 @@ class KimiDeltaAttention(nn.Module):
         a = self.f_b_proj(self.f_a_proj(hidden_states)).view(num_tokens, self.num_heads,
                                                               self.head_dim)
         dt_bias = self.dt_bias.view(self.num_heads, self.head_dim)
+        conv_ops, delta_ops = _ops_for(hidden_states), delta_ops_for(hidden_states)
         states = self.kv_cache if self.kv_cache is not None else (None, None)
 
         def decode(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    slots: torch.Tensor) -> torch.Tensor:
             qkv = conv_ops.causal_conv1d_decode(qkv, self.conv1d.weight, None, states[0], slots)
-            return gated_delta.gated_delta_decode(*self._split_qkv(qkv), a, b, self.A_log,
-                                                  dt_bias, states[1], slots)
+            return delta_ops.gated_delta_decode(*self._split_qkv(qkv), a, b, self.A_log,
+                                                dt_bias, states[1], slots)
 
         def prefill(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     md: MambaMetadata) -> torch.Tensor:
             qkv = conv_ops.causal_conv1d_prefill(qkv, self.conv1d.weight, None, states[0], md)
-            return gated_delta.gated_delta_prefill(*self._split_qkv(qkv), a, b, self.A_log,
-                                                   dt_bias, states[1], md)
+            return delta_ops.gated_delta_prefill(*self._split_qkv(qkv), a, b, self.A_log,
+                                                 dt_bias, states[1], md)
 
         y = by_step_kind(md, self.kv_cache is not None, (qkv, a, b), decode, prefill)
         gate = self.g_b_proj(self.g_a_proj(hidden_states))
