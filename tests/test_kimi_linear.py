@@ -108,7 +108,7 @@ def test_the_layer_on_its_cuda_kernels_equals_its_torch_path(monkeypatch):
     decay per key feature; the torch prefill) against the CPU's torch ops: a prefill of
     two requests, a mixed step, a decode step; outputs and states. Under the interpreter
     the CUDA ops run on CPU tensors."""
-    from spindle.layers.mamba import gated_delta_triton, kimi_delta, triton_ops
+    from spindle.layers.mamba import gated_delta_net, gated_delta_triton, triton_ops
 
     hidden, heads, head_dim, slots = 32, 2, 16, 4
     generator = torch.Generator().manual_seed(0)
@@ -136,8 +136,8 @@ def test_the_layer_on_its_cuda_kernels_equals_its_torch_path(monkeypatch):
 
     expected = run("cpu")
     if DEVICE == "cpu":  # (the interpreter: the CUDA ops on CPU tensors)
-        monkeypatch.setattr(kimi_delta, "_ops_for", lambda x: triton_ops)
-        monkeypatch.setattr(kimi_delta, "delta_ops_for", lambda x: gated_delta_triton)
+        monkeypatch.setattr(gated_delta_net, "_ops_for", lambda x: triton_ops)
+        monkeypatch.setattr(gated_delta_net, "delta_ops_for", lambda x: gated_delta_triton)
     got = run(DEVICE)
     for want, have in zip([*expected[0], *expected[1]], [*got[0], *got[1]]):
         torch.testing.assert_close(have, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)

@@ -302,6 +302,46 @@ class PreNormAttentionLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class PreNormHybridLayer(nn.Module):
+    """A hybrid's pre-norm layer: input norm, then attention (make_attention) on the
+    layout's attention layers or the linear mixer (make_linear, held as ``linear_attn``)
+    elsewhere, post-attention norm, feed-forward; norm_class's norms, the residual
+    carried separately (the next norm adds it). Qwen3-Next's and KimiLinear's."""
+
+    norm_class: type[RMSNorm] = RMSNorm
+
+    def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
+                 feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        eps, size = hf_config.rms_norm_eps, hf_config.hidden_size
+        self.is_attention = layer_idx in layout.attention_layers
+        if self.is_attention:
+            self.self_attn = self.make_attention(hf_config, layout, tp_group)
+        else:
+            self.linear_attn = self.make_linear(hf_config, tp_group)
+        self.mlp = feed_forward(hf_config, layer_idx, tp_group)
+        self.input_layernorm = self.norm_class(size, eps=eps)
+        self.post_attention_layernorm = self.norm_class(size, eps=eps)
+
+    def make_attention(self, hf_config: Any, layout: HybridLayout,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        raise NotImplementedError
+
+    def make_linear(self, hf_config: Any, tp_group: TensorParallelGroup) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
+        if self.is_attention:
+            hidden_states = self.self_attn(hidden_states, cos, sin)
+        else:
+            hidden_states = self.linear_attn(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
 class BambaModel(nn.Module):
     def __init__(self, hf_config: Any, layout: HybridLayout, feed_forward: FeedForwardFactory,
                  tp_group: TensorParallelGroup, stage: PipelineStage,

@@ -22,17 +22,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import torch
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.mamba.kimi_delta import KimiDeltaAttention
-from spindle.layers.norm import RMSNorm
-from spindle.models.bamba import (BambaForCausalLM, FeedForwardFactory, HybridLayout,
-                                  check_layer_types, check_silu)
+from spindle.models.bamba import (BambaForCausalLM, HybridLayout, PreNormHybridLayer,
+                                  bamba_feed_forward, check_layer_types, check_silu)
 from spindle.models.deepseek_v3 import MultiHeadLatentAttention
 from spindle.models.glm4_moe import Glm4MoeBlock
-from spindle.models.llama import LlamaMLP, _to_param_name
+from spindle.models.llama import _to_param_name
 from spindle.models.moe import _MIXTRAL_EXPERT_PARTS, _expert_param
 from spindle.models.nemotron_h import check_routing
 
@@ -78,39 +76,19 @@ def kimi_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallelGr
                       ) -> nn.Module:
     if hf_config.mlp_layer_types[layer_idx] == SPARSE:
         return Glm4MoeBlock(routing_fields(hf_config), tp_group)
-    return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, False, tp_group)
+    return bamba_feed_forward(hf_config, layer_idx, tp_group)
 
 
-def kimi_delta_attention(hf_config: Any, tp_group: TensorParallelGroup) -> KimiDeltaAttention:
-    return KimiDeltaAttention(
-        hidden_size=hf_config.hidden_size, num_heads=hf_config.linear_num_heads,
-        head_dim=hf_config.linear_head_dim, conv_kernel=hf_config.linear_conv_kernel_dim,
-        eps=hf_config.rms_norm_eps, tp_group=tp_group)
+class KimiLinearDecoderLayer(PreNormHybridLayer):
+    def make_attention(self, hf_config: Any, layout: HybridLayout,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        return MultiHeadLatentAttention(hf_config, tp_group, rotary=False)
 
-
-class KimiLinearDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
-                 feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
-        super().__init__()
-        eps, size = hf_config.rms_norm_eps, hf_config.hidden_size
-        self.is_attention = layer_idx in layout.attention_layers
-        self.self_attn = (MultiHeadLatentAttention(hf_config, tp_group, rotary=False)
-                          if self.is_attention else kimi_delta_attention(hf_config, tp_group))
-        self.mlp = feed_forward(hf_config, layer_idx, tp_group)
-        self.input_layernorm = RMSNorm(size, eps=eps)
-        self.post_attention_layernorm = RMSNorm(size, eps=eps)
-
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                cos: torch.Tensor | None, sin: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual is carried separately (the next norm adds it)."""
-        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
-        if self.is_attention:
-            hidden_states = self.self_attn(hidden_states, cos, sin)
-        else:
-            hidden_states = self.self_attn(hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    def make_linear(self, hf_config: Any, tp_group: TensorParallelGroup) -> nn.Module:
+        return KimiDeltaAttention(
+            hidden_size=hf_config.hidden_size, num_heads=hf_config.linear_num_heads,
+            head_dim=hf_config.linear_head_dim, conv_kernel=hf_config.linear_conv_kernel_dim,
+            eps=hf_config.rms_norm_eps, tp_group=tp_group)
 
 
 class KimiLinearForCausalLM(BambaForCausalLM):
@@ -127,8 +105,9 @@ class KimiLinearForCausalLM(BambaForCausalLM):
         super().build_lm_head(hf_config, tp_group, tie=False, bias=bias)
 
     def param_name(self, hf_name: str) -> tuple[str, Any]:
-        """Experts onto the fused ones; a linear layer's q/k/v projections and convs onto
-        its merged ones by shard id; the latent attention's names as they are."""
+        """Experts onto the fused ones; the latent attention's names as they are; a
+        linear layer's (``self_attn`` in the checkpoint, ``linear_attn`` here) q/k/v
+        projections and convs onto its merged ones by shard id."""
         hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")
         expert = _expert_param(hf_name, _MIXTRAL_EXPERT_PARTS)
         if expert is not None:
@@ -140,5 +119,5 @@ class KimiLinearForCausalLM(BambaForCausalLM):
             return hf_name, None
         for part in ("q", "k", "v"):
             if leaf == f"{part}_conv1d.weight":
-                return f"{stem}.self_attn.conv1d.weight", part
-        return _to_param_name(hf_name)
+                return f"{stem}.linear_attn.conv1d.weight", part
+        return _to_param_name(f"{stem}.linear_attn.{leaf}")

@@ -39,8 +39,9 @@ from spindle.layers.mamba.gated_delta_net import (INTERLEAVED, SPLIT, SPLIT_PROJ
                                                    gated_delta_net, projection_param)
 from spindle.layers.moe import SparseMoeBlock
 from spindle.layers.norm import GemmaRMSNorm
-from spindle.models.bamba import (BambaAttention, BambaForCausalLM, FeedForwardFactory,
-                                  HybridLayout, check_layer_types, check_silu, rotary_dim)
+from spindle.models.bamba import (BambaAttention, BambaForCausalLM, HybridLayout,
+                                  PreNormHybridLayer, check_layer_types, check_silu,
+                                  rotary_dim)
 from spindle.models.llama import LlamaMLP, _to_param_name, head_dim_of
 from spindle.models.moe import _QWEN_EXPERT_PARTS, _expert_param, stacked_experts_one_by_one
 
@@ -104,34 +105,17 @@ def sparse_feed_forward(hf_config: Any, layer_idx: int, tp_group: TensorParallel
     return SharedExpertMoeBlock(hf_config, tp_group)
 
 
-class Qwen3NextDecoderLayer(nn.Module):
+class Qwen3NextDecoderLayer(PreNormHybridLayer):
+    norm_class = GemmaRMSNorm
     projections = INTERLEAVED  # the linear attention's checkpoint layout
 
-    def __init__(self, hf_config: Any, layer_idx: int, layout: HybridLayout,
-                 feed_forward: FeedForwardFactory, tp_group: TensorParallelGroup) -> None:
-        super().__init__()
-        eps = hf_config.rms_norm_eps
-        self.is_attention = layer_idx in layout.attention_layers
-        if self.is_attention:
-            self.self_attn = BambaAttention(hf_config, layout, tp_group, qk_norm_eps=eps,
-                                            output_gate=True)
-        else:
-            self.linear_attn = gated_delta_net(hf_config, tp_group, self.projections)
-        self.mlp = feed_forward(hf_config, layer_idx, tp_group)
-        self.input_layernorm = GemmaRMSNorm(hf_config.hidden_size, eps=eps)
-        self.post_attention_layernorm = GemmaRMSNorm(hf_config.hidden_size, eps=eps)
+    def make_attention(self, hf_config: Any, layout: HybridLayout,
+                       tp_group: TensorParallelGroup) -> nn.Module:
+        return BambaAttention(hf_config, layout, tp_group, qk_norm_eps=hf_config.rms_norm_eps,
+                              output_gate=True)
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                cos: torch.Tensor | None, sin: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block, residual carried separately (the next norm adds it)."""
-        hidden_states, residual = self.input_layernorm.pre_norm(hidden_states, residual)
-        if self.is_attention:
-            hidden_states = self.self_attn(hidden_states, cos, sin)
-        else:
-            hidden_states = self.linear_attn(hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    def make_linear(self, hf_config: Any, tp_group: TensorParallelGroup) -> nn.Module:
+        return gated_delta_net(hf_config, tp_group, self.projections)
 
 
 class Qwen3NextForCausalLM(BambaForCausalLM):

@@ -122,30 +122,11 @@ class GatedDeltaNet(nn.Module):
             dtypes=(dtype, torch.float32))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        md = step_metadata(self, num_tokens, hidden_states.device)
         qkv, z = self.in_proj_qkvz(hidden_states).split(
             [self.conv_channels, self.value_width], dim=-1)
         b, a = self.in_proj_ba(hidden_states).chunk(2, dim=-1)
-        conv_ops, delta_ops = _ops_for(hidden_states), delta_ops_for(hidden_states)
-        states = self.kv_cache if self.kv_cache is not None else (None, None)
-
-        def decode(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
-            qkv = conv_ops.causal_conv1d_decode(qkv, self.conv1d.weight, None, states[0], slots)
-            return delta_ops.gated_delta_decode(*self._split_qkv(qkv), a, b, self.A_log,
-                                                self.dt_bias, states[1], slots,
-                                                beta_scale=self.beta_scale)
-
-        def prefill(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    md: MambaMetadata) -> torch.Tensor:
-            qkv = conv_ops.causal_conv1d_prefill(qkv, self.conv1d.weight, None, states[0], md)
-            return delta_ops.gated_delta_prefill(*self._split_qkv(qkv), a, b, self.A_log,
-                                                 self.dt_bias, states[1], md, self.chunk_size,
-                                                 beta_scale=self.beta_scale)
-
-        y = by_step_kind(md, self.kv_cache is not None, (qkv, a, b), decode, prefill)
-        y = self.norm(y.reshape(num_tokens, self.value_width), z)
+        y = delta_rule_step(self, qkv, a, b, self.dt_bias, self.chunk_size, self.beta_scale)
+        y = self.norm(y.reshape(hidden_states.shape[0], self.value_width), z)
         return self.out_proj(y)
 
     def _split_qkv(self, qkv: torch.Tensor):
@@ -159,6 +140,34 @@ class GatedDeltaNet(nn.Module):
         return (f"key_heads={self.num_key_heads}, value_heads={self.num_value_heads}, "
                 f"key_dim={self.key_head_dim}, value_dim={self.value_head_dim}, "
                 f"conv={self.conv_kernel} (per rank), tp_size={self.tp_group.size}")
+
+
+def delta_rule_step(layer: nn.Module, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    dt_bias: torch.Tensor, chunk_size: int = 64,
+                    beta_scale: float = 1.0) -> torch.Tensor:
+    """A gated delta layer's step (GatedDeltaNet's, KimiDeltaAttention's) from its
+    projections: the causal conv (SiLU) over qkv [T, C] and the gated delta rule, decode
+    rows by the decode ops and the rest by the prefill ops (by_step_kind), over the
+    layer's conv1d, A_log, states (kv_cache) and _split_qkv -> [T, Hv, Dv]."""
+    md = step_metadata(layer, qkv.shape[0], qkv.device)
+    conv_ops, delta_ops = _ops_for(qkv), delta_ops_for(qkv)
+    states = layer.kv_cache if layer.kv_cache is not None else (None, None)
+    weight = layer.conv1d.weight
+
+    def decode(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+        qkv = conv_ops.causal_conv1d_decode(qkv, weight, None, states[0], slots)
+        return delta_ops.gated_delta_decode(*layer._split_qkv(qkv), a, b, layer.A_log, dt_bias,
+                                            states[1], slots, beta_scale=beta_scale)
+
+    def prefill(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                md: MambaMetadata) -> torch.Tensor:
+        qkv = conv_ops.causal_conv1d_prefill(qkv, weight, None, states[0], md)
+        return delta_ops.gated_delta_prefill(*layer._split_qkv(qkv), a, b, layer.A_log,
+                                             dt_bias, states[1], md, chunk_size,
+                                             beta_scale=beta_scale)
+
+    return by_step_kind(md, layer.kv_cache is not None, (qkv, a, b), decode, prefill)
 
 
 def projection_param(hf_name: str, projections: dict[str, tuple[str, Any]]

@@ -33,11 +33,9 @@ from torch import nn
 from spindle.cache.spec import MambaCacheSpec
 from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import RowParallelLinear, divide, set_weight_loader
-from spindle.layers.mamba.gated_delta_net import delta_ops_for, tiled_loader
-from spindle.layers.mamba.metadata import MambaMetadata
+from spindle.layers.mamba.gated_delta_net import delta_rule_step, tiled_loader
 from spindle.layers.mamba.mixer import (DepthwiseConvWeights, GatedRMSNorm, RowPiecesLinear,
-                                        _ops_for, _sharded_parameter, by_step_kind,
-                                        rows_loader, step_metadata)
+                                        _sharded_parameter, rows_loader)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -88,28 +86,10 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        md = step_metadata(self, num_tokens, hidden_states.device)
-        qkv = self.qkv_proj(hidden_states)
-        b = self.b_proj(hidden_states)
         a = self.f_b_proj(self.f_a_proj(hidden_states)).view(num_tokens, self.num_heads,
                                                               self.head_dim)
-        dt_bias = self.dt_bias.view(self.num_heads, self.head_dim)
-        conv_ops, delta_ops = _ops_for(hidden_states), delta_ops_for(hidden_states)
-        states = self.kv_cache if self.kv_cache is not None else (None, None)
-
-        def decode(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
-            qkv = conv_ops.causal_conv1d_decode(qkv, self.conv1d.weight, None, states[0], slots)
-            return delta_ops.gated_delta_decode(*self._split_qkv(qkv), a, b, self.A_log,
-                                                dt_bias, states[1], slots)
-
-        def prefill(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    md: MambaMetadata) -> torch.Tensor:
-            qkv = conv_ops.causal_conv1d_prefill(qkv, self.conv1d.weight, None, states[0], md)
-            return delta_ops.gated_delta_prefill(*self._split_qkv(qkv), a, b, self.A_log,
-                                                 dt_bias, states[1], md)
-
-        y = by_step_kind(md, self.kv_cache is not None, (qkv, a, b), decode, prefill)
+        y = delta_rule_step(self, self.qkv_proj(hidden_states), a, self.b_proj(hidden_states),
+                            self.dt_bias.view(self.num_heads, self.head_dim))
         gate = self.g_b_proj(self.g_a_proj(hidden_states))
         return self.o_proj(self.o_norm(y.reshape(num_tokens, self.width), gate))
 
