@@ -122,15 +122,15 @@ def _prefill_batched(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size, beta_
     gc, bc = (plan.gather(x).transpose(1, 2) for x in (g, beta))  # g: [chunks, H, L, 1|Dk]
     G = torch.cumsum(gc, dim=-2)
     rows = torch.arange(plan.length, device=v.device)
-    causal = rows[:, None] >= rows[None, :]
-    system = (bc[..., None] * _decayed_products(kc, kc, G, causal)).tril(-1) \
+    decay = _pairwise_decay(G, rows[:, None] >= rows[None, :])
+    system = (bc[..., None] * _decayed_products(kc, kc, decay)).tril(-1) \
         + torch.eye(plan.length, device=v.device)  # (s < t: the strictly lower triangle)
     # A chunk's writes are u = values - keys @ S0 for the state S0 entering it.
     solved = torch.linalg.solve_triangular(
-        system, torch.cat([bc[..., None] * vc, bc[..., None] * (torch.exp(G) * kc)], dim=-1),
+        system, torch.cat([bc[..., None] * vc, (bc[..., None] * torch.exp(G)) * kc], dim=-1),
         upper=False, unitriangular=True)
     values, keys = solved.split([vc.shape[-1], kc.shape[-1]], dim=-1)
-    scores = _decayed_products(qc, kc, G, causal)  # (the diagonal included)
+    scores = _decayed_products(qc, kc, decay)  # (the diagonal included)
     q_decayed = torch.exp(G) * qc
     k_to_end = (torch.exp(G[..., -1:, :] - G) * kc).transpose(-1, -2)
     s = plan.initial_states(state, qf.shape[1], kf.shape[2], vc.shape[-1])
@@ -267,28 +267,35 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
     G = torch.cumsum(g.transpose(0, 1), dim=1)  # [H, L, 1|Dk]
     rows = torch.arange(length, device=q.device)
-    causal = rows[:, None] >= rows[None, :]
+    decay = _pairwise_decay(G, rows[:, None] >= rows[None, :])
     b = beta.t().unsqueeze(-1)  # [H, L, 1]
     # (s < t only: the strictly lower triangle)
-    system = (b * _decayed_products(k, k, G, causal)).tril(-1)
+    system = (b * _decayed_products(k, k, decay)).tril(-1)
     system = system + torch.eye(length, device=q.device)
     rhs = b * (v - _decayed_rows(k, G, s0))
     u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    o = _decayed_rows(q, G, s0) + _decayed_products(q, k, G, causal) @ u
+    o = _decayed_rows(q, G, s0) + _decayed_products(q, k, decay) @ u
     to_end = torch.exp(G[:, -1:] - G)  # [H, L, 1|Dk]
     s = torch.exp(G[:, -1]).unsqueeze(-1) * s0 + (k * to_end).transpose(1, 2) @ u
     return o.transpose(0, 1), s
 
 
-def _decayed_products(x: torch.Tensor, y: torch.Tensor, G: torch.Tensor,
-                      causal: torch.Tensor) -> torch.Tensor:
-    """[..., t, s] = sum_c x_t[c] y_s[c] exp(G_t[c] - G_s[c]) where causal[t, s], else 0:
-    x, y [..., L, D], G [..., L, 1|D] (the cumulative decay from the chunk's start)."""
+def _pairwise_decay(G: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """exp(G_t - G_s) where causal[t, s], else 0, from the cumulative decay G [..., L, 1|D]
+    since the chunk's start: [..., L, L] for a decay per head, [..., L, L, D] per
+    feature."""
     if G.shape[-1] == 1:
-        decay = torch.exp((G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")))
+        return torch.exp((G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")))
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)
+    return torch.exp(diff.masked_fill(~causal[..., None], float("-inf")))
+
+
+def _decayed_products(x: torch.Tensor, y: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """[..., t, s] = sum_c x_t[c] y_s[c] decay[..., t, s(, c)]: x, y [..., L, D], decay
+    _pairwise_decay's."""
+    if decay.dim() == x.dim():
         return (x @ y.transpose(-1, -2)) * decay
-    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
-    return torch.einsum("...tc,...sc,...tsc->...ts", x, y, torch.exp(diff))
+    return torch.einsum("...tc,...sc,...tsc->...ts", x, y, decay)
 
 
 def _decayed_rows(x: torch.Tensor, G: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
