@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from spindle.distributed.parallel_state import TensorParallelGroup
-from spindle.layers.mamba.kimi_delta import KimiDeltaAttention
+from spindle.layers.mamba.kimi_delta import INPUT_SHARDS, KimiDeltaAttention
 from spindle.models.bamba import (BambaForCausalLM, HybridLayout, PreNormHybridLayer,
                                   bamba_feed_forward, check_layer_types, check_silu)
 from spindle.models.deepseek_v3 import MultiHeadLatentAttention
@@ -106,8 +106,8 @@ class KimiLinearForCausalLM(BambaForCausalLM):
 
     def param_name(self, hf_name: str) -> tuple[str, Any]:
         """Experts onto the fused ones; the latent attention's names as they are; a
-        linear layer's (``self_attn`` in the checkpoint, ``linear_attn`` here) q/k/v
-        projections and convs onto its merged ones by shard id."""
+        linear layer's (``self_attn`` in the checkpoint, ``linear_attn`` here) projections
+        of its input and q/k/v convs onto its merged ones by shard id."""
         hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")
         expert = _expert_param(hf_name, _MIXTRAL_EXPERT_PARTS)
         if expert is not None:
@@ -117,7 +117,10 @@ class KimiLinearForCausalLM(BambaForCausalLM):
             return _to_param_name(hf_name)
         if self.config.layer_types[int(stem.rsplit(".", 1)[-1])] == ATTENTION:
             return hf_name, None
+        projection, _, tail = leaf.partition(".")
+        if projection in INPUT_SHARDS:
+            return f"{stem}.linear_attn.in_proj.{tail}", INPUT_SHARDS[projection]
         for part in ("q", "k", "v"):
             if leaf == f"{part}_conv1d.weight":
                 return f"{stem}.linear_attn.conv1d.weight", part
-        return _to_param_name(f"{stem}.linear_attn.{leaf}")
+        return f"{stem}.linear_attn.{leaf}", None

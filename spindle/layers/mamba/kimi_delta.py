@@ -9,10 +9,11 @@ head_dim features; the decay's input a is a low-rank projection of the layer's i
 the state on its own; the output gate is low-rank too (g_a_proj, g_b_proj) and meets
 the norm through a sigmoid, not SiLU.
 
-Checkpoints keep q, k and v, and their convolutions, apart (``q_conv1d`` ...); they load
-under the shard ids "q", "k" and "v" into one projection and one conv weight, rows
-[q | k | v], so the conv input is one matmul's output. ``A_log`` is stored [1, 1, H, 1]
-and ``dt_bias`` [H * head_dim].
+Checkpoints keep every projection apart, and the convolutions of q, k and v
+(``q_conv1d`` ...). Those of the layer's input load into one projection (``in_proj``,
+INPUT_SHARDS: rows [q | k | v | b | f_a | g_a], one matmul a step) and the convs into one
+conv weight (rows [q | k | v]), by shard id, so the conv input is a slice of that
+matmul's output. ``A_log`` is stored [1, 1, H, 1] and ``dt_bias`` [H * head_dim].
 
 Tensor parallelism splits the heads across ranks, and with them q, k, v, the conv
 channels, f_b_proj's and g_b_proj's rows, dt_bias, A_log and the states; f_a_proj and
@@ -37,6 +38,10 @@ from spindle.layers.mamba.gated_delta_net import delta_rule_step, tiled_loader
 from spindle.layers.mamba.mixer import (DepthwiseConvWeights, GatedRMSNorm, RowPiecesLinear,
                                         _sharded_parameter, rows_loader)
 
+# The checkpoint's projections of the layer's input -> their shard ids in in_proj.
+INPUT_SHARDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "b_proj": "b",
+                "f_a_proj": "f_a", "g_a_proj": "g_a"}
+
 
 class KimiDeltaAttention(nn.Module):
     """forward(hidden_states [T, hidden]) -> [T, hidden] for the step's flat batch.
@@ -56,13 +61,12 @@ class KimiDeltaAttention(nn.Module):
         self.width = self.num_heads * head_dim  # rank-local q (or k, or v) features
         heads = [(rank * self.num_heads, self.num_heads)]
         features = [(rank * self.width, self.width)]
-        per_part = {"q": features, "k": features, "v": features}
-        self.qkv_proj = RowPiecesLinear(hidden_size, per_part, bias=False)
-        self.conv1d = DepthwiseConvWeights(per_part, conv_kernel, bias=False)
-        self.b_proj = RowPiecesLinear(hidden_size, heads, bias=False)
-        self.f_a_proj = RowPiecesLinear(hidden_size, [(0, head_dim)], bias=False)
+        qkv = {"q": features, "k": features, "v": features}
+        low_rank = [(0, head_dim)]  # (replicated)
+        self.in_proj = RowPiecesLinear(hidden_size, {**qkv, "b": heads, "f_a": low_rank,
+                                                     "g_a": low_rank}, bias=False)
+        self.conv1d = DepthwiseConvWeights(qkv, conv_kernel, bias=False)
         self.f_b_proj = RowPiecesLinear(head_dim, features, bias=False)
-        self.g_a_proj = RowPiecesLinear(hidden_size, [(0, head_dim)], bias=False)
         self.g_b_proj = RowPiecesLinear(head_dim, features, bias=False)
         self.dt_bias = _sharded_parameter(features)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
@@ -86,12 +90,11 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        a = self.f_b_proj(self.f_a_proj(hidden_states)).view(num_tokens, self.num_heads,
-                                                              self.head_dim)
-        y = delta_rule_step(self, self.qkv_proj(hidden_states), a, self.b_proj(hidden_states),
-                            self.dt_bias.view(self.num_heads, self.head_dim))
-        gate = self.g_b_proj(self.g_a_proj(hidden_states))
-        return self.o_proj(self.o_norm(y.reshape(num_tokens, self.width), gate))
+        qkv, b, f, g = self.in_proj(hidden_states).split(
+            [3 * self.width, self.num_heads, self.head_dim, self.head_dim], dim=-1)
+        a = self.f_b_proj(f).view(num_tokens, self.num_heads, self.head_dim)
+        y = delta_rule_step(self, qkv, a, b, self.dt_bias.view(self.num_heads, self.head_dim))
+        return self.o_proj(self.o_norm(y.reshape(num_tokens, self.width), self.g_b_proj(g)))
 
     def _split_qkv(self, qkv: torch.Tensor):
         shape = (qkv.shape[0], self.num_heads, self.head_dim)
