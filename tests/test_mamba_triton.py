@@ -589,11 +589,12 @@ def _torch_gated_rms(x, gate, eps):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_group_wise_gated_rms_norm_equals_torch(dtype, norm_first):
+@pytest.mark.parametrize("norm_first,sigmoid_gate", [(False, False), (True, False), (True, True)])
+def test_group_wise_gated_rms_norm_equals_torch(dtype, norm_first, sigmoid_gate):
     """The mean square per group (NemotronH's norm): groups of 96 in a 4 * 96 width on a
     GPU (a block of 128, partly masked), of 12 in 36 under the interpreter; the gate
-    applied first or, with norm_first, after the norm (FalconH1's norm_before_gate)."""
+    applied first or, with norm_first, after the norm (FalconH1's norm_before_gate), or
+    through a sigmoid after it (KimiLinear's output norm)."""
     from spindle.distributed.parallel_state import TensorParallelGroup
     from spindle.layers.mamba.mixer import GatedRMSNorm
     from spindle.layers.mamba.triton_ops import gated_rms_norm
@@ -604,11 +605,12 @@ def test_group_wise_gated_rms_norm_equals_torch(dtype, norm_first):
     x = torch.randn(7, width).to(dtype)
     gate = torch.randn(7, 2 * width).to(dtype)[:, :width]  # a strided view
     norm = GatedRMSNorm(width, width, 1e-5, TensorParallelGroup(rank=0, size=1, group=None),
-                        [(0, width)], group_size=group, norm_first=norm_first)
+                        [(0, width)], group_size=group, norm_first=norm_first,
+                        sigmoid_gate=sigmoid_gate)
     norm.weight.data.copy_(1.0 + 0.2 * torch.randn(width))
     expected = norm(x.float(), gate.float())  # the torch path (CPU tensors)
     got = gated_rms_norm(x.to(DEVICE), gate.to(DEVICE), norm.weight.to(DEVICE, dtype), 1e-5,
-                         group, norm_first)
+                         group, norm_first, sigmoid_gate)
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float().cpu(), expected, atol=tol, rtol=tol)

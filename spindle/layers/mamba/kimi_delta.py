@@ -19,9 +19,10 @@ Tensor parallelism splits the heads across ranks, and with them q, k, v, the con
 channels, f_b_proj's and g_b_proj's rows, dt_bias, A_log and the states; f_a_proj and
 g_a_proj (head_dim outputs) are replicated, o_proj is row parallel.
 
-On CUDA the convolutions and the decode step are Triton kernels (the conv kernels of
-triton_ops.py, gated_delta_triton's decode with a decay per key feature), the prefill
-gated_delta.py's torch code request by request, and the output norm torch.
+On CUDA the convolutions, the decode step and the output norm are Triton kernels (the
+conv kernels and gated_rms_norm with a sigmoid gate of triton_ops.py, gated_delta_triton's
+decode with a decay per key feature); the prefill is gated_delta.py's torch code, request
+by request.
 """
 
 from __future__ import annotations

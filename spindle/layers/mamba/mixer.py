@@ -232,7 +232,7 @@ class GatedRMSNorm(nn.Module):
     """y = weight * rmsnorm(x * silu(gate)) (Mamba2's norm with the gate applied first),
     or with norm_first weight * rmsnorm(x) * silu(gate) (FalconH1's norm_before_gate),
     in float32; sigmoid_gate: sigmoid(gate) in place of silu(gate), with norm_first only
-    (KimiLinear's output norm; computed in torch on every device). The mean square is
+    (KimiLinear's output norm). The mean square is
     over groups of ``group_size`` consecutive features (intermediate / n_groups: see
     norm_group_size), or with group_size None over the full width of all ranks. A group
     never straddles two ranks: each rank holds whole groups, so only the full-width norm
@@ -245,7 +245,7 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         if sigmoid_gate and not norm_first:
             raise ValueError("a sigmoid gate is applied after the norm (norm_first)")
-        self.gate_activation = torch.sigmoid if sigmoid_gate else F.silu
+        self.sigmoid_gate = sigmoid_gate
         if group_size is not None and (group_size <= 0 or local_size % group_size != 0):
             raise ValueError(f"the gated norm's group size ({group_size}) must divide this "
                              f"rank's width ({local_size} of {full_size}): n_groups must be "
@@ -259,12 +259,12 @@ class GatedRMSNorm(nn.Module):
         set_weight_loader(self.weight, rows_loader(rows))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.gate_activation is F.silu and (
-                self.tp_group.size == 1 or self.group_size is not None):
+        if x.is_cuda and (self.tp_group.size == 1 or self.group_size is not None):
             from spindle.layers.mamba import triton_ops
 
             return triton_ops.gated_rms_norm(x, gate, self.weight, self.variance_epsilon,
-                                             self.group_size, self.norm_first)
+                                             self.group_size, self.norm_first,
+                                             self.sigmoid_gate)
         h = x.float() if self.norm_first else x.float() * F.silu(gate.float())
         if self.group_size is not None:
             grouped = h.unflatten(-1, (-1, self.group_size))
@@ -276,7 +276,8 @@ class GatedRMSNorm(nn.Module):
             h = h * torch.rsqrt(square_sum / self.full_size + self.variance_epsilon)
         h = self.weight.float() * h
         if self.norm_first:
-            h = h * self.gate_activation(gate.float())
+            activation = torch.sigmoid if self.sigmoid_gate else F.silu
+            h = h * activation(gate.float())
         return h.to(x.dtype)
 
 

@@ -681,12 +681,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 # ---------------------------------------------------------------- gated RMSNorm
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                    eps: float, group_size: int | None = None,
-                   norm_first: bool = False) -> torch.Tensor:
+                   norm_first: bool = False, sigmoid_gate: bool = False) -> torch.Tensor:
     """weight * rmsnorm(x * silu(gate)) over each row of x [T, W] (with norm_first:
-    weight * rmsnorm(x) * silu(gate)), the mean square taken per group of group_size
-    consecutive features (None: the whole width on this rank, one tensor-parallel rank
-    or a model without TP), in float32, returned in x's dtype. One launch instead of
-    torch's eight."""
+    weight * rmsnorm(x) * silu(gate), or with sigmoid_gate too * sigmoid(gate)), the mean
+    square taken per group of group_size consecutive features (None: the whole width on
+    this rank, one tensor-parallel rank or a model without TP), in float32, returned in
+    x's dtype. One launch instead of torch's eight."""
+    if sigmoid_gate and not norm_first:
+        raise ValueError("gated_rms_norm: a sigmoid gate is applied after the norm "
+                         "(norm_first)")
     num_tokens, width = x.shape
     if gate.shape != x.shape or weight.shape != (width,):
         raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)}, "
@@ -701,7 +704,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     block = triton.next_power_of_2(group_size)
     _gated_rms_norm_kernel[(num_tokens, width // group_size)](
         x, gate, weight, out, group_size, x.stride(0), gate.stride(0), out.stride(0),
-        float(eps), BLOCK=block, NORM_FIRST=norm_first, num_warps=min(16, max(1, block // 256)),
+        float(eps), BLOCK=block, NORM_FIRST=norm_first, SIGMOID_GATE=sigmoid_gate,
+        num_warps=min(16, max(1, block // 256)),
         **pdl.kernel_args(x.device, num_tokens))
     return out
 
@@ -709,18 +713,21 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, group_size, x_stride, g_stride,
                            o_stride, eps, BLOCK: tl.constexpr, NORM_FIRST: tl.constexpr,
-                           PDL: tl.constexpr):
+                           SIGMOID_GATE: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     valid = tl.arange(0, BLOCK) < group_size
     x = tl.load(x_ptr + row * x_stride + offs, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * g_stride + offs, mask=valid, other=0.0).to(tl.float32)
-    silu_g = g * tl.sigmoid(g)
-    h = x if NORM_FIRST else x * silu_g
+    if SIGMOID_GATE:
+        act_g = tl.sigmoid(g)
+    else:
+        act_g = g * tl.sigmoid(g)
+    h = x if NORM_FIRST else x * act_g
     h = h * tl.rsqrt(tl.sum(h * h, 0) / group_size + eps)
     w = tl.load(w_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     out = w * h
     if NORM_FIRST:
-        out = out * silu_g
+        out = out * act_g
     tl.store(out_ptr + row * o_stride + offs, out.to(out_ptr.dtype.element_ty), mask=valid)
