@@ -161,12 +161,16 @@ def _feature_reference(x, rows, initial):
     return out[0], state[0]
 
 
-@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("batched,slice_elements", [(False, None), (True, None), (True, 1)])
 @pytest.mark.parametrize("heads,key_dim,value_dim,chunk", [(2, 16, 8, 8), (3, 8, 16, 5)])
 def test_a_decay_per_key_feature_equals_kimi_delta_attention(heads, key_dim, value_dim,
-                                                            chunk, batched):
-    """a [T, H, Dk] and dt_bias [H, Dk] (KimiLinear's KDA): the prefill, both ways, and
-    the decode step against transformers' token-by-token rule."""
+                                                            chunk, batched, slice_elements,
+                                                            monkeypatch):
+    """a [T, H, Dk] and dt_bias [H, Dk] (KimiLinear's KDA): the prefill, both ways (the
+    batched one also with its decays built one chunk at a time), and the decode step
+    against transformers' token-by-token rule."""
+    if slice_elements is not None:
+        monkeypatch.setattr(gated_delta, "PER_FEATURE_SLICE_ELEMENTS", slice_elements)
     lens, slots, has_init = [1, 4, 19, 7], [3, 0, 5, -1], [True, False, True, False]
     x = _feature_inputs(sum(lens), heads, key_dim, value_dim, seed=chunk)
     state = torch.randn(NUM_SLOTS, heads, key_dim, value_dim)

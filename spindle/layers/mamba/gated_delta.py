@@ -48,6 +48,9 @@ from spindle.layers.mamba.metadata import MambaMetadata
 from spindle.layers.mamba.ops import _check_rows, _requests, _slots, _write_rows
 
 L2_EPS = 1e-6
+# The batched prefill with a decay per key feature builds its [chunks, H, L, L, Dk]
+# decays this many float32 elements (256 MiB) at a time, a slice of the chunks each.
+PER_FEATURE_SLICE_ELEMENTS = 1 << 26
 
 
 def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
@@ -75,13 +78,13 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: to
       keys times the entering state; only the state's passage from one chunk to the
       next loops, once per chunk position, over all requests at once: a few dozen
       launches a layer instead of a few dozen per chunk. A decay per key feature
-      multiplies its score matrices by Dk ([chunks, H, L, L, Dk] at once), so such a
-      prefill goes by request unless batched is asked for."""
+      multiplies the pairwise decays by Dk ([chunks, H, L, L, Dk]): they are built a
+      slice of the chunks at a time (PER_FEATURE_SLICE_ELEMENTS)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     _check_shapes(q, k, v, a, b, A_log, dt_bias)
     if batched is None:
-        batched = v.is_cuda and a.dim() == 2
+        batched = v.is_cuda
     run = _prefill_batched if batched else _prefill_by_request
     return run(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size, beta_scale)
 
@@ -122,15 +125,14 @@ def _prefill_batched(q, k, v, a, b, A_log, dt_bias, state, md, chunk_size, beta_
     gc, bc = (plan.gather(x).transpose(1, 2) for x in (g, beta))  # g: [chunks, H, L, 1|Dk]
     G = torch.cumsum(gc, dim=-2)
     rows = torch.arange(plan.length, device=v.device)
-    decay = _pairwise_decay(G, rows[:, None] >= rows[None, :])
-    system = (bc[..., None] * _decayed_products(kc, kc, decay)).tril(-1) \
+    key_products, scores = _key_and_query_products(kc, qc, G, rows[:, None] >= rows[None, :])
+    system = (bc[..., None] * key_products).tril(-1) \
         + torch.eye(plan.length, device=v.device)  # (s < t: the strictly lower triangle)
     # A chunk's writes are u = values - keys @ S0 for the state S0 entering it.
     solved = torch.linalg.solve_triangular(
         system, torch.cat([bc[..., None] * vc, (bc[..., None] * torch.exp(G)) * kc], dim=-1),
         upper=False, unitriangular=True)
     values, keys = solved.split([vc.shape[-1], kc.shape[-1]], dim=-1)
-    scores = _decayed_products(qc, kc, decay)  # (the diagonal included)
     q_decayed = torch.exp(G) * qc
     k_to_end = (torch.exp(G[..., -1:, :] - G) * kc).transpose(-1, -2)
     s = plan.initial_states(state, qf.shape[1], kf.shape[2], vc.shape[-1])
@@ -288,6 +290,26 @@ def _pairwise_decay(G: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
         return torch.exp((G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")))
     diff = G.unsqueeze(-2) - G.unsqueeze(-3)
     return torch.exp(diff.masked_fill(~causal[..., None], float("-inf")))
+
+
+def _key_and_query_products(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor,
+                            causal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batched prefill's decayed k_t . k_s and q_t . k_s ([chunks, H, L, L] each, the
+    diagonal included) of k, q [chunks, H, L, Dk] and G [chunks, H, L, 1|Dk]; with a
+    decay per feature, the decays built a slice of the chunks at a time."""
+    if G.shape[-1] == 1:
+        decay = _pairwise_decay(G, causal)
+        return _decayed_products(k, k, decay), _decayed_products(q, k, decay)
+    per_chunk = G[0].numel() * G.shape[-2]
+    step = max(1, PER_FEATURE_SLICE_ELEMENTS // per_chunk)
+    pieces = []
+    for first in range(0, G.shape[0], step):
+        part = slice(first, first + step)
+        decay = _pairwise_decay(G[part], causal)
+        pieces.append((_decayed_products(k[part], k[part], decay),
+                       _decayed_products(q[part], k[part], decay)))
+    keys, queries = zip(*pieces)
+    return torch.cat(keys), torch.cat(queries)
 
 
 def _decayed_products(x: torch.Tensor, y: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ gated_delta.py's torch code, against which they are tested: the decode step (a d
 per head, or per key feature: Kimi delta attention's), and the prefill in chunks
 (SPINDLE_GDN_TRITON_PREFILL=1, a decay per head only; by default the prefill on CUDA is
 gated_delta.gated_delta_prefill, torch with every chunk of the step batched, a few
-dozen launches a layer, or request by request for a decay per key feature).
+dozen launches a layer).
 
 The Triton prefill is one launch: a program per (request, value head, block of value
 features) walks its request's chunks in order, the state block [Dk, BLOCK_V] in

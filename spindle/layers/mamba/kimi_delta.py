@@ -21,8 +21,8 @@ g_a_proj (head_dim outputs) are replicated, o_proj is row parallel.
 
 On CUDA the convolutions, the decode step and the output norm are Triton kernels (the
 conv kernels and gated_rms_norm with a sigmoid gate of triton_ops.py, gated_delta_triton's
-decode with a decay per key feature); the prefill is gated_delta.py's torch code, request
-by request.
+decode with a decay per key feature); the prefill is gated_delta.py's torch code, every
+chunk of the step batched.
 """
 
 from __future__ import annotations
