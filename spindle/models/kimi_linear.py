@@ -115,7 +115,8 @@ class KimiLinearForCausalLM(BambaForCausalLM):
         stem, found, leaf = hf_name.partition(".self_attn.")
         if not found:
             return _to_param_name(hf_name)
-        if self.config.layer_types[int(stem.rsplit(".", 1)[-1])] == ATTENTION:
+        index, kinds = stem.rsplit(".", 1)[-1], self.config.layer_types
+        if index.isdigit() and int(index) < len(kinds) and kinds[int(index)] == ATTENTION:
             return hf_name, None
         projection, _, tail = leaf.partition(".")
         if projection in INPUT_SHARDS:

@@ -232,11 +232,10 @@ class GatedRMSNorm(nn.Module):
     """y = weight * rmsnorm(x * silu(gate)) (Mamba2's norm with the gate applied first),
     or with norm_first weight * rmsnorm(x) * silu(gate) (FalconH1's norm_before_gate),
     in float32; sigmoid_gate: sigmoid(gate) in place of silu(gate), with norm_first only
-    (KimiLinear's output norm). The mean square is
-    over groups of ``group_size`` consecutive features (intermediate / n_groups: see
-    norm_group_size), or with group_size None over the full width of all ranks. A group
-    never straddles two ranks: each rank holds whole groups, so only the full-width norm
-    all-reduces."""
+    (KimiLinear's output norm). The mean square is over groups of ``group_size``
+    consecutive features (intermediate / n_groups: see norm_group_size), or with
+    group_size None over the full width of all ranks. A group never straddles two ranks:
+    each rank holds whole groups, so only the full-width norm all-reduces."""
 
     def __init__(self, local_size: int, full_size: int, eps: float,
                  tp_group: TensorParallelGroup, rows: Sequence[RowPiece],
