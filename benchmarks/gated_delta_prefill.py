@@ -2,10 +2,16 @@
 evaluations timed on a few step shapes: request by request (the CPU's default), every
 chunk of the step batched (CUDA's), and on CUDA the Triton kernel in chunks of 16, 32
 and 64 tokens with 4 or 8 warps a program (SPINDLE_GDN_TRITON_PREFILL=1). Outputs and
-states are checked equal first.
+states are checked equal first. --per-key-decay: Kimi delta attention's decay, one per
+key feature (a [T, Hv, Dk]; the Triton prefill has none, so torch's two evaluations
+only; use as many key heads as value heads, as KimiLinear has).
 
     python benchmarks/gated_delta_prefill.py [--device cpu|cuda] [--reps 5]
-        [--key-heads 4 --value-heads 8] [--json out.json]
+        [--key-heads 4 --value-heads 8] [--per-key-decay] [--chunk-size 64]
+        [--json out.json]
+
+--chunk-size: the torch evaluations' chunk (64, Gated DeltaNet's; KimiLinear's layers
+use kimi_delta.KDA_CHUNK).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ TRITON_CHUNKS = (16, 32, 64)
 
 
 def inputs(lens: list[int], device: torch.device, key_heads: int, value_heads: int,
-           seed: int = 0):
+           per_key: bool = False, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     tokens = sum(lens)
 
@@ -43,6 +49,8 @@ def inputs(lens: list[int], device: torch.device, key_heads: int, value_heads: i
                    v=randn(tokens, value_heads, DIM), a=randn(tokens, value_heads),
                    b=randn(tokens, value_heads), dt_bias=randn(value_heads),
                    A_log=torch.rand(value_heads, generator=g).to(device))
+    if per_key:
+        tensors.update(a=randn(tokens, value_heads, DIM), dt_bias=randn(value_heads, DIM))
     qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     md = MambaMetadata(num_reqs=len(lens), num_tokens=tokens, query_start_loc=qsl.to(device),
                        state_indices=torch.arange(len(lens), dtype=torch.int32, device=device),
@@ -73,12 +81,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--key-heads", type=int, default=4)
     parser.add_argument("--value-heads", type=int, default=8)
+    parser.add_argument("--per-key-decay", action="store_true")
+    parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
-    evaluations = {"by request": lambda **kw: gated_delta_prefill(**kw, batched=False),
-                   "batched": lambda **kw: gated_delta_prefill(**kw, batched=True)}
-    if device.type == "cuda":
+    chunk = args.chunk_size
+    evaluations = {
+        "by request": lambda **kw: gated_delta_prefill(**kw, chunk_size=chunk, batched=False),
+        "batched": lambda **kw: gated_delta_prefill(**kw, chunk_size=chunk, batched=True)}
+    if device.type == "cuda" and not args.per_key_decay:
         for chunk in TRITON_CHUNKS:
             for warps in (4, 8):
                 evaluations[f"triton {chunk}/{warps}w"] = \
@@ -86,7 +98,8 @@ def main() -> None:
                         **kw, chunk=chunk, num_warps=warps)
     rows = []
     for name, lens in STEPS:
-        tensors, md, state = inputs(lens, device, args.key_heads, args.value_heads)
+        tensors, md, state = inputs(lens, device, args.key_heads, args.value_heads,
+                                    args.per_key_decay)
         results = {}
         for label, run in evaluations.items():
             s = state.clone()
@@ -104,7 +117,9 @@ def main() -> None:
         rows.append(row)
     result = {"date": time.strftime("%Y-%m-%d"), "device": str(device),
               "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "key_heads": args.key_heads, "value_heads": args.value_heads, "rows": rows}
+              "key_heads": args.key_heads, "value_heads": args.value_heads,
+              "decay": "per key feature" if args.per_key_decay else "per head",
+              "chunk_size": chunk, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     labels = [f"{label} ms" for label in evaluations]

@@ -39,6 +39,11 @@ from spindle.layers.mamba.gated_delta_net import delta_rule_step, tiled_loader
 from spindle.layers.mamba.mixer import (DepthwiseConvWeights, GatedRMSNorm, RowPiecesLinear,
                                         _sharded_parameter, rows_loader)
 
+# Tokens per chunk of the prefill. A decay per key feature makes the in-chunk products
+# [L, L, Dk] per head: chunks of 16 took 264 ms where 64 took 1,423 ms (a 2,048-token
+# prompt, 8 heads of 128, the 2-core CPU; docs/benchmarks.md), and hold a quarter of the
+# batched form's decays per token.
+KDA_CHUNK = 16
 # The checkpoint's projections of the layer's input -> their shard ids in in_proj.
 INPUT_SHARDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "b_proj": "b",
                 "f_a_proj": "f_a", "g_a_proj": "g_a"}
@@ -94,7 +99,8 @@ class KimiDeltaAttention(nn.Module):
         qkv, b, f, g = self.in_proj(hidden_states).split(
             [3 * self.width, self.num_heads, self.head_dim, self.head_dim], dim=-1)
         a = self.f_b_proj(f).view(num_tokens, self.num_heads, self.head_dim)
-        y = delta_rule_step(self, qkv, a, b, self.dt_bias.view(self.num_heads, self.head_dim))
+        y = delta_rule_step(self, qkv, a, b, self.dt_bias.view(self.num_heads, self.head_dim),
+                            KDA_CHUNK)
         return self.o_proj(self.o_norm(y.reshape(num_tokens, self.width), self.g_b_proj(g)))
 
     def _split_qkv(self, qkv: torch.Tensor):
