@@ -162,7 +162,8 @@ if [[ $what == models || $what == all ]]; then
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid_gpu.py \
         tests/test_kimi_linear.py tests/test_gated_delta.py -k "kimi or per_key" 2>&1 | tail -4
     timeout 120 python3 benchmarks/gated_delta_prefill.py --device cuda --key-heads 8 \
-        --value-heads 8 --per-key-decay --chunk-size 16 --json "$OUT/kda_prefill.json" 2>&1 | tail -6
+        --value-heads 8 --per-key-decay --chunk-size 16 --json "$OUT/kda_prefill.json" \
+        2>&1 | tail -6
     stamp "DeepSeek-V3 (latent attention), gpt-oss (sinks, biased experts), Qwen2-MoE on CUDA"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_moe_models.py \
         -k "deepseek or gpt_oss or qwen2_moe or hunyuan or phimoe" 2>&1 | tail -4
