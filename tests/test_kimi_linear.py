@@ -91,6 +91,20 @@ def test_a_dense_mlp_loads_under_either_name(tiny_model, tmp_path):
     assert same_tokens(expected, _spindle_greedy(path))
 
 
+def test_dt_bias_stays_float32_in_a_half_precision_model():
+    """transformers keeps the decay's dt_bias in float32 (_keep_in_fp32_modules_strict),
+    and checkpoints store it so: rounding it to bf16 would move every decay."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = KimiDeltaAttention(hidden_size=32, num_heads=2, head_dim=16, conv_kernel=4,
+                                   eps=1e-6, tp_group=TensorParallelGroup.single())
+    finally:
+        torch.set_default_dtype(previous)
+    assert layer.in_proj.weight.dtype == torch.bfloat16
+    assert layer.dt_bias.dtype == torch.float32
+
+
 def _step(lens, slots, has_init, device):
     qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     return MambaMetadata(num_reqs=len(lens), num_tokens=sum(lens), query_start_loc=qsl.to(device),

@@ -37,7 +37,7 @@ from spindle.distributed.parallel_state import TensorParallelGroup
 from spindle.layers.linear import RowParallelLinear, divide, set_weight_loader
 from spindle.layers.mamba.gated_delta_net import delta_rule_step, tiled_loader
 from spindle.layers.mamba.mixer import (DepthwiseConvWeights, GatedRMSNorm, RowPiecesLinear,
-                                        _sharded_parameter, rows_loader)
+                                        rows_loader)
 
 # Tokens per chunk of the prefill. A decay per key feature makes the in-chunk products
 # [L, L, Dk] per head: chunks of 16 took 264 ms where 64 took 1,423 ms (a 2,048-token
@@ -74,7 +74,10 @@ class KimiDeltaAttention(nn.Module):
         self.conv1d = DepthwiseConvWeights(qkv, conv_kernel, bias=False)
         self.f_b_proj = RowPiecesLinear(head_dim, features, bias=False)
         self.g_b_proj = RowPiecesLinear(head_dim, features, bias=False)
-        self.dt_bias = _sharded_parameter(features)
+        # (float32 whatever the model's dtype, as transformers keeps it)
+        self.dt_bias = nn.Parameter(torch.empty(self.width, dtype=torch.float32),
+                                    requires_grad=False)
+        set_weight_loader(self.dt_bias, rows_loader(features))
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         set_weight_loader(self.A_log, flat_rows_loader(heads))
         # One weight [D] for every head, stored tiled (as GatedDeltaNet's).
