@@ -1,8 +1,9 @@
 """GPU throughput of a hybrid (state-space + attention) model: a ~1B-parameter random
 bf16 checkpoint on the "nano" workload, and batch-1 decode. --arch picks its shape:
 Bamba (Mamba2, the default), Qwen3.5 (Gated DeltaNet, dense), Jamba (Mamba1, experts
-every other layer), Mamba (Mamba1 layers only, a float32 state: mamba-1.4b's shape) or
-Zamba2 (Mamba2 layers, a shared transformer block every sixth: Zamba2-1.2B-like).
+every other layer), Mamba (Mamba1 layers only, a float32 state: mamba-1.4b's shape),
+Zamba2 (Mamba2 layers, a shared transformer block every sixth: Zamba2-1.2B-like) or
+KimiLinear (Kimi delta attention, latent attention every fourth layer, experts).
 
 The roofline counts what every decode step must read at least once: all weights (for
 Jamba's experts: all of them, so its bound is generous at small batches; Zamba2's shared
@@ -12,7 +13,8 @@ live sequence's state (each state layer's cache spec: conv + SSM or recurrent st
 the step also writes it back, which the bound leaves out, so the bound is generous).
 The copy bandwidth is measured in the same run.
 
-    python benchmarks/hybrid_throughput.py [--arch bamba|qwen3_5|jamba|mamba|zamba2]
+    python benchmarks/hybrid_throughput.py [--arch bamba|qwen3_5|jamba|mamba|zamba2|
+                                                   kimi_linear]
                                            [--json out.json]
                                            [--num-seqs 256]
 """
@@ -73,7 +75,23 @@ ZAMBA2_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
                                     for i in range(38)],
                  tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
+# KimiLinear-shaped: 20 layers of 2048, Kimi delta attention (16 heads of 128, a float32
+# state of 1 MiB a layer and sequence) with latent attention every fourth layer (16
+# heads, a latent of 512 + 64 shared features, no positions); a dense first layer, then
+# 16 experts of 384 (4 per token) and a shared one: about 1.2B parameters.
+KIMI_LINEAR_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=4096,
+                      moe_intermediate_size=384, num_hidden_layers=20, num_attention_heads=16,
+                      num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                      qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                      num_local_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                      n_group=1, topk_group=1, linear_attn_config={
+                          "head_dim": 128, "num_heads": 16, "short_conv_kernel_size": 4,
+                          "full_attn_layers": [i + 1 for i in range(20) if i % 4 == 3],
+                          "kda_layers": [i + 1 for i in range(20) if i % 4 != 3]},
+                      tie_word_embeddings=False, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 SHAPES = {"bamba": ("BambaConfig", "BambaForCausalLM", BAMBA_1B),
+          "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", KIMI_LINEAR_1B),
           "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", ZAMBA2_1B),
           "mamba": ("MambaConfig", "MambaForCausalLM", MAMBA_1_4B),
           "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5_1B),
