@@ -269,14 +269,13 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
     G = torch.cumsum(g.transpose(0, 1), dim=1)  # [H, L, 1|Dk]
     rows = torch.arange(length, device=q.device)
-    decay = _pairwise_decay(G, rows[:, None] >= rows[None, :])
+    key_products, scores = _key_and_query_products(k, q, G, rows[:, None] >= rows[None, :])
     b = beta.t().unsqueeze(-1)  # [H, L, 1]
     # (s < t only: the strictly lower triangle)
-    system = (b * _decayed_products(k, k, decay)).tril(-1)
-    system = system + torch.eye(length, device=q.device)
+    system = (b * key_products).tril(-1) + torch.eye(length, device=q.device)
     rhs = b * (v - _decayed_rows(k, G, s0))
     u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    o = _decayed_rows(q, G, s0) + _decayed_products(q, k, decay) @ u
+    o = _decayed_rows(q, G, s0) + scores @ u
     to_end = torch.exp(G[:, -1:] - G)  # [H, L, 1|Dk]
     s = torch.exp(G[:, -1]).unsqueeze(-1) * s0 + (k * to_end).transpose(1, 2) @ u
     return o.transpose(0, 1), s
@@ -294,9 +293,10 @@ def _pairwise_decay(G: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
 
 def _key_and_query_products(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor,
                             causal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batched prefill's decayed k_t . k_s and q_t . k_s ([chunks, H, L, L] each, the
-    diagonal included) of k, q [chunks, H, L, Dk] and G [chunks, H, L, 1|Dk]; with a
-    decay per feature, the decays built a slice of the chunks at a time."""
+    """The decayed k_t . k_s and q_t . k_s ([N, ..., L, L] each, the diagonal included) of
+    k, q [N, ..., L, Dk] and G [N, ..., L, 1|Dk] (the batched prefill's N chunks, or one
+    chunk's N heads); with a decay per feature, the decays built a slice of the first
+    dimension at a time (PER_FEATURE_SLICE_ELEMENTS)."""
     if G.shape[-1] == 1:
         decay = _pairwise_decay(G, causal)
         return _decayed_products(k, k, decay), _decayed_products(q, k, decay)
